@@ -1,0 +1,68 @@
+"""One exception hierarchy for every user-facing failure in ropekv.
+
+Every public entry point raises a subclass of :class:`RopeKVError`. The CLI turns each into a one-line
+message on stderr and the class's ``exit_code`` (documented in docs/errors.md); a traceback is printed
+only with ``--debug``. Exit code 1 is reserved for "parity does not hold", which is a result, not an error.
+"""
+
+from __future__ import annotations
+
+
+class RopeKVError(Exception):
+    """Base class of every error ropekv raises on purpose."""
+
+    exit_code = 2
+
+
+class UsageError(RopeKVError):
+    """A call or command line that cannot be honoured (bad flag value, unknown fault name, ...)."""
+
+
+class ConfigError(RopeKVError):
+    """A model or RoPE configuration that is malformed, incomplete or of an unsupported kind."""
+
+
+class CheckpointError(RopeKVError):
+    """A checkpoint that cannot be loaded: missing files, pickles, bad headers, wrong tensors."""
+
+
+class ContractMismatch(RopeKVError):
+    """Two cache contracts disagree where keys cross a boundary (append, import, handshake)."""
+
+    exit_code = 3
+
+    def __init__(self, message: str, fields: tuple[str, ...] = ()):
+        super().__init__(message)
+        self.fields = tuple(fields)
+
+
+class CacheError(RopeKVError):
+    """An operation on cached state that would break it: non-increasing positions, unknown sequence,
+    a fork longer than the cached prefix. The cache is left exactly as it was."""
+
+
+class CapacityError(CacheError):
+    """The block pool has no room for the request. Nothing is evicted silently."""
+
+
+class PayloadError(RopeKVError):
+    """A handoff payload that is truncated, corrupted, inconsistent or of an unknown format."""
+
+
+class TransportError(RopeKVError):
+    """A peer in a prefill->decode handoff failed or went silent."""
+
+    exit_code = 4
+
+
+ALL_ERRORS: tuple[type[RopeKVError], ...] = (
+    RopeKVError,
+    UsageError,
+    ConfigError,
+    CheckpointError,
+    ContractMismatch,
+    CacheError,
+    CapacityError,
+    PayloadError,
+    TransportError,
+)

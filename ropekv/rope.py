@@ -1,0 +1,480 @@
+"""Rotary position embedding as data (:class:`RopeSpec`) and pure functions.
+
+A rotation by position ``p`` turns each channel pair ``m`` of a query or key by the angle ``p * w_m``
+(RoFormer, Su et al. 2021). The frequencies ``w = inv_freq`` come from ``theta`` and the scaling type;
+the formulas mirror transformers' ``ROPE_INIT_FUNCTIONS`` (modeling_rope_utils.py), computed here in
+float64. Angles and their cos/sin are always computed in float64 and applied in float32 or wider,
+whatever the dtype of the tensor being rotated.
+
+Layouts (vLLM calls the first ``is_neox_style``):
+
+- ``"neox"`` (HF ``rotate_half``): channel ``m`` pairs with ``m + rotary_dim // 2``.
+- ``"gptj"`` (llama.cpp NORM, interleaved): channel ``2m`` pairs with ``2m + 1``.
+
+Channels ``rotary_dim:head_dim`` (partial rotary) pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+import torch
+
+from .errors import ConfigError
+
+LAYOUTS = ("neox", "gptj")
+SCALING_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
+
+# Parameters each scaling type requires (after defaults are filled in) and may take.
+_REQUIRED: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": ("factor",),
+    "dynamic": ("factor",),
+    "yarn": ("factor", "original_max_position_embeddings"),
+    "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+    "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
+}
+_OPTIONAL: dict[str, tuple[str, ...]] = {
+    "default": (),
+    "linear": (),
+    "dynamic": (),
+    "yarn": ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "truncate"),
+    "llama3": (),
+    "longrope": ("factor",),
+}
+# Keys of a config's rope dict that are not scaling parameters.
+_NON_SCALING_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor", "attention_factor"}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A scaling type and every parameter it uses. Unused parameters must stay None."""
+
+    rope_type: str = "default"
+    factor: float | None = None
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool | None = None
+    short_factor: tuple[float, ...] | None = None
+    long_factor: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in SCALING_TYPES:
+            raise ConfigError(
+                f"unknown RoPE scaling type {self.rope_type!r}; supported: {', '.join(SCALING_TYPES)}"
+            )
+        allowed = set(_REQUIRED[self.rope_type]) | set(_OPTIONAL[self.rope_type])
+        for f in dataclasses.fields(self):
+            if f.name == "rope_type":
+                continue
+            value = getattr(self, f.name)
+            if f.name in _REQUIRED[self.rope_type] and value is None:
+                raise ConfigError(f"RoPE scaling type {self.rope_type!r} needs parameter {f.name!r}")
+            if value is not None and f.name not in allowed:
+                raise ConfigError(f"RoPE scaling type {self.rope_type!r} does not take parameter {f.name!r}")
+        if self.factor is not None and not (math.isfinite(self.factor) and self.factor > 0):
+            raise ConfigError(f"RoPE scaling factor must be a positive finite number, got {self.factor!r}")
+        if self.original_max_position_embeddings is not None and self.original_max_position_embeddings < 1:
+            raise ConfigError("RoPE original_max_position_embeddings must be >= 1")
+        if self.rope_type == "llama3" and self.low_freq_factor == self.high_freq_factor:
+            raise ConfigError("llama3 RoPE needs low_freq_factor != high_freq_factor")
+        for name in ("short_factor", "long_factor"):
+            value = getattr(self, name)
+            if value is not None and not all(math.isfinite(v) and v > 0 for v in value):
+                raise ConfigError(f"longrope {name} must hold positive finite numbers")
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"rope_type": self.rope_type}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name != "rope_type" and value is not None:
+                out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RopeScaling":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise ConfigError(f"unknown RoPE scaling parameter(s): {', '.join(sorted(unknown))}")
+        kwargs = dict(data)
+        for name in ("short_factor", "long_factor"):
+            if kwargs.get(name) is not None:
+                kwargs[name] = tuple(float(v) for v in kwargs[name])
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Everything that determines how a position turns a query or key.
+
+    ``attention_factor`` multiplies cos and sin (YaRN, LongRoPE), so it scales both q and k;
+    ``max_position_embeddings`` is the config's value, which dynamic NTK and LongRoPE compare
+    the sequence length against.
+    """
+
+    head_dim: int
+    rotary_dim: int
+    theta: float
+    layout: str = "neox"
+    scaling: RopeScaling = field(default_factory=RopeScaling)
+    attention_factor: float = 1.0
+    max_position_embeddings: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.head_dim < 2 or self.head_dim % 2:
+            raise ConfigError(f"RoPE head_dim must be even and >= 2, got {self.head_dim}")
+        if not (2 <= self.rotary_dim <= self.head_dim) or self.rotary_dim % 2:
+            raise ConfigError(f"RoPE rotary_dim must be even and in [2, head_dim={self.head_dim}], got {self.rotary_dim}")
+        if not (math.isfinite(self.theta) and self.theta > 1.0):
+            raise ConfigError(f"RoPE theta must be a finite number > 1, got {self.theta!r}")
+        if self.layout not in LAYOUTS:
+            raise ConfigError(f"unknown RoPE layout {self.layout!r}; supported: {', '.join(LAYOUTS)}")
+        if not (math.isfinite(self.attention_factor) and self.attention_factor > 0):
+            raise ConfigError(f"RoPE attention_factor must be positive and finite, got {self.attention_factor!r}")
+        if self.max_position_embeddings < 1:
+            raise ConfigError("RoPE max_position_embeddings must be >= 1")
+        n = self.rotary_dim // 2
+        s = self.scaling
+        for name in ("short_factor", "long_factor"):
+            value = getattr(s, name)
+            if value is not None and len(value) != n:
+                raise ConfigError(f"longrope {name} has {len(value)} entries, rotary_dim/2 = {n} needed")
+        if self.scaling.rope_type == "dynamic" and self.rotary_dim <= 2:
+            raise ConfigError("dynamic NTK RoPE needs rotary_dim > 2")
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_hf_config(
+        cls, config: Mapping[str, Any], layer_type: str | None = None, layout: str = "neox"
+    ) -> "RopeSpec":
+        """Read a transformers ``config.json`` (as a dict).
+
+        Understands transformers 5's ``rope_parameters`` (flat, or nested by layer type such as
+        ``"full_attention"`` / ``"sliding_attention"``) and the legacy ``rope_theta`` /
+        ``rope_scaling`` / ``partial_rotary_factor`` fields. Defaults follow transformers'
+        ``standardize_rope_params``: ``original_max_position_embeddings`` falls back to
+        ``max_position_embeddings`` for llama3, yarn and longrope.
+        """
+        if not isinstance(config, Mapping):
+            raise ConfigError("model config must be a JSON object")
+        try:
+            hidden = config.get("hidden_size")
+            heads = config.get("num_attention_heads")
+            head_dim = config.get("head_dim") or (hidden // heads if hidden and heads else None)
+        except (TypeError, ZeroDivisionError) as exc:
+            raise ConfigError(f"config has unusable hidden_size/num_attention_heads: {exc}") from None
+        if not isinstance(head_dim, int) or head_dim <= 0:
+            raise ConfigError("config lacks 'head_dim' (or 'hidden_size' and 'num_attention_heads')")
+        max_pos = config.get("max_position_embeddings")
+        if not isinstance(max_pos, int) or max_pos < 1:
+            raise ConfigError("config lacks a positive integer 'max_position_embeddings'")
+
+        params = config.get("rope_parameters")
+        if params is not None and not isinstance(params, Mapping):
+            raise ConfigError("config field 'rope_parameters' must be an object")
+        if params and all(isinstance(v, Mapping) or v is None for v in params.values()):
+            # Nested by layer type (transformers 5, e.g. gemma3, qwen3-next).
+            if layer_type is None:
+                distinct = {json.dumps(v, sort_keys=True) for v in params.values() if v is not None}
+                if len(distinct) != 1:
+                    raise ConfigError(
+                        "config 'rope_parameters' differs per layer type "
+                        f"({', '.join(sorted(params))}); name the layer type"
+                    )
+                layer_type = next(k for k, v in params.items() if v is not None)
+            if layer_type not in params or params[layer_type] is None:
+                raise ConfigError(f"config 'rope_parameters' has no entry for layer type {layer_type!r}")
+            rope = dict(params[layer_type])
+        elif params:
+            rope = dict(params)
+        else:
+            legacy = config.get("rope_scaling")
+            if legacy is not None and not isinstance(legacy, Mapping):
+                raise ConfigError("config field 'rope_scaling' must be an object or null")
+            rope = dict(legacy or {})
+        rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+        if "partial_rotary_factor" not in rope and config.get("partial_rotary_factor") is not None:
+            rope["partial_rotary_factor"] = config["partial_rotary_factor"]
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in SCALING_TYPES:
+            raise ConfigError(
+                f"unknown RoPE type {rope_type!r} in config; supported: {', '.join(SCALING_TYPES)}"
+            )
+        if rope_type in ("llama3", "yarn", "longrope"):
+            rope.setdefault(
+                "original_max_position_embeddings",
+                config.get("original_max_position_embeddings", max_pos),
+            )
+        try:
+            theta = float(rope["rope_theta"])
+            partial = float(rope.get("partial_rotary_factor", 1.0))
+        except (TypeError, ValueError):
+            raise ConfigError("RoPE 'rope_theta' and 'partial_rotary_factor' must be numbers") from None
+        rotary_dim = int(head_dim * partial)
+        rotary_dim -= rotary_dim % 2
+
+        scaling_kwargs = {k: v for k, v in rope.items() if k not in _NON_SCALING_KEYS}
+        allowed = set(_REQUIRED[rope_type]) | set(_OPTIONAL[rope_type])
+        # transformers ignores keys a type does not use; so do we, but only for known names.
+        known = {f.name for f in dataclasses.fields(RopeScaling)}
+        unknown = set(scaling_kwargs) - known
+        if unknown:
+            raise ConfigError(f"unknown RoPE parameter(s) {', '.join(sorted(unknown))} for type {rope_type!r}")
+        scaling_kwargs = {k: v for k, v in scaling_kwargs.items() if k in allowed and v is not None}
+        if rope_type in ("yarn", "longrope") and scaling_kwargs.get("factor") is None:
+            orig = scaling_kwargs.get("original_max_position_embeddings")
+            if rope_type == "yarn" or orig:
+                scaling_kwargs["factor"] = max_pos / orig if orig else None
+        if rope_type == "longrope" and scaling_kwargs.get("factor") is None:
+            scaling_kwargs.pop("factor", None)
+        try:
+            scaling = RopeScaling.from_dict({"rope_type": rope_type, **scaling_kwargs})
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"bad RoPE parameters for type {rope_type!r}: {exc}") from None
+        attention_factor = _resolve_attention_factor(scaling, rope.get("attention_factor"), max_pos)
+        return cls(
+            head_dim=head_dim,
+            rotary_dim=rotary_dim,
+            theta=theta,
+            layout=layout,
+            scaling=scaling,
+            attention_factor=attention_factor,
+            max_position_embeddings=max_pos,
+        )
+
+    def replace(self, **changes: Any) -> "RopeSpec":
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "head_dim": self.head_dim,
+            "rotary_dim": self.rotary_dim,
+            "theta": self.theta,
+            "layout": self.layout,
+            "scaling": self.scaling.to_dict(),
+            "attention_factor": self.attention_factor,
+            "max_position_embeddings": self.max_position_embeddings,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RopeSpec":
+        expected = {"head_dim", "rotary_dim", "theta", "layout", "scaling", "attention_factor", "max_position_embeddings"}
+        if not isinstance(data, Mapping) or set(data) != expected:
+            got = set(data) if isinstance(data, Mapping) else set()
+            raise ConfigError(
+                "RoPE spec must have exactly the fields "
+                f"{', '.join(sorted(expected))}; missing {sorted(expected - got)}, unexpected {sorted(got - expected)}"
+            )
+        kwargs = dict(data)
+        kwargs["scaling"] = RopeScaling.from_dict(data["scaling"])
+        return cls(**kwargs)
+
+    def fingerprint(self) -> str:
+        """A short stable hash of everything that changes the rotation."""
+        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    # ------------------------------------------------------------------ frequencies
+
+    @property
+    def length_dependent(self) -> bool:
+        """True when the frequencies depend on the sequence length (dynamic NTK, LongRoPE)."""
+        return self.scaling.rope_type in ("dynamic", "longrope")
+
+    def inv_freq(self, seq_len: int | None = None) -> torch.Tensor:
+        """Inverse frequencies ``[rotary_dim // 2]`` in float64 for a sequence of ``seq_len`` tokens."""
+        return _INV_FREQ[self.scaling.rope_type](self, seq_len)
+
+    def angles(self, positions: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+        """Rotation angles ``[num_tokens, rotary_dim // 2]`` in float64 for integer ``positions``."""
+        positions = _as_positions(positions)
+        return positions.to(torch.float64)[:, None] * self.inv_freq(seq_len).to(positions.device)[None, :]
+
+    def cos_sin(
+        self, positions: torch.Tensor, seq_len: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cos, sin`` of :meth:`angles`, scaled by ``attention_factor``; float64 ``[num_tokens, rotary_dim // 2]``."""
+        ang = self.angles(positions, seq_len)
+        return torch.cos(ang) * self.attention_factor, torch.sin(ang) * self.attention_factor
+
+    def rotate(self, x: torch.Tensor, positions: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+        """Rotate ``x`` of shape ``[..., num_tokens, num_heads, head_dim]`` to ``positions [num_tokens]``."""
+        cos, sin = self.cos_sin(positions, seq_len)
+        return apply_rotation(x, cos, sin, self.layout)
+
+    def unrotate(self, x: torch.Tensor, positions: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+        """Inverse of :meth:`rotate` (rotation by ``-p``, attention factor divided out)."""
+        ang = self.angles(positions, seq_len)
+        a = self.attention_factor
+        return apply_rotation(x, torch.cos(ang) / a, -torch.sin(ang) / a, self.layout)
+
+
+# ---------------------------------------------------------------------- pure functions
+
+
+def apply_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> torch.Tensor:
+    """Rotate channel pairs of ``x [..., num_tokens, num_heads, head_dim]`` by ``cos/sin [num_tokens, n]``.
+
+    ``2 * n`` leading channels rotate (partial rotary leaves the rest). The arithmetic runs in float64
+    for float64 input and float32 otherwise; the result has ``x``'s dtype.
+    """
+    if x.shape[-3] != cos.shape[0] or cos.shape != sin.shape:
+        raise ValueError(f"rotation: x has {x.shape[-3]} tokens, cos/sin {tuple(cos.shape)}/{tuple(sin.shape)}")
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    n = cos.shape[-1]
+    rot, rest = x[..., : 2 * n].to(work), x[..., 2 * n :]
+    c = cos.to(device=x.device, dtype=work)[:, None, :]  # [T, 1, n]
+    s = sin.to(device=x.device, dtype=work)[:, None, :]
+    if layout == "neox":
+        a, b = rot[..., :n], rot[..., n:]
+        out = torch.cat((a * c - b * s, b * c + a * s), dim=-1)
+    elif layout == "gptj":
+        a, b = rot[..., 0::2], rot[..., 1::2]
+        out = torch.stack((a * c - b * s, b * c + a * s), dim=-1).flatten(-2)
+    else:
+        raise ValueError(f"unknown layout {layout!r}")
+    return torch.cat((out.to(x.dtype), rest), dim=-1) if rest.shape[-1] else out.to(x.dtype)
+
+
+def pair_channels(rotary_dim: int, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Indices ``(first, second)`` of the two channels of each rotating pair, ``[rotary_dim // 2]`` each."""
+    n = rotary_dim // 2
+    m = torch.arange(n)
+    if layout == "neox":
+        return m, m + n
+    if layout == "gptj":
+        return 2 * m, 2 * m + 1
+    raise ValueError(f"unknown layout {layout!r}")
+
+
+def layout_permutation(rotary_dim: int, head_dim: int, src: str, dst: str) -> torch.Tensor:
+    """Channel permutation ``perm`` with ``x_dst = x_src[..., perm]`` mapping one pairing onto the other."""
+    perm = torch.arange(head_dim)
+    if src == dst:
+        return perm
+    a_src, b_src = pair_channels(rotary_dim, src)
+    a_dst, b_dst = pair_channels(rotary_dim, dst)
+    perm[a_dst] = a_src
+    perm[b_dst] = b_src
+    return perm
+
+
+def _as_positions(positions: torch.Tensor | Any) -> torch.Tensor:
+    if not isinstance(positions, torch.Tensor):
+        positions = torch.as_tensor(positions)
+    if positions.dim() != 1:
+        raise ValueError(f"positions must be 1-D [num_tokens], got shape {tuple(positions.shape)}")
+    if positions.is_floating_point() or positions.is_complex():
+        raise ValueError("positions must be integers")
+    return positions
+
+
+def _resolve_attention_factor(scaling: RopeScaling, given: Any, max_pos: int) -> float:
+    if given is not None:
+        try:
+            return float(given)
+        except (TypeError, ValueError):
+            raise ConfigError(f"RoPE attention_factor must be a number, got {given!r}") from None
+    if scaling.rope_type == "yarn":
+        def get_mscale(scale: float, m: float = 1.0) -> float:
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if scaling.mscale and scaling.mscale_all_dim:
+            return float(get_mscale(scaling.factor, scaling.mscale) / get_mscale(scaling.factor, scaling.mscale_all_dim))
+        return get_mscale(scaling.factor)
+    if scaling.rope_type == "longrope":
+        orig = scaling.original_max_position_embeddings
+        factor = scaling.factor if scaling.factor is not None else max_pos / orig
+        if factor <= 1.0:
+            return 1.0
+        return math.sqrt(1 + math.log(factor) / math.log(orig))
+    return 1.0
+
+
+def _base_inv_freq(spec: RopeSpec, base: float) -> torch.Tensor:
+    exponents = torch.arange(0, spec.rotary_dim, 2, dtype=torch.float64) / spec.rotary_dim
+    return 1.0 / (base**exponents)
+
+
+def _default(spec: RopeSpec, seq_len: int | None) -> torch.Tensor:
+    return _base_inv_freq(spec, spec.theta)
+
+
+def _linear(spec: RopeSpec, seq_len: int | None) -> torch.Tensor:
+    return _base_inv_freq(spec, spec.theta) / spec.scaling.factor
+
+
+def _dynamic(spec: RopeSpec, seq_len: int | None) -> torch.Tensor:
+    max_pos = spec.max_position_embeddings
+    length = max(seq_len, max_pos) if seq_len is not None else max_pos
+    factor, dim = spec.scaling.factor, spec.rotary_dim
+    base = spec.theta * ((factor * length / max_pos) - (factor - 1)) ** (dim / (dim - 2))
+    return _base_inv_freq(spec, base)
+
+
+def _yarn(spec: RopeSpec, seq_len: int | None) -> torch.Tensor:
+    s, dim, base = spec.scaling, spec.rotary_dim, spec.theta
+    beta_fast = s.beta_fast or 32
+    beta_slow = s.beta_slow or 1
+    truncate = True if s.truncate is None else s.truncate
+    orig = s.original_max_position_embeddings
+
+    def correction_dim(num_rotations: float) -> float:
+        return dim * math.log(orig / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low), 0, 1)
+    extrapolation_weight = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (s.factor * pos_freqs)
+    return interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
+
+
+def _llama3(spec: RopeSpec, seq_len: int | None) -> torch.Tensor:
+    s = spec.scaling
+    inv_freq = _base_inv_freq(spec, spec.theta)
+    old_len = s.original_max_position_embeddings
+    low_wavelen = old_len / s.low_freq_factor
+    high_wavelen = old_len / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _longrope(spec: RopeSpec, seq_len: int | None) -> torch.Tensor:
+    s = spec.scaling
+    long = seq_len is not None and seq_len > s.original_max_position_embeddings
+    ext = torch.tensor(s.long_factor if long else s.short_factor, dtype=torch.float64)
+    exponents = torch.arange(0, spec.rotary_dim, 2, dtype=torch.float64) / spec.rotary_dim
+    return 1.0 / (ext * spec.theta**exponents)
+
+
+_INV_FREQ: dict[str, Callable[[RopeSpec, int | None], torch.Tensor]] = {
+    "default": _default,
+    "linear": _linear,
+    "dynamic": _dynamic,
+    "yarn": _yarn,
+    "llama3": _llama3,
+    "longrope": _longrope,
+}
