@@ -1,0 +1,92 @@
+"""The adapter for ropekv's own engine (the first implementation of the protocol)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..contract import CacheContract
+from ..engine import Engine
+from ..models.config import Checkpoint
+from ..parity.cases import Case
+from ..rotation import RotationPolicy
+from ..transformer import DecoderWeights
+from .base import CaseRun, FullRun, LayerView, StepTrace
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+class NativeAdapter:
+    """Runs :class:`~ropekv.engine.Engine` under a contract built per case (block size, window)."""
+
+    engine_class = Engine
+
+    def __init__(self, checkpoint: Checkpoint, *, key_form: str = "rotated", backend: str | None = None,
+                 dtype: str = "float32", rotation: RotationPolicy | None = None, device: str = "cpu",
+                 name: str | None = None):
+        self.checkpoint = checkpoint
+        self.key_form = key_form
+        self.backend = backend
+        self.dtype_name = dtype
+        self.dtype = _DTYPES[dtype]
+        self.rotation = rotation
+        self.device = device
+        self.name = name or f"ropekv engine ({key_form} keys, {backend or 'default'} backend)"
+        self._weights: DecoderWeights | None = None
+        # Fail now, not in the middle of a sweep, if the contract and backend cannot work together.
+        self.make_engine(Case(length=1), num_blocks=1)
+
+    def contract(self, case: Case) -> CacheContract:
+        return CacheContract.for_model(
+            self.checkpoint.config, key_form=self.key_form, block_size=case.block_size, dtype=self.dtype_name,
+            window="model" if case.window is None else case.window, sink_tokens=case.sink_tokens,
+            model_fingerprint=self.checkpoint.fingerprint)
+
+    def make_engine(self, case: Case, num_blocks: int | None = None) -> Engine:
+        if num_blocks is None:
+            # Room for the parent and the child sequence, plus copy-on-write copies.
+            num_blocks = 2 * (-(-case.total // case.block_size)) + 4
+        if self._weights is None:
+            self._weights = DecoderWeights.from_checkpoint(self.checkpoint, self.dtype, self.device)
+        return self.engine_class(self.checkpoint, self.contract(case), num_blocks, backend=self.backend,
+                                 rotation=self.rotation, device=self.device, weights=self._weights)
+
+    def describe(self) -> dict[str, Any]:
+        engine = self.make_engine(Case(length=1), num_blocks=1)
+        return {"name": self.name, "key_form": self.key_form, "backend": engine.backend.name,
+                "dtype": self.dtype_name, "rotation_policy": engine.rotation.name,
+                "contract": engine.contract.to_dict()}
+
+    def ignored(self, case: Case) -> tuple[str, ...]:
+        return ()
+
+    def run_case(self, case: Case, tokens: torch.Tensor) -> CaseRun:
+        engine = self.make_engine(case)
+        seq = "prompt"
+        if case.prefix:
+            # A prefix-cache hit: an earlier request cached the prefix (and, where no window can have
+            # overwritten it, a different continuation that must not leak into this one).
+            parent = tokens[: case.prefix]
+            if case.window is None:
+                parent = torch.cat([parent, (tokens[: 3] + 1) % self.checkpoint.config.vocab_size])
+            engine.prefill("earlier-request", parent, chunk_size=case.chunk)
+            engine.fork(seq, "earlier-request", case.prefix)
+            engine.prefill(seq, tokens[case.prefix: case.prefix + case.length], chunk_size=case.chunk)
+        else:
+            engine.prefill(seq, tokens[: case.length], chunk_size=case.chunk)
+        steps = []
+        for t in case.decode_positions:
+            out = engine.decode(seq, tokens[t], probe=True)
+            steps.append(StepTrace(position=t, logits=out.logits[0], layers=tuple(
+                LayerView(hidden_in=tr.hidden_in[0], attn_logits=tr.attn_logits[:, 0], key_positions=tr.key_positions,
+                          key_slots=tr.key_slots, q_eff=tr.q_eff[0], k_eff=tr.k_eff)
+                for tr in out.layers)))
+        return CaseRun(tuple(steps))
+
+    def full_forward(self, tokens: torch.Tensor, rows: list[int], case: Case) -> FullRun:
+        engine = self.make_engine(case, num_blocks=1)
+        out = engine.forward_full(tokens, probe_rows=rows)
+        return FullRun(rows=torch.as_tensor(rows), logits=out.logits[rows],
+                       hidden_in=tuple(tr.hidden_in for tr in out.layers),
+                       attn_logits=tuple(tr.attn_logits for tr in out.layers))

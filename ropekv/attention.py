@@ -1,0 +1,98 @@
+"""Attention backends: what key form they consume and how they read keys.
+
+- ``rotated`` reads rotated keys as stored (vLLM, llama.cpp, HF transformers).
+- ``rotate_on_read`` reads raw keys with their stored positions and rotates inside the backend in
+  float32, the stand-in for fused kernels that rotate internally (a FlashInfer mode). Its rotation
+  indices come from the stored positions (or cache order under ``rotation_index="cache"``), never from
+  slot numbers.
+
+Pairing a backend with a contract it cannot honour raises :class:`ContractMismatch` at construction.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .contract import CacheContract
+from .errors import ContractMismatch, UsageError
+
+BACKENDS = ("rotated", "rotate_on_read")
+
+
+@dataclass(frozen=True)
+class Backend:
+    """An attention backend. ``key_form`` is the form it consumes; ``rotates`` whether it turns keys."""
+
+    name: str
+    key_form: str
+    rotates: bool
+
+    def check(self, contract: CacheContract) -> None:
+        if contract.key_form != self.key_form:
+            what = (
+                "stored keys are rotated, this backend rotates again: keys would sit at twice their position"
+                if self.rotates
+                else "stored keys are raw, this backend does not rotate: every key would sit at position 0"
+            )
+            raise ContractMismatch(
+                f"backend {self.name!r} consumes {self.key_form} keys but the cache contract stores "
+                f"{contract.key_form} keys: {what}",
+                fields=("key_form",),
+            )
+        if contract.kernel_rotates != self.rotates:
+            raise ContractMismatch(
+                f"backend {self.name!r} {'rotates' if self.rotates else 'does not rotate'} keys but the contract says "
+                f"kernel_rotates={contract.kernel_rotates}",
+                fields=("kernel_rotates",),
+            )
+
+
+ROTATED = Backend("rotated", key_form="rotated", rotates=False)
+ROTATE_ON_READ = Backend("rotate_on_read", key_form="raw", rotates=True)
+
+
+def get_backend(name: str) -> Backend:
+    for b in (ROTATED, ROTATE_ON_READ):
+        if b.name == name:
+            return b
+    raise UsageError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKENDS)}")
+
+
+def backend_for(contract: CacheContract) -> Backend:
+    """The backend that honours ``contract``'s key form."""
+    return ROTATE_ON_READ if contract.key_form == "raw" else ROTATED
+
+
+def visibility(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None,
+               sink_tokens: int) -> torch.Tensor:
+    """Boolean mask ``[n, N]``: key ``j`` is visible to query ``i`` iff ``j <= i`` and
+    (``i - W < j`` or ``j < sink_tokens``) — HF's sliding-window semantics plus StreamingLLM sinks."""
+    qp = query_positions[:, None]
+    kp = key_positions[None, :]
+    mask = kp <= qp
+    if window is not None:
+        mask &= (kp > qp - window) | (kp < sink_tokens)
+    return mask
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scaled dot-product attention with grouped KV heads, computed in float32 or wider.
+
+    q ``[n, H, D]`` (rotated), k ``[N, KVH, D]`` (as the kernel uses them), v ``[N, KVH, D]``,
+    mask ``[n, N]``. Returns ``(out [n, H, D] in q's dtype, logits [H, n, N] pre-softmax, masked -inf)``.
+    """
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    n, num_heads, head_dim = q.shape
+    num_kv = k.shape[1]
+    group = num_heads // num_kv
+    qw = q.to(work).reshape(n, num_kv, group, head_dim).permute(1, 2, 0, 3)  # [KVH, G, n, D]
+    kw = k.to(work).permute(1, 2, 0)[:, None]  # [KVH, 1, D, N]
+    logits = torch.matmul(qw, kw) * (1.0 / math.sqrt(head_dim))  # [KVH, G, n, N]
+    logits = logits.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    out = torch.matmul(probs, v.to(work).permute(1, 0, 2)[:, None])  # [KVH, G, n, D]
+    out = out.permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
+    return out.to(q.dtype), logits.reshape(num_heads, n, -1)

@@ -1,0 +1,234 @@
+"""The reference cached engine: several sequences served from one paged KV cache.
+
+``prefill`` (optionally chunked), ``fork`` (a prefix-cache hit: the new prompt starts at logical
+position ``P > 0``), ``decode`` and ``free``. Attention for a chunk reads the cached keys as they were
+before the chunk plus the chunk's fresh keys; the chunk is then appended to the cache in one
+validated call, so a failed step leaves the cache as it was. ``forward_full`` is the engine's own
+cache-free forward (for self-parity).
+
+Length-dependent RoPE (dynamic NTK, LongRoPE): under ``key_form="raw"`` keys are rotated on read with
+the frequencies of the current length, as a full forward over the same tokens does at layer 0. Under
+``"rotated"`` the cache would keep keys turned at stale frequencies, so the engine refuses that
+contract (see docs/contract.md). Re-rotating every cached key at each length change was rejected: it
+costs a pass over the whole cache per step and still leaves deeper layers' keys and values computed
+under the old frequencies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .attention import Backend, attend, backend_for, get_backend, visibility
+from .cache.paged import PagedKVCache
+from .contract import CacheContract
+from .errors import CacheError, ContractMismatch, UsageError
+from .models.config import Checkpoint
+from .rotation import RotationPolicy, StepContext
+from .transformer import DecoderWeights, final_logits, finish_layer, project_qkv
+
+
+@dataclass(frozen=True, eq=False)
+class LayerTrace:
+    """What one layer's kernel saw for the probed query rows (decode: one row)."""
+
+    hidden_in: torch.Tensor  # [R, hidden]
+    q_raw: torch.Tensor  # [R, H, D]
+    q_eff: torch.Tensor  # [R, H, D]  query as the kernel used it
+    k_raw_new: torch.Tensor  # [n, KVH, D]  raw keys of the tokens this step added
+    k_eff: torch.Tensor  # [N, KVH, D]  every key as the kernel used it
+    key_positions: torch.Tensor  # [N] logical positions
+    key_slots: torch.Tensor  # [N] slot in the sequence's cache (write index for full layers)
+    attn_logits: torch.Tensor  # [H, R, N] pre-softmax, masked -inf
+
+
+@dataclass(frozen=True, eq=False)
+class StepOutput:
+    logits: torch.Tensor  # [n, vocab] float32 (decode: n = 1)
+    positions: torch.Tensor  # [n]
+    layers: tuple[LayerTrace, ...] = ()
+
+
+class Engine:
+    """A paged-KV engine for a llama-family checkpoint under an explicit :class:`CacheContract`."""
+
+    def __init__(self, checkpoint: Checkpoint, contract: CacheContract, num_blocks: int = 1024, *,
+                 backend: str | Backend | None = None, rotation: RotationPolicy | None = None,
+                 device: str | torch.device = "cpu", weights: DecoderWeights | None = None):
+        cfg = checkpoint.config
+        self.checkpoint = checkpoint
+        self.config = cfg
+        self.contract = contract
+        self.rotation = rotation or RotationPolicy()
+        self.device = torch.device(device)
+        self._check_contract_fits_model()
+        self.backend = backend_for(contract) if backend is None else (
+            get_backend(backend) if isinstance(backend, str) else backend)
+        self.backend.check(contract)
+        if contract.key_form == "rotated" and contract.rope.length_dependent and not self._allows_stale_rotation():
+            raise ContractMismatch(
+                f"key_form 'rotated' cannot serve {contract.rope.scaling.rope_type} RoPE: its frequencies change "
+                "with the sequence length, so cached keys would keep stale frequencies while new queries turn "
+                "at new ones; use key_form 'raw' (rotate on read)",
+                fields=("key_form", "rope.scaling"),
+            )
+        self.dtype = contract.torch_dtype
+        if weights is not None and (weights.config != cfg or weights.embed.dtype != self.dtype):
+            raise UsageError("shared weights were built for another config or dtype")
+        self.weights = weights or DecoderWeights.from_checkpoint(checkpoint, self.dtype, self.device)
+        self.cache = PagedKVCache(contract, num_blocks, device=self.device)
+        self._fork_offset: dict[object, int] = {}
+
+    # ------------------------------------------------------------------ public API
+
+    def prefill(self, seq_id, tokens: torch.Tensor, *, chunk_size: int | None = None) -> torch.Tensor:
+        """Append ``tokens [n]`` to ``seq_id`` (created if new); returns the last token's logits ``[vocab]``."""
+        tokens = self._check_tokens(tokens)
+        if chunk_size is not None and chunk_size < 1:
+            raise UsageError(f"chunk_size must be >= 1, got {chunk_size}")
+        created = not self.cache.has(seq_id)
+        if created:
+            self.cache.create(seq_id)
+            self._fork_offset[seq_id] = 0
+        try:
+            step = chunk_size or tokens.numel()
+            out = None
+            for start in range(0, tokens.numel(), step):
+                out = self._step(seq_id, tokens[start:start + step], phase="prefill", probe=False)
+        except Exception:
+            if created and self.cache.num_tokens(seq_id) == 0:
+                self.free(seq_id)
+            raise
+        return out.logits[-1]
+
+    def decode(self, seq_id, token: int | torch.Tensor, *, probe: bool = False) -> StepOutput:
+        """Append one token to an existing sequence; returns its next-token logits (and probes)."""
+        if not self.cache.has(seq_id):
+            raise CacheError(f"decode: unknown sequence {seq_id!r}")
+        tokens = self._check_tokens(torch.as_tensor([int(token)] if not torch.is_tensor(token) else token.reshape(1)))
+        return self._step(seq_id, tokens, phase="decode", probe=probe)
+
+    def fork(self, new_seq_id, prefix_seq_id, prefix_len: int) -> None:
+        """Start ``new_seq_id`` from the first ``prefix_len`` cached tokens of ``prefix_seq_id``."""
+        self.cache.fork(new_seq_id, prefix_seq_id, prefix_len)
+        self._fork_offset[new_seq_id] = prefix_len
+
+    def free(self, seq_id) -> None:
+        if not self.cache.has(seq_id):
+            raise CacheError(f"free: unknown sequence {seq_id!r}")
+        self.cache.free(seq_id)
+        self._fork_offset.pop(seq_id, None)
+
+    def num_tokens(self, seq_id) -> int:
+        return self.cache.num_tokens(seq_id)
+
+    def forward_full(self, tokens: torch.Tensor, *, probe_rows: list[int] | None = None) -> StepOutput:
+        """The engine's own cache-free forward over ``tokens [T]`` at positions ``0..T-1``."""
+        tokens = self._check_tokens(tokens)
+        return self._run(tokens, torch.arange(tokens.numel()), None, phase="full", probe_rows=probe_rows)
+
+    # ------------------------------------------------------------------ internals
+
+    def _allows_stale_rotation(self) -> bool:
+        return False
+
+    def _check_contract_fits_model(self) -> None:
+        cfg, c = self.config, self.contract
+        problems = []
+        for field, ours, theirs in (("num_layers", c.num_layers, cfg.num_layers),
+                                    ("num_kv_heads", c.num_kv_heads, cfg.num_kv_heads),
+                                    ("head_dim", c.head_dim, cfg.head_dim)):
+            if ours != theirs:
+                problems.append((field, f"{field}: contract {ours}, model {theirs}"))
+        if c.rope != cfg.rope:
+            problems.append(("rope", f"rope: contract {c.rope.fingerprint()}, model {cfg.rope.fingerprint()} "
+                                     "(keys and queries would turn differently from what the model was trained with)"))
+        if c.model_fingerprint and c.model_fingerprint != self.checkpoint.fingerprint:
+            problems.append(("model_fingerprint", f"model_fingerprint: contract {c.model_fingerprint}, model "
+                                                  f"{self.checkpoint.fingerprint} (keys would come from another model)"))
+        if problems:
+            raise ContractMismatch("the cache contract does not fit the model: " + "; ".join(p for _, p in problems),
+                                   fields=tuple(f for f, _ in problems))
+
+    def _check_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        tokens = torch.as_tensor(tokens)
+        if tokens.dim() != 1 or tokens.numel() == 0 or tokens.is_floating_point():
+            raise UsageError(f"tokens must be a non-empty 1-D integer tensor, got shape {tuple(tokens.shape)}")
+        if int(tokens.min()) < 0 or int(tokens.max()) >= self.config.vocab_size:
+            raise UsageError(f"token ids must be in [0, {self.config.vocab_size})")
+        return tokens.to(torch.int64)
+
+    def _step(self, seq_id, tokens: torch.Tensor, *, phase: str, probe: bool) -> StepOutput:
+        start = self.cache.last_position(seq_id) + 1
+        positions = torch.arange(start, start + tokens.numel(), dtype=torch.int64)
+        if int(positions[-1]) >= self.config.max_position_embeddings:
+            raise UsageError(f"position {int(positions[-1])} is beyond the model's "
+                             f"{self.config.max_position_embeddings} positions")
+        rows = list(range(tokens.numel())) if probe else None
+        return self._run(tokens, positions, seq_id, phase=phase, probe_rows=rows)
+
+    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, seq_id, *, phase: str,
+             probe_rows: list[int] | None) -> StepOutput:
+        cfg, c, rot = self.config, self.contract, self.rotation
+        rope = c.rope
+        n = tokens.numel()
+        ctx = StepContext(phase=phase, seq_len=int(positions.max()) + 1,
+                          fork_offset=self._fork_offset.get(seq_id, 0), block_size=c.block_size)
+        num_before = self.cache.num_tokens(seq_id) if seq_id is not None else 0
+        h = self.weights.embed[tokens.to(self.device)]  # [n, hidden]
+        new_keys, new_values, traces = [], [], []
+        for layer, lw in enumerate(self.weights.layers):
+            window = c.window if layer in c.window_layers else None
+            q, k, v = project_qkv(cfg, lw, h)  # [n, H, D], [n, KVH, D], [n, KVH, D]
+            new_slots = _slots(num_before, n, window, c.sink_tokens)
+            stored_new = k if c.key_form == "raw" else rot.write_key(rope, k, positions, new_slots, ctx)
+            if seq_id is not None:
+                view = self.cache.view(seq_id, layer)
+                keys = torch.cat([view.keys, stored_new.to(view.keys.dtype)])
+                values = torch.cat([view.values, v.to(view.values.dtype)])
+                key_pos = torch.cat([view.positions, positions])
+                key_slots = torch.cat([view.slots, new_slots])
+            else:
+                keys, values, key_pos, key_slots = stored_new, v, positions, new_slots
+            mask = visibility(positions, key_pos, window, c.sink_tokens)
+            if c.rotation_index == "cache":
+                out, logits, q_eff, k_eff = self._attend_cache_index(q, keys, values, mask, key_slots, ctx)
+            else:
+                q_eff = rot.query(rope, q, positions, ctx)
+                k_eff = rot.read_keys(rope, keys, key_pos, key_slots, ctx, backend_rotates=self.backend.rotates)
+                out, logits = attend(q_eff, k_eff, values, mask)
+            if probe_rows is not None:
+                r = torch.as_tensor(probe_rows)
+                traces.append(LayerTrace(h[r].detach(), q[r], q_eff[r], k, k_eff, key_pos, key_slots,
+                                         logits[:, r]))
+            new_keys.append(stored_new)
+            new_values.append(v)
+            h = finish_layer(cfg, lw, h, out)
+        if seq_id is not None:
+            self.cache.append(seq_id, positions, new_keys, new_values, key_form=c.key_form)
+        return StepOutput(final_logits(cfg, self.weights, h), positions, tuple(traces))
+
+    def _attend_cache_index(self, q, keys, values, mask, key_slots, ctx):
+        """StreamingLLM-style rotation: each query row turns itself and its visible keys to their order
+        among the visible keys (sinks first). Exact with raw keys; one row at a time."""
+        rope, rot = self.contract.rope, self.rotation
+        outs, all_logits, q_effs, k_eff = [], [], [], None
+        for i in range(q.shape[0]):
+            vis = mask[i]
+            index = torch.cumsum(vis.to(torch.int64), 0) - 1  # rank among visible keys
+            k_eff = rot.read_keys(rope, keys, index.clamp(min=0), key_slots, ctx, backend_rotates=self.backend.rotates)
+            qi = rot.query(rope, q[i:i + 1], index[vis][-1:].reshape(1), ctx)
+            o, lg = attend(qi, k_eff, values, mask[i:i + 1])
+            outs.append(o)
+            all_logits.append(lg)
+            q_effs.append(qi)
+        return torch.cat(outs), torch.cat(all_logits, dim=1), torch.cat(q_effs), k_eff
+
+
+def _slots(num_before: int, n: int, window: int | None, sinks: int) -> torch.Tensor:
+    """Slots ``[n]`` of the next ``n`` tokens of a sequence that has ``num_before`` (same rule as the cache)."""
+    idx = torch.arange(num_before, num_before + n, dtype=torch.int64)
+    if window is None:
+        return idx
+    return torch.where(idx < sinks, idx, sinks + (idx - sinks) % window)

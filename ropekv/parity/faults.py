@@ -1,0 +1,210 @@
+"""The fault catalogue: small, named variants of the engine, one per bug class of the primer.
+
+Each fault overrides one decision of :class:`~ropekv.rotation.RotationPolicy` (or, for stale dynamic
+scaling, lets the engine accept a contract it would refuse). ``ropekv check --inject NAME`` runs the
+harness on the faulty engine; the tests assert that each is caught and named with its own kind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..adapters.native import NativeAdapter
+from ..engine import Engine
+from ..errors import UsageError
+from ..models.config import Checkpoint
+from ..rope import RopeScaling, RopeSpec, apply_rotation
+from ..rotation import RotationPolicy, StepContext
+
+CACHED = ("prefill", "decode")  # phases that go through the cache (not the engine's full forward)
+
+
+class DoubleRotation(RotationPolicy):
+    """Decode reads rotated keys and rotates them again (key at 2j)."""
+
+    name = "double-rotation"
+
+    def read_keys(self, rope, stored, rotation_index, slots, ctx, *, backend_rotates):
+        if ctx.phase == "decode":
+            return rope.rotate(stored.float(), rotation_index, ctx.seq_len)
+        return super().read_keys(rope, stored, rotation_index, slots, ctx, backend_rotates=backend_rotates)
+
+
+class MissingRotation(RotationPolicy):
+    """The writer stores raw keys in a cache whose reader assumes rotated ones (key at 0)."""
+
+    name = "missing-rotation"
+
+    def write_key(self, rope, k, positions, slots, ctx):
+        return k if ctx.phase in CACHED else super().write_key(rope, k, positions, slots, ctx)
+
+
+class SlotAsPosition(RotationPolicy):
+    """Rotate-on-read takes the ring slot as the rotation index (key at its slot once the window wraps)."""
+
+    name = "slot-as-position"
+
+    def read_keys(self, rope, stored, rotation_index, slots, ctx, *, backend_rotates):
+        index = slots if ctx.phase in CACHED else rotation_index
+        return super().read_keys(rope, stored, index, slots, ctx, backend_rotates=backend_rotates)
+
+
+class IgnoredPrefixOffset(RotationPolicy):
+    """After a prefix-cache hit the new tokens are rotated from 0 instead of from P (key at j - P)."""
+
+    name = "ignored-prefix-offset"
+
+    def query(self, rope, q, positions, ctx):
+        return super().query(rope, q, positions - ctx.fork_offset if ctx.phase in CACHED else positions, ctx)
+
+    def write_key(self, rope, k, positions, slots, ctx):
+        shifted = positions - ctx.fork_offset if ctx.phase in CACHED else positions
+        return super().write_key(rope, k, shifted, slots, ctx)
+
+
+class BlockLocalPosition(RotationPolicy):
+    """Keys are rotated by their offset inside their cache block (key at j mod B)."""
+
+    name = "block-local-position"
+
+    def write_key(self, rope, k, positions, slots, ctx):
+        local = positions % ctx.block_size if ctx.phase in CACHED else positions
+        return super().write_key(rope, k, local, slots, ctx)
+
+
+class DecodePositionOffByOne(RotationPolicy):
+    """The decode step rotates its query one position too far (query at t + 1)."""
+
+    name = "decode-position-off-by-one"
+
+    def query(self, rope, q, positions, ctx):
+        return super().query(rope, q, positions + 1 if ctx.phase == "decode" else positions, ctx)
+
+
+class _DecodeSideSpec(RotationPolicy):
+    """The decode side turns queries and new keys with another spec than prefill did."""
+
+    def other(self, rope: RopeSpec) -> RopeSpec:
+        raise NotImplementedError
+
+    def query(self, rope, q, positions, ctx):
+        return super().query(self.other(rope) if ctx.phase == "decode" else rope, q, positions, ctx)
+
+    def write_key(self, rope, k, positions, slots, ctx):
+        return super().write_key(self.other(rope) if ctx.phase == "decode" else rope, k, positions, slots, ctx)
+
+    def read_keys(self, rope, stored, rotation_index, slots, ctx, *, backend_rotates):
+        spec = self.other(rope) if ctx.phase == "decode" else rope
+        return super().read_keys(spec, stored, rotation_index, slots, ctx, backend_rotates=backend_rotates)
+
+
+class ScalingMismatch(_DecodeSideSpec):
+    """The decode side uses theta x 4 (a config read with another base or scaling)."""
+
+    name = "scaling-mismatch"
+
+    def other(self, rope):
+        return rope.replace(theta=rope.theta * 4)
+
+
+class LayoutMismatch(_DecodeSideSpec):
+    """The decode side pairs channels the other way (neox vs gptj)."""
+
+    name = "layout-mismatch"
+
+    def other(self, rope):
+        return rope.replace(layout="gptj" if rope.layout == "neox" else "neox")
+
+
+def _bf16_rotate(rope: RopeSpec, x: torch.Tensor, positions: torch.Tensor, seq_len: int) -> torch.Tensor:
+    ang = (positions.to(torch.bfloat16)[:, None] * rope.inv_freq(seq_len).to(torch.bfloat16)[None, :]).double()
+    return apply_rotation(x, torch.cos(ang) * rope.attention_factor, torch.sin(ang) * rope.attention_factor,
+                          rope.layout)
+
+
+class LowPrecisionAngles(RotationPolicy):
+    """Angles computed in bfloat16 everywhere (both engine paths agree; only float64 catches it)."""
+
+    name = "low-precision-angles"
+
+    def query(self, rope, q, positions, ctx):
+        return _bf16_rotate(rope, q, positions, ctx.seq_len)
+
+    def write_key(self, rope, k, positions, slots, ctx):
+        return _bf16_rotate(rope, k, positions, ctx.seq_len)
+
+    def read_keys(self, rope, stored, rotation_index, slots, ctx, *, backend_rotates):
+        if backend_rotates:
+            return _bf16_rotate(rope, stored.float(), rotation_index, ctx.seq_len)
+        return stored
+
+
+class StaleRotationEngine(Engine):
+    """An engine that keeps rotated keys under dynamic NTK instead of refusing the contract."""
+
+    def _allows_stale_rotation(self) -> bool:
+        return True
+
+
+class StaleAdapter(NativeAdapter):
+    engine_class = StaleRotationEngine
+
+
+def dynamic_variant(ckpt: Checkpoint, original_max: int = 64, factor: float = 2.0) -> Checkpoint:
+    """The same weights with dynamic NTK RoPE whose original length is ``original_max``."""
+    rope = ckpt.config.rope.replace(scaling=RopeScaling("dynamic", factor=factor), max_position_embeddings=original_max)
+    return ckpt.with_config(ckpt.config.replace(rope=rope))
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    kind: str  # the diagnosis kind the harness must give
+    description: str
+    key_form: str
+    shows_when: str  # what a case needs for the fault to show
+    policy: Callable[[], RotationPolicy]
+
+    def adapter(self, checkpoint: Checkpoint, *, dtype: str = "float32", key_form: str | None = None) -> NativeAdapter:
+        form = key_form or self.key_form
+        if self.name == "stale-dynamic-scaling":
+            if not checkpoint.config.rope.length_dependent:
+                checkpoint = dynamic_variant(checkpoint)
+            return StaleAdapter(checkpoint, key_form="rotated", dtype=dtype, rotation=RotationPolicy(),
+                                name=f"ropekv engine with fault {self.name}")
+        return NativeAdapter(checkpoint, key_form=form, dtype=dtype, rotation=self.policy(),
+                             name=f"ropekv engine with fault {self.name}")
+
+
+FAULTS: dict[str, Fault] = {f.name: f for f in (
+    Fault("double-rotation", "double_rotation", "decode rotates already-rotated keys again", "rotated",
+          "any decode past position 0", DoubleRotation),
+    Fault("missing-rotation", "missing_rotation", "raw keys stored where rotated ones are expected", "rotated",
+          "any decode past position 0", MissingRotation),
+    Fault("slot-as-position", "slot_as_position", "ring slot used as rotation index", "raw",
+          "a sliding window that has wrapped", SlotAsPosition),
+    Fault("ignored-prefix-offset", "ignored_prefix_offset", "positions restart at 0 after a prefix-cache hit",
+          "rotated", "a nonzero prefix offset", IgnoredPrefixOffset),
+    Fault("block-local-position", "block_local_position", "keys rotated by their offset inside the block",
+          "rotated", "a context longer than one block", BlockLocalPosition),
+    Fault("decode-position-off-by-one", "query_position_offset", "decode query rotated at t + 1", "rotated",
+          "any decode", DecodePositionOffByOne),
+    Fault("scaling-mismatch", "frequency_mismatch", "decode side uses theta x 4", "rotated", "any decode",
+          ScalingMismatch),
+    Fault("layout-mismatch", "layout_mismatch", "decode side pairs channels the other way", "rotated",
+          "any decode", LayoutMismatch),
+    Fault("low-precision-angles", "low_precision_angles", "rotation angles computed in bfloat16 in every path",
+          "rotated", "positions past a few hundred; only the float64 reference sees it", LowPrecisionAngles),
+    Fault("stale-dynamic-scaling", "stale_dynamic_scaling",
+          "rotated keys under dynamic NTK (original length 64, factor 2 unless the model has its own)", "rotated",
+          "decoding past the original length", RotationPolicy),
+)}
+
+
+def get_fault(name: str) -> Fault:
+    if name not in FAULTS:
+        raise UsageError(f"unknown fault {name!r}; choose one of: {', '.join(FAULTS)}")
+    return FAULTS[name]

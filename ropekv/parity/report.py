@@ -1,0 +1,143 @@
+"""The parity report: what ``ropekv check`` returns, prints and writes as JSON (docs/report.md)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .cases import Case
+
+REPORT_FORMAT = "ropekv.parity-report"
+REPORT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Where a cached run first left a reference."""
+
+    against: str  # "reference" (float64 decoder) or "self" (the engine's own full forward)
+    step: int  # decode step index
+    query_position: int
+    layer: int
+    head: int
+    key_position: int
+    key_slot: int
+    reference_logit: float
+    cached_logit: float
+    attn_error: float  # scale-aware error of the layer's attention logits
+    input_error: float  # scale-aware error of the layer's input hidden state
+    input_matched: bool
+
+    def describe(self) -> str:
+        where = "input matched" if self.input_matched else "input already differed"
+        return (f"vs {self.against}: decode step {self.step} (query position {self.query_position}), layer "
+                f"{self.layer} ({where}), head {self.head}, key position {self.key_position} (slot {self.key_slot}): "
+                f"reference {self.reference_logit:.4g}, cached {self.cached_logit:.4g}")
+
+
+@dataclass(frozen=True)
+class Diagnosis:
+    kind: str
+    evidence: str
+    details: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    case: Case
+    passed: bool
+    reference_passed: bool
+    self_passed: bool
+    max_abs_logit_diff: float  # final logits against the reference
+    max_attn_error: float  # worst attention-logit error against the reference
+    max_self_attn_error: float
+    first_divergence: Divergence | None
+    positions: tuple[int, ...]  # decode positions
+    attn_errors: tuple[tuple[float, ...], ...]  # [step][layer] against the reference
+    self_attn_errors: tuple[tuple[float, ...], ...]  # [step][layer] against the engine itself
+    ignored: tuple[str, ...] = ()
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "case": self.case.to_dict(),
+            "label": self.case.label(),
+            "passed": self.passed,
+            "reference_passed": self.reference_passed,
+            "self_passed": self.self_passed,
+            "max_abs_logit_diff": _num(self.max_abs_logit_diff),
+            "max_attn_error": _num(self.max_attn_error),
+            "max_self_attn_error": _num(self.max_self_attn_error),
+            "first_divergence": None if self.first_divergence is None else {
+                k: _num(v) for k, v in vars(self.first_divergence).items()},
+            "positions": list(self.positions),
+            "attn_errors": [[_num(x) for x in row] for row in self.attn_errors],
+            "self_attn_errors": [[_num(x) for x in row] for row in self.self_attn_errors],
+            "ignored": list(self.ignored),
+            "seconds": round(self.seconds, 3),
+        }
+
+
+@dataclass(frozen=True)
+class ParityReport:
+    passed: bool
+    model: dict[str, Any]
+    engine: dict[str, Any]
+    reference: str
+    tolerances: dict[str, float]
+    cases: tuple[CaseResult, ...]
+    diagnosis: Diagnosis | None
+    seconds: float
+    seed: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": REPORT_FORMAT,
+            "version": REPORT_VERSION,
+            "passed": self.passed,
+            "model": self.model,
+            "engine": self.engine,
+            "reference": self.reference,
+            "tolerances": self.tolerances,
+            "seed": self.seed,
+            "seconds": round(self.seconds, 2),
+            "cases": [c.to_dict() for c in self.cases],
+            "diagnosis": None if self.diagnosis is None else {
+                "kind": self.diagnosis.kind, "evidence": self.diagnosis.evidence, "details": self.diagnosis.details},
+        }
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent, allow_nan=False)
+
+    def table(self) -> str:
+        """Plain-text table of cases, then the verdict and diagnosis."""
+        header = f"{'case':<34} {'result':<7} {'max|dlogit|':>11} {'attn err':>9} {'self err':>9}  first divergence"
+        lines = [header, "-" * len(header)]
+        for r in self.cases:
+            fd = r.first_divergence
+            where = "-" if fd is None else (f"{fd.against}: step {fd.step} pos {fd.query_position} layer {fd.layer} "
+                                            f"head {fd.head} key {fd.key_position} (slot {fd.key_slot})")
+            lines.append(f"{r.case.label():<34} {'PASS' if r.passed else 'FAIL':<7} {r.max_abs_logit_diff:>11.2e} "
+                         f"{r.max_attn_error:>9.2e} {r.max_self_attn_error:>9.2e}  {where}")
+            if r.ignored:
+                lines.append(f"{'':<34} note: ignored for this engine: {', '.join(r.ignored)}")
+        n_fail = sum(not r.passed for r in self.cases)
+        lines.append("")
+        if self.passed:
+            lines.append(f"parity holds in all {len(self.cases)} cases ({self.seconds:.1f} s)")
+        else:
+            lines.append(f"parity FAILS in {n_fail} of {len(self.cases)} cases ({self.seconds:.1f} s)")
+            first = next(r for r in self.cases if not r.passed)
+            if first.first_divergence is not None:
+                lines.append("first divergence " + first.first_divergence.describe())
+        if self.diagnosis is not None:
+            lines.append(f"diagnosis: {self.diagnosis.kind}: {self.diagnosis.evidence}")
+        return "\n".join(lines)
+
+
+def _num(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return "inf" if x > 0 else ("-inf" if x < 0 else "nan")
+    return x
