@@ -123,6 +123,18 @@ class Engine:
     def num_tokens(self, seq_id) -> int:
         return self.cache.num_tokens(seq_id)
 
+    def export_handoff(self, seq_id, tokens: torch.Tensor):
+        """The cached state of ``seq_id`` as a :class:`ropekv.transfer.Handoff` (see docs/handoff.md)."""
+        from .transfer.importer import export_handoff
+
+        return export_handoff(self, seq_id, tokens)
+
+    def import_handoff(self, handoff, convert: str = "never", seq_id=None):
+        """Import a handed-off sequence, all or nothing, after checking its contract against ours."""
+        from .transfer.importer import import_handoff
+
+        return import_handoff(self, handoff, convert=convert, seq_id=seq_id)
+
     def forward_full(self, tokens: torch.Tensor, *, probe_rows: list[int] | None = None) -> StepOutput:
         """The engine's own cache-free forward over ``tokens [T]`` at positions ``0..T-1``."""
         tokens = self._check_tokens(tokens)
@@ -162,9 +174,8 @@ class Engine:
     def _step(self, seq_id, tokens: torch.Tensor, *, phase: str, probe: bool) -> StepOutput:
         start = self.cache.last_position(seq_id) + 1
         positions = torch.arange(start, start + tokens.numel(), dtype=torch.int64)
-        if int(positions[-1]) >= self.config.max_position_embeddings:
-            raise UsageError(f"position {int(positions[-1])} is beyond the model's "
-                             f"{self.config.max_position_embeddings} positions")
+        if int(positions[-1]) >= self.config.position_limit:
+            raise UsageError(f"position {int(positions[-1])} is beyond the model's {self.config.position_limit} positions")
         rows = list(range(tokens.numel())) if probe else None
         return self._run(tokens, positions, seq_id, phase=phase, probe_rows=rows)
 
@@ -181,7 +192,7 @@ class Engine:
         for layer, lw in enumerate(self.weights.layers):
             window = c.window if layer in c.window_layers else None
             q, k, v = project_qkv(cfg, lw, h)  # [n, H, D], [n, KVH, D], [n, KVH, D]
-            new_slots = _slots(num_before, n, window, c.sink_tokens)
+            new_slots = self.cache.slots_of(layer, num_before, n)
             stored_new = k if c.key_form == "raw" else rot.write_key(rope, k, positions, new_slots, ctx)
             if seq_id is not None:
                 view = self.cache.view(seq_id, layer)
@@ -224,11 +235,3 @@ class Engine:
             all_logits.append(lg)
             q_effs.append(qi)
         return torch.cat(outs), torch.cat(all_logits, dim=1), torch.cat(q_effs), k_eff
-
-
-def _slots(num_before: int, n: int, window: int | None, sinks: int) -> torch.Tensor:
-    """Slots ``[n]`` of the next ``n`` tokens of a sequence that has ``num_before`` (same rule as the cache)."""
-    idx = torch.arange(num_before, num_before + n, dtype=torch.int64)
-    if window is None:
-        return idx
-    return torch.where(idx < sinks, idx, sinks + (idx - sinks) % window)

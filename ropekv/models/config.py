@@ -83,6 +83,15 @@ class ModelConfig:
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ConfigError("sliding_attention layers need a sliding_window")
 
+    @property
+    def position_limit(self) -> int:
+        """Positions the model can be run at: ``max_position_embeddings``, except that dynamic NTK
+        exists to go past it (up to ``factor`` times, as it was tuned for)."""
+        if self.rope.scaling.rope_type == "dynamic":
+            base = max(self.max_position_embeddings, self.rope.max_position_embeddings)
+            return int(base * max(1.0, self.rope.scaling.factor))
+        return self.max_position_embeddings
+
     def layer_window(self, layer: int) -> int | None:
         """The window of ``layer``, or None for full attention."""
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None

@@ -47,7 +47,7 @@ def check(engine: EngineAdapter | Checkpoint, *, lengths=None, block_sizes=None,
     if cases is None:
         cases = build_matrix(lengths=lengths, block_sizes=block_sizes, prefix_offsets=prefix_offsets, window=window,
                              sink_tokens=sink_tokens, chunk=chunk, decode_steps=decode_steps,
-                             max_positions=cfg.max_position_embeddings)
+                             max_positions=cfg.position_limit)
     if not cases:
         raise UsageError("no parity cases to run")
     started = time.perf_counter()

@@ -1,0 +1,425 @@
+"""Paged KV cache: per-layer key/value blocks, the logical position of every slot, prefix forks with
+copy-on-write, and sliding-window rings with attention sinks.
+
+Layers are grouped by attention kind. The "full" group holds the layers outside
+``contract.window_layers``, the "sliding" group the windowed ones; each group has its own
+:class:`BlockAllocator`, its own ``positions [num_blocks, block_size]`` tensor (-1 = empty), and each
+sequence one block table per group. A sequence's ``n``-th appended token (write index ``n``) goes to
+
+- full group: ``slot = n``;
+- sliding group (window W, sinks S): ``slot = n if n < S else S + (n - S) % W``, a ring of S + W slots.
+
+Physical location: block ``table[slot // block_size]``, offset ``slot % block_size``. Slots wrap, logical
+positions keep increasing: positions are *stored* per slot and never derived from the slot
+(the "slot as position" bug, ROPE_KV_PRIMER.md section 6).
+
+Every mutating call validates everything first and then writes; a rejected call leaves the cache
+exactly as it was (:meth:`PagedKVCache.state_digest` proves it in the tests).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Sequence
+
+import torch
+
+from ..contract import CacheContract, key_form_consequence
+from ..errors import CacheError, CapacityError, ContractMismatch, UsageError
+from .allocator import BlockAllocator
+
+FULL, SLIDING = "full", "sliding"
+
+
+@dataclass(frozen=True)
+class KVView:
+    """The live tokens of one sequence in one layer, in position order. Read-only."""
+
+    keys: torch.Tensor  # [N, num_kv_heads, head_dim], contract dtype
+    values: torch.Tensor  # [N, num_kv_heads, head_dim]
+    positions: torch.Tensor  # [N] int64, logical positions, strictly increasing
+    slots: torch.Tensor  # [N] int64, slot of each token within the sequence (never a position)
+
+
+class _Group:
+    """Layers of one attention kind: their allocator, slot rule and per-slot positions."""
+
+    def __init__(self, name: str, layers: tuple[int, ...], window: int | None, sinks: int,
+                 num_blocks: int, block_size: int, device: torch.device):
+        self.name, self.layers, self.window, self.sinks = name, layers, window, sinks
+        self.block_size = block_size
+        self.allocator = BlockAllocator(num_blocks)
+        self.positions = torch.full((num_blocks, block_size), -1, dtype=torch.int64, device=device)
+
+    @property
+    def ring(self) -> int | None:
+        """Slots of the ring (S + W), or None for an unbounded full-attention table."""
+        return None if self.window is None else self.sinks + self.window
+
+    def slots(self, index: torch.Tensor) -> torch.Tensor:
+        """Slot of each write index ``[k]`` -> ``[k]``."""
+        if self.window is None:
+            return index
+        s = self.sinks
+        return torch.where(index < s, index, s + (index - s) % self.window)
+
+    def num_slots(self, num_tokens: int) -> int:
+        """Slots a sequence of ``num_tokens`` tokens occupies."""
+        return num_tokens if self.ring is None else min(num_tokens, self.ring)
+
+    def live(self, num_tokens: int) -> torch.Tensor:
+        """Write indices whose token is live after ``num_tokens`` appends, ascending ``[N]`` int64."""
+        if self.window is None or num_tokens <= self.ring:
+            return torch.arange(num_tokens, dtype=torch.int64)
+        sinks = torch.arange(min(self.sinks, num_tokens), dtype=torch.int64)
+        recent = torch.arange(max(self.sinks, num_tokens - self.window), num_tokens, dtype=torch.int64)
+        return torch.cat((sinks, recent))
+
+    def survivors(self, start: int, n: int) -> torch.Tensor:
+        """Rows of a chunk of ``n`` tokens from write index ``start`` whose slot no later row of the
+        chunk overwrites (all of them unless the chunk is longer than the ring), ``[k]`` int64."""
+        rows = torch.arange(n, dtype=torch.int64)
+        if self.window is None:
+            return rows
+        index = rows + start
+        return rows[(index < self.sinks) | (index >= start + n - self.window)]
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-self.num_slots(num_tokens) // self.block_size)
+
+
+@dataclass
+class _Seq:
+    num_tokens: int = 0
+    last_position: int = -1
+    tables: dict[str, list[int]] = field(default_factory=dict)  # group name -> block ids
+
+
+class PagedKVCache:
+    """Key/value storage for several sequences on one pool, under one :class:`CacheContract`.
+
+    ``keys[layer]``/``values[layer]``: ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the
+    contract dtype. Each group (full / sliding) has ``num_blocks`` blocks of its own.
+    """
+
+    def __init__(self, contract: CacheContract, num_blocks: int, device: str | torch.device = "cpu"):
+        if not isinstance(contract, CacheContract):
+            raise UsageError(f"PagedKVCache needs a CacheContract, got {type(contract).__name__}")
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
+            raise UsageError(f"num_blocks must be an integer >= 1, got {num_blocks!r}")
+        self.contract = contract
+        self.device = torch.device(device)
+        c = contract
+        sliding = tuple(c.window_layers)
+        full = tuple(i for i in range(c.num_layers) if i not in sliding)
+        self._groups: dict[str, _Group] = {}
+        if full:
+            self._groups[FULL] = _Group(FULL, full, None, 0, num_blocks, c.block_size, self.device)
+        if sliding:
+            self._groups[SLIDING] = _Group(SLIDING, sliding, c.window, c.sink_tokens, num_blocks,
+                                           c.block_size, self.device)
+        self._layer_group = [SLIDING if i in sliding else FULL for i in range(c.num_layers)]
+        shape = (num_blocks, c.block_size, c.num_kv_heads, c.head_dim)
+        self.keys = [torch.zeros(shape, dtype=c.torch_dtype, device=self.device) for _ in range(c.num_layers)]
+        self.values = [torch.zeros(shape, dtype=c.torch_dtype, device=self.device) for _ in range(c.num_layers)]
+        self._seqs: dict[Hashable, _Seq] = {}
+        # (seq_id, group) -> (flat slot index [N], slots [N], positions [N]); see _index.
+        self._index_cache: dict[tuple[Hashable, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    # ------------------------------------------------------------------ sequences
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        return tuple(self._groups)
+
+    def slots_of(self, layer: int, num_before: int, n: int) -> torch.Tensor:
+        """Slots ``[n]`` the next ``n`` tokens of a sequence holding ``num_before`` will take in ``layer``."""
+        g = self._groups[self.layer_group(layer)]
+        return g.slots(torch.arange(num_before, num_before + n, dtype=torch.int64))
+
+    def layer_group(self, layer: int) -> str:
+        self._check_layer(layer)
+        return self._layer_group[layer]
+
+    def create(self, seq_id: Hashable) -> None:
+        if seq_id in self._seqs:
+            raise CacheError(f"sequence {seq_id!r} already exists")
+        self._seqs[seq_id] = _Seq(tables={g: [] for g in self._groups})
+
+    def has(self, seq_id: Hashable) -> bool:
+        return seq_id in self._seqs
+
+    def seq_ids(self) -> list[Hashable]:
+        return list(self._seqs)
+
+    def num_tokens(self, seq_id: Hashable) -> int:
+        return self._seq(seq_id).num_tokens
+
+    def last_position(self, seq_id: Hashable) -> int:
+        """Logical position of the last appended token, -1 for an empty sequence."""
+        return self._seq(seq_id).last_position
+
+    def block_table(self, seq_id: Hashable, group: str = FULL) -> tuple[int, ...]:
+        return tuple(self._seq(seq_id).tables[self._group(group).name])
+
+    def refcount(self, block: int, group: str = FULL) -> int:
+        return self._group(group).allocator.refcount(block)
+
+    def free(self, seq_id: Hashable) -> None:
+        """Release the sequence's blocks (a shared block stays with its other holders)."""
+        seq = self._seq(seq_id)
+        for name, table in seq.tables.items():
+            g = self._groups[name]
+            for block in table:
+                if g.allocator.decref(block) == 0:
+                    g.positions[block] = -1
+        del self._seqs[seq_id]
+        self._invalidate(seq_id)
+
+    def fork(self, new_seq_id: Hashable, parent_seq_id: Hashable, prefix_len: int) -> None:
+        """Start ``new_seq_id`` from the first ``prefix_len`` tokens of the parent (a prefix-cache hit).
+
+        The child shares the parent's blocks covering its slots; whoever writes into a shared block
+        later copies it first. A sliding ring is refused when the parent already overwrote a slot
+        the child still needs: parent token ``m >= S + W`` overwrites the slot of token ``m - W``, so
+        the child's oldest live non-sink token ``j = max(S, prefix_len - W)`` is gone iff
+        ``prefix_len > S`` and ``j + W < parent.num_tokens``.
+        """
+        parent = self._seq(parent_seq_id)
+        if new_seq_id in self._seqs:
+            raise CacheError(f"fork: sequence {new_seq_id!r} already exists")
+        if not isinstance(prefix_len, int) or isinstance(prefix_len, bool) or not 0 < prefix_len <= parent.num_tokens:
+            raise CacheError(
+                f"fork: prefix_len {prefix_len!r} out of range (0, {parent.num_tokens}] "
+                f"for parent {parent_seq_id!r} with {parent.num_tokens} tokens"
+            )
+        g = self._groups.get(SLIDING)
+        if g is not None and prefix_len > g.sinks:
+            oldest = max(g.sinks, prefix_len - g.window)
+            if oldest + g.window < parent.num_tokens:
+                raise CacheError(
+                    f"fork: parent {parent_seq_id!r} has {parent.num_tokens} tokens and its window ring "
+                    f"(S={g.sinks}, W={g.window}) already overwrote the slot of token {oldest} (by token "
+                    f"{oldest + g.window}), which a prefix of {prefix_len} still needs"
+                )
+        child = _Seq(num_tokens=prefix_len)
+        for name, grp in self._groups.items():
+            shared = parent.tables[name][: grp.blocks_needed(prefix_len)]
+            for block in shared:
+                grp.allocator.incref(block)
+            child.tables[name] = list(shared)
+        first = self._groups[FULL] if FULL in self._groups else self._groups[SLIDING]
+        slot = int(first.slots(torch.tensor([prefix_len - 1]))[0])
+        block = child.tables[first.name][slot // first.block_size]
+        child.last_position = int(first.positions[block, slot % first.block_size])
+        self._seqs[new_seq_id] = child
+
+    # ------------------------------------------------------------------ append
+
+    def append(
+        self,
+        seq_id: Hashable,
+        positions: torch.Tensor,
+        keys: Sequence[torch.Tensor],
+        values: Sequence[torch.Tensor],
+        *,
+        key_form: str,
+    ) -> None:
+        """Append ``n`` tokens to every layer: ``positions [n]``, ``keys[layer]``/``values[layer]``
+        ``[n, num_kv_heads, head_dim]``. Validates everything (sequence, key form, shapes, finite
+        values, increasing positions, capacity including copy-on-write) before changing anything."""
+        seq = self._seq(seq_id)
+        if key_form != self.contract.key_form:
+            raise ContractMismatch(
+                f"append to sequence {seq_id!r}: key_form={key_form!r} but the cache contract says "
+                f"key_form={self.contract.key_form!r} "
+                f"({key_form_consequence(stored=key_form, reader=self.contract.key_form)})",
+                fields=("key_form",),
+            )
+        pos = self._check_positions(seq_id, seq, positions)
+        n = pos.numel()
+        self._check_tensors("keys", keys, n)
+        self._check_tensors("values", values, n)
+
+        plans = {name: self._plan(g, seq, n) for name, g in self._groups.items()}
+        short = []
+        for name, (_, _, new, cow) in plans.items():
+            free = self._groups[name].allocator.num_free
+            if new + len(cow) > free:
+                short.append(f"{new + len(cow)} block(s) in the {name} group ({new} new, {len(cow)} "
+                             f"copy-on-write) with {free} free")
+        if short:
+            raise CapacityError(f"append of {n} token(s) to sequence {seq_id!r} needs " + "; ".join(short))
+
+        for name, (rows, slots, new, cow) in plans.items():
+            g, table = self._groups[name], seq.tables[name]
+            for i in cow:
+                table[i] = self._copy_block(g, table[i])
+            for _ in range(new):
+                block = g.allocator.allocate()
+                g.positions[block] = -1
+                table.append(block)
+            bs = g.block_size
+            blocks = torch.tensor(table, dtype=torch.int64)
+            flat = (blocks[slots // bs] * bs + slots % bs).to(self.device)  # [k]
+            every = rows.numel() == n  # only a chunk longer than the ring skips rows
+            rows_d = rows.to(self.device)
+            g.positions.view(-1)[flat] = pos if every else pos[rows_d]
+            for layer in g.layers:
+                for pool, src in ((self.keys[layer], keys[layer]), (self.values[layer], values[layer])):
+                    src = src.to(device=self.device, dtype=pool.dtype).reshape(n, -1)  # [n, KVH * D]
+                    _rows2d(pool).index_copy_(0, flat, src if every else src[rows_d])
+        seq.num_tokens += n
+        seq.last_position = int(pos[-1])
+        self._invalidate(seq_id)
+
+    def _plan(self, g: _Group, seq: _Seq, n: int) -> tuple[torch.Tensor, torch.Tensor, int, list[int]]:
+        """Rows of the chunk to write, their slots, how many new blocks and which table indices to
+        copy on write (shared blocks, refcount > 1) for an append of ``n`` tokens."""
+        rows = g.survivors(seq.num_tokens, n)
+        slots = g.slots(rows + seq.num_tokens)  # [k]
+        table = seq.tables[g.name]
+        touched = sorted(set((slots // g.block_size).tolist()))
+        new = [i for i in touched if i >= len(table)]
+        assert new == list(range(len(table), len(table) + len(new))), "slots fill block tables in order"
+        cow = [i for i in touched if i < len(table) and g.allocator.refcount(table[i]) > 1]
+        return rows, slots, len(new), cow
+
+    def _copy_block(self, g: _Group, old: int) -> int:
+        """Copy-on-write: a private copy of a shared block (every layer of the group + positions)."""
+        new = g.allocator.allocate()
+        for layer in g.layers:
+            self.keys[layer][new] = self.keys[layer][old]
+            self.values[layer][new] = self.values[layer][old]
+        g.positions[new] = g.positions[old]
+        g.allocator.decref(old)
+        return new
+
+    def _check_positions(self, seq_id: Hashable, seq: _Seq, positions: Any) -> torch.Tensor:
+        if not isinstance(positions, torch.Tensor):
+            raise CacheError(f"append to {seq_id!r}: positions must be a tensor, got {type(positions).__name__}")
+        if positions.dim() != 1 or positions.numel() == 0:
+            raise CacheError(f"append to {seq_id!r}: positions must be 1-D [n] with n >= 1, got shape {tuple(positions.shape)}")
+        if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+            raise CacheError(f"append to {seq_id!r}: positions must be integers, got {positions.dtype}")
+        pos = positions.to(device=self.device, dtype=torch.int64)
+        steps = pos[1:] - pos[:-1]
+        if pos.numel() > 1 and not bool((steps > 0).all()):
+            bad = int(torch.nonzero(steps <= 0)[0])
+            raise CacheError(
+                f"append to {seq_id!r}: positions must strictly increase; position {int(pos[bad + 1])} "
+                f"follows {int(pos[bad])} (positions {pos.tolist()[:16]}{'...' if pos.numel() > 16 else ''})"
+            )
+        if int(pos[0]) <= seq.last_position:
+            raise CacheError(
+                f"append to {seq_id!r}: first position {int(pos[0])} does not follow the last cached "
+                f"position {seq.last_position}"
+            )
+        return pos
+
+    def _check_tensors(self, what: str, tensors: Any, n: int) -> None:
+        c = self.contract
+        if not isinstance(tensors, (list, tuple)) or len(tensors) != c.num_layers:
+            got = len(tensors) if isinstance(tensors, (list, tuple)) else type(tensors).__name__
+            raise CacheError(f"append: {what} must be a list with one tensor per layer ({c.num_layers}), got {got}")
+        want = (n, c.num_kv_heads, c.head_dim)
+        for layer, t in enumerate(tensors):
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                raise CacheError(f"append: {what}[{layer}] must be a floating-point tensor")
+            if tuple(t.shape) != want:
+                raise CacheError(f"append: {what}[{layer}] has shape {tuple(t.shape)}, expected {want}")
+            lo, hi = torch.aminmax(t)  # propagates NaN; cheaper than isfinite(t).all() on big chunks
+            if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
+                raise CacheError(f"append: {what}[{layer}] holds NaN or infinite values")
+
+    # ------------------------------------------------------------------ reading
+
+    def view(self, seq_id: Hashable, layer: int) -> KVView:
+        """The live tokens of ``seq_id`` in ``layer`` in position order (a copy, gathered)."""
+        seq = self._seq(seq_id)
+        self._check_layer(layer)
+        flat, slots, positions = self._index(seq_id, seq, self._groups[self._layer_group[layer]])
+        shape = (flat.numel(), *self.keys[layer].shape[2:])
+        return KVView(
+            keys=_rows2d(self.keys[layer]).index_select(0, flat).view(shape),
+            values=_rows2d(self.values[layer]).index_select(0, flat).view(shape),
+            positions=positions.clone(),
+            slots=slots.clone(),
+        )
+
+    def positions(self, seq_id: Hashable) -> torch.Tensor:
+        """Logical positions ``[N]`` of the full group's tokens (the live sliding ones if every layer slides)."""
+        seq = self._seq(seq_id)
+        g = self._groups[FULL] if FULL in self._groups else self._groups[SLIDING]
+        return self._index(seq_id, seq, g)[2].clone()
+
+    def _index(self, seq_id: Hashable, seq: _Seq, g: _Group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Flat slot index into ``[num_blocks * block_size]``, slots and positions of the live tokens,
+        cached per (sequence, group) until the sequence changes. Liveness comes from ``num_tokens``,
+        not stored positions: a forked child may share a block holding the parent's later tokens."""
+        key = (seq_id, g.name)
+        hit = self._index_cache.get(key)
+        if hit is None:
+            slots = g.slots(g.live(seq.num_tokens))  # [N]
+            bs = g.block_size
+            blocks = torch.tensor(seq.tables[g.name], dtype=torch.int64)
+            flat = (blocks[slots // bs] * bs + slots % bs).to(self.device)
+            hit = (flat, slots.to(self.device), g.positions.view(-1).index_select(0, flat))
+            self._index_cache[key] = hit
+        return hit
+
+    # ------------------------------------------------------------------ accounting
+
+    def num_free_blocks(self, group: str = FULL) -> int:
+        return self._group(group).allocator.num_free
+
+    def nbytes(self) -> int:
+        """Bytes of all key and value pools (positions and tables not counted)."""
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def bytes_in_use(self) -> int:
+        """Blocks in use times the bytes one block takes over all layers of its group (keys + values)."""
+        per_block = self.keys[0][0].numel() * self.keys[0].element_size() * 2
+        return sum(
+            (g.allocator.num_blocks - g.allocator.num_free) * per_block * len(g.layers) for g in self._groups.values()
+        )
+
+    def state_digest(self) -> str:
+        """sha256 over every pool, positions tensor, allocator and sequence table (tests: nothing changed)."""
+        h = hashlib.sha256()
+        for t in self.keys + self.values + [g.positions for g in self._groups.values()]:
+            h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        for name, g in self._groups.items():
+            h.update(repr((name, g.allocator.refcounts())).encode())
+        for seq_id in sorted(self._seqs, key=repr):
+            s = self._seqs[seq_id]
+            h.update(repr((seq_id, s.num_tokens, s.last_position, sorted(s.tables.items()))).encode())
+        return h.hexdigest()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _seq(self, seq_id: Hashable) -> _Seq:
+        try:
+            return self._seqs[seq_id]
+        except (KeyError, TypeError):
+            raise CacheError(f"unknown sequence {seq_id!r}") from None
+
+    def _group(self, name: str) -> _Group:
+        if name not in self._groups:
+            raise UsageError(f"no {name!r} layer group in this cache; groups: {', '.join(self._groups)}")
+        return self._groups[name]
+
+    def _check_layer(self, layer: int) -> None:
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.contract.num_layers:
+            raise UsageError(f"layer {layer!r} out of range [0, {self.contract.num_layers})")
+
+    def _invalidate(self, seq_id: Hashable) -> None:
+        for name in self._groups:
+            self._index_cache.pop((seq_id, name), None)
+
+
+def _rows2d(pool: torch.Tensor) -> torch.Tensor:
+    """``[num_blocks, block_size, KVH, D]`` as ``[num_blocks * block_size, KVH * D]`` (a view): row
+    gathers and scatters on 2-D tensors are several times faster than on 3-D ones in torch on CPU."""
+    return pool.view(pool.shape[0] * pool.shape[1], -1)

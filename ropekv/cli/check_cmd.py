@@ -1,0 +1,98 @@
+"""``ropekv check``: the parity harness from the command line (the project's main job)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import UsageError
+from .options import add_model_argument, int_list, positive_int, writable_path
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("check", help="prove cached decoding matches a full forward, layer by layer",
+                       description="Cached prefill + decode against the engine's own full forward and an "
+                                   "independent float64 reference, layer by layer; names the bug on divergence. "
+                                   "Exit 0: parity holds; 1: divergence; 2: bad input; 3: contract refused.")
+    add_model_argument(p)
+    p.add_argument("--engine", choices=("ropekv", "hf"), default="ropekv",
+                   help="ropekv's paged engine (default) or the model's transformers implementation")
+    p.add_argument("--key-form", choices=("raw", "rotated"), default=None, help="cache key form (default rotated)")
+    p.add_argument("--backend", choices=("rotated", "rotate_on_read"), default=None,
+                   help="attention backend (default: the one the key form needs)")
+    p.add_argument("--lengths", type=int_list, help="prompt lengths, e.g. 1,17,513")
+    p.add_argument("--block-sizes", type=int_list, help="cache block sizes, e.g. 1,7,16")
+    p.add_argument("--prefix-offsets", type=int_list, help="prefix-cache hit lengths, e.g. 0,13")
+    p.add_argument("--window", type=positive_int, help="sliding window applied to every layer")
+    p.add_argument("--sinks", type=int, default=0, help="sink tokens kept forever (with --window)")
+    p.add_argument("--chunk", type=positive_int, help="prefill chunk size")
+    p.add_argument("--decode-steps", type=positive_int, help="decode steps per case (default 3)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float64"), default="float32")
+    p.add_argument("--inject", metavar="FAULT", help="run a catalogued fault (see --list-faults)")
+    p.add_argument("--list-faults", action="store_true", help="list the fault catalogue and exit")
+    p.add_argument("--json", metavar="PATH", help="write the whole report as JSON")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG of divergence per layer against position")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--seed", type=int, default=0, help="seed of the token sequence")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..parity.faults import FAULTS, get_fault
+
+    if args.list_faults:
+        for f in FAULTS.values():
+            print(f"{f.name:28s} -> {f.kind:22s} {f.description} (shows with: {f.shows_when})")
+        return 0
+    # Everything that can be refused is refused before any heavy work.
+    fault = get_fault(args.inject) if args.inject else None
+    json_path = writable_path(args.json, "--json")
+    plot_path = writable_path(args.plot, "--plot")
+    if args.sinks < 0 or (args.sinks and args.window is None):
+        raise UsageError("--sinks needs --window and must be >= 0")
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: no CUDA device is available")
+    if args.engine == "hf" and (fault or args.key_form or args.backend):
+        raise UsageError("--engine hf checks the model's own cache; --inject/--key-form/--backend apply to ropekv's engine")
+
+    from ..models import load_checkpoint
+    from ..parity.cases import build_matrix
+    from ..parity.harness import check
+
+    ckpt = load_checkpoint(args.model)
+    cfg = ckpt.config
+    cases = build_matrix(lengths=args.lengths, block_sizes=args.block_sizes, prefix_offsets=args.prefix_offsets,
+                         window=args.window, sink_tokens=args.sinks, chunk=args.chunk, decode_steps=args.decode_steps,
+                         max_positions=cfg.position_limit)
+    longest = max(c.total for c in cases)
+    if args.window is not None and args.window + args.sinks >= longest:
+        raise UsageError(f"--window {args.window} is not smaller than the longest context ({longest} tokens): "
+                         "it would never wrap")
+    if args.engine == "hf":
+        from ..adapters.hf import HFEngine
+
+        adapter = HFEngine.load(args.model, dtype=args.dtype)
+    elif fault is not None:
+        adapter = fault.adapter(ckpt, dtype=args.dtype, key_form=args.key_form)
+    else:
+        from ..adapters.native import NativeAdapter
+
+        adapter = NativeAdapter(ckpt, key_form=args.key_form or "rotated", backend=args.backend, dtype=args.dtype,
+                                device=args.device)
+    print(f"model: {cfg.name} ({cfg.architecture}, {cfg.num_layers} layers, fingerprint {ckpt.fingerprint}); "
+          f"engine: {adapter.name}; {len(cases)} cases", file=sys.stderr)
+    report = check(adapter, cases=cases, seed=args.seed, progress=not args.no_progress and sys.stderr.isatty())
+    print(report.table())
+    if json_path is not None:
+        json_path.write_text(report.to_json())
+        print(f"report written to {json_path}", file=sys.stderr)
+    if plot_path is not None:
+        from ..parity.plot import plot_report
+
+        plot_report(report, plot_path)
+        print(f"plot written to {plot_path}", file=sys.stderr)
+    return 0 if report.passed else 1

@@ -1,0 +1,70 @@
+"""``ropekv``: a thin command line over the library.
+
+Each subcommand lives in its own module with ``add_parser(subparsers)`` and ``run(args) -> int``.
+Every :class:`ropekv.errors.RopeKVError` becomes one line on stderr and its exit code (docs/errors.md);
+a traceback is printed only with ``--debug``. Exit codes: 0 ok, 1 parity does not hold, 2 bad input or
+usage, 3 a contract refused at a boundary, 4 a transport failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+import traceback
+
+from ..errors import RopeKVError, UsageError
+
+SUBCOMMANDS = ("check", "run", "handoff", "bench")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises UsageError instead of exiting, so usage errors share the one-line path."""
+
+    def error(self, message: str):  # noqa: D401
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="ropekv", description="Make a KV cache's RoPE convention explicit and prove cached "
+                                                "decoding matches a full forward pass.")
+    parser.add_argument("--debug", action="store_true", help="print a traceback on errors")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name in SUBCOMMANDS:
+        module = _module(name)
+        if module is not None:
+            module.add_parser(sub)
+    return parser
+
+
+def _module(name: str):
+    try:
+        return importlib.import_module(f"ropekv.cli.{name}_cmd")
+    except ModuleNotFoundError as exc:
+        if exc.name == f"ropekv.cli.{name}_cmd":
+            return None
+        raise
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in argv
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help(sys.stderr)
+            return 2
+        return int(args.handler(args))
+    except RopeKVError as exc:
+        if debug:
+            traceback.print_exc()
+        print(f"ropekv: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("ropekv: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,346 @@
+"""The cache contract: the RoPE convention of a KV cache, explicit and checked at every boundary.
+
+A KV cache can hold keys *rotated* (``R(j) k_j``, what HF transformers, vLLM and llama.cpp store) or
+*raw* (``k_j`` after ``k_proj``/``k_norm``; the attention kernel rotates on read, FlashInfer-style).
+Both are right; mixing them is the bug (docs/contract.md, ROPE_KV_PRIMER.md section 4). A
+:class:`CacheContract` records the form and everything else that decides what a cached key means, so
+that an append, an import or a prefill->decode handoff can refuse keys written under another
+convention (:meth:`CacheContract.require_compatible`) instead of silently computing wrong attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .errors import ConfigError, ContractMismatch
+from .rope import RopeSpec
+
+if TYPE_CHECKING:  # only attributes are read; avoids importing the model loaders
+    from .models.config import ModelConfig
+
+KEY_FORMS = ("raw", "rotated")
+ROTATION_INDICES = ("logical", "cache")
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
+FORMAT = "ropekv.cache_contract"
+FORMAT_VERSION = 1
+
+_FREQUENCIES = "keys and queries would turn at different frequencies: the error grows with position"
+_WINDOW = "the reader would see keys the writer dropped, or miss keys"
+# What goes wrong when a differing field is ignored. key_form depends on the direction and is
+# worded in :func:`consequence`; "rope.scaling.*" share the frequency sentence.
+_CONSEQUENCES: dict[str, str] = {
+    "kernel_rotates": (
+        "one side's attention kernel rotates keys on read and the other's does not: keys would be "
+        "rotated twice (at twice their position) or never (every key at position 0)"
+    ),
+    "rotation_index": (
+        "one side rotates by logical position, the other by index among cached tokens: once tokens are "
+        "evicted or a prefix offset exists, keys would turn by the wrong angle (slot used as position)"
+    ),
+    "rope.head_dim": "keys would have another size per head: nothing would be read right",
+    "rope.rotary_dim": (
+        "a different number of channels would rotate (partial rotary): the channels in between would be "
+        "wrong from the first layer"
+    ),
+    "rope.theta": _FREQUENCIES,
+    "rope.layout": "channel pairs would not match: wrong from the first layer",
+    "rope.scaling": _FREQUENCIES,
+    "rope.attention_factor": (
+        "cos/sin would be scaled by another attention factor: every attention logit would be off by the ratio"
+    ),
+    "rope.max_position_embeddings": (
+        "length-dependent scaling (dynamic NTK, LongRoPE) would switch at another length: " + _FREQUENCIES
+    ),
+    "window": _WINDOW,
+    "window_layers": "a layer windowed on one side is full on the other: " + _WINDOW,
+    "sink_tokens": "sinks kept on one side are evicted on the other and ring slots shift: " + _WINDOW,
+    "block_size": "blocks would be cut at other token boundaries: block tables would address the wrong slots",
+    "dtype": "key and value bytes would be read in another precision: garbage, or a silent precision change",
+    "num_layers": "layer counts differ: keys would be read for the wrong layer, or be missing",
+    "num_kv_heads": "head counts differ: tensors would not fit, or one head's keys would be read as another's",
+    "head_dim": "head sizes differ: tensors would not fit, channels would be misread",
+    "model_fingerprint": "keys come from another model: attention would read keys this model never produced",
+}
+
+
+@dataclass(frozen=True)
+class FieldDiff:
+    """One field two contracts disagree on; ``field`` is dotted inside the RoPE spec (``rope.theta``)."""
+
+    field: str
+    ours: Any
+    theirs: Any
+
+
+def key_form_consequence(stored: str, reader: str) -> str:
+    """What a reader expecting ``reader`` keys computes from keys stored as ``stored``."""
+    if stored == "rotated" and reader == "raw":
+        return "stored keys are rotated, reader rotates again: keys would sit at twice their position"
+    if stored == "raw" and reader == "rotated":
+        return "stored keys are raw, reader expects rotated ones and never rotates: every key would sit at position 0"
+    if stored == reader:
+        return "key forms agree"
+    return f"keys stored as {stored!r} cannot be read as {reader!r}: key_form must be one of {KEY_FORMS}"
+
+
+def consequence(diff: FieldDiff) -> str:
+    """What goes wrong if ``diff`` is ignored; ``theirs`` wrote the keys, ``ours`` reads them."""
+    if diff.field == "key_form":
+        return key_form_consequence(stored=diff.theirs, reader=diff.ours)
+    if diff.field.startswith("rope.scaling."):
+        return _CONSEQUENCES["rope.scaling"]
+    return _CONSEQUENCES[diff.field]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CacheContract:
+    """Everything that decides what a cached key means. Frozen; invalid combinations raise ConfigError.
+
+    - ``key_form``: ``"rotated"`` (stored after ``R(position)``) or ``"raw"`` (rotated on read).
+    - ``rope``: the :class:`RopeSpec` keys are (or will be) rotated with.
+    - ``rotation_index``: ``"logical"`` rotates a token by its position in its sequence; ``"cache"``
+      by its index among the cached tokens the reader sees (StreamingLLM sinks re-index on purpose).
+      ``"cache"`` needs raw keys: the index of a rotated key is baked in when it is written, and it
+      changes every time the window evicts a token, so rotated keys would all have to be rotated
+      again on every eviction -- the "rotate all cached keys" change the contract exists to stop.
+    - ``kernel_rotates``: the attention kernel applies RoPE to keys on read. True iff key_form is raw:
+      raw keys need something to rotate them, and rotated keys must not be rotated again.
+    - ``window``/``window_layers``: sliding window size (HF semantics, W keys including the query's)
+      and the layers it applies to; ``sink_tokens``: first tokens kept forever (needs a window).
+    - ``block_size``, ``dtype``, ``num_layers``, ``num_kv_heads``, ``head_dim``: storage layout.
+    - ``model_fingerprint``: identifies the weights and config that produced the keys ("" = unnamed;
+      compared like any other field).
+
+    Rotated keys with a length-dependent RoPE (``rope.length_dependent``) are a valid contract to
+    describe -- HF transformers caches exactly that -- even though cached decode then drifts from a full
+    forward; refusing it is the engine's decision, not the contract's.
+    """
+
+    key_form: str
+    kernel_rotates: bool
+    rotation_index: str = "logical"
+    rope: RopeSpec
+    window: int | None = None
+    window_layers: tuple[int, ...] = ()
+    sink_tokens: int = 0
+    block_size: int = 16
+    dtype: str = "float32"
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    model_fingerprint: str = ""
+
+    def __post_init__(self) -> None:
+        if self.key_form not in KEY_FORMS:
+            raise ConfigError(f"contract key_form must be one of {KEY_FORMS}, got {self.key_form!r}")
+        if not isinstance(self.rope, RopeSpec):
+            raise ConfigError(f"contract rope must be a RopeSpec, got {type(self.rope).__name__}")
+        if self.rotation_index not in ROTATION_INDICES:
+            raise ConfigError(f"contract rotation_index must be one of {ROTATION_INDICES}, got {self.rotation_index!r}")
+        if not isinstance(self.kernel_rotates, bool):
+            raise ConfigError(f"contract kernel_rotates must be a bool, got {self.kernel_rotates!r}")
+        if self.kernel_rotates and self.key_form == "rotated":
+            raise ConfigError(
+                "contract: kernel_rotates=True with key_form='rotated' would rotate stored keys a second time "
+                "(keys at twice their position); a rotating kernel needs key_form='raw'"
+            )
+        if self.key_form == "raw" and not self.kernel_rotates:
+            raise ConfigError(
+                "contract: key_form='raw' needs kernel_rotates=True; nothing else would rotate raw keys "
+                "on read (every key at position 0)"
+            )
+        if self.rotation_index == "cache" and self.key_form != "raw":
+            raise ConfigError(
+                "contract: rotation_index='cache' needs key_form='raw'; a rotated key's index is fixed when it "
+                "is written and cannot follow the cache index as tokens are evicted without re-rotating it"
+            )
+        for name, low in (("num_layers", 1), ("num_kv_heads", 1), ("head_dim", 1), ("block_size", 1),
+                          ("sink_tokens", 0)):
+            _check_int(name, getattr(self, name), low)
+        if self.head_dim != self.rope.head_dim:
+            raise ConfigError(f"contract head_dim {self.head_dim} != rope.head_dim {self.rope.head_dim}")
+        if self.window is not None:
+            _check_int("window", self.window, 1)
+        if isinstance(self.window_layers, list):  # normalize, do not reinterpret
+            object.__setattr__(self, "window_layers", tuple(self.window_layers))
+        if not isinstance(self.window_layers, tuple):
+            raise ConfigError(f"contract window_layers must be a tuple of layer indices, got {self.window_layers!r}")
+        for i in self.window_layers:
+            if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.num_layers:
+                raise ConfigError(f"contract window_layers holds {i!r}, not a layer index in [0, {self.num_layers})")
+        if list(self.window_layers) != sorted(set(self.window_layers)):
+            raise ConfigError(f"contract window_layers must be sorted and unique, got {self.window_layers}")
+        if (self.window is None) != (not self.window_layers):
+            raise ConfigError(
+                f"contract window={self.window!r} with window_layers={self.window_layers}: "
+                "a window needs the layers it applies to, and layers need a window"
+            )
+        if self.sink_tokens > 0 and self.window is None:
+            raise ConfigError(f"contract sink_tokens={self.sink_tokens} needs a window (sinks are what a window keeps)")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"contract dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.model_fingerprint, str):
+            raise ConfigError(f"contract model_fingerprint must be a string, got {self.model_fingerprint!r}")
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def for_model(
+        cls,
+        config: ModelConfig,
+        *,
+        key_form: str,
+        block_size: int = 16,
+        dtype: str = "float32",
+        window: int | str | None = "model",
+        sink_tokens: int = 0,
+        rotation_index: str = "logical",
+        model_fingerprint: str = "",
+    ) -> "CacheContract":
+        """The contract for ``config``. ``window="model"``: the config's sliding layers and window;
+        an int: that window on every layer; None: no window. The kernel rotates iff keys are raw."""
+        if window == "model":
+            layers = tuple(i for i, t in enumerate(config.layer_types) if t == "sliding_attention")
+            size = config.sliding_window if layers else None
+        elif window is None:
+            layers, size = (), None
+        elif isinstance(window, int) and not isinstance(window, bool):
+            layers, size = tuple(range(config.num_layers)), window
+        else:
+            raise ConfigError(f"window must be 'model', an int or None, got {window!r}")
+        return cls(
+            key_form=key_form,
+            rope=config.rope,
+            kernel_rotates=key_form == "raw",
+            num_layers=config.num_layers,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            rotation_index=rotation_index,
+            window=size,
+            window_layers=layers,
+            sink_tokens=sink_tokens,
+            block_size=block_size,
+            dtype=dtype,
+            model_fingerprint=model_fingerprint,
+        )
+
+    def replace(self, **changes: Any) -> "CacheContract":
+        return dataclasses.replace(self, **changes)
+
+    def with_key_form(self, key_form: str) -> "CacheContract":
+        """The same contract with ``key_form`` (and ``kernel_rotates`` to match)."""
+        return dataclasses.replace(self, key_form=key_form, kernel_rotates=key_form == "raw")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def fingerprint(self) -> str:
+        """A short stable hash of every field (RoPE included)."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
+    # ------------------------------------------------------------------ comparison
+
+    def diff(self, other: "CacheContract") -> list[FieldDiff]:
+        """Every field that differs, in declaration order; the RoPE spec is compared field by field."""
+        ours, theirs = _flat(self), _flat(other)
+        return [FieldDiff(k, ours.get(k), theirs.get(k)) for k in _union(ours, theirs) if ours.get(k) != theirs.get(k)]
+
+    def require_compatible(self, other: "CacheContract", *, ours: str = "cache", theirs: str = "writer") -> None:
+        """Raise :class:`ContractMismatch` naming every differing field, both values and the consequence.
+
+        ``other`` (labelled ``theirs``) is the side that produced the keys; ``self`` (``ours``) reads them.
+        """
+        diffs = self.diff(other)
+        if not diffs:
+            return
+        parts = [f"{d.field}: {ours}={d.ours!r}, {theirs}={d.theirs!r} ({consequence(d)})" for d in diffs]
+        raise ContractMismatch(
+            f"{ours} and {theirs} cache contracts differ in {len(diffs)} field(s): " + "; ".join(parts),
+            fields=tuple(d.field for d in diffs),
+        )
+
+    # ------------------------------------------------------------------ serialization
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"format": FORMAT, "version": FORMAT_VERSION}
+        for f in dataclasses.fields(self):
+            d[f.name] = getattr(self, f.name)
+        d["rope"] = self.rope.to_dict()
+        d["window_layers"] = list(self.window_layers)
+        return d
+
+    def to_json(self) -> str:
+        """Canonical JSON (sorted keys, compact); floats round-trip exactly."""
+        return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+    @classmethod
+    def from_json(cls, s: str | bytes) -> "CacheContract":
+        """Inverse of :meth:`to_json`. Malformed input raises ConfigError naming the problem."""
+        try:
+            data = json.loads(s)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"cache contract JSON does not parse: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"cache contract JSON must be an object, got {type(data).__name__}")
+        if data.get("format") != FORMAT:
+            raise ConfigError(f"cache contract JSON has format {data.get('format')!r}, expected {FORMAT!r}")
+        if data.get("version") != FORMAT_VERSION:
+            raise ConfigError(f"cache contract JSON version {data.get('version')!r} is not supported (expected {FORMAT_VERSION})")
+        expected = {f.name for f in dataclasses.fields(cls)} | {"format", "version"}
+        missing, unexpected = sorted(expected - set(data)), sorted(set(data) - expected)
+        if missing or unexpected:
+            raise ConfigError(f"cache contract JSON: missing field(s) {missing}, unexpected field(s) {unexpected}")
+        kwargs = {k: v for k, v in data.items() if k not in ("format", "version")}
+        if not isinstance(kwargs["window_layers"], list):
+            raise ConfigError(f"cache contract JSON: window_layers must be a list, got {kwargs['window_layers']!r}")
+        kwargs["window_layers"] = tuple(kwargs["window_layers"])
+        rope = kwargs["rope"]
+        if not isinstance(rope, dict) or not isinstance(rope.get("scaling"), dict):
+            raise ConfigError("cache contract JSON: rope must be an object with a 'scaling' object")
+        for name in ("head_dim", "rotary_dim", "max_position_embeddings"):
+            if not isinstance(rope.get(name), int) or isinstance(rope.get(name), bool):
+                raise ConfigError(f"cache contract JSON: rope.{name} must be an integer, got {rope.get(name)!r}")
+        try:
+            kwargs["rope"] = RopeSpec.from_dict(rope)
+            return cls(**kwargs)
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise ConfigError(f"cache contract JSON has a value of the wrong type: {exc}") from None
+
+
+def _check_int(name: str, value: Any, low: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise ConfigError(f"contract {name} must be an integer >= {low}, got {value!r}")
+
+
+def _flat(c: CacheContract) -> dict[str, Any]:
+    """Fields by dotted name, the RoPE spec (and its scaling) expanded; tuples stay tuples."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(c):
+        value = getattr(c, f.name)
+        if f.name != "rope":
+            out[f.name] = value
+            continue
+        for rf in dataclasses.fields(value):
+            rv = getattr(value, rf.name)
+            if rf.name == "scaling":
+                for sf in dataclasses.fields(rv):
+                    out[f"rope.scaling.{sf.name}"] = getattr(rv, sf.name)
+            else:
+                out[f"rope.{rf.name}"] = rv
+    return out
+
+
+def _union(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    return list(a) + [k for k in b if k not in a]
