@@ -243,7 +243,9 @@ class RopeSpec:
             scaling = RopeScaling.from_dict({"rope_type": rope_type, **scaling_kwargs})
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"bad RoPE parameters for type {rope_type!r}: {exc}") from None
-        attention_factor = _resolve_attention_factor(scaling, rope.get("attention_factor"), max_pos)
+        # Only yarn and longrope use a configured attention_factor; transformers ignores it elsewhere.
+        given_factor = rope.get("attention_factor") if rope_type in ("yarn", "longrope") else None
+        attention_factor = _resolve_attention_factor(scaling, given_factor, max_pos)
         return cls(
             head_dim=head_dim,
             rotary_dim=rotary_dim,

@@ -1,0 +1,76 @@
+"""Model loading: checkpoints from disk (or the embedded default) and the reference decoder.
+
+``load_checkpoint`` picks the loader by what ``path`` is: nothing (the embedded default), a
+transformers directory (config.json + safetensors) or a ``.gguf`` file. Pickled weights are refused
+by name and never opened, and checkpoint-supplied code is never run (``trust_remote_code=True`` is
+an error, not an option).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import CheckpointError, ConfigError
+from .config import Checkpoint, ModelConfig
+from .reference import LayerProbe, ReferenceDecoder, ReferenceOutput
+from .safetensors_dir import PICKLE_SUFFIXES, load_safetensors_dir
+
+__all__ = [
+    "Checkpoint",
+    "LayerProbe",
+    "ModelConfig",
+    "ReferenceDecoder",
+    "ReferenceOutput",
+    "load",
+    "load_checkpoint",
+]
+
+
+def load_checkpoint(
+    path: str | Path | None = None, *, gguf_layout: str = "neox", trust_remote_code: bool = False
+) -> Checkpoint:
+    """Load a validated :class:`Checkpoint` from ``path``.
+
+    - None: the embedded default checkpoint (SmolLM2-135M);
+    - a directory: a transformers checkpoint (``config.json`` + safetensors, sharded or not);
+    - a ``.gguf`` file: dequantized to float32; ``gguf_layout`` is the Q/K pairing to produce.
+
+    ``trust_remote_code`` exists only to be refused: ropekv never runs code shipped with a checkpoint.
+    """
+    if trust_remote_code:
+        raise ConfigError("trust_remote_code=True is refused: ropekv never runs code shipped with a checkpoint")
+    if path is None:
+        from .default import default_checkpoint
+
+        return default_checkpoint()
+    p = Path(path)
+    if p.is_dir():
+        return load_safetensors_dir(p)
+    if p.suffix.lower() in PICKLE_SUFFIXES:
+        raise CheckpointError(
+            f"{p}: pickled weights are refused and never loaded (unpickling can run arbitrary code); "
+            "use a safetensors directory or a GGUF file"
+        )
+    if not p.exists():
+        raise CheckpointError(f"{p}: no such file or directory")
+    if p.suffix.lower() == ".gguf" and p.is_file():
+        from .gguf_file import load_gguf
+
+        return load_gguf(p, layout=gguf_layout)
+    if p.suffix.lower() == ".safetensors":
+        raise CheckpointError(f"{p}: pass the directory holding this file and its config.json, not the file")
+    raise CheckpointError(f"{p}: unsupported checkpoint (expected a transformers directory or a .gguf file)")
+
+
+def load(
+    path: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    *,
+    gguf_layout: str = "neox",
+    trust_remote_code: bool = False,
+) -> ReferenceDecoder:
+    """``ReferenceDecoder(load_checkpoint(path), dtype)``: the checkpoint, ready for a full forward."""
+    checkpoint = load_checkpoint(path, gguf_layout=gguf_layout, trust_remote_code=trust_remote_code)
+    return ReferenceDecoder(checkpoint, dtype=dtype)

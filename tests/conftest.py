@@ -1,0 +1,143 @@
+"""Shared fixtures: tiny random transformers checkpoints on disk, and transformers models to compare with.
+
+Each checkpoint is written by transformers' own ``save_pretrained`` (config.json + model.safetensors),
+so the loaders are tested on exactly what users have. Weights are re-drawn from a seeded generator
+at unit scale (HF's init uses std 0.02, ones for norms and zeros for biases, which makes logits tiny
+and hides bugs in norms and biases); every tensor, norm weights and biases included, is random.
+
+Fixtures:
+- ``tiny_llama_dir``, ``tiny_mistral_dir`` (sliding_window=5), ``tiny_qwen2_dir`` (q/k/v biases),
+  ``tiny_qwen3_dir`` (q_norm/k_norm, head_dim * heads != hidden): paths to checkpoint directories.
+- ``make_tiny_checkpoint(arch, **config_overrides) -> Path``: the same, for variants (cached by
+  arguments), e.g. ``make_tiny_checkpoint("llama", rope_parameters={"rope_type": "dynamic", ...})``.
+- ``hf_model(path)``: the transformers model of a checkpoint directory, float32, eager attention,
+  eval mode (cached; do not modify it).
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+TINY_BASE: dict[str, Any] = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+TINY_ARCH: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "mistral": {"sliding_window": 5},
+    "qwen2": {},
+    "qwen3": {"hidden_size": 48},  # 4 heads x 16 != 48: q/o projections are not square
+}
+MISTRAL_WINDOW = TINY_ARCH["mistral"]["sliding_window"]
+
+
+def _config_class(arch: str) -> type:
+    import transformers
+
+    return {
+        "llama": transformers.LlamaConfig,
+        "mistral": transformers.MistralConfig,
+        "qwen2": transformers.Qwen2Config,
+        "qwen3": transformers.Qwen3Config,
+    }[arch]
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    """Unit-scale random weights: embeddings N(0,1), linears N(0, 1/fan_in), norms 1 + N(0, 0.2^2),
+    biases N(0, 0.3^2). Deterministic in ``seed`` whatever transformers' own init did."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+            if name.endswith("norm.weight"):
+                value = 1.0 + 0.2 * noise
+            elif name.endswith(".bias"):
+                value = 0.3 * noise
+            elif "embed_tokens" in name:
+                value = noise
+            else:
+                value = noise / param.shape[-1] ** 0.5
+            param.copy_(value)
+
+
+def _make(root: Path, arch: str, overrides: dict[str, Any]) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {**TINY_BASE, **TINY_ARCH[arch], **overrides}
+    key = json.dumps([arch, kwargs], sort_keys=True, default=str)
+    seed = zlib.crc32(key.encode())
+    config = _config_class(arch)(**kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    _randomize(model, seed)
+    path = root / f"{arch}-{seed:08x}"
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def make_tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory: ``make_tiny_checkpoint(arch, **config_overrides) -> Path`` (cached by arguments)."""
+    root = tmp_path_factory.mktemp("tiny_checkpoints")
+    cache: dict[str, Path] = {}
+
+    def make(arch: str, **config_overrides: Any) -> Path:
+        if arch not in TINY_ARCH:
+            raise ValueError(f"unknown tiny architecture {arch!r}; have {sorted(TINY_ARCH)}")
+        key = json.dumps([arch, config_overrides], sort_keys=True, default=str)
+        if key not in cache:
+            cache[key] = _make(root, arch, config_overrides)
+        return cache[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(make_tiny_checkpoint: Callable[..., Path]) -> Path:
+    return make_tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(make_tiny_checkpoint: Callable[..., Path]) -> Path:
+    return make_tiny_checkpoint("mistral")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(make_tiny_checkpoint: Callable[..., Path]) -> Path:
+    return make_tiny_checkpoint("qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(make_tiny_checkpoint: Callable[..., Path]) -> Path:
+    return make_tiny_checkpoint("qwen3")
+
+
+@pytest.fixture(scope="session")
+def hf_model() -> Callable[[Path], torch.nn.Module]:
+    """``hf_model(path)``: transformers' model of a checkpoint dir (float32, eager attention, eval)."""
+    cache: dict[Path, torch.nn.Module] = {}
+
+    def load(path: Path) -> torch.nn.Module:
+        from transformers import AutoModelForCausalLM
+
+        path = Path(path)
+        if path not in cache:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+            cache[path] = model.eval()
+        return cache[path]
+
+    return load
