@@ -27,6 +27,7 @@ from .compare import RefRow, StepErrors, Tolerance, compare_step, first_failure,
 from .progress import Progress
 from .report import CaseResult, Diagnosis, Divergence, ParityReport
 
+_MAX_FORENSIC_CASES = 6
 _REFERENCE_DTYPES = {"float64": torch.float64, "float32": torch.float32}
 
 
@@ -56,7 +57,7 @@ def check(engine: EngineAdapter | Checkpoint, *, lengths=None, block_sizes=None,
     tol_ref = tolerance_for(adapter.dtype, _REFERENCE_DTYPES[reference])
     tol_self = tolerance_for(adapter.dtype, adapter.dtype)
 
-    results, first_failed = [], None
+    results, failed = [], []
     with Progress(total=refs.work + sum(c.total for c in cases), enabled=progress) as bar:
         refs.bar = bar
         for case in cases:
@@ -82,12 +83,18 @@ def check(engine: EngineAdapter | Checkpoint, *, lengths=None, block_sizes=None,
                 attn_errors=tuple(e.attn for e in err_ref), self_attn_errors=tuple(e.attn for e in err_self),
                 ignored=tuple(adapter.ignored(case)), seconds=time.perf_counter() - t0)
             results.append(result)
-            if not result.passed and first_failed is None:
-                first_failed = (result, run)
+            if not result.passed and len(failed) < _MAX_FORENSIC_CASES:
+                failed.append((result, run))
         diagnosis = None
-        if first_failed is not None:
+        for result, run in failed:
+            # The first failing case usually names the bug; one at a tiny position may not (theta x 4
+            # barely turns anything at t = 2), so later failing cases get their turn.
             bar.describe("forensics")
-            diagnosis = _diagnose(adapter, refs, *first_failed)
+            found = _diagnose(adapter, refs, result, run)
+            if diagnosis is None or diagnosis.kind == "unknown":
+                diagnosis = found if diagnosis is None or found.kind != "unknown" else diagnosis
+            if diagnosis.kind != "unknown":
+                break
     ckpt = adapter.checkpoint
     return ParityReport(
         passed=all(r.passed for r in results),

