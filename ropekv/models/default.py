@@ -132,9 +132,10 @@ def default_checkpoint(*, layout: str = "neox") -> Checkpoint:
     from .safetensors_dir import load_safetensors_dir  # local: safetensors_dir may import this module
 
     folder = default_checkpoint_dir()
-    checkpoint = load_safetensors_dir(folder, layout="neox")
     meta = _metadata(folder / WEIGHTS_FILE)
     stored, gguf_digest = meta.get(FINGERPRINT_KEY), meta.get("ropekv.gguf_sha256")
+    # The GGUF digest stands for the weights: hashing 540 MB again on every load buys nothing.
+    checkpoint = load_safetensors_dir(folder, layout="neox", weights_digest_hint=gguf_digest)
     # The stored fingerprint is only trusted if config.json still describes what was converted.
     if stored is None or gguf_digest is None or fingerprint_of(checkpoint.config, gguf_digest) != stored:
         raise CheckpointError(

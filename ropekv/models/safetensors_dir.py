@@ -33,11 +33,12 @@ _MAX_JSON_BYTES = 64 * 1024 * 1024  # config.json / index.json / a safetensors h
 _HASH_CHUNK = 16 * 1024 * 1024
 
 
-def load_safetensors_dir(path: str | Path, *, layout: str = "neox") -> Checkpoint:
+def load_safetensors_dir(path: str | Path, *, layout: str = "neox", weights_digest_hint: str | None = None) -> Checkpoint:
     """Load ``path`` (a directory written by ``save_pretrained``) into a validated :class:`Checkpoint`.
 
     ``layout`` is the RoPE pairing the Q/K weights are stored for; transformers checkpoints use
-    ``"neox"`` (``rotate_half``).
+    ``"neox"`` (``rotate_half``). ``weights_digest_hint`` replaces hashing the weights when the caller
+    already holds a verified digest of them (the converted default checkpoint stores one).
     """
     root = Path(path)
     if not root.exists():
@@ -50,7 +51,7 @@ def load_safetensors_dir(path: str | Path, *, layout: str = "neox") -> Checkpoin
     for file, names in files.items():
         weights.update(_read_safetensors(file, names))
     weights = _drop_derived(weights, config, root)
-    checkpoint_fingerprint = fingerprint_of(config, weights_digest(weights))
+    checkpoint_fingerprint = fingerprint_of(config, weights_digest_hint or weights_digest(weights))
     return Checkpoint(config, weights, source=str(root), fingerprint=checkpoint_fingerprint)
 
 
