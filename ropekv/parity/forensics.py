@@ -322,6 +322,10 @@ def _residual_trend(inp: ForensicInput, a: dict, sel: torch.Tensor, done) -> Dia
         rho = float(torch.corrcoef(ranks)[0, 1].nan_to_num(0.0))
         k = max(1, rj.numel() // 10)
         top, low = float(rr[rj.argsort()[-k:]].mean()), float(rr[rj.argsort()[:k]].mean())
+    seq_len = inp.seq_len if inp.seq_len is not None else inp.query_position + 1
+    stale = _stale_frequencies(inp, a, w, seq_len, sel, {}, strict=False)
+    if stale is not None:  # a phase trend from frequencies of an earlier length, not from precision
+        return stale
     need = 0.3 if inp.self_parity_passed else 0.5  # self-parity passing points at a shared angle table
     details = dict(residual_rank_corr=rho, residual_newest_rad=top, residual_oldest_rad=low)
     if rho >= need and top >= RES_TOL and top >= 3 * low:
@@ -351,31 +355,10 @@ def _diagnose_misfit(inp: ForensicInput, a: dict, analyse, w: torch.Tensor, seq_
                           f"under the {other} pairing", (t, b["qp"], b["qf"]), toks, b["kp"], b["kf"], fit,
                           **base, effective_layout=other)
 
-    qx, qn, kx, kn = a["qx"], a["qn"], a["kx"][sel], a["kn"][sel]
-    if rope.length_dependent:
-        orig = rope.scaling.original_max_position_embeddings or rope.max_position_embeddings
-        lengths = list(range(orig, seq_len))
-        if len(lengths) > 256:
-            lengths = sorted({lengths[i] for i in torch.linspace(0, len(lengths) - 1, 256).round().long().tolist()})
-        if lengths:
-            W = torch.stack([rope.inv_freq(s) for s in lengths])                    # [S, n]
-            fs = _fit_at(kx, kn, j.double()[:, None, None] * W[None])                # [M, S]
-            cur = _fit_at(kx, kn, j.double()[:, None] * w)                           # [M]
-            q_cur = float(_fit_at(qx, qn, (t * w)[None])[0])
-            best, idx = fs.max(dim=1)
-            stale = (cur < FIT_OK) & (best >= FIT_OK)
-            if q_cur >= FIT_OK and stale.any() and _most(torch.ones_like(stale), (cur >= FIT_OK) | stale):
-                s_len = _mode(torch.tensor(lengths)[idx[stale]])
-                toks = [_tok(inp, int(sel[i]), int(j[i])) + f" with the frequencies for length {lengths[int(idx[i])]}"
-                        for i in _spread(torch.nonzero(stale).flatten())]
-                kf = torch.maximum(best, cur)
-                eff, fit_all = a["kp"].clone(), a["kf"].clone()
-                eff[sel[stale]], fit_all[sel[stale]] = j[stale], best[stale]
-                return _diagnosis("stale_dynamic_scaling", f"keys keep the frequencies of length {s_len} while the "
-                                  f"query uses those of length {seq_len}; they differ once the sequence passes "
-                                  f"{orig} tokens (positions >= {orig})", (t, t, q_cur), toks,
-                                  eff, fit_all, _wfit(q_cur, qn, kf, kn), **base,
-                                  key_seq_len=s_len, query_seq_len=seq_len, first_position=orig)
+    qx, qn, kn = a["qx"], a["qn"], a["kn"][sel]
+    stale = _stale_frequencies(inp, a, w, seq_len, sel, base, strict=True)
+    if stale is not None:
+        return stale
 
     for dt in (torch.bfloat16, torch.float16):
         if dt == torch.float16 and max(t, int(j.max())) > 65504:
@@ -404,6 +387,51 @@ def _diagnose_misfit(inp: ForensicInput, a: dict, analyse, w: torch.Tensor, seq_
                       f"(layouts, lengths, angle dtypes, frequencies; query pair-magnitude deviation "
                       f"{float(dev_q[0]):.3g})",
                       q, bad_toks, a["kp"], a["kf"], _wfit(a["qf"], qn, a["kf"][sel], kn), **base)
+
+
+def _stale_frequencies(inp: ForensicInput, a: dict, w: torch.Tensor, seq_len: int, sel: torch.Tensor, base: dict,
+                       *, strict: bool) -> Diagnosis | None:
+    """Length-dependent RoPE: do the keys fit the frequencies of an earlier length while the query fits
+    the current ones? ``strict``: keys misfit the current frequencies outright. Otherwise (just past the
+    original length, where old and new frequencies are close) the earlier length must explain the keys
+    at least 5x better than the current one does."""
+    rope, t = inp.rope, inp.query_position
+    if not rope.length_dependent:
+        return None
+    j = inp.key_positions.long()[sel]
+    qx, qn, kx, kn = a["qx"], a["qn"], a["kx"][sel], a["kn"][sel]
+    orig = rope.scaling.original_max_position_embeddings or rope.max_position_embeddings
+    lengths = list(range(orig, seq_len))
+    if len(lengths) > 256:
+        lengths = sorted({lengths[i] for i in torch.linspace(0, len(lengths) - 1, 256).round().long().tolist()})
+    if not lengths:
+        return None
+    W = torch.stack([rope.inv_freq(s) for s in lengths])                    # [S, n]
+    fs = _fit_at(kx, kn, j.double()[:, None, None] * W[None])                # [M, S]
+    cur = _fit_at(kx, kn, j.double()[:, None] * w)                           # [M]
+    q_cur = float(_fit_at(qx, qn, (t * w)[None])[0])
+    best, idx = fs.max(dim=1)
+    if strict:
+        stale = (cur < FIT_OK) & (best >= FIT_OK)
+        ok = q_cur >= FIT_OK and stale.any() and _most(torch.ones_like(stale), (cur >= FIT_OK) | stale)
+    else:
+        q_old = float(_fit_at(qx, qn, (t * W)).max()) if W.numel() else 0.0
+        miss_cur, miss_best = float((1 - cur).clamp_min(0).mean()), float((1 - best).clamp_min(0).mean())
+        stale = best > cur
+        ok = q_cur >= FIT_OK and q_cur >= q_old - 1e-9 and miss_cur > 1e-7 and miss_best * 5 < miss_cur
+    if not ok:
+        return None
+    s_len = _mode(torch.tensor(lengths)[idx[stale]])
+    toks = [_tok(inp, int(sel[i]), int(j[i])) + f" with the frequencies for length {lengths[int(idx[i])]}"
+            for i in _spread(torch.nonzero(stale).flatten())]
+    kf = torch.maximum(best, cur)
+    eff, fit_all = a["kp"].clone(), a["kf"].clone()
+    eff[sel[stale]], fit_all[sel[stale]] = j[stale], best[stale]
+    return _diagnosis("stale_dynamic_scaling", f"keys keep the frequencies of length {s_len} while the "
+                      f"query uses those of length {seq_len}; they differ once the sequence passes "
+                      f"{orig} tokens (positions >= {orig})", (t, t, q_cur), toks,
+                      eff, fit_all, _wfit(q_cur, qn, kf, kn), **base,
+                      key_seq_len=s_len, query_seq_len=seq_len, first_position=orig)
 
 
 def _magnitude_dev(raw: torch.Tensor, eff: torch.Tensor, layout: str, rotary_dim: int) -> torch.Tensor:

@@ -219,10 +219,20 @@ def _diagnose(adapter: EngineAdapter, refs: _References, result: CaseResult, run
         block_size=case.block_size, handoff_len=run.handoff_len, self_parity_passed=result.self_passed,
         seq_len=fd.query_position + 1)
     d = forensics.diagnose(inp)
+    kind, evidence = d.kind, d.evidence
+    if kind == "unknown" and inp.rope.length_dependent and fd.layer > 0:
+        # Layer 0 matched and this layer's rotations are right: what differs is the cached prefix itself,
+        # whose deeper keys and values were computed under an earlier length's frequencies. A full
+        # forward over t + 1 tokens recomputes them; no cache can (docs/contract.md).
+        kind = "stale_dynamic_scaling"
+        evidence = (f"layer 0 matches and layer {fd.layer} turns keys at the current frequencies, but its cached "
+                    f"keys and values come from hidden states computed under an earlier length's frequencies "
+                    f"(inherent to caching {inp.rope.scaling.rope_type} RoPE past position "
+                    f"{inp.rope.max_position_embeddings}); {evidence}")
     details = dict(d.details)
     details.update({"case": case.label(), "layer": fd.layer, "query_position": fd.query_position,
                     "query_effective": d.query_effective, "fit": _finite(d.fit)})
-    return Diagnosis(d.kind, d.evidence, details)
+    return Diagnosis(kind, evidence, details)
 
 
 def _finite(x: float) -> float | None:
