@@ -55,7 +55,7 @@ def plot_report(report: ParityReport, path: str | Path) -> None:
     ax2.plot([], [], "o-", color="tab:blue", label="passing case (o: vs float64, x: vs self)")
     ax2.plot([], [], "o-", color="tab:red", label="failing case")
     ax2.set_yscale("log")
-    ax2.set_xscale("symlog", linthresh=32)
+    ax2.set_xscale("log")
     ax2.set_xlabel("decode position")
     ax2.set_ylabel("worst layer's attention-logit error")
     ax2.legend(fontsize=8, loc="best")

@@ -1,0 +1,55 @@
+"""The CLI's happy paths and exit codes on a tiny checkpoint (error paths: tests/test_errors_cli.py)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ropekv.cli.main import main
+
+SMALL = ["--lengths", "1,17", "--block-sizes", "7", "--prefix-offsets", "0,5", "--decode-steps", "2", "--no-progress"]
+
+
+def test_check_passes_writes_json_and_plot(tiny_llama_dir, tmp_path, capsys):
+    js, png = tmp_path / "r.json", tmp_path / "r.png"
+    code = main(["check", str(tiny_llama_dir), *SMALL, "--json", str(js), "--plot", str(png)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "parity holds in all 4 cases" in out
+    report = json.loads(js.read_text())
+    assert report["passed"] is True and len(report["cases"]) == 4
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("key_form", ["raw", "rotated"])
+def test_check_key_forms(tiny_llama_dir, capsys, key_form):
+    assert main(["check", str(tiny_llama_dir), *SMALL, "--key-form", key_form]) == 0
+
+
+def test_injected_fault_exits_1_and_names_it(tiny_llama_dir, tmp_path, capsys):
+    js = tmp_path / "r.json"
+    code = main(["check", str(tiny_llama_dir), *SMALL, "--inject", "block-local-position", "--json", str(js)])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "diagnosis: block_local_position" in out
+    assert json.loads(js.read_text())["diagnosis"]["kind"] == "block_local_position"
+
+
+def test_backend_that_cannot_honour_the_key_form_exits_3(tiny_llama_dir, capsys):
+    code = main(["check", str(tiny_llama_dir), *SMALL, "--key-form", "rotated", "--backend", "rotate_on_read"])
+    err = capsys.readouterr().err
+    assert code == 3
+    assert err.count("\n") == 1 and "twice their position" in err
+
+
+def test_list_faults(capsys):
+    assert main(["check", "--list-faults"]) == 0
+    out = capsys.readouterr().out
+    assert "double-rotation" in out and "stale-dynamic-scaling" in out
+
+
+def test_run_predicts_with_token_ids(tiny_llama_dir, capsys):
+    assert main(["run", str(tiny_llama_dir), "--token-ids", "5,6,7,8", "--max-new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "float64 reference next token" in out and "agrees with the reference" in out
