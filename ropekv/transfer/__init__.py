@@ -1,0 +1,13 @@
+"""Prefill->decode handoff: the payload format, the import boundary and the torch.distributed workers.
+
+- :func:`write_payload` / :func:`read_payload`: one sequence's KV cache as self-describing,
+  checksummed safetensors bytes (:class:`Handoff`); the reader raises only ``PayloadError``.
+- ``Engine.export_handoff`` / ``Engine.import_handoff`` (``ropekv.transfer.importer``): the contract
+  check, the explicit key-form conversion, the all-or-nothing import.
+- ``ropekv.transfer.workers``: prefill and decode ranks (``torchrun`` or ``ropekv handoff``), with the
+  contract handshake of ``ropekv.transfer.handshake``. See docs/handoff.md.
+"""
+
+from .payload import Handoff, read_payload, write_payload
+
+__all__ = ["Handoff", "read_payload", "write_payload"]

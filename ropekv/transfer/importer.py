@@ -1,0 +1,165 @@
+"""Export a cached sequence as a :class:`Handoff`, and import one into an engine, all or nothing.
+
+The import boundary is where the contract is enforced: the payload's contract (the prefill side's)
+must equal the engine's (the decode side's). With ``convert="explicit"`` and a difference in the key
+form alone, keys are converted exactly once, here: raw keys are rotated at their logical positions,
+rotated ones unrotated. Nothing else is ever converted -- a "rotate everything for consistency"
+change is precisely the bug (ROPE_KV_PRIMER.md section 4).
+
+Windowed layers travel as the tokens their ring still holds (``Handoff.layer_rows``); the import
+rebuilds the ring by appending the whole sequence in one call, in which the rows a ring would
+overwrite are never stored (``PagedKVCache.append`` writes only a chunk's surviving rows).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Hashable
+
+import torch
+
+from ..contract import CacheContract
+from ..errors import CacheError, ContractMismatch, UsageError
+from ..rope import RopeSpec
+from .payload import Handoff
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+
+CONVERT_MODES = ("never", "explicit")
+_KEY_FORM_FIELDS = {"key_form", "kernel_rotates"}  # the two fields a key-form difference shows as
+
+
+class ImportPolicy:
+    """What the decode side does to imported keys beyond the explicit conversion: nothing.
+
+    Faults override :meth:`imported_keys` (``ropekv.transfer.adapter.RotateOnTransfer``), the way
+    rotation faults override :class:`~ropekv.rotation.RotationPolicy`, so importer code has no fault switches.
+    """
+
+    name = "correct"
+
+    def imported_keys(self, rope: RopeSpec, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Keys ``[rows, KVH, D]`` (in the engine's key form) at ``positions [rows]`` as they will be stored."""
+        return keys
+
+
+def plan_import(ours: CacheContract, theirs: CacheContract, convert: str = "never") -> str | None:
+    """The conversion an import of keys written under ``theirs`` into ``ours`` needs: None (contracts
+    equal), ``"rotate"`` (raw -> rotated) or ``"unrotate"`` (rotated -> raw). Raises
+    :class:`ContractMismatch` naming every differing field when the import must be refused."""
+    if convert not in CONVERT_MODES:
+        raise UsageError(f"convert must be one of {', '.join(CONVERT_MODES)}, got {convert!r}")
+    diffs = ours.diff(theirs)
+    if not diffs:
+        return None
+    names = {d.field for d in diffs}
+    only_form = names <= _KEY_FORM_FIELDS
+    if convert == "explicit" and only_form:
+        if ours.rope.length_dependent:
+            raise ContractMismatch(
+                f"cannot convert keys from {theirs.key_form!r} to {ours.key_form!r}: "
+                f"{ours.rope.scaling.rope_type} RoPE frequencies depend on the sequence length at the time a key "
+                "was rotated, which the payload does not record", fields=("key_form",))
+        return "rotate" if ours.key_form == "rotated" else "unrotate"
+    try:
+        ours.require_compatible(theirs, ours="decode", theirs="prefill")
+    except ContractMismatch as exc:
+        if only_form:
+            hint = "; convert='explicit' would convert the key form once, at this boundary"
+        elif convert == "explicit":
+            hint = "; convert='explicit' converts the key form only, never the other fields"
+        else:
+            hint = ""
+        raise ContractMismatch(f"{exc}{hint}", fields=exc.fields) from None
+    return None  # unreachable: diffs were non-empty
+
+
+def export_handoff(engine: "Engine", seq_id: Hashable, tokens: torch.Tensor) -> Handoff:
+    """The cached state of ``seq_id`` in ``engine``; ``tokens [n]`` are the ids it has consumed."""
+    cache, c = engine.cache, engine.contract
+    n = cache.num_tokens(seq_id)  # CacheError for an unknown sequence
+    tokens = torch.as_tensor(tokens)
+    if tokens.dim() != 1 or tokens.numel() != n or tokens.is_floating_point():
+        raise UsageError(f"export of {seq_id!r}: tokens must be 1-D integer ids, one per cached token ({n}), "
+                         f"got shape {tuple(tokens.shape)}")
+    if n == 0:
+        raise CacheError(f"export of {seq_id!r}: the sequence is empty")
+    views = [cache.view(seq_id, layer) for layer in range(c.num_layers)]
+    return Handoff(contract=c, seq_id=seq_id, tokens=tokens.to(torch.int64).cpu().clone(),
+                   positions=_all_positions(c, seq_id, n, views),
+                   keys=tuple(v.keys.cpu() for v in views), values=tuple(v.values.cpu() for v in views))
+
+
+def _all_positions(c: CacheContract, seq_id: Hashable, n: int, views: list) -> torch.Tensor:
+    """Logical positions ``[n]`` of every token. A full layer has them all; when every layer slides
+    and the ring has wrapped, the evicted tokens' positions are rebuilt only where strict increase
+    forces them (consecutive positions), never guessed."""
+    full = [i for i in range(c.num_layers) if i not in c.window_layers]
+    if full:
+        return views[full[0]].positions.cpu().clone()
+    kept = views[0].positions.cpu()
+    if kept.numel() == n:
+        return kept.clone()
+    s = c.sink_tokens
+    low = int(kept[s - 1]) if s else -1
+    high = int(kept[s])
+    evicted = n - kept.numel()
+    if high - low - 1 != evicted:
+        raise CacheError(
+            f"export of {seq_id!r}: every layer slides and the ring evicted {evicted} token(s) whose positions "
+            f"the cache no longer holds; positions {low} and {high} around them do not determine them")
+    return torch.cat((kept[:s], torch.arange(low + 1, high, dtype=torch.int64), kept[s:]))
+
+
+def import_handoff(engine: "Engine", handoff: Handoff, *, convert: str = "never", seq_id: Hashable | None = None,
+                   policy: ImportPolicy | None = None) -> Hashable:
+    """Import ``handoff`` into ``engine`` as ``seq_id`` (default: the handoff's); returns the id.
+
+    All or nothing: the contract check, the conversion and every tensor are done before the cache is
+    touched, and the one append either writes everything or raises having changed nothing; on any
+    error the new sequence is dropped, so the cache and every other sequence are exactly as before.
+    """
+    if not isinstance(handoff, Handoff):
+        raise UsageError(f"import_handoff needs a Handoff (see read_payload), got {type(handoff).__name__}")
+    ours = engine.contract
+    conversion = plan_import(ours, handoff.contract, convert)
+    sid = handoff.seq_id if seq_id is None else seq_id
+    cache = engine.cache
+    if cache.has(sid):
+        raise CacheError(f"import: sequence {sid!r} already exists in this engine")
+    keys, values = _layer_tensors(ours, handoff, conversion, policy or ImportPolicy())
+    cache.create(sid)
+    try:
+        cache.append(sid, handoff.positions.to(cache.device), keys, values, key_form=ours.key_form)
+    except BaseException:
+        cache.free(sid)
+        raise
+    return sid
+
+
+def _layer_tensors(c: CacheContract, h: Handoff, conversion: str | None,
+                   policy: ImportPolicy) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per-layer keys and values ``[n, KVH, D]`` for one append of the whole sequence. A windowed
+    layer's evicted rows are zeros: the append stores only the rows its ring keeps, which are exactly
+    the rows the payload carries (the contracts are equal, so the rings are the same)."""
+    n, rope = h.num_tokens, c.rope
+    keys, values = [], []
+    for layer in range(c.num_layers):
+        rows = h.layer_rows(layer)  # [m]
+        pos = h.positions[rows]
+        k = h.keys[layer]
+        if conversion == "rotate":
+            k = rope.rotate(k, pos)
+        elif conversion == "unrotate":
+            k = rope.unrotate(k, pos)
+        k = policy.imported_keys(rope, k, pos).to(c.torch_dtype)
+        v = h.values[layer].to(c.torch_dtype)
+        if rows.numel() < n:
+            k = torch.zeros((n, *k.shape[1:]), dtype=k.dtype).index_copy_(0, rows, k)
+            v = torch.zeros((n, *v.shape[1:]), dtype=v.dtype).index_copy_(0, rows, v)
+        keys.append(k)
+        values.append(v)
+    return keys, values
+
+
+__all__ = ["CONVERT_MODES", "ImportPolicy", "export_handoff", "import_handoff", "plan_import"]

@@ -1,0 +1,526 @@
+"""Prefill and decode workers over torch.distributed, and a local launcher for them.
+
+Rank 0 is the prefill worker, ranks 1..N decode workers. Each rank builds its own cache contract from
+its own flags (``--key-form-prefill`` on rank 0, ``--key-form-decode``/``--decode-rope-theta`` on the
+others); the ranks shake hands (``ropekv.transfer.handshake``) before any KV moves. Then, for each
+length in ``--lengths``, rank 0 prefills a sequence of the seeded token stream, writes its payload and
+sends it to decode rank ``1 + i % N``, which validates it, imports it (all or nothing) and acks; a
+payload damaged in transit is refused by its checksum and sent once more. After rank 0's ``done``,
+each decode rank runs the parity harness on the sequences it holds (:class:`ServedHandoffAdapter`)
+and writes its report.
+
+Entry points: ``python -m ropekv.transfer.workers`` under ``torchrun`` (RANK, WORLD_SIZE, MASTER_ADDR,
+MASTER_PORT from the environment; one process per machine works), and :func:`launch`, which starts
+all ranks on 127.0.0.1 for ``ropekv handoff``. Every wait on a peer is bounded by ``--timeout``: a dead
+peer raises TransportError (exit 4) at once, a silent one after the timeout. See docs/handoff.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..adapters.native import NativeAdapter
+from ..cli.options import add_model_argument, int_list, positive_int
+from ..contract import DTYPES, CacheContract
+from ..engine import Engine
+from ..errors import ALL_ERRORS, ContractMismatch, PayloadError, RopeKVError, TransportError, UsageError
+from ..models import Checkpoint, load_checkpoint
+from ..parity.cases import Case, token_stream
+from .adapter import HANDOFF_FAULTS, ServedHandoffAdapter, get_handoff_fault
+from .handshake import KIND_PAYLOAD, Channel, answer, offer
+from .importer import CONVERT_MODES, import_handoff
+from .payload import read_payload, write_payload
+
+RESULT_FORMAT = "ropekv.handoff-worker"
+MAX_PAYLOAD_BYTES = 64 << 30
+_TEST_FAULTS = ("kill-decode-mid-transfer", "corrupt-in-flight")
+_ERRORS = {cls.__name__: cls for cls in ALL_ERRORS}
+
+
+# ---------------------------------------------------------------------- arguments
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags every rank and ``ropekv handoff`` share (each rank reads the ones for its role)."""
+    add_model_argument(parser)
+    parser.add_argument("--lengths", type=int_list, default=[1, 17, 300],
+                        help="prompt lengths, one handed-off sequence each (default 1,17,300)")
+    parser.add_argument("--decode-steps", type=positive_int, default=3, help="tokens decoded after the handoff")
+    parser.add_argument("--block-size", type=positive_int, default=16, help="cache block size on both sides")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="cache dtype on both sides")
+    parser.add_argument("--key-form-prefill", choices=("rotated", "raw"), default="rotated",
+                        help="key form of the prefill worker's cache")
+    parser.add_argument("--key-form-decode", choices=("rotated", "raw"), default=None,
+                        help="key form of the decode workers' caches (default: the prefill's)")
+    parser.add_argument("--convert", choices=CONVERT_MODES, default="never",
+                        help="'explicit': a decode worker converts a differing key form once, at import")
+    parser.add_argument("--decode-rope-theta", type=float, default=None,
+                        help="run the decode workers with another RoPE theta (a contract mismatch to refuse)")
+    parser.add_argument("--inject", choices=tuple(HANDOFF_FAULTS), default=None,
+                        help="a handoff fault on the decode side: rotate-on-transfer")
+    parser.add_argument("--save-payload", default=None, metavar="PATH",
+                        help="write the first handed-off sequence's payload bytes here (prefill side)")
+    parser.add_argument("--timeout", type=float, default=60.0,
+                        help="seconds any wait on a peer may take before it counts as failed (default 60)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the token stream")
+    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                        help="torch.distributed backend; auto: NCCL when every local rank has a GPU, else gloo")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ..cli.main import _Parser
+
+    parser = _Parser(prog="python -m ropekv.transfer.workers",
+                     description="One rank of a prefill->decode handoff (rank 0 prefills, the others decode). "
+                                 "Run under torchrun, or let `ropekv handoff` start every rank.")
+    add_arguments(parser)
+    parser.add_argument("--result", default=None, metavar="PATH",
+                        help="write this rank's result JSON here ('{rank}' is replaced by the rank)")
+    parser.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
+    parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    parser.add_argument("--test-fault", default=None, help=argparse.SUPPRESS)  # tests: kill/corrupt at index i
+    return parser
+
+
+def worker_argv(args: argparse.Namespace) -> list[str]:
+    """Worker command-line flags reproducing the shared flags of ``args`` (a parsed ``ropekv handoff``)."""
+    argv = [] if args.model is None else [str(args.model)]
+    argv += ["--lengths", ",".join(map(str, args.lengths)), "--decode-steps", str(args.decode_steps),
+             "--block-size", str(args.block_size), "--dtype", args.dtype, "--key-form-prefill", args.key_form_prefill,
+             "--convert", args.convert, "--timeout", repr(args.timeout), "--seed", str(args.seed),
+             "--backend", args.backend]
+    for flag, value in (("--key-form-decode", args.key_form_decode), ("--inject", args.inject),
+                        ("--save-payload", args.save_payload)):
+        if value is not None:
+            argv += [flag, str(value)]
+    if args.decode_rope_theta is not None:
+        argv += ["--decode-rope-theta", repr(args.decode_rope_theta)]
+    return argv
+
+
+# ---------------------------------------------------------------------- plan
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One handed-off sequence: its index, parity case, id and the decode rank it goes to."""
+
+    index: int
+    case: Case
+    seq_id: str
+    rank: int
+
+
+def plan(args: argparse.Namespace, world_size: int, max_positions: int) -> list[Planned]:
+    """Sequences in sending order; every rank computes the same plan from the same flags."""
+    if world_size < 2:
+        raise UsageError(f"a handoff needs a prefill rank and at least one decode rank; WORLD_SIZE={world_size}")
+    lengths = list(dict.fromkeys(args.lengths))
+    if not lengths or min(lengths) < 1:
+        raise UsageError(f"--lengths must be positive, got {args.lengths}")
+    if world_size - 1 > len(lengths):
+        raise UsageError(f"{world_size - 1} decode workers but only {len(lengths)} distinct length(s): "
+                         "each decode worker needs at least one sequence")
+    out = []
+    for i, length in enumerate(lengths):
+        case = Case(length=length, block_size=args.block_size, decode_steps=args.decode_steps)
+        if case.total > max_positions:
+            raise UsageError(f"length {length} + {args.decode_steps} decode steps needs {case.total} positions; "
+                             f"the model has {max_positions}")
+        out.append(Planned(i, case, f"seq{i}-L{length}", 1 + i % (world_size - 1)))
+    return out
+
+
+# ---------------------------------------------------------------------- ranks
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one rank; returns its exit code (0 ok, 1 parity fails, 2 error, 3 contract refused, 4 transport)."""
+    try:
+        args = build_parser().parse_args(argv)
+        rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
+    except RopeKVError as exc:
+        print(f"ropekv handoff worker: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out: dict[str, Any] = {"format": RESULT_FORMAT, "version": 1, "rank": rank, "world_size": world,
+                           "role": "prefill" if rank == 0 else "decode", "status": "ok", "exit_code": 0}
+    code, started = 0, False
+    try:
+        checkpoint = load_checkpoint(args.model)
+        planned = plan(args, world, checkpoint.config.max_position_embeddings)
+        channel = _init_process_group(args)
+        started = True
+        if rank == 0:
+            code = _run_prefill(args, checkpoint, channel, planned, world, out)
+        else:
+            code = _run_decode(args, _decode_checkpoint(checkpoint, args), channel, planned, rank, out)
+    except RopeKVError as exc:
+        code = exc.exit_code
+        status = {3: "refused", 4: "transport"}.get(code, "error")
+        out.update(status=status, error=str(exc), error_class=type(exc).__name__,
+                   fields=list(getattr(exc, "fields", ())))
+        print(f"ropekv handoff rank {rank}: error: {exc}", file=sys.stderr)
+    except Exception as exc:  # noqa: BLE001 -- a bug: report it as an error, with the traceback in the result
+        code = 2
+        out.update(status="crash", error=f"{type(exc).__name__}: {exc}", error_class="RopeKVError",
+                   traceback=traceback.format_exc())
+        traceback.print_exc()
+    out["exit_code"] = code
+    _write_result(args.result, rank, out)
+    if started:
+        _destroy_process_group()
+    return code
+
+
+def _run_prefill(args, checkpoint: Checkpoint, channel: Channel, planned: list[Planned], world: int,
+                 out: dict[str, Any]) -> int:
+    contract = CacheContract.for_model(checkpoint.config, key_form=args.key_form_prefill, block_size=args.block_size,
+                                       dtype=args.dtype, model_fingerprint=checkpoint.fingerprint)
+    longest = max(p.case.length for p in planned)
+    engine = Engine(checkpoint, contract, num_blocks=-(-longest // args.block_size) + 1)
+    decode_ranks = list(range(1, world))
+    out["contract"] = contract.to_dict()
+    answers = offer(channel, contract, decode_ranks)
+    out["handshake"] = {"accepted": True, "answers": [a.to_dict() for a in answers]}
+    tokens = token_stream(checkpoint.config.vocab_size, longest, args.seed)
+    test_fault = _test_fault(args)
+    out["transfers"] = transfers = []
+    current = None
+    try:
+        for p in planned:
+            current = p.rank
+            n = p.case.length
+            t0 = time.perf_counter()
+            engine.prefill(p.seq_id, tokens[:n])
+            handoff = engine.export_handoff(p.seq_id, tokens[:n])
+            data = write_payload(handoff)
+            prefill_s = time.perf_counter() - t0
+            if p.index == 0 and args.save_payload:
+                _save(args.save_payload, data)
+            corrupt = test_fault == ("corrupt-in-flight", p.index)
+            facts = _send_sequence(channel, p, data, corrupt)
+            facts.update(prefill_seconds=prefill_s, tensor_bytes=handoff.tensor_bytes(),
+                         overhead_bytes=len(data) - handoff.tensor_bytes())
+            transfers.append(facts)
+            engine.free(p.seq_id)
+            if not args.quiet:
+                print(_describe_transfer(facts), flush=True)
+    except RopeKVError as exc:  # tell the other ranks; a peer that failed mid-transfer is not waited for
+        lost = current if isinstance(exc, TransportError) else None
+        _abort(channel, [r for r in decode_ranks if r != lost], exc)
+        raise
+    for r in decode_ranks:
+        channel.send_json(r, {"step": "done"}, f"'done' to rank {r}")
+    return 0
+
+
+def _send_sequence(channel: Channel, p: Planned, data: bytes, corrupt: bool) -> dict[str, Any]:
+    """Send one payload and wait for the ack; a payload refused as damaged is sent once more."""
+    what = f"transfer of sequence {p.seq_id!r} to decode rank {p.rank}"
+    for attempt in (1, 2):
+        body = data
+        if corrupt and attempt == 1:  # test hook: one bit flipped on the wire
+            body = bytearray(data)
+            body[len(body) // 2] ^= 0x10
+            body = bytes(body)
+        t0 = time.perf_counter()
+        channel.send_json(p.rank, {"step": "payload", "index": p.index, "seq_id": p.seq_id, "nbytes": len(body),
+                                   "attempt": attempt}, what)
+        channel.send(p.rank, KIND_PAYLOAD, body, what)
+        t1 = time.perf_counter()
+        ack = channel.recv_json(p.rank, f"ack of {what}")
+        t2 = time.perf_counter()
+        if ack.get("ok"):
+            return {"seq_id": p.seq_id, "index": p.index, "decode_rank": p.rank, "tokens": p.case.length,
+                    "payload_bytes": len(data), "attempts": attempt, "transfer_seconds": t1 - t0,
+                    "bytes_per_second": len(data) / max(t1 - t0, 1e-9), "acked_seconds": t2 - t0,
+                    "decode_side": ack.get("facts", {})}
+        error = rebuild_error(ack.get("error_class"), f"{what}: decode rank {p.rank} refused it: {ack.get('message')}",
+                              ack.get("fields"))
+        if isinstance(error, PayloadError) and attempt == 1:
+            print(f"{error}; sending it again", file=sys.stderr, flush=True)
+            continue
+        raise error
+    raise AssertionError("unreachable")
+
+
+def _run_decode(args, checkpoint: Checkpoint, channel: Channel, planned: list[Planned], rank: int,
+                out: dict[str, Any]) -> int:
+    from ..parity.harness import check
+
+    mine = [p for p in planned if p.rank == rank]
+    decode = NativeAdapter(checkpoint, key_form=args.key_form_decode or args.key_form_prefill, dtype=args.dtype,
+                           name=f"decode rank {rank}")
+    blocks = sum(-(-p.case.total // args.block_size) for p in mine) + 1
+    serving = decode.make_engine(Case(length=1, block_size=args.block_size), num_blocks=blocks)
+    out["contract"] = serving.contract.to_dict()
+    result, prefill_contract = answer(channel, serving.contract, args.convert, rank)
+    out["handshake"] = result.to_dict()
+    policy = get_handoff_fault(args.inject).policy() if args.inject else None
+    tokens = token_stream(checkpoint.config.vocab_size, max(p.case.length for p in mine), args.seed)
+    by_index = {p.index: p for p in mine}
+    test_fault = _test_fault(args)
+    sequences: dict[Case, tuple[str, int]] = {}
+    out["received"] = received = []
+    while True:
+        msg = channel.recv_json(0, "next message from the prefill rank")
+        step = msg.get("step")
+        if step == "done":
+            break
+        if step == "abort":
+            raise rebuild_error(msg.get("error_class"), f"the prefill rank aborted: {msg.get('reason')}",
+                                msg.get("fields"))
+        p = by_index.get(msg.get("index"))
+        if step != "payload" or p is None or msg.get("seq_id") != p.seq_id:
+            raise TransportError(f"the prefill rank sent {str(msg)[:200]}, not a payload planned for rank {rank}")
+        kill = test_fault == ("kill-decode-mid-transfer", p.index)
+        facts, ack = _receive_one(channel, serving, p, tokens[:p.case.length], args.convert, policy, kill)
+        if ack["ok"]:
+            sequences[p.case] = (p.seq_id, p.case.length)
+        received.append(facts)
+        channel.send_json(0, {"step": "ack", **ack}, f"ack of {p.seq_id!r}")
+    missing = [p.seq_id for p in mine if p.case not in sequences]
+    if missing:
+        raise TransportError(f"the prefill rank finished without handing off {missing}")
+    adapter = ServedHandoffAdapter(decode, serving, sequences, prefill_contract=prefill_contract,
+                                   convert=args.convert, policy=policy)
+    report = check(adapter, cases=[p.case for p in mine], seed=args.seed)
+    out["report"], out["table"] = report.to_dict(), report.table()
+    if not args.quiet:
+        print(report.table(), flush=True)
+    return 0 if report.passed else 1
+
+
+def _receive_one(channel: Channel, serving: Engine, p: Planned, tokens: torch.Tensor, convert: str,
+                 policy, kill_mid_transfer: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Receive, validate and import one payload (``tokens [n]``: the ids the plan expects); returns the
+    facts and the ack. A refused payload imports nothing, so the sender may send it again."""
+    def after_header(nbytes: int) -> None:
+        if kill_mid_transfer:  # test hook: die with the header read and the body still on the wire
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    t0 = time.perf_counter()
+    data = channel.recv(0, KIND_PAYLOAD, MAX_PAYLOAD_BYTES, f"payload of {p.seq_id!r}", after_header)
+    t1 = time.perf_counter()
+    facts: dict[str, Any] = {"seq_id": p.seq_id, "payload_bytes": len(data), "receive_seconds": t1 - t0}
+    try:
+        handoff = read_payload(data)
+        if handoff.seq_id != p.seq_id or not torch.equal(handoff.tokens, tokens):
+            raise UsageError(f"payload of {p.seq_id!r} holds sequence {handoff.seq_id!r} with other tokens "
+                             "than the plan (ranks started with different --lengths or --seed?)")
+        t2 = time.perf_counter()
+        import_handoff(serving, handoff, convert=convert, policy=policy)
+        facts.update(read_seconds=t2 - t1, import_seconds=time.perf_counter() - t2)
+        return facts, {"ok": True, "facts": facts}
+    except RopeKVError as exc:
+        facts["refused"] = f"{type(exc).__name__}: {exc}"
+        return facts, {"ok": False, "error_class": type(exc).__name__, "message": str(exc),
+                       "fields": list(getattr(exc, "fields", ()))}
+
+
+def rebuild_error(class_name: Any, message: str, fields: Any = ()) -> RopeKVError:
+    """The typed error another rank reported (by class name), with its message and contract fields."""
+    cls = _ERRORS.get(str(class_name), RopeKVError)
+    if issubclass(cls, ContractMismatch):
+        return cls(message, tuple(fields or ()))
+    return cls(message)
+
+
+def _decode_checkpoint(checkpoint: Checkpoint, args) -> Checkpoint:
+    if args.decode_rope_theta is None:
+        return checkpoint
+    cfg = checkpoint.config
+    return checkpoint.with_config(cfg.replace(rope=cfg.rope.replace(theta=args.decode_rope_theta)))
+
+
+# ---------------------------------------------------------------------- plumbing
+
+
+def _init_process_group(args) -> Channel:
+    import torch.distributed as dist
+
+    backend, device = args.backend, "cpu"
+    local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= local_world else "gloo"
+    if backend == "nccl":
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if name not in os.environ:
+            raise UsageError(f"{name} is not set: run under torchrun, or use `ropekv handoff`")
+    try:
+        dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
+    except (RuntimeError, ValueError) as exc:
+        raise TransportError(f"could not join the process group at {os.environ['MASTER_ADDR']}:"
+                             f"{os.environ['MASTER_PORT']} within {args.timeout:g} s: {str(exc).splitlines()[0][:300]}"
+                             ) from None
+    return Channel(timeout=args.timeout, device=device)
+
+
+def _destroy_process_group() -> None:
+    import torch.distributed as dist
+
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 -- a broken group after a peer died; nothing left to do
+        pass
+
+
+def _abort(channel: Channel, ranks: list[int], error: RopeKVError) -> None:
+    """Best effort: tell live decode ranks to stop waiting, and why (a dead one fails fast and is skipped)."""
+    message = {"step": "abort", "reason": str(error)[:2000], "error_class": type(error).__name__,
+               "fields": list(getattr(error, "fields", ()))}
+    for r in ranks:
+        try:
+            channel.send_json(r, message, f"abort to rank {r}")
+        except RopeKVError:
+            pass
+
+
+def _test_fault(args) -> tuple[str, int] | None:
+    if not args.test_fault:
+        return None
+    name, _, index = args.test_fault.partition(":")
+    if name not in _TEST_FAULTS or not index.isdigit():
+        raise UsageError(f"--test-fault must be one of {_TEST_FAULTS} followed by ':INDEX', got {args.test_fault!r}")
+    return name, int(index)
+
+
+def _save(path: str, data: bytes) -> None:
+    try:
+        Path(path).write_bytes(data)
+    except OSError as exc:
+        raise UsageError(f"--save-payload {path}: {exc.strerror}") from None
+
+
+def _write_result(path: str | None, rank: int, out: dict[str, Any]) -> None:
+    if path:
+        Path(path.replace("{rank}", str(rank))).write_text(json.dumps(out, indent=1, default=str))
+
+
+def _env_int(name: str, default: int | None = None) -> int:
+    value = os.environ.get(name)
+    if value is None and default is not None:
+        return default
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise UsageError(f"environment variable {name}={value!r} is not an integer: run under torchrun, "
+                         "or use `ropekv handoff`") from None
+
+
+def _describe_transfer(f: dict[str, Any]) -> str:
+    return (f"{f['seq_id']}: {f['tokens']} tokens, {f['payload_bytes']} payload bytes "
+            f"({f['tensor_bytes']} of keys/values) to rank {f['decode_rank']} in {f['transfer_seconds']:.3f} s "
+            f"({f['bytes_per_second'] / 1e6:.1f} MB/s), acked after {f['acked_seconds']:.3f} s")
+
+
+# ---------------------------------------------------------------------- local launcher
+
+
+@dataclass(frozen=True)
+class RankOutcome:
+    rank: int
+    exitcode: int | None  # negative: killed by that signal; None: still running when abandoned
+    result: dict[str, Any] | None  # the rank's result JSON, None if it wrote none
+    log: str  # the tail of its stdout/stderr
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(worker_args: list[str], world_size: int, *, timeout: float, workdir: Path,
+           grace: float | None = None) -> list[RankOutcome]:
+    """Run every rank on 127.0.0.1 (as torchrun would) and wait for all of them.
+
+    Ranks are forked from a forkserver that imported ropekv once. Once a rank fails (exit code other
+    than 0 or 1), the others get ``grace`` seconds (default ``timeout + 15``) to notice and exit, then
+    are killed: a hung peer never hangs the launcher.
+    """
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])
+    port = free_port()
+    threads = max(1, (os.cpu_count() or 1) // world_size)
+    procs = []
+    for rank in range(world_size):
+        argv = [*worker_args, "--result", str(workdir / f"rank{rank}.json"), "--quiet", "--threads", str(threads)]
+        proc = ctx.Process(target=_child, args=(rank, world_size, port, argv, str(workdir / f"rank{rank}.log")),
+                           name=f"ropekv-handoff-rank{rank}")
+        proc.start()
+        procs.append(proc)
+    grace = timeout + 15 if grace is None else grace
+    deadline = None
+    try:
+        while True:
+            alive = [p for p in procs if p.exitcode is None]
+            if not alive:
+                break
+            multiprocessing.connection.wait([p.sentinel for p in alive], timeout=0.5)
+            if deadline is None and any(p.exitcode not in (None, 0, 1) for p in procs):
+                deadline = time.monotonic() + grace
+            if deadline is not None and time.monotonic() > deadline:
+                for p in alive:
+                    p.kill()
+                for p in alive:
+                    p.join(5)
+                break
+    except BaseException:
+        for p in procs:
+            if p.exitcode is None:
+                p.kill()
+        raise
+    return [RankOutcome(rank, p.exitcode, _read_json(workdir / f"rank{rank}.json"), _tail(workdir / f"rank{rank}.log"))
+            for rank, p in enumerate(procs)]
+
+
+def _child(rank: int, world_size: int, port: int, argv: list[str], log_path: str) -> None:
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    code = main(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _tail(path: Path, chars: int = 4000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+if __name__ == "__main__":
+    sys.exit(main())
