@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Hashable
 
 import torch
 
@@ -63,26 +63,8 @@ class NativeAdapter:
 
     def run_case(self, case: Case, tokens: torch.Tensor) -> CaseRun:
         engine = self.make_engine(case)
-        seq = "prompt"
-        if case.prefix:
-            # A prefix-cache hit: an earlier request cached the prefix (and, where no window can have
-            # overwritten it, a different continuation that must not leak into this one).
-            parent = tokens[: case.prefix]
-            if case.window is None:
-                parent = torch.cat([parent, (tokens[: 3] + 1) % self.checkpoint.config.vocab_size])
-            engine.prefill("earlier-request", parent, chunk_size=case.chunk)
-            engine.fork(seq, "earlier-request", case.prefix)
-            engine.prefill(seq, tokens[case.prefix: case.prefix + case.length], chunk_size=case.chunk)
-        else:
-            engine.prefill(seq, tokens[: case.length], chunk_size=case.chunk)
-        steps = []
-        for t in case.decode_positions:
-            out = engine.decode(seq, tokens[t], probe=True)
-            steps.append(StepTrace(position=t, logits=out.logits[0], layers=tuple(
-                LayerView(hidden_in=tr.hidden_in[0], attn_logits=tr.attn_logits[:, 0], key_positions=tr.key_positions,
-                          key_slots=tr.key_slots, q_eff=tr.q_eff[0], k_eff=tr.k_eff)
-                for tr in out.layers)))
-        return CaseRun(tuple(steps))
+        prefill_case(engine, case, tokens, "prompt")
+        return CaseRun(decode_steps(engine, "prompt", case, tokens))
 
     def full_forward(self, tokens: torch.Tensor, rows: list[int], case: Case) -> FullRun:
         engine = self.make_engine(case, num_blocks=1)
@@ -90,3 +72,31 @@ class NativeAdapter:
         return FullRun(rows=torch.as_tensor(rows), logits=out.logits[rows],
                        hidden_in=tuple(tr.hidden_in for tr in out.layers),
                        attn_logits=tuple(tr.attn_logits for tr in out.layers))
+
+
+def prefill_case(engine: Engine, case: Case, tokens: torch.Tensor, seq_id: Hashable) -> None:
+    """The cached part of ``case`` before decoding: a prefix-cache hit at ``case.prefix`` (an earlier
+    request cached the prefix and, where no window can have overwritten it, a different continuation
+    that must not leak into this one), then ``case.length`` tokens prefilled in ``case.chunk`` pieces."""
+    end = case.prefix + case.length
+    if case.prefix:
+        parent = tokens[: case.prefix]
+        if case.window is None:
+            parent = torch.cat([parent, (tokens[:3] + 1) % engine.config.vocab_size])
+        engine.prefill("earlier-request", parent, chunk_size=case.chunk)
+        engine.fork(seq_id, "earlier-request", case.prefix)
+        engine.prefill(seq_id, tokens[case.prefix: end], chunk_size=case.chunk)
+    else:
+        engine.prefill(seq_id, tokens[:end], chunk_size=case.chunk)
+
+
+def decode_steps(engine: Engine, seq_id: Hashable, case: Case, tokens: torch.Tensor) -> tuple[StepTrace, ...]:
+    """Decode ``case.decode_steps`` tokens on ``seq_id`` with probes, as the harness expects them."""
+    steps = []
+    for t in case.decode_positions:
+        out = engine.decode(seq_id, tokens[t], probe=True)
+        steps.append(StepTrace(position=t, logits=out.logits[0], layers=tuple(
+            LayerView(hidden_in=tr.hidden_in[0], attn_logits=tr.attn_logits[:, 0], key_positions=tr.key_positions,
+                      key_slots=tr.key_slots, q_eff=tr.q_eff[0], k_eff=tr.k_eff)
+            for tr in out.layers)))
+    return tuple(steps)

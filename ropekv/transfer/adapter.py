@@ -19,7 +19,7 @@ from typing import Any, Callable, Hashable
 import torch
 
 from ..adapters.base import CaseRun, FullRun, LayerView, StepTrace
-from ..adapters.native import NativeAdapter
+from ..adapters.native import NativeAdapter, decode_steps, prefill_case
 from ..contract import CacheContract
 from ..engine import Engine
 from ..errors import UsageError
@@ -122,16 +122,7 @@ class HandoffAdapter:
         """Prefill the case (prefix hit included), hand it off; returns (decode engine, sequence, tokens)."""
         prefill = self.prefill_side.make_engine(case)
         seq, n = "prompt", case.prefix + case.length
-        if case.prefix:
-            # As NativeAdapter: the earlier request cached the prefix and a continuation that must not leak.
-            parent = tokens[: case.prefix]
-            if case.window is None:
-                parent = torch.cat([parent, (tokens[:3] + 1) % self.checkpoint.config.vocab_size])
-            prefill.prefill("earlier-request", parent, chunk_size=case.chunk)
-            prefill.fork(seq, "earlier-request", case.prefix)
-            prefill.prefill(seq, tokens[case.prefix: n], chunk_size=case.chunk)
-        else:
-            prefill.prefill(seq, tokens[:n], chunk_size=case.chunk)
+        prefill_case(prefill, case, tokens, seq)
         t0 = time.perf_counter()
         handoff = export_handoff(prefill, seq, tokens[:n])
         data = write_payload(handoff)
@@ -161,15 +152,3 @@ class ServedHandoffAdapter(HandoffAdapter):
             raise UsageError(f"no handed-off sequence for case {case.label()}")
         seq, n = self.sequences[case]
         return self.engine, seq, n
-
-
-def decode_steps(engine: Engine, seq_id: Hashable, case: Case, tokens: torch.Tensor) -> tuple[StepTrace, ...]:
-    """Decode ``case.decode_steps`` tokens on ``seq_id`` with probes, as the harness expects them."""
-    steps = []
-    for t in case.decode_positions:
-        out = engine.decode(seq_id, tokens[t], probe=True)
-        steps.append(StepTrace(position=t, logits=out.logits[0], layers=tuple(
-            LayerView(hidden_in=tr.hidden_in[0], attn_logits=tr.attn_logits[:, 0], key_positions=tr.key_positions,
-                      key_slots=tr.key_slots, q_eff=tr.q_eff[0], k_eff=tr.k_eff)
-            for tr in out.layers)))
-    return tuple(steps)
