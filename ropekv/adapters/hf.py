@@ -1,0 +1,523 @@
+"""The transformers adapter: ropekv's parity harness on any HF RoPE causal LM, unmodified.
+
+``HFEngine(model)`` wraps an already constructed ``*ForCausalLM`` (llama, mistral, qwen2, qwen3) so
+``ropekv.check(HFEngine(model), ...)`` compares the model's cached path (its ``DynamicCache`` by
+default, ``StaticCache`` on request, sliding-window layers where the config has them) with its own
+cache-free forward and with ropekv's float64 reference built from the model's config and state dict.
+
+How it sees inside without changing the model's code:
+
+- attention logits: a probe registered through transformers' ``AttentionInterface`` under a name of
+  its own (plus the original implementation's mask function under the same name in
+  ``AttentionMaskInterface``). It records the query and keys exactly as the kernel receives them
+  (after RoPE, after ``cache.update``), recomputes the scaled pre-softmax logits from them and the
+  mask HF passes, then delegates to the real implementation for the output;
+- key positions: index ``i`` of the kernel's key tensor holds position ``kv_offset + i``, where
+  ``kv_offset`` is what the cache reported to HF's own mask builder (``Cache.get_mask_sizes``) before
+  the update, read by a pre-hook on each attention module; unwritten static slots are dropped after
+  checking they are masked. ``key_slots`` is that index (the physical slot for a ``StaticCache``);
+- layer inputs: forward pre-hooks on the decoder layers; raw keys (:meth:`HFEngine.raw_keys`): forward
+  hooks on ``k_norm`` where present, else ``k_proj``.
+
+Everything is installed for the duration of one adapter call and removed in ``finally``: the attention
+implementation is set back, the registrations and hooks are removed, and the rotary embedding's state
+(dynamic NTK grows ``inv_freq`` as it sees longer sequences) is restored. Each request (a case's
+parent prefill, its continuation, a full forward) starts from the rotary state of a fresh model.
+
+Case parameters: ``block_size`` does not exist for transformers' caches and is reported as ignored. A
+case window (``case.window`` set) is applied as a custom 4D attention mask over a full
+``DynamicCache``, HF's supported way to pass a mask it has no builder for (sinks included); with
+``case.window=None`` the model's own windows and cache layers are used. See docs/adapters.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import itertools
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+
+from ..errors import CheckpointError, RopeKVError, UsageError
+from ..models.config import Checkpoint, ModelConfig, fingerprint_of
+from ..parity.cases import Case
+from .base import CaseRun, FullRun, LayerView, StepTrace
+
+try:
+    import transformers
+    from transformers import DynamicCache, StaticCache
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+except ImportError:  # pragma: no cover - exercised only without the extra
+    transformers = None
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+CACHE_KINDS = ("dynamic", "static")
+_PARENT_EXTRA = 3  # tokens of another continuation the parent request cached beyond the prefix
+_serial = itertools.count()
+
+
+def _need_transformers() -> None:
+    if transformers is None:
+        raise UsageError("the HF engine needs transformers: pip install 'ropekv[hf]'")
+
+
+@dataclass
+class _Call:
+    """What one model call records: the rows (indices into this call's tokens) to probe."""
+
+    positions: torch.Tensor  # [q] logical positions of this call's tokens
+    rows: torch.Tensor | None  # [R] indices into the q tokens to record; None records nothing
+    raw: bool = False  # record raw keys (k_proj / k_norm output)
+    kv_offset: dict[int, int] = field(default_factory=dict)
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [R, hidden]
+    attn: dict[int, tuple] = field(default_factory=dict)  # layer -> (logits [H,R,N], kpos, slots, q [R,H,D], k [N,KVH,D])
+    raw_keys: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [q, KVH, D]
+
+
+class HFEngine:
+    """A transformers causal LM as an :class:`~ropekv.adapters.base.EngineAdapter`.
+
+    ``cache``: ``"dynamic"`` (``DynamicCache(config=...)``, sliding layers keep only their window) or
+    ``"static"`` (``StaticCache``); default: static when ``model.generation_config.cache_implementation``
+    says so, else dynamic. Use as a context manager to keep the probes installed across many calls.
+    """
+
+    key_form = "rotated"  # transformers rotates keys before cache.update
+
+    def __init__(self, model: torch.nn.Module, *, cache: str | None = None, name: str | None = None):
+        _need_transformers()
+        if not isinstance(model, transformers.PreTrainedModel):
+            raise UsageError(f"HFEngine needs a transformers PreTrainedModel, got {type(model).__name__}")
+        self.model = model
+        gen = getattr(model, "generation_config", None)
+        default = "static" if getattr(gen, "cache_implementation", None) == "static" else "dynamic"
+        self.cache_kind = cache or default
+        if self.cache_kind not in CACHE_KINDS:
+            raise UsageError(f"cache must be one of {', '.join(CACHE_KINDS)}, got {cache!r}")
+        self.layers = self._decoder_layers()
+        impl = model.config._attn_implementation
+        if not isinstance(impl, str):
+            raise UsageError(f"HFEngine needs one attention implementation for the model, got {impl!r}")
+        self.attn_implementation = impl
+        self.backend = impl  # what ropekv.check compares a --backend flag with
+        self.dtype = next(model.parameters()).dtype
+        names = {v: k for k, v in _DTYPES.items()}
+        if self.dtype not in names:
+            raise UsageError(f"unsupported model dtype {self.dtype}")
+        self.dtype_name = names[self.dtype]
+        self.name = name or f"transformers {type(model).__name__} ({impl} attention, {self.cache_kind} cache)"
+        self._probe_name = f"ropekv_probe_{next(_serial)}"
+        self._depth = 0
+        self._call: _Call | None = None
+        self._restore: list = []
+        self._checkpoint: Checkpoint | None = None
+        self._fresh_rope = [(m, _fresh(state)) for m, state in _rope_states(model)]
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, dtype: str | None = "float32", *, cache: str | None = None,
+             attn_implementation: str | None = None) -> "HFEngine":
+        """Load a transformers directory from disk (None: the embedded default, SmolLM2-135M).
+
+        Local files only, safetensors only, never checkpoint code (``trust_remote_code=False``).
+        """
+        _need_transformers()
+        dtype = dtype or "float32"
+        if dtype not in _DTYPES:
+            raise UsageError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+        if path is None:
+            from ..models.default import default_checkpoint_dir
+
+            path = default_checkpoint_dir()
+        folder = Path(path)
+        if not folder.is_dir() or not (folder / "config.json").is_file():
+            raise CheckpointError(f"{folder}: the HF engine needs a transformers directory with config.json "
+                                  "(GGUF files and single weight files are for the ropekv engine)")
+        try:
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                folder, dtype=_DTYPES[dtype], local_files_only=True, trust_remote_code=False, use_safetensors=True,
+                attn_implementation=attn_implementation)
+        except (OSError, ValueError, KeyError) as exc:
+            raise CheckpointError(f"{folder}: transformers could not load it: {exc}") from None
+        return cls(model.eval(), cache=cache)
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        """The model as a ropekv :class:`Checkpoint`: its config dict and state dict in float32.
+
+        Built once, from the object (a model never saved to disk works too); float32 tensors are
+        shared with the model, not copied. The fingerprint hashes the config and every weight byte.
+        """
+        if self._checkpoint is None:
+            source = f"transformers {type(self.model).__name__} {getattr(self.model, 'name_or_path', '') or ''}".strip()
+            config = ModelConfig.from_hf_config(self.model.config.to_dict(), source=source)
+            state = self.model.state_dict()
+            weights = {k: state[k].detach().to(torch.float32) for k in config.expected_shapes() if k in state}
+            digest = hashlib.sha256()
+            for k in sorted(weights):
+                digest.update(k.encode())
+                digest.update(weights[k].contiguous().view(torch.uint8).numpy().tobytes())
+            self._checkpoint = Checkpoint(config, weights, source, fingerprint_of(config, digest.hexdigest()))
+        return self._checkpoint
+
+    # ------------------------------------------------------------------ the protocol
+
+    def describe(self) -> dict[str, Any]:
+        rope = self.model.config.to_dict().get("rope_parameters")
+        return {"name": self.name, "engine": "transformers", "transformers_version": transformers.__version__,
+                "model_class": type(self.model).__name__, "attn_implementation": self.attn_implementation,
+                "cache": {"dynamic": "DynamicCache", "static": "StaticCache"}[self.cache_kind],
+                "dtype": self.dtype_name, "key_form": self.key_form, "rope_parameters": rope,
+                "windows": "the model's own when case.window is None; a case window (and sinks) as a custom 4D "
+                           "attention mask over a full DynamicCache",
+                "rope_state": "reset to a fresh model's before each request"}
+
+    def ignored(self, case: Case) -> tuple[str, ...]:
+        """``block_size`` never applies; a case window overrides a static cache (see the module doc)."""
+        out = ["block_size"]
+        if case.window is not None and self.cache_kind == "static":
+            out.append("cache=static (a case window runs on a full DynamicCache)")
+        return tuple(out)
+
+    @torch.no_grad()
+    def run_case(self, case: Case, tokens: torch.Tensor) -> CaseRun:
+        with self._session():
+            self._reset_rope()
+            cache = self._new_cache(case)
+            start = case.prefix
+            if case.prefix:
+                # A prefix-cache hit: an earlier request cached the prefix (and, where the cache can be
+                # cropped, another continuation that must not leak into this one).
+                extra = _PARENT_EXTRA if self._croppable(case) else 0
+                parent = tokens[: case.prefix]
+                if extra:
+                    parent = torch.cat([parent, (tokens[:extra] + 1) % self.checkpoint.config.vocab_size])
+                self._prefill(cache, parent, 0, case)
+                cache = copy.deepcopy(cache)
+                if extra:
+                    cache.crop(-extra)
+                self._reset_rope()  # the continuation is a new request
+            self._prefill(cache, tokens[start: start + case.length], start, case)
+            steps = []
+            for t in case.decode_positions:
+                out, call = self._forward(tokens[t: t + 1], t, cache, case, rows=[0])
+                steps.append(StepTrace(position=t, logits=out.logits[0, -1], layers=tuple(
+                    LayerView(hidden_in=call.hidden[i][0], attn_logits=a[0][:, 0], key_positions=a[1],
+                              key_slots=a[2], q_eff=a[3][0], k_eff=a[4])
+                    for i, a in ((i, call.attn[i]) for i in range(len(self.layers))))))
+            return CaseRun(tuple(steps))
+
+    @torch.no_grad()
+    def full_forward(self, tokens: torch.Tensor, rows: list[int], case: Case) -> FullRun:
+        """One cache-free forward (``use_cache=False``) over ``tokens``, probed at ``rows``."""
+        with self._session():
+            self._reset_rope()
+            out, call = self._forward(tokens, 0, None, case, rows=rows)
+            n = len(self.layers)
+            return FullRun(rows=torch.as_tensor(rows), logits=out.logits[0, rows],
+                           hidden_in=tuple(call.hidden[i] for i in range(n)),
+                           attn_logits=tuple(call.attn[i][0] for i in range(n)))
+
+    @torch.no_grad()
+    def raw_keys(self, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per layer ``[T, KVH, D]``: the keys before RoPE (k_proj, then k_norm where present) of a
+        cache-free forward over ``tokens``; what ropekv's forensics compare rotated keys with."""
+        with self._session():
+            self._reset_rope()
+            _, call = self._forward(tokens, 0, None, Case(length=1), rows=None, raw=True)
+            return tuple(call.raw_keys[i] for i in range(len(self.layers)))
+
+    # ------------------------------------------------------------------ install / restore
+
+    def __enter__(self) -> "HFEngine":
+        self._install()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._uninstall()
+
+    @contextlib.contextmanager
+    def _session(self) -> Iterator[None]:
+        self._install()
+        try:
+            yield
+        finally:
+            self._uninstall()
+
+    def _install(self) -> None:
+        self._depth += 1
+        if self._depth > 1:
+            return
+        model, name, impl = self.model, self._probe_name, self.attn_implementation
+        undo = self._restore
+        try:
+            saved_rope = _rope_states(model)
+            undo.append(lambda: _apply_rope(saved_rope))
+            was_training = model.training
+            undo.append(lambda: model.train(was_training))
+            model.eval()
+            AttentionInterface.register(name, self._probe)
+            undo.append(lambda: AttentionInterface._global_mapping.pop(name, None))
+            if impl in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+                AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[impl])
+                undo.append(lambda: AttentionMaskInterface._global_mapping.pop(name, None))
+            model.set_attn_implementation(name)
+            undo.append(lambda: model.set_attn_implementation(impl))
+            for i, layer in enumerate(self.layers):
+                attn = layer.self_attn
+                k_mod = attn.k_norm if getattr(attn, "k_norm", None) is not None else attn.k_proj
+                undo.append(layer.register_forward_pre_hook(self._hidden_hook(i), with_kwargs=True).remove)
+                undo.append(attn.register_forward_pre_hook(self._offset_hook(i), with_kwargs=True).remove)
+                undo.append(k_mod.register_forward_hook(self._raw_key_hook(i, attn.head_dim)).remove)
+        except BaseException:
+            self._uninstall()
+            raise
+
+    def _uninstall(self) -> None:
+        self._depth = max(0, self._depth - 1)
+        if self._depth:
+            return
+        errors = []
+        while self._restore:
+            try:
+                self._restore.pop()()
+            except Exception as exc:  # keep undoing the rest; report the first failure afterwards
+                errors.append(exc)
+        self._call = None
+        if errors:
+            raise errors[0]
+
+    # ------------------------------------------------------------------ probes
+
+    def _hidden_hook(self, layer: int):
+        def hook(module, args, kwargs):
+            call = self._call
+            if call is not None and call.rows is not None:
+                hidden = args[0] if args else kwargs["hidden_states"]  # [B, q, hidden]
+                call.hidden[layer] = hidden[0, call.rows].detach().clone()
+        return hook
+
+    def _offset_hook(self, layer: int):
+        def hook(module, args, kwargs):
+            call, cache = self._call, kwargs.get("past_key_values")
+            if call is not None and cache is not None:
+                hidden = args[0] if args else kwargs["hidden_states"]
+                call.kv_offset[layer] = int(cache.get_mask_sizes(hidden.shape[1], layer)[1])
+        return hook
+
+    def _raw_key_hook(self, layer: int, head_dim: int):
+        def hook(module, args, output):
+            call = self._call
+            if call is not None and call.raw:
+                call.raw_keys[layer] = output[0].reshape(output.shape[1], -1, head_dim).detach().clone()
+        return hook
+
+    def _delegate(self, module: torch.nn.Module):
+        impl = self.attn_implementation
+        if impl == "eager":  # each model file has its own eager function (softcapping, sinks, ...)
+            home = sys.modules[type(module).__module__]
+            return getattr(home, "eager_attention_forward")
+        return ALL_ATTENTION_FUNCTIONS[impl]
+
+    def _probe(self, module, query, key, value, attention_mask, **kwargs):
+        """Registered attention function: record what the kernel gets, then run the real one."""
+        call = self._call
+        if call is not None and call.rows is not None:
+            self._record(call, module, query, key, attention_mask, kwargs)
+        return self._delegate(module)(module, query, key, value, attention_mask, **kwargs)
+
+    def _record(self, call: _Call, module, query, key, mask, kwargs) -> None:
+        layer = module.layer_idx
+        q = query[0].transpose(0, 1)  # [q, H, D]
+        k = key[0].transpose(0, 1)  # [N, KVH, D]
+        num_keys = k.shape[0]
+        rows = call.rows
+        qpos = call.positions[rows]  # [R]
+        kpos = call.kv_offset.get(layer, 0) + torch.arange(num_keys)  # [N]
+        visible, bias = _visibility(mask, rows, qpos, kpos, kwargs.get("sliding_window"))  # [Hm, R, N]
+        work = torch.float64 if query.dtype == torch.float64 else torch.float32
+        group = q.shape[1] // k.shape[1]
+        scores = torch.einsum("rhd,nhd->hrn", q[rows].to(work), k.repeat_interleave(group, dim=1).to(work))
+        scores = scores * kwargs.get("scaling", getattr(module, "scaling", q.shape[-1] ** -0.5)) + bias
+        logits = scores.masked_fill(~visible, float("-inf"))  # [H, R, N]
+        keep = kpos <= int(call.positions.max())
+        if bool(visible[..., ~keep].any()):
+            raise RopeKVError(f"layer {layer}: transformers' attention mask lets a query see cache slots past the "
+                              "newest token (unwritten slots)")
+        call.attn[layer] = (logits[..., keep], kpos[keep], torch.arange(num_keys)[keep],
+                            q[rows].detach().clone(), k[keep].detach().clone())
+
+    # ------------------------------------------------------------------ running
+
+    def _forward(self, ids: torch.Tensor, start: int, cache, case: Case, rows, raw: bool = False):
+        positions = torch.arange(start, start + ids.shape[0])
+        mask = None
+        if case.window is not None:
+            kv_len = (cache.get_seq_length() if cache is not None else 0) + ids.shape[0]
+            mask = self._window_mask(positions, kv_len, case)
+        call = _Call(positions, None if rows is None else torch.as_tensor(rows, dtype=torch.long), raw)
+        self._call = call
+        try:
+            out = self.model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask,
+                             past_key_values=cache, use_cache=cache is not None,
+                             logits_to_keep=0 if rows is not None else 1)
+        finally:
+            self._call = None
+        missing = [i for i in range(len(self.layers)) if rows is not None and i not in call.attn]
+        if missing:
+            raise UsageError(f"{type(self.model).__name__}: layers {missing} did not call the attention function "
+                             "through transformers' AttentionInterface, so ropekv cannot see their logits")
+        return out, call
+
+    def _prefill(self, cache, tokens: torch.Tensor, start: int, case: Case) -> None:
+        chunk = case.chunk or tokens.shape[0]
+        for i in range(0, tokens.shape[0], chunk):
+            self._forward(tokens[i: i + chunk], start + i, cache, case, rows=None)
+
+    def _new_cache(self, case: Case):
+        if case.window is not None:
+            return DynamicCache()  # full layers: the case's window comes from the mask
+        if self.cache_kind == "static":
+            return StaticCache(config=self.model.config, max_cache_len=case.total)
+        return DynamicCache(config=self.model.config)
+
+    def _croppable(self, case: Case) -> bool:
+        """Dynamic caches whose layers all keep every token can be cropped back to the prefix."""
+        sliding = "sliding_attention" in self.checkpoint.config.layer_types
+        return case.window is not None or (self.cache_kind == "dynamic" and not sliding)
+
+    def _window_mask(self, positions: torch.Tensor, kv_len: int, case: Case) -> torch.Tensor:
+        """``[1, 1, q, kv_len]``: key j visible to query i iff j <= i and (i - W < j or j < sinks);
+        additive (0 / dtype min) for eager attention, boolean otherwise."""
+        i, j = positions[:, None], torch.arange(kv_len)[None, :]
+        visible = (j <= i) & ((j > i - case.window) | (j < case.sink_tokens))
+        if self.attn_implementation == "eager":
+            return torch.zeros(visible.shape, dtype=self.dtype).masked_fill(
+                ~visible, torch.finfo(self.dtype).min)[None, None]
+        return visible[None, None]
+
+    def _reset_rope(self) -> None:
+        _apply_rope(self._fresh_rope)
+
+    def _decoder_layers(self) -> list[torch.nn.Module]:
+        base = getattr(self.model, getattr(self.model, "base_model_prefix", "model"), None)
+        layers = getattr(base, "layers", None)
+        if layers is None or not all(hasattr(l, "self_attn") and hasattr(l.self_attn, "k_proj") for l in layers):
+            raise UsageError(f"{type(self.model).__name__}: expected decoder layers with self_attn.k_proj "
+                             "(a llama-family causal LM)")
+        return list(layers)
+
+
+# ---------------------------------------------------------------------- cross-engine parity
+
+
+@dataclass(frozen=True)
+class CrossEngineParity:
+    """The engine's cache-free forward against ropekv's float64 reference on the same checkpoint:
+    no cache involved, so this isolates the model code (RoPE tables, norms, GQA) from the cache path
+    that ``ropekv.check`` judges. Errors are scale-aware (:func:`ropekv.parity.compare.scaled_error`)."""
+
+    length: int
+    attn: tuple[float, ...]  # per layer, worst row
+    hidden: tuple[float, ...]  # per layer input, worst row
+    logits: float
+    tolerance: dict[str, float]
+    passed: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"length": self.length, "attn_logits": list(self.attn), "hidden_in": list(self.hidden),
+                "final_logits": self.logits, "tolerance": self.tolerance, "passed": self.passed}
+
+
+def cross_engine_parity(engine: HFEngine, *, length: int = 64, seed: int = 0,
+                        reference_dtype: torch.dtype = torch.float64) -> CrossEngineParity:
+    """Compare ``engine.full_forward`` over ``length`` seeded tokens, every row, with the reference
+    decoder built from ``engine.checkpoint`` (the model object's own config and weights)."""
+    from ..models.reference import ReferenceDecoder
+    from ..parity.cases import token_stream
+    from ..parity.compare import scaled_error, tolerance_for
+
+    cfg = engine.checkpoint.config
+    tokens = token_stream(cfg.vocab_size, length, seed)
+    rows = list(range(length))
+    full = engine.full_forward(tokens, rows, Case(length=1))
+    ref = ReferenceDecoder(engine.checkpoint, dtype=reference_dtype).forward(tokens, probe_rows=rows)
+    attn = tuple(scaled_error(a, p.attn_logits) for a, p in zip(full.attn_logits, ref.layers))
+    hidden = tuple(scaled_error(h, p.hidden_in) for h, p in zip(full.hidden_in, ref.layers))
+    logits = scaled_error(full.logits, ref.logits)
+    tol = tolerance_for(engine.dtype, reference_dtype)
+    passed = max(attn) <= tol.attn and max(hidden) <= tol.hidden and logits <= tol.logits
+    return CrossEngineParity(length, attn, hidden, logits, tol.to_dict(), passed)
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _visibility(mask, rows: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor,
+                sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(visible [Hm, R, N] bool, additive bias [Hm, R, N])`` from the mask HF gave the kernel.
+
+    None (sdpa's ``is_causal`` path, masks-free kernels): causal by position, within ``sliding_window``
+    if the kernel was given one. A 2D mask is a padding mask on top of that. A 4D boolean mask is
+    used as is; a 4D float mask is additive, entries below half the dtype's minimum count as masked.
+    """
+    n = kpos.shape[0]
+    causal = kpos[None, :] <= qpos[:, None]  # [R, N]
+    if sliding_window is not None:
+        causal &= kpos[None, :] > qpos[:, None] - sliding_window
+    zero = torch.zeros(1, *causal.shape)
+    if mask is None:
+        return causal[None], zero
+    if mask.dim() == 2:
+        return causal[None] & mask[0, -n:].bool()[None, None, :], zero
+    if mask.dim() != 4 or mask.shape[-1] < n:
+        raise RopeKVError(f"unexpected attention mask of shape {tuple(mask.shape)} for {n} keys")
+    m = mask[0][:, rows, :n]  # [Hm, R, N] (eager slices the same way)
+    if m.dtype == torch.bool:
+        return m, zero
+    visible = m > torch.finfo(m.dtype).min / 2
+    return visible, torch.where(visible, m.float(), torch.zeros((), dtype=torch.float32))
+
+
+def _rope_states(model: torch.nn.Module) -> list[tuple[torch.nn.Module, dict]]:
+    """The mutable state of every rotary embedding module: its ``*inv_freq`` buffers and the
+    attributes dynamic / LongRoPE updates change (``*max_seq_len_cached``, ``attention_scaling``,
+    ``*long_inv_freq``)."""
+    out = []
+    for m in model.modules():
+        buffers = {n: b.clone() for n, b in m._buffers.items() if n.endswith("inv_freq") and b is not None}
+        if not buffers:
+            continue
+        attrs = {a: copy.copy(v) for a, v in vars(m).items()
+                 if a.endswith(("max_seq_len_cached", "long_inv_freq")) or a == "attention_scaling"}
+        out.append((m, {"buffers": buffers, "attrs": attrs}))
+    return out
+
+
+def _fresh(state: dict) -> dict:
+    """``state`` as a fresh model has it: ``inv_freq`` = ``original_inv_freq``, cached length = original."""
+    buffers, attrs = dict(state["buffers"]), dict(state["attrs"])
+    for n in list(buffers):
+        if n.endswith("original_inv_freq"):
+            buffers[n[: -len("original_inv_freq")] + "inv_freq"] = buffers[n].clone()
+    return {"buffers": buffers, "attrs": {a: v for a, v in attrs.items() if not a.endswith("long_inv_freq")},
+            "original_len": True}
+
+
+def _apply_rope(states: list[tuple[torch.nn.Module, dict]]) -> None:
+    for m, state in states:
+        for n, b in state["buffers"].items():
+            m._buffers[n] = b.clone()
+        for a in [a for a in vars(m) if a.endswith("long_inv_freq") and a not in state["attrs"]]:
+            delattr(m, a)
+        for a, v in state["attrs"].items():
+            if state.get("original_len") and a.endswith("max_seq_len_cached") and hasattr(m, "original_max_seq_len"):
+                v = m.original_max_seq_len
+            setattr(m, a, copy.copy(v))
