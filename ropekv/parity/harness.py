@@ -23,7 +23,8 @@ from ..models.config import Checkpoint
 from ..models.reference import ReferenceDecoder, ReferenceOutput
 from . import forensics  # noqa: F401  (written in parallel)
 from .cases import Case, build_matrix, token_stream
-from .compare import RefRow, StepErrors, Tolerance, compare_step, first_failure, tolerance_for, worst_entry
+from .compare import (RefRow, StepErrors, Tolerance, compare_step, first_failure, scaled_error, tolerance_for,
+                      worst_entry)
 from .progress import Progress
 from .report import CaseResult, Diagnosis, Divergence, ParityReport
 
@@ -69,6 +70,7 @@ def check(engine: EngineAdapter | Checkpoint, *, lengths=None, block_sizes=None,
             self_rows = [refs.self_row(case, s.position) for s in run.steps]
             err_ref = [compare_step(s, r) for s, r in zip(run.steps, ref_rows)]
             err_self = [compare_step(s, r) for s, r in zip(run.steps, self_rows)]
+            full_err = max(_rows_error(a, b) for a, b in zip(self_rows, ref_rows))
             fail_ref, fail_self = first_failure(err_ref, tol_ref), first_failure(err_self, tol_self)
             divergence = None
             if fail_ref is not None:
@@ -81,7 +83,8 @@ def check(engine: EngineAdapter | Checkpoint, *, lengths=None, block_sizes=None,
                 max_attn_error=_max(err_ref), max_self_attn_error=_max(err_self), first_divergence=divergence,
                 positions=tuple(s.position for s in run.steps),
                 attn_errors=tuple(e.attn for e in err_ref), self_attn_errors=tuple(e.attn for e in err_self),
-                ignored=tuple(adapter.ignored(case)), seconds=time.perf_counter() - t0)
+                ignored=tuple(adapter.ignored(case)), full_forward_error=full_err,
+                seconds=time.perf_counter() - t0)
             results.append(result)
             if not result.passed and len(failed) < _MAX_FORENSIC_CASES:
                 failed.append((result, run))
@@ -118,6 +121,13 @@ def _as_adapter(engine: Any, *, dtype, key_form, backend) -> EngineAdapter:
         if value is not None and have is not None and value != have:
             raise UsageError(f"{name}={value!r} conflicts with the adapter's {name} {have!r}")
     return engine
+
+
+def _rows_error(engine_row: RefRow, ref_row: RefRow) -> float:
+    """Cross-engine parity without any cache: the engine's own full forward against the float64
+    reference at the same row, worst over layers (attention logits) and the final logits."""
+    errs = [scaled_error(a, b) for a, b in zip(engine_row.attn_logits, ref_row.attn_logits)]
+    return max(errs + [scaled_error(engine_row.logits, ref_row.logits)])
 
 
 def _max(errors: list[StepErrors]) -> float:
@@ -216,8 +226,9 @@ def _diagnose(adapter: EngineAdapter, refs: _References, result: CaseResult, run
         rope=adapter.checkpoint.config.rope, q_raw=probe.q_raw[i], q_eff=view.q_eff,
         k_raw=probe.k_raw[view.key_positions], k_eff=view.k_eff, query_position=fd.query_position,
         key_positions=view.key_positions, key_slots=view.key_slots, fork_offset=case.prefix,
-        block_size=case.block_size, handoff_len=run.handoff_len, self_parity_passed=result.self_passed,
-        seq_len=fd.query_position + 1)
+        # A block size the engine ignores must not become a block-local explanation.
+        block_size=1 << 40 if "block_size" in result.ignored else case.block_size,
+        handoff_len=run.handoff_len, self_parity_passed=result.self_passed, seq_len=fd.query_position + 1)
     d = forensics.diagnose(inp)
     kind, evidence = d.kind, d.evidence
     if kind == "unknown" and inp.rope.length_dependent and fd.layer > 0:

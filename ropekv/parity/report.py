@@ -58,6 +58,7 @@ class CaseResult:
     attn_errors: tuple[tuple[float, ...], ...]  # [step][layer] against the reference
     self_attn_errors: tuple[tuple[float, ...], ...]  # [step][layer] against the engine itself
     ignored: tuple[str, ...] = ()
+    full_forward_error: float = 0.0  # the engine's cache-free forward vs the float64 reference (no cache)
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
@@ -76,6 +77,7 @@ class CaseResult:
             "attn_errors": [[_num(x) for x in row] for row in self.attn_errors],
             "self_attn_errors": [[_num(x) for x in row] for row in self.self_attn_errors],
             "ignored": list(self.ignored),
+            "full_forward_error": _num(self.full_forward_error),
             "seconds": round(self.seconds, 3),
         }
 
@@ -124,7 +126,10 @@ class ParityReport:
             if r.ignored:
                 lines.append(f"{'':<34} note: ignored for this engine: {', '.join(r.ignored)}")
         n_fail = sum(not r.passed for r in self.cases)
+        worst_full = max(r.full_forward_error for r in self.cases)
         lines.append("")
+        lines.append(f"cross-engine: the engine's full forward (no cache) vs the float64 reference: worst error "
+                     f"{worst_full:.2e} (tolerance {self.tolerances['reference']['attn_logits']:g})")
         if self.passed:
             lines.append(f"parity holds in all {len(self.cases)} cases ({self.seconds:.1f} s)")
         else:
