@@ -226,8 +226,9 @@ def _diagnose(adapter: EngineAdapter, refs: _References, result: CaseResult, run
         rope=adapter.checkpoint.config.rope, q_raw=probe.q_raw[i], q_eff=view.q_eff,
         k_raw=probe.k_raw[view.key_positions], k_eff=view.k_eff, query_position=fd.query_position,
         key_positions=view.key_positions, key_slots=view.key_slots, fork_offset=case.prefix,
-        # A block size the engine ignores must not become a block-local explanation.
-        block_size=1 << 40 if "block_size" in result.ignored else case.block_size,
+        # Even where the adapter ignores block sizes, the case's block size is the hypothesis to test:
+        # an engine with its own blocks may still rotate keys by their offset inside one.
+        block_size=case.block_size,
         handoff_len=run.handoff_len, self_parity_passed=result.self_passed, seq_len=fd.query_position + 1)
     d = forensics.diagnose(inp)
     kind, evidence = d.kind, d.evidence
