@@ -78,21 +78,28 @@ def visibility(query_positions: torch.Tensor, key_positions: torch.Tensor, windo
     return mask
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention with grouped KV heads, computed in float32 or wider.
 
     q ``[n, H, D]`` (rotated), k ``[N, KVH, D]`` (as the kernel uses them), v ``[N, KVH, D]``,
-    mask ``[n, N]``. Returns ``(out [n, H, D] in q's dtype, logits [H, n, N] pre-softmax, masked -inf)``.
+    mask ``[n, N]``, or None when every key is visible to every query (a decode step without a
+    window: it saves two passes over the logits per layer). Returns ``(out [n, H, D] in q's dtype,
+    logits [H, n, N] pre-softmax, masked -inf)``.
     """
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     n, num_heads, head_dim = q.shape
-    num_kv = k.shape[1]
+    num_keys, num_kv = k.shape[0], k.shape[1]
     group = num_heads // num_kv
-    qw = q.to(work).reshape(n, num_kv, group, head_dim).permute(1, 2, 0, 3)  # [KVH, G, n, D]
-    kw = k.to(work).permute(1, 2, 0)[:, None]  # [KVH, 1, D, N]
-    logits = torch.matmul(qw, kw) * (1.0 / math.sqrt(head_dim))  # [KVH, G, n, N]
-    logits = logits.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    out = torch.matmul(probs, v.to(work).permute(1, 0, 2)[:, None])  # [KVH, G, n, D]
+    # One bmm per KV head with the G query heads of its group stacked as rows ([KVH, G * n, D]):
+    # K and V are read in place through strided views. Broadcasting [KVH, G, n, D] @ [KVH, 1, D, N]
+    # made torch.matmul expand K and V G times and copy them, which dominated long-context decode.
+    qw = q.to(work).reshape(n, num_kv, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv, group * n, head_dim)
+    kw = k.to(work).permute(1, 2, 0)  # [KVH, D, N]
+    logits = torch.bmm(qw, kw).mul_(1.0 / math.sqrt(head_dim)).view(num_kv, group, n, num_keys)  # [KVH, G, n, N]
+    if mask is not None:
+        logits.masked_fill_(~mask, float("-inf"))
+    probs = torch.softmax(logits, dim=-1).view(num_kv, group * n, num_keys)
+    out = torch.bmm(probs, v.to(work).permute(1, 0, 2)).view(num_kv, group, n, head_dim)  # [KVH, G, n, D]
     out = out.permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
     return out.to(q.dtype), logits.reshape(num_heads, n, -1)

@@ -188,7 +188,7 @@ class CacheContract:
             )
         if self.sink_tokens > 0 and self.window is None:
             raise ConfigError(f"contract sink_tokens={self.sink_tokens} needs a window (sinks are what a window keeps)")
-        if self.dtype not in DTYPES:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
             raise ConfigError(f"contract dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.model_fingerprint, str):
             raise ConfigError(f"contract model_fingerprint must be a string, got {self.model_fingerprint!r}")
@@ -290,7 +290,7 @@ class CacheContract:
         """Inverse of :meth:`to_json`. Malformed input raises ConfigError naming the problem."""
         try:
             data = json.loads(s)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
             raise ConfigError(f"cache contract JSON does not parse: {exc}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"cache contract JSON must be an object, got {type(data).__name__}")
@@ -315,7 +315,7 @@ class CacheContract:
         try:
             kwargs["rope"] = RopeSpec.from_dict(rope)
             return cls(**kwargs)
-        except (TypeError, ValueError, AttributeError) as exc:
+        except (TypeError, ValueError, AttributeError, ArithmeticError) as exc:
             raise ConfigError(f"cache contract JSON has a value of the wrong type: {exc}") from None
 
 

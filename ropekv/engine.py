@@ -189,26 +189,39 @@ class Engine:
         num_before = self.cache.num_tokens(seq_id) if seq_id is not None else 0
         h = self.weights.embed[tokens.to(self.device)]  # [n, hidden]
         new_keys, new_values, traces = [], [], []
+        # Slots, key positions and the mask depend only on the layer's window (its cache group), so
+        # they are built once per step and window instead of once per layer; the same tensors then
+        # reach every layer, which also lets the rotation policy reuse its cos/sin lookup.
+        per_window: dict[int | None, tuple] = {}
         for layer, lw in enumerate(self.weights.layers):
             window = c.window if layer in c.window_layers else None
             q, k, v = project_qkv(cfg, lw, h)  # [n, H, D], [n, KVH, D], [n, KVH, D]
-            new_slots = self.cache.slots_of(layer, num_before, n)
+            # copy=False: the cached keys/values are concatenated with this step's right below (that
+            # cat is their one copy) before the cache can change.
+            view = self.cache.view(seq_id, layer, copy=False) if seq_id is not None else None
+            if window not in per_window:
+                new_slots = self.cache.slots_of(layer, num_before, n)
+                if view is not None:
+                    key_pos = torch.cat([view.positions, positions])
+                    key_slots = torch.cat([view.slots, new_slots])
+                else:
+                    key_pos, key_slots = positions, new_slots
+                mask = visibility(positions, key_pos, window, c.sink_tokens)
+                # None when nothing is hidden (decode without a window): attend then skips masking.
+                per_window[window] = (new_slots, key_pos, key_slots, mask, None if bool(mask.all()) else mask)
+            new_slots, key_pos, key_slots, mask, attn_mask = per_window[window]
             stored_new = k if c.key_form == "raw" else rot.write_key(rope, k, positions, new_slots, ctx)
-            if seq_id is not None:
-                view = self.cache.view(seq_id, layer)
+            if view is not None:
                 keys = torch.cat([view.keys, stored_new.to(view.keys.dtype)])
                 values = torch.cat([view.values, v.to(view.values.dtype)])
-                key_pos = torch.cat([view.positions, positions])
-                key_slots = torch.cat([view.slots, new_slots])
             else:
-                keys, values, key_pos, key_slots = stored_new, v, positions, new_slots
-            mask = visibility(positions, key_pos, window, c.sink_tokens)
+                keys, values = stored_new, v
             if c.rotation_index == "cache":
                 out, logits, q_eff, k_eff = self._attend_cache_index(q, keys, values, mask, key_slots, ctx)
             else:
                 q_eff = rot.query(rope, q, positions, ctx)
                 k_eff = rot.read_keys(rope, keys, key_pos, key_slots, ctx, backend_rotates=self.backend.rotates)
-                out, logits = attend(q_eff, k_eff, values, mask)
+                out, logits = attend(q_eff, k_eff, values, attn_mask)
             if probe_rows is not None:
                 r = torch.as_tensor(probe_rows)
                 traces.append(LayerTrace(h[r].detach(), q[r], q_eff[r], k, k_eff, key_pos, key_slots,

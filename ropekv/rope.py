@@ -49,6 +49,34 @@ _OPTIONAL: dict[str, tuple[str, ...]] = {
 }
 # Keys of a config's rope dict that are not scaling parameters.
 _NON_SCALING_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor", "attention_factor"}
+# Far above any real model (<= 512); bounds what a config can make us allocate for frequencies.
+MAX_HEAD_DIM = 65536
+# Far above any real context (~10M tokens); keeps every position an int64 and every angle finite.
+MAX_POSITIONS = 2**40
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _finite(value: Any) -> bool:
+    """``math.isfinite`` that is False for ints too large for a float instead of raising."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def _check_number(what: str, value: Any, low: float, *, strict: bool) -> None:
+    """ConfigError unless ``value`` is a finite int/float ``> low`` (``strict``) or ``>= low``."""
+    if not _is_real(value):
+        raise ConfigError(f"{what} has the wrong type: a number is needed, got {value!r}")
+    if not _finite(value) or value < low or (strict and value == low):
+        raise ConfigError(f"{what} must be a finite number {'>' if strict else '>='} {low:g}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -69,7 +97,7 @@ class RopeScaling:
     long_factor: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.rope_type not in SCALING_TYPES:
+        if not isinstance(self.rope_type, str) or self.rope_type not in SCALING_TYPES:
             raise ConfigError(
                 f"unknown RoPE scaling type {self.rope_type!r}; supported: {', '.join(SCALING_TYPES)}"
             )
@@ -82,16 +110,30 @@ class RopeScaling:
                 raise ConfigError(f"RoPE scaling type {self.rope_type!r} needs parameter {f.name!r}")
             if value is not None and f.name not in allowed:
                 raise ConfigError(f"RoPE scaling type {self.rope_type!r} does not take parameter {f.name!r}")
-        if self.factor is not None and not (math.isfinite(self.factor) and self.factor > 0):
-            raise ConfigError(f"RoPE scaling factor must be a positive finite number, got {self.factor!r}")
-        if self.original_max_position_embeddings is not None and self.original_max_position_embeddings < 1:
-            raise ConfigError("RoPE original_max_position_embeddings must be >= 1")
+        # Types and ranges: every value below ends up in a division, a log or a power.
+        for name in ("factor", "low_freq_factor", "high_freq_factor"):
+            if getattr(self, name) is not None:
+                _check_number(f"RoPE scaling {name}", getattr(self, name), 0, strict=True)
+        for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
+            if getattr(self, name) is not None:
+                _check_number(f"RoPE scaling {name}", getattr(self, name), 0, strict=False)
+        orig = self.original_max_position_embeddings
+        if orig is not None and not (_is_int(orig) and 1 <= orig <= MAX_POSITIONS):
+            raise ConfigError(f"RoPE original_max_position_embeddings must be an integer in [1, 2**40], got {orig!r}")
+        if self.truncate is not None and not isinstance(self.truncate, bool):
+            raise ConfigError(f"RoPE scaling truncate has the wrong type: true or false is needed, got {self.truncate!r}")
         if self.rope_type == "llama3" and self.low_freq_factor == self.high_freq_factor:
             raise ConfigError("llama3 RoPE needs low_freq_factor != high_freq_factor")
         for name in ("short_factor", "long_factor"):
             value = getattr(self, name)
-            if value is not None and not all(math.isfinite(v) and v > 0 for v in value):
+            if value is None:
+                continue
+            if not isinstance(value, (list, tuple)) or not all(_is_real(v) for v in value):
+                raise ConfigError(f"longrope {name} has the wrong type: a list of numbers is needed, got {value!r}")
+            if not all(_finite(v) and v > 0 for v in value):
                 raise ConfigError(f"longrope {name} must hold positive finite numbers")
+            if isinstance(value, list):  # normalize, do not reinterpret (frozen: keep it hashable)
+                object.__setattr__(self, name, tuple(value))
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"rope_type": self.rope_type}
@@ -103,14 +145,21 @@ class RopeScaling:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "RopeScaling":
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"RoPE scaling must be an object, got {type(data).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - names
         if unknown:
-            raise ConfigError(f"unknown RoPE scaling parameter(s): {', '.join(sorted(unknown))}")
+            raise ConfigError(f"unknown RoPE scaling parameter(s): {', '.join(sorted(map(str, unknown)))}")
         kwargs = dict(data)
         for name in ("short_factor", "long_factor"):
-            if kwargs.get(name) is not None:
-                kwargs[name] = tuple(float(v) for v in kwargs[name])
+            value = kwargs.get(name)
+            if value is not None:
+                if not isinstance(value, (list, tuple)) or not all(_is_real(v) for v in value):
+                    raise ConfigError(f"longrope {name} has the wrong type: a list of numbers is needed, got {value!r}")
+                if not all(_finite(v) for v in value):
+                    raise ConfigError(f"longrope {name} must hold positive finite numbers")
+                kwargs[name] = tuple(float(v) for v in value)
         return cls(**kwargs)
 
 
@@ -132,18 +181,20 @@ class RopeSpec:
     max_position_embeddings: int = 2048
 
     def __post_init__(self) -> None:
-        if self.head_dim < 2 or self.head_dim % 2:
-            raise ConfigError(f"RoPE head_dim must be even and >= 2, got {self.head_dim}")
-        if not (2 <= self.rotary_dim <= self.head_dim) or self.rotary_dim % 2:
-            raise ConfigError(f"RoPE rotary_dim must be even and in [2, head_dim={self.head_dim}], got {self.rotary_dim}")
-        if not (math.isfinite(self.theta) and self.theta > 1.0):
-            raise ConfigError(f"RoPE theta must be a finite number > 1, got {self.theta!r}")
-        if self.layout not in LAYOUTS:
+        if not _is_int(self.head_dim) or not 2 <= self.head_dim <= MAX_HEAD_DIM or self.head_dim % 2:
+            raise ConfigError(f"RoPE head_dim must be an even integer in [2, {MAX_HEAD_DIM}], got {self.head_dim!r}")
+        if not _is_int(self.rotary_dim) or not (2 <= self.rotary_dim <= self.head_dim) or self.rotary_dim % 2:
+            raise ConfigError(f"RoPE rotary_dim must be even and in [2, head_dim={self.head_dim}], got {self.rotary_dim!r}")
+        _check_number("RoPE theta", self.theta, 1, strict=True)
+        if not isinstance(self.layout, str) or self.layout not in LAYOUTS:
             raise ConfigError(f"unknown RoPE layout {self.layout!r}; supported: {', '.join(LAYOUTS)}")
-        if not (math.isfinite(self.attention_factor) and self.attention_factor > 0):
-            raise ConfigError(f"RoPE attention_factor must be positive and finite, got {self.attention_factor!r}")
-        if self.max_position_embeddings < 1:
-            raise ConfigError("RoPE max_position_embeddings must be >= 1")
+        if not isinstance(self.scaling, RopeScaling):
+            raise ConfigError(f"RoPE scaling must be a RopeScaling, got {type(self.scaling).__name__}")
+        _check_number("RoPE attention_factor", self.attention_factor, 0, strict=True)
+        if not _is_int(self.max_position_embeddings) or not 1 <= self.max_position_embeddings <= MAX_POSITIONS:
+            raise ConfigError(
+                f"RoPE max_position_embeddings must be an integer in [1, 2**40], got {self.max_position_embeddings!r}"
+            )
         n = self.rotary_dim // 2
         s = self.scaling
         for name in ("short_factor", "long_factor"):
@@ -152,6 +203,29 @@ class RopeSpec:
                 raise ConfigError(f"longrope {name} has {len(value)} entries, rotary_dim/2 = {n} needed")
         if self.scaling.rope_type == "dynamic" and self.rotary_dim <= 2:
             raise ConfigError("dynamic NTK RoPE needs rotary_dim > 2")
+        self._check_frequencies()
+
+    def _check_frequencies(self) -> None:
+        """Every parameter is in range, but their combination can still overflow (a huge dynamic factor,
+        a vanishing yarn beta): compute the frequencies once, at the base length and at the longest
+        length a length-dependent type is meant for, and refuse what is not finite and positive."""
+        lengths: list[int | None] = [None]
+        if self.scaling.rope_type == "dynamic":
+            lengths.append(int(self.max_position_embeddings * max(1.0, self.scaling.factor)) + 1)
+        elif self.scaling.rope_type == "longrope":
+            lengths.append(self.scaling.original_max_position_embeddings + 1)  # the long factors
+        for seq_len in lengths:
+            try:
+                inv_freq = self.inv_freq(seq_len)
+                ok = bool(torch.isfinite(inv_freq).all()) and bool((inv_freq > 0).all())
+            except (ArithmeticError, ValueError):
+                ok = False
+            if not ok:
+                at = "" if seq_len is None else f" at sequence length {seq_len}"
+                raise ConfigError(
+                    f"RoPE {self.scaling.rope_type} parameters {self.scaling.to_dict()} with theta {self.theta!r} "
+                    f"give frequencies that are not finite and positive{at}"
+                )
 
     # ------------------------------------------------------------------ construction
 
@@ -175,11 +249,17 @@ class RopeSpec:
             head_dim = config.get("head_dim") or (hidden // heads if hidden and heads else None)
         except (TypeError, ZeroDivisionError) as exc:
             raise ConfigError(f"config has unusable hidden_size/num_attention_heads: {exc}") from None
-        if not isinstance(head_dim, int) or head_dim <= 0:
-            raise ConfigError("config lacks 'head_dim' (or 'hidden_size' and 'num_attention_heads')")
+        if not _is_int(head_dim) or head_dim <= 0:
+            raise ConfigError(
+                f"config lacks a positive integer 'head_dim' (or 'hidden_size' and 'num_attention_heads'), got {head_dim!r}"
+            )
+        if head_dim > MAX_HEAD_DIM:
+            raise ConfigError(f"config 'head_dim' = {head_dim} is implausible (at most {MAX_HEAD_DIM})")
         max_pos = config.get("max_position_embeddings")
-        if not isinstance(max_pos, int) or max_pos < 1:
-            raise ConfigError("config lacks a positive integer 'max_position_embeddings'")
+        if not _is_int(max_pos) or max_pos < 1:
+            raise ConfigError(f"config lacks a positive integer 'max_position_embeddings', got {max_pos!r}")
+        if max_pos > MAX_POSITIONS:
+            raise ConfigError(f"config 'max_position_embeddings' = {max_pos} is implausible (at most 2**40)")
 
         params = config.get("rope_parameters")
         if params is not None and not isinstance(params, Mapping):
@@ -217,11 +297,12 @@ class RopeSpec:
                 "original_max_position_embeddings",
                 config.get("original_max_position_embeddings", max_pos),
             )
-        try:
-            theta = float(rope["rope_theta"])
-            partial = float(rope.get("partial_rotary_factor", 1.0))
-        except (TypeError, ValueError):
-            raise ConfigError("RoPE 'rope_theta' and 'partial_rotary_factor' must be numbers") from None
+        theta, partial = rope["rope_theta"], rope.get("partial_rotary_factor", 1.0)
+        _check_number("RoPE 'rope_theta'", theta, 1, strict=True)
+        _check_number("RoPE 'partial_rotary_factor'", partial, 0, strict=True)
+        if partial > 1:
+            raise ConfigError(f"RoPE 'partial_rotary_factor' must be in (0, 1], got {partial!r}")
+        theta = float(theta)
         rotary_dim = int(head_dim * partial)
         rotary_dim -= rotary_dim % 2
 
@@ -235,13 +316,15 @@ class RopeSpec:
         scaling_kwargs = {k: v for k, v in scaling_kwargs.items() if k in allowed and v is not None}
         if rope_type in ("yarn", "longrope") and scaling_kwargs.get("factor") is None:
             orig = scaling_kwargs.get("original_max_position_embeddings")
+            if orig is not None and not (_is_int(orig) and orig >= 1):
+                raise ConfigError(f"RoPE original_max_position_embeddings must be an integer >= 1, got {orig!r}")
             if rope_type == "yarn" or orig:
                 scaling_kwargs["factor"] = max_pos / orig if orig else None
         if rope_type == "longrope" and scaling_kwargs.get("factor") is None:
             scaling_kwargs.pop("factor", None)
         try:
             scaling = RopeScaling.from_dict({"rope_type": rope_type, **scaling_kwargs})
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, ArithmeticError) as exc:
             raise ConfigError(f"bad RoPE parameters for type {rope_type!r}: {exc}") from None
         # Only yarn and longrope use a configured attention_factor; transformers ignores it elsewhere.
         given_factor = rope.get("attention_factor") if rope_type in ("yarn", "longrope") else None
@@ -385,10 +468,8 @@ def _as_positions(positions: torch.Tensor | Any) -> torch.Tensor:
 
 def _resolve_attention_factor(scaling: RopeScaling, given: Any, max_pos: int) -> float:
     if given is not None:
-        try:
-            return float(given)
-        except (TypeError, ValueError):
-            raise ConfigError(f"RoPE attention_factor must be a number, got {given!r}") from None
+        _check_number("RoPE attention_factor", given, 0, strict=True)
+        return float(given)
     if scaling.rope_type == "yarn":
         def get_mscale(scale: float, m: float = 1.0) -> float:
             return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
@@ -401,6 +482,8 @@ def _resolve_attention_factor(scaling: RopeScaling, given: Any, max_pos: int) ->
         factor = scaling.factor if scaling.factor is not None else max_pos / orig
         if factor <= 1.0:
             return 1.0
+        if orig < 2:  # transformers divides by log(original_max_position_embeddings)
+            raise ConfigError(f"longrope original_max_position_embeddings must be >= 2 to scale by {factor:g}, got {orig}")
         return math.sqrt(1 + math.log(factor) / math.log(orig))
     return 1.0
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .rope import RopeSpec
+from .rope import RopeSpec, apply_rotation
 
 
 @dataclass(frozen=True)
@@ -38,12 +38,12 @@ class RotationPolicy:
 
     def query(self, rope: RopeSpec, q: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Rotate queries ``q [n, H, D]`` to their rotation indices ``positions [n]``."""
-        return rope.rotate(q, positions, ctx.seq_len)
+        return rotate(rope, q, positions, ctx.seq_len)
 
     def write_key(self, rope: RopeSpec, k: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                   ctx: StepContext) -> torch.Tensor:
         """The form a ``"rotated"`` cache stores for new raw keys ``k [n, KVH, D]``: rotated at ``positions``."""
-        return rope.rotate(k, positions, ctx.seq_len)
+        return rotate(rope, k, positions, ctx.seq_len)
 
     def read_keys(self, rope: RopeSpec, stored: torch.Tensor, rotation_index: torch.Tensor, slots: torch.Tensor,
                   ctx: StepContext, *, backend_rotates: bool) -> torch.Tensor:
@@ -54,5 +54,76 @@ class RotationPolicy:
         """
         if backend_rotates:
             work = stored if stored.dtype == torch.float64 else stored.float()
-            return rope.rotate(work, rotation_index, ctx.seq_len)
+            return rotate(rope, work, rotation_index, ctx.seq_len)
         return stored
+
+
+def rotate(rope: RopeSpec, x: torch.Tensor, positions: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+    """``rope.rotate(x, positions, seq_len)``, with cos/sin read from a per-spec table.
+
+    Why: ``rope.rotate`` recomputes ``inv_freq`` and float64 cos/sin of every position at every call;
+    a rotate-on-read decode step does that for every cached key in every layer. The table rows are
+    ``rope.cos_sin`` of the same positions (computed by that same function, then cast to the working
+    dtype exactly as ``apply_rotation`` would), so results do not change. Length-dependent RoPE,
+    negative or out-of-range positions and anything unusual take ``rope.rotate`` itself.
+    """
+    if (rope.length_dependent or not isinstance(positions, torch.Tensor) or positions.dim() != 1
+            or positions.dtype != torch.int64 or positions.numel() == 0 or not x.is_floating_point()):
+        return rope.rotate(x, positions, seq_len)
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    cos_sin = _TABLES.lookup(rope, positions, work)
+    if cos_sin is None:
+        return rope.rotate(x, positions, seq_len)
+    cos, sin = cos_sin  # [T, 1, rotary_dim / 2]
+    n = cos.shape[-1]
+    if rope.layout == "neox" and x.dtype == work and x.shape[-1] == 2 * n and x.dim() >= 3 and x.shape[-3] == cos.shape[0]:
+        # apply_rotation's neox arithmetic, op for op (so bit for bit), minus its per-call casts and
+        # reshapes of cos/sin: a decode step rotates two small tensors per layer, where those
+        # bookkeeping calls cost about as much as the arithmetic.
+        a, b = x[..., :n], x[..., n:]
+        return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+    return apply_rotation(x, cos[:, 0], sin[:, 0], rope.layout)
+
+
+class _CosSinTables:
+    """``rope.cos_sin(arange(size))`` per (spec, dtype, device), grown on demand, plus recent lookups.
+
+    Recent lookups are kept because the engine passes the same ``positions`` tensors (the step's
+    query positions, each window's key positions) to every layer of a step. A kept lookup holds a
+    reference to its ``positions`` tensor (so that id cannot be reused) and its version counter (an
+    in-place change misses). Inference tensors have no version counter, so they are never kept.
+    """
+
+    MAX_POSITIONS = 1 << 20  # beyond this (a buggy position), fall back rather than build a huge table
+    MAX_SPECS = 16
+    RECENT = 4  # a step's query positions and key positions per window group, with room to spare
+
+    def __init__(self) -> None:
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._recent: list[tuple] = []
+
+    def lookup(self, rope: RopeSpec, positions: torch.Tensor, dtype: torch.dtype):
+        memo = not positions.is_inference()
+        if memo:
+            for entry in self._recent:
+                if entry[0] is positions and entry[1] == positions._version and entry[2] is dtype and entry[3] == rope:
+                    return entry[4]
+        lo, hi = (int(v) for v in torch.aminmax(positions))
+        if lo < 0 or hi >= self.MAX_POSITIONS:
+            return None
+        key = (rope, dtype, positions.device)
+        table = self._tables.get(key)
+        if table is None or table[0].shape[0] <= hi:
+            size = max(4096, 1 << hi.bit_length())
+            cos, sin = rope.cos_sin(torch.arange(size, dtype=torch.int64))  # float64 [size, rotary_dim / 2]
+            if len(self._tables) >= self.MAX_SPECS:
+                self._tables.clear()
+            table = (cos.to(device=positions.device, dtype=dtype), sin.to(device=positions.device, dtype=dtype))
+            self._tables[key] = table
+        found = (table[0].index_select(0, positions)[:, None], table[1].index_select(0, positions)[:, None])
+        if memo:
+            self._recent = [(positions, positions._version, dtype, rope, found)] + self._recent[: self.RECENT - 1]
+        return found
+
+
+_TABLES = _CosSinTables()

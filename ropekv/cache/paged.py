@@ -124,8 +124,8 @@ class PagedKVCache:
         self.keys = [torch.zeros(shape, dtype=c.torch_dtype, device=self.device) for _ in range(c.num_layers)]
         self.values = [torch.zeros(shape, dtype=c.torch_dtype, device=self.device) for _ in range(c.num_layers)]
         self._seqs: dict[Hashable, _Seq] = {}
-        # (seq_id, group) -> (flat slot index [N], slots [N], positions [N]); see _index.
-        self._index_cache: dict[tuple[Hashable, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # (seq_id, group) -> (flat slot index [N], slots [N], positions [N], first row or -1); see _index.
+        self._index_cache: dict[tuple[Hashable, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = {}
 
     # ------------------------------------------------------------------ sequences
 
@@ -143,12 +143,16 @@ class PagedKVCache:
         return self._layer_group[layer]
 
     def create(self, seq_id: Hashable) -> None:
+        _check_seq_id(seq_id)
         if seq_id in self._seqs:
             raise CacheError(f"sequence {seq_id!r} already exists")
         self._seqs[seq_id] = _Seq(tables={g: [] for g in self._groups})
 
     def has(self, seq_id: Hashable) -> bool:
-        return seq_id in self._seqs
+        try:
+            return seq_id in self._seqs
+        except TypeError:  # unhashable: never a sequence of ours
+            return False
 
     def seq_ids(self) -> list[Hashable]:
         return list(self._seqs)
@@ -187,6 +191,7 @@ class PagedKVCache:
         ``prefix_len > S`` and ``j + W < parent.num_tokens``.
         """
         parent = self._seq(parent_seq_id)
+        _check_seq_id(new_seq_id)
         if new_seq_id in self._seqs:
             raise CacheError(f"fork: sequence {new_seq_id!r} already exists")
         if not isinstance(prefix_len, int) or isinstance(prefix_len, bool) or not 0 < prefix_len <= parent.num_tokens:
@@ -335,18 +340,30 @@ class PagedKVCache:
 
     # ------------------------------------------------------------------ reading
 
-    def view(self, seq_id: Hashable, layer: int) -> KVView:
-        """The live tokens of ``seq_id`` in ``layer`` in position order (a copy, gathered)."""
+    def view(self, seq_id: Hashable, layer: int, *, copy: bool = True) -> KVView:
+        """The live tokens of ``seq_id`` in ``layer`` in position order (a copy, gathered).
+
+        ``copy=False`` is for a caller that consumes the view at once and never writes to it (the
+        engine concatenates it with a step's new tokens; gathering first copied every cached key
+        twice per layer and step): when the live tokens fill one run of consecutive pool rows in
+        position order (one sequence on a fresh pool, no ring wrap), keys and values are views of the
+        pool itself, and positions and slots are the cache's own index tensors. Valid until the cache
+        next changes.
+        """
         seq = self._seq(seq_id)
         self._check_layer(layer)
-        flat, slots, positions = self._index(seq_id, seq, self._groups[self._layer_group[layer]])
+        flat, slots, positions, start = self._index(seq_id, seq, self._groups[self._layer_group[layer]])
         shape = (flat.numel(), *self.keys[layer].shape[2:])
-        return KVView(
-            keys=_rows2d(self.keys[layer]).index_select(0, flat).view(shape),
-            values=_rows2d(self.values[layer]).index_select(0, flat).view(shape),
-            positions=positions.clone(),
-            slots=slots.clone(),
-        )
+        if not copy and start >= 0:
+            end = start + flat.numel()
+            keys = _rows2d(self.keys[layer])[start:end].view(shape)
+            values = _rows2d(self.values[layer])[start:end].view(shape)
+        else:
+            keys = _rows2d(self.keys[layer]).index_select(0, flat).view(shape)
+            values = _rows2d(self.values[layer]).index_select(0, flat).view(shape)
+        if copy:
+            positions, slots = positions.clone(), slots.clone()
+        return KVView(keys=keys, values=values, positions=positions, slots=slots)
 
     def positions(self, seq_id: Hashable) -> torch.Tensor:
         """Logical positions ``[N]`` of the full group's tokens (the live sliding ones if every layer slides)."""
@@ -354,10 +371,11 @@ class PagedKVCache:
         g = self._groups[FULL] if FULL in self._groups else self._groups[SLIDING]
         return self._index(seq_id, seq, g)[2].clone()
 
-    def _index(self, seq_id: Hashable, seq: _Seq, g: _Group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _index(self, seq_id: Hashable, seq: _Seq, g: _Group) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
         """Flat slot index into ``[num_blocks * block_size]``, slots and positions of the live tokens,
-        cached per (sequence, group) until the sequence changes. Liveness comes from ``num_tokens``,
-        not stored positions: a forked child may share a block holding the parent's later tokens."""
+        and the first flat row when those rows are consecutive (else -1), cached per (sequence,
+        group) until the sequence changes. Liveness comes from ``num_tokens``, not stored positions:
+        a forked child may share a block holding the parent's later tokens."""
         key = (seq_id, g.name)
         hit = self._index_cache.get(key)
         if hit is None:
@@ -365,7 +383,9 @@ class PagedKVCache:
             bs = g.block_size
             blocks = torch.tensor(seq.tables[g.name], dtype=torch.int64)
             flat = (blocks[slots // bs] * bs + slots % bs).to(self.device)
-            hit = (flat, slots.to(self.device), g.positions.view(-1).index_select(0, flat))
+            consecutive = flat.numel() > 0 and bool((flat[1:] - flat[:-1] == 1).all())
+            hit = (flat, slots.to(self.device), g.positions.view(-1).index_select(0, flat),
+                   int(flat[0]) if consecutive else -1)
             self._index_cache[key] = hit
         return hit
 
@@ -417,6 +437,13 @@ class PagedKVCache:
     def _invalidate(self, seq_id: Hashable) -> None:
         for name in self._groups:
             self._index_cache.pop((seq_id, name), None)
+
+
+def _check_seq_id(seq_id: Any) -> None:
+    try:
+        hash(seq_id)
+    except TypeError:
+        raise UsageError(f"sequence id {seq_id!r} is not hashable") from None
 
 
 def _rows2d(pool: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ..errors import UsageError
-from .options import add_model_argument, int_list, positive_int, writable_path
+from .options import add_model_argument, int_list, positive_int, positive_int_list, seed, writable_path
 
 
 def add_parser(sub) -> None:
@@ -20,8 +20,8 @@ def add_parser(sub) -> None:
     p.add_argument("--key-form", choices=("raw", "rotated"), default=None, help="cache key form (default rotated)")
     p.add_argument("--backend", choices=("rotated", "rotate_on_read"), default=None,
                    help="attention backend (default: the one the key form needs)")
-    p.add_argument("--lengths", type=int_list, help="prompt lengths, e.g. 1,17,513")
-    p.add_argument("--block-sizes", type=int_list, help="cache block sizes, e.g. 1,7,16")
+    p.add_argument("--lengths", type=positive_int_list, help="prompt lengths, e.g. 1,17,513")
+    p.add_argument("--block-sizes", type=positive_int_list, help="cache block sizes, e.g. 1,7,16")
     p.add_argument("--prefix-offsets", type=int_list, help="prefix-cache hit lengths, e.g. 0,13")
     p.add_argument("--window", type=positive_int, help="sliding window applied to every layer")
     p.add_argument("--sinks", type=int, default=0, help="sink tokens kept forever (with --window)")
@@ -33,7 +33,7 @@ def add_parser(sub) -> None:
     p.add_argument("--json", metavar="PATH", help="write the whole report as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of divergence per layer against position")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    p.add_argument("--seed", type=int, default=0, help="seed of the token sequence")
+    p.add_argument("--seed", type=seed, default=0, help="seed of the token sequence")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=run)
 
@@ -59,12 +59,13 @@ def run(args: argparse.Namespace) -> int:
     if args.engine == "hf" and (fault or args.key_form or args.backend):
         raise UsageError("--engine hf checks the model's own cache; --inject/--key-form/--backend apply to ropekv's engine")
 
-    from ..models import load_checkpoint
+    from ..models import load_checkpoint, load_config
     from ..parity.cases import build_matrix
     from ..parity.harness import check
 
-    ckpt = load_checkpoint(args.model)
-    cfg = ckpt.config
+    # The config alone (config.json / GGUF metadata) decides whether the cases fit the model: refuse
+    # them before any weight is read.
+    cfg = load_config(args.model)
     cases = build_matrix(lengths=args.lengths, block_sizes=args.block_sizes, prefix_offsets=args.prefix_offsets,
                          window=args.window, sink_tokens=args.sinks, chunk=args.chunk, decode_steps=args.decode_steps,
                          max_positions=cfg.position_limit)
@@ -72,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
     if args.window is not None and args.window + args.sinks >= longest:
         raise UsageError(f"--window {args.window} is not smaller than the longest context ({longest} tokens): "
                          "it would never wrap")
+    ckpt = load_checkpoint(args.model)
+    cfg = ckpt.config
     if args.engine == "hf":
         from ..adapters.hf import HFEngine
 

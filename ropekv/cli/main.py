@@ -47,8 +47,11 @@ def _module(name: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # --debug is accepted anywhere on the line (before or after the subcommand), not only where the
+    # top-level parser would see it; it must also work when parsing itself fails.
     debug = "--debug" in argv
+    argv = (["--debug"] if debug else []) + [a for a in argv if a != "--debug"]
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
@@ -59,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     except RopeKVError as exc:
         if debug:
             traceback.print_exc()
-        print(f"ropekv: error: {exc}", file=sys.stderr)
+        message = " ".join(str(exc).splitlines()) or type(exc).__name__  # always exactly one line
+        print(f"ropekv: error: {message}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("ropekv: interrupted", file=sys.stderr)

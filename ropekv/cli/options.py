@@ -20,6 +20,25 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def positive_int_list(text: str) -> list[int]:
+    """``"1,17,513"`` -> ``[1, 17, 513]``; every entry a positive integer (lengths, block sizes)."""
+    values = int_list(text)
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
+def seed(text: str) -> int:
+    """An integer torch's generator accepts: ``-2**63 <= seed < 2**64``."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
+    if not -(2**63) <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"seed {text} is out of range [-2**63, 2**64)")
+    return value
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -39,7 +58,7 @@ def writable_path(path: str | None, flag: str) -> Path | None:
     if p.is_dir():
         raise UsageError(f"{flag} {path}: is a directory")
     if not folder.is_dir():
-        raise UsageError(f"{flag} {path}: folder {folder} does not exist")
+        raise UsageError(f"{flag} {path}: folder {folder} {'is not a directory' if folder.exists() else 'does not exist'}")
     if not os.access(folder, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
         raise UsageError(f"{flag} {path}: not writable")
     return p

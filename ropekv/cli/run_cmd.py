@@ -42,11 +42,12 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ..adapters.native import NativeAdapter
-    from ..models import load_checkpoint
+    from ..models import load_checkpoint, load_config
     from ..models.default import DEFAULT_PROMPT
     from ..models.reference import ReferenceDecoder
     from ..parity.cases import Case
 
+    cfg = load_config(args.model)  # names a missing or bad model before anything else; reads no weights
     tok = _tokenizer(args.model)
     if args.token_ids:
         try:
@@ -59,13 +60,13 @@ def run(args: argparse.Namespace) -> int:
         ids = tok.encode(args.prompt or DEFAULT_PROMPT)
     if not ids:
         raise UsageError("the prompt is empty")
-    t0 = time.perf_counter()
-    ckpt = load_checkpoint(args.model)
-    cfg = ckpt.config
     if max(ids) >= cfg.vocab_size or min(ids) < 0:
         raise UsageError(f"token ids must be in [0, {cfg.vocab_size})")
     if len(ids) + args.max_new_tokens > cfg.max_position_embeddings:
         raise UsageError(f"prompt + new tokens exceed the model's {cfg.max_position_embeddings} positions")
+    t0 = time.perf_counter()
+    ckpt = load_checkpoint(args.model)
+    cfg = ckpt.config
     print(f"loaded {cfg.name} from {ckpt.source} in {time.perf_counter() - t0:.1f} s")
     print(f"  architecture {cfg.architecture}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
           f"{cfg.num_heads} heads / {cfg.num_kv_heads} kv heads x {cfg.head_dim}, vocab {cfg.vocab_size}, "

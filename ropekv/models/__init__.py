@@ -15,7 +15,7 @@ import torch
 from ..errors import CheckpointError, ConfigError
 from .config import Checkpoint, ModelConfig
 from .reference import LayerProbe, ReferenceDecoder, ReferenceOutput
-from .safetensors_dir import PICKLE_SUFFIXES, load_safetensors_dir
+from .safetensors_dir import PICKLE_SUFFIXES, load_safetensors_dir, read_dir_config
 
 __all__ = [
     "Checkpoint",
@@ -25,6 +25,7 @@ __all__ = [
     "ReferenceOutput",
     "load",
     "load_checkpoint",
+    "load_config",
 ]
 
 
@@ -41,13 +42,41 @@ def load_checkpoint(
     """
     if trust_remote_code:
         raise ConfigError("trust_remote_code=True is refused: ropekv never runs code shipped with a checkpoint")
-    if path is None:
+    kind, p = _kind(path)
+    if kind == "default":
         from .default import default_checkpoint
 
         return default_checkpoint()
+    if kind == "dir":
+        return load_safetensors_dir(p)
+    from .gguf_file import load_gguf
+
+    return load_gguf(p, layout=gguf_layout)
+
+
+def load_config(path: str | Path | None = None, *, gguf_layout: str = "neox") -> ModelConfig:
+    """The validated :class:`ModelConfig` that :func:`load_checkpoint` would load from ``path``, reading
+    only ``config.json`` or the GGUF metadata: lets a command refuse bad arguments before loading weights.
+    Refuses the same paths (pickles, missing or unsupported files) with the same errors."""
+    kind, p = _kind(path)
+    if kind == "default":
+        from .default import default_config
+
+        return default_config()
+    if kind == "dir":
+        return read_dir_config(p)
+    from .gguf_file import read_gguf_config
+
+    return read_gguf_config(p, layout=gguf_layout)
+
+
+def _kind(path: str | Path | None) -> tuple[str, Path | None]:
+    """``("default", None)``, ``("dir", path)`` or ``("gguf", path)``; CheckpointError for anything else."""
+    if path is None:
+        return "default", None
     p = Path(path)
     if p.is_dir():
-        return load_safetensors_dir(p)
+        return "dir", p
     if p.suffix.lower() in PICKLE_SUFFIXES:
         raise CheckpointError(
             f"{p}: pickled weights are refused and never loaded (unpickling can run arbitrary code); "
@@ -56,9 +85,7 @@ def load_checkpoint(
     if not p.exists():
         raise CheckpointError(f"{p}: no such file or directory")
     if p.suffix.lower() == ".gguf" and p.is_file():
-        from .gguf_file import load_gguf
-
-        return load_gguf(p, layout=gguf_layout)
+        return "gguf", p
     if p.suffix.lower() == ".safetensors":
         raise CheckpointError(f"{p}: pass the directory holding this file and its config.json, not the file")
     raise CheckpointError(f"{p}: unsupported checkpoint (expected a transformers directory or a .gguf file)")

@@ -15,11 +15,16 @@ from typing import Any, Mapping
 import torch
 
 from ..errors import CheckpointError, ConfigError
-from ..rope import RopeSpec
+from ..rope import MAX_POSITIONS, RopeSpec, _finite, _is_real
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# Far above any real model (~130 layers): a config's layer count sizes lists built before any tensor is read.
+MAX_LAYERS = 4096
 
+# ModelConfig fields whose config.json name differs (for error messages).
+_HF_FIELD_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+                   "num_kv_heads": "num_key_value_heads"}
 # transformers "architectures" entries and "model_type" values we accept.
 _HF_CLASS_TO_ARCH = {
     "LlamaForCausalLM": "llama",
@@ -66,20 +71,35 @@ class ModelConfig:
                   "num_kv_heads", "head_dim", "max_position_embeddings"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"config field {f!r} must be a positive integer, got {v!r}")
+                hf = f" ({_HF_FIELD_NAMES[f]} in config.json)" if f in _HF_FIELD_NAMES else ""
+                raise ConfigError(f"config field {f!r}{hf} must be a positive integer, got {v!r}")
+        if self.max_position_embeddings > MAX_POSITIONS:
+            raise ConfigError(f"config field 'max_position_embeddings' = {self.max_position_embeddings} is implausible "
+                              "(at most 2**40)")
+        if self.num_layers > MAX_LAYERS:
+            raise ConfigError(f"config field 'num_layers' = {self.num_layers} is implausible (at most {MAX_LAYERS})")
+        eps = self.rms_norm_eps
+        if not _is_real(eps) or not _finite(eps) or eps < 0:
+            raise ConfigError(f"config field 'rms_norm_eps' must be a finite number >= 0, got {eps!r}")
+        if not isinstance(self.rope, RopeSpec):
+            raise ConfigError(f"config field 'rope' must be a RopeSpec, got {type(self.rope).__name__}")
         if self.num_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_heads}) must be a multiple of num_key_value_heads ({self.num_kv_heads})"
             )
         if self.rope.head_dim != self.head_dim:
             raise ConfigError(f"RoPE head_dim {self.rope.head_dim} != model head_dim {self.head_dim}")
-        if self.sliding_window is not None and self.sliding_window < 1:
-            raise ConfigError(f"sliding_window must be >= 1, got {self.sliding_window}")
+        if self.sliding_window is not None and (
+            not isinstance(self.sliding_window, int) or isinstance(self.sliding_window, bool) or self.sliding_window < 1
+        ):
+            raise ConfigError(f"sliding_window must be an integer >= 1, got {self.sliding_window!r}")
+        if not isinstance(self.layer_types, tuple):
+            raise ConfigError(f"layer_types must be a tuple, got {type(self.layer_types).__name__}")
         if len(self.layer_types) != self.num_layers:
             raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
-        bad = set(self.layer_types) - set(LAYER_TYPES)
+        bad = [t for t in self.layer_types if not isinstance(t, str) or t not in LAYER_TYPES]
         if bad:
-            raise ConfigError(f"unknown layer type(s) {sorted(bad)}; supported: {', '.join(LAYER_TYPES)}")
+            raise ConfigError(f"unknown layer type(s) {bad[:5]}; supported: {', '.join(LAYER_TYPES)}")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ConfigError("sliding_attention layers need a sliding_window")
 
@@ -120,8 +140,22 @@ class ModelConfig:
             value = config[name]
             if kind is int and (not isinstance(value, int) or isinstance(value, bool)):
                 raise ConfigError(f"{source}: field {name!r} must be an integer, got {value!r}")
-            if kind is float and (not isinstance(value, (int, float)) or isinstance(value, bool)):
-                raise ConfigError(f"{source}: field {name!r} must be a number, got {value!r}")
+            if kind is float and not (_is_real(value) and _finite(value)):
+                raise ConfigError(f"{source}: field {name!r} must be a finite number, got {value!r}")
+            return value
+
+        def flag(name: str) -> bool:
+            value = config.get(name)
+            if value is None:
+                return False
+            if not isinstance(value, bool) and value not in (0, 1):
+                raise ConfigError(f"{source}: field {name!r} must be true or false, got {value!r}")
+            return bool(value)
+
+        def optional_int(name: str, low: int) -> int | None:
+            value = config.get(name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+                raise ConfigError(f"{source}: field {name!r} must be an integer >= {low}, got {value!r}")
             return value
 
         act = config.get("hidden_act", "silu")
@@ -130,7 +164,14 @@ class ModelConfig:
         num_heads = need("num_attention_heads")
         hidden = need("hidden_size")
         num_layers = need("num_hidden_layers")
+        if not 1 <= num_layers <= MAX_LAYERS:
+            raise ConfigError(f"{source}: field 'num_hidden_layers' must be in [1, {MAX_LAYERS}], got {num_layers}")
         head_dim = config.get("head_dim") or (hidden // num_heads if num_heads else 0)
+        num_kv_heads = config.get("num_key_value_heads")
+        if num_kv_heads is None:
+            num_kv_heads = num_heads
+        sizes = {name: need(name) for name in ("vocab_size", "intermediate_size", "max_position_embeddings")}
+        rms_norm_eps = float(need("rms_norm_eps", float))
         try:
             rope = RopeSpec.from_hf_config(config, layout=layout)
         except ConfigError as exc:
@@ -139,12 +180,13 @@ class ModelConfig:
         sliding = None
         layer_types = config.get("layer_types")
         if arch == "mistral":
-            sliding = config.get("sliding_window")
+            sliding = optional_int("sliding_window", 1)
             default_types = ["sliding_attention" if sliding else "full_attention"] * num_layers
         elif arch in ("qwen2", "qwen3"):
-            use = bool(config.get("use_sliding_window", False))
-            sliding = config.get("sliding_window") if use else None
-            mwl = config.get("max_window_layers", num_layers)
+            use = flag("use_sliding_window")
+            sliding = optional_int("sliding_window", 1) if use else None
+            mwl = optional_int("max_window_layers", 0)
+            mwl = num_layers if mwl is None else mwl
             default_types = [
                 "sliding_attention" if (sliding and i >= mwl) else "full_attention" for i in range(num_layers)
             ]
@@ -155,27 +197,28 @@ class ModelConfig:
         if not isinstance(layer_types, list):
             raise ConfigError(f"{source}: field 'layer_types' must be a list")
         if "sliding_attention" in layer_types and not sliding:
-            sliding = config.get("sliding_window")
+            sliding = optional_int("sliding_window", 1)
         if "sliding_attention" not in layer_types:
             sliding = None
-        attention_bias = bool(config.get("attention_bias", False))
+        attention_bias = flag("attention_bias")
+        tie_word_embeddings, mlp_bias = flag("tie_word_embeddings"), flag("mlp_bias")
         try:
             return cls(
                 architecture=arch,
-                vocab_size=need("vocab_size"),
+                vocab_size=sizes["vocab_size"],
                 hidden_size=hidden,
-                intermediate_size=need("intermediate_size"),
+                intermediate_size=sizes["intermediate_size"],
                 num_layers=num_layers,
                 num_heads=num_heads,
-                num_kv_heads=config.get("num_key_value_heads") or num_heads,
+                num_kv_heads=num_kv_heads,
                 head_dim=head_dim,
-                rms_norm_eps=float(need("rms_norm_eps", float)),
-                max_position_embeddings=need("max_position_embeddings"),
+                rms_norm_eps=rms_norm_eps,
+                max_position_embeddings=sizes["max_position_embeddings"],
                 rope=rope,
-                tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+                tie_word_embeddings=tie_word_embeddings,
                 attention_bias=attention_bias or arch == "qwen2",
                 o_bias=attention_bias and arch in ("llama", "qwen3"),
-                mlp_bias=bool(config.get("mlp_bias", False)),
+                mlp_bias=mlp_bias,
                 qk_norm=arch == "qwen3",
                 sliding_window=sliding,
                 layer_types=tuple(layer_types),
@@ -267,7 +310,7 @@ def _architecture(config: Mapping[str, Any], source: str) -> str:
     if not isinstance(archs, list):
         raise ConfigError(f"{source}: field 'architectures' must be a list")
     for a in archs:
-        if a in _HF_CLASS_TO_ARCH:
+        if isinstance(a, str) and a in _HF_CLASS_TO_ARCH:
             return _HF_CLASS_TO_ARCH[a]
     model_type = config.get("model_type")
     if model_type in ARCHITECTURES:

