@@ -92,6 +92,9 @@ class Engine:
             self.cache.create(seq_id)
             self._fork_offset[seq_id] = 0
         try:
+            # Refuse the whole prompt before its first chunk, so a refused prefill caches nothing.
+            self._check_positions(self.cache.last_position(seq_id) + tokens.numel())
+            self.cache.check_room(seq_id, tokens.numel())
             step = chunk_size or tokens.numel()
             out = None
             for start in range(0, tokens.numel(), step):
@@ -163,6 +166,10 @@ class Engine:
             raise ContractMismatch("the cache contract does not fit the model: " + "; ".join(p for _, p in problems),
                                    fields=tuple(f for f, _ in problems))
 
+    def _check_positions(self, last: int) -> None:
+        if last >= self.config.position_limit:
+            raise UsageError(f"position {last} is beyond the model's {self.config.position_limit} positions")
+
     def _check_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         tokens = torch.as_tensor(tokens)
         if tokens.dim() != 1 or tokens.numel() == 0 or tokens.is_floating_point():
@@ -174,8 +181,7 @@ class Engine:
     def _step(self, seq_id, tokens: torch.Tensor, *, phase: str, probe: bool) -> StepOutput:
         start = self.cache.last_position(seq_id) + 1
         positions = torch.arange(start, start + tokens.numel(), dtype=torch.int64)
-        if int(positions[-1]) >= self.config.position_limit:
-            raise UsageError(f"position {int(positions[-1])} is beyond the model's {self.config.position_limit} positions")
+        self._check_positions(int(positions[-1]))
         rows = list(range(tokens.numel())) if probe else None
         return self._run(tokens, positions, seq_id, phase=phase, probe_rows=rows)
 

@@ -274,13 +274,19 @@ def test_fork_of_a_prefix_the_ring_already_overwrote(llama, key_form, layout):
     engine.fork("h", "s", SINKS)  # only the sink: accepted
 
 
-# ----------------------------------------------------------------------------------- known gap
+# ------------------------------------------------------------------ chunked prefill is all or nothing
 
 
-@pytest.mark.xfail(strict=True, reason="Engine.prefill appends chunk by chunk: a chunk refused late leaves the "
-                                       "earlier chunks cached (ropekv/engine.py, outside this issue's files)")
 @pytest.mark.parametrize("key_form", KEY_FORMS)
 def test_chunked_prefill_refused_midway_changes_nothing(llama, key_form):
     engine = make_engine(llama, key_form, "full", num_blocks=3)
     engine.prefill("s", tokens(llama, 4))
     refused(engine, CapacityError, "needs", lambda: engine.prefill("s", tokens(llama, 12), chunk_size=4))
+
+
+@pytest.mark.parametrize("key_form", KEY_FORMS)
+def test_chunked_prefill_past_the_position_limit_changes_nothing(llama, key_form):
+    engine = make_engine(llama, key_form, "full", num_blocks=64)
+    engine.prefill("s", tokens(llama, 4))
+    limit = llama.config.position_limit
+    refused(engine, UsageError, "beyond", lambda: engine.prefill("s", tokens(llama, limit), chunk_size=16))

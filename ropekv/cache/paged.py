@@ -247,15 +247,7 @@ class PagedKVCache:
         self._check_tensors("keys", keys, n)
         self._check_tensors("values", values, n)
 
-        plans = {name: self._plan(g, seq, n) for name, g in self._groups.items()}
-        short = []
-        for name, (_, _, new, cow) in plans.items():
-            free = self._groups[name].allocator.num_free
-            if new + len(cow) > free:
-                short.append(f"{new + len(cow)} block(s) in the {name} group ({new} new, {len(cow)} "
-                             f"copy-on-write) with {free} free")
-        if short:
-            raise CapacityError(f"append of {n} token(s) to sequence {seq_id!r} needs " + "; ".join(short))
+        plans = self._check_room(seq_id, seq, n)
 
         for name, (rows, slots, new, cow) in plans.items():
             g, table = self._groups[name], seq.tables[name]
@@ -278,6 +270,25 @@ class PagedKVCache:
         seq.num_tokens += n
         seq.last_position = int(pos[-1])
         self._invalidate(seq_id)
+
+    def check_room(self, seq_id: Hashable, n: int) -> None:
+        """Raise :class:`CapacityError` unless ``n`` more tokens of ``seq_id`` fit, copy-on-write included.
+
+        Appending them in several chunks needs exactly the blocks one append would, so a chunked
+        prefill checks once up front and is then refused before its first chunk, never midway."""
+        self._check_room(seq_id, self._seq(seq_id), n)
+
+    def _check_room(self, seq_id: Hashable, seq: _Seq, n: int) -> dict:
+        plans = {name: self._plan(g, seq, n) for name, g in self._groups.items()}
+        short = []
+        for name, (_, _, new, cow) in plans.items():
+            free = self._groups[name].allocator.num_free
+            if new + len(cow) > free:
+                short.append(f"{new + len(cow)} block(s) in the {name} group ({new} new, {len(cow)} "
+                             f"copy-on-write) with {free} free")
+        if short:
+            raise CapacityError(f"append of {n} token(s) to sequence {seq_id!r} needs " + "; ".join(short))
+        return plans
 
     def _plan(self, g: _Group, seq: _Seq, n: int) -> tuple[torch.Tensor, torch.Tensor, int, list[int]]:
         """Rows of the chunk to write, their slots, how many new blocks and which table indices to
