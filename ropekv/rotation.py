@@ -76,13 +76,48 @@ def rotate(rope: RopeSpec, x: torch.Tensor, positions: torch.Tensor, seq_len: in
         return rope.rotate(x, positions, seq_len)
     cos, sin = cos_sin  # [T, 1, rotary_dim / 2]
     n = cos.shape[-1]
-    if rope.layout == "neox" and x.dtype == work and x.shape[-1] == 2 * n and x.dim() >= 3 and x.shape[-3] == cos.shape[0]:
-        # apply_rotation's neox arithmetic, op for op (so bit for bit), minus its per-call casts and
-        # reshapes of cos/sin: a decode step rotates two small tensors per layer, where those
-        # bookkeeping calls cost about as much as the arithmetic.
-        a, b = x[..., :n], x[..., n:]
-        return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+    if (rope.layout == "neox" and x.dtype == work and x.shape[-1] == 2 * n and x.dim() >= 3
+            and x.shape[-3] == cos.shape[0]):
+        return _rotate_neox(x, cos, sin)
     return apply_rotation(x, cos[:, 0], sin[:, 0], rope.layout)
+
+
+def _rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_rotation(x, cos, sin, "neox")`` for full-width rotary in the working dtype, the same
+    products, differences and sums in the same order (so bit for bit), written into one output.
+
+    Why: rotate-on-read turns every cached key of every layer at every step. apply_rotation makes
+    six half-size temporaries and concatenates them; at a few MB per layer each fresh tensor is a
+    fresh mapping from the allocator, and the page faults (one per 4 KiB) cost more than the
+    arithmetic. Here the halves are written in place and one scratch buffer serves all products.
+    (Working through the keys in cache-sized blocks of tokens was tried: no faster on two threads.)
+    """
+    n = cos.shape[-1]
+    a, b = x[..., :n], x[..., n:]
+    if x.numel() < _SMALL:  # a step's new queries and keys: fewer calls beat fewer allocations
+        return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    first, second = out[..., :n], out[..., n:]
+    tmp = _scratch(a.shape, x.dtype, x.device)
+    torch.mul(a, cos, out=first)
+    first.sub_(torch.mul(b, sin, out=tmp))  # a * cos - b * sin
+    torch.mul(b, cos, out=second)
+    second.add_(torch.mul(a, sin, out=tmp))  # b * cos + a * sin
+    return out
+
+
+_SMALL = 1 << 16  # elements
+_SCRATCH: dict[tuple, torch.Tensor] = {}
+
+
+def _scratch(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A reused buffer of ``shape`` (per dtype and device; its contents never escape a call)."""
+    numel = shape.numel()
+    buf = _SCRATCH.get((dtype, device))
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel + numel // 4, dtype=dtype, device=device)  # headroom: contexts grow by a token a step
+        _SCRATCH[(dtype, device)] = buf
+    return buf[:numel].view(shape)
 
 
 class _CosSinTables:
@@ -106,7 +141,8 @@ class _CosSinTables:
         memo = not positions.is_inference()
         if memo:
             for entry in self._recent:
-                if entry[0] is positions and entry[1] == positions._version and entry[2] is dtype and entry[3] == rope:
+                if (entry[0] is positions and entry[1] == positions._version and entry[2] is dtype
+                        and (entry[3] is rope or entry[3] == rope)):
                     return entry[4]
         lo, hi = (int(v) for v in torch.aminmax(positions))
         if lo < 0 or hi >= self.MAX_POSITIONS:

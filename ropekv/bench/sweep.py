@@ -1,0 +1,121 @@
+"""What the parity sweep costs, in units of the one thing it cannot avoid: a cached prefill.
+
+Runs in its own process (``python -m ropekv.bench.sweep``) so that its peak resident memory is the
+sweep's alone. In order:
+
+1. ``check``: :func:`ropekv.parity.harness.check` of ropekv's engine (``NativeAdapter``, rotated keys,
+   the dtype given) on the default matrix, timed; the peak RSS right after is ``ropekv check``'s
+   (model load included, as on the command line).
+2. ``prefill``: one cached prefill of the matrix's longest case (its prompt, its chunk size), timed
+   after the sweep warmed everything up.
+3. ``components`` (full mode): the longest case's three parts timed alone: the float64 reference
+   forward over its tokens, the engine's own full forward, and its cached run (prefill + probed
+   decode steps).
+4. ``naive``: the same matrix with nothing shared between cases: ``check`` called once per case, so
+   each case gets its own full forwards (float64 reference and the engine's own) over exactly its
+   tokens instead of a row of one shared forward per window.
+
+Reports wall times and ``sweep / prefill``, ``naive / sweep``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .machine import peak_rss_bytes
+
+
+def measure_sweep(model: str | None, *, dtype: str = "float32", naive: bool = True) -> dict[str, Any]:
+    from ..adapters.native import NativeAdapter
+    from ..models import load_checkpoint
+    from ..models.reference import ReferenceDecoder
+    from ..parity.cases import default_matrix, token_stream
+    from ..parity.harness import check
+
+    t0 = time.perf_counter()
+    checkpoint = load_checkpoint(model)
+    load_s = time.perf_counter() - t0
+    adapter = NativeAdapter(checkpoint, dtype=dtype)
+    cases = default_matrix(checkpoint.config.max_position_embeddings)
+    t0 = time.perf_counter()
+    report = check(adapter, cases=cases)
+    check_s = time.perf_counter() - t0
+    check_rss = peak_rss_bytes()
+
+    longest = max(cases, key=lambda c: (c.length, c.total))
+    engine = adapter.make_engine(longest)
+    tokens = token_stream(checkpoint.config.vocab_size, longest.total)
+    t0 = time.perf_counter()
+    engine.prefill("longest", tokens[: longest.length], chunk_size=longest.chunk)
+    prefill_s = time.perf_counter() - t0
+    del engine
+
+    components = None
+    if naive:  # what the longest case costs inside the sweep, piece by piece (explains the ratio)
+        rows = longest.decode_positions
+        window = "model" if longest.window is None else longest.window
+        components = {}
+        t0 = time.perf_counter()
+        ReferenceDecoder(checkpoint, dtype=torch.float64).forward(tokens[: longest.total], probe_rows=rows,
+                                                                  window=window, sink_tokens=longest.sink_tokens)
+        components["float64_reference_forward"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        adapter.full_forward(tokens[: longest.total], rows, longest)
+        components["engine_full_forward"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        adapter.run_case(longest, tokens)
+        components["cached_run"] = time.perf_counter() - t0
+
+    naive_s, per_case = None, []
+    if naive:
+        t0 = time.perf_counter()
+        for case in cases:
+            c0 = time.perf_counter()
+            check(adapter, cases=[case])
+            per_case.append({"case": case.label(), "seconds": time.perf_counter() - c0})
+        naive_s = time.perf_counter() - t0
+    return {
+        "engine": adapter.describe()["name"],
+        "dtype": dtype,
+        "cases": [c.label() for c in cases],
+        "num_cases": len(cases),
+        "check_passed": report.passed,
+        "load_seconds": load_s,
+        "check_seconds": check_s,
+        "check_case_seconds": {r.case.label(): r.seconds for r in report.cases},
+        "longest_case": longest.label(),
+        "longest_prefill_tokens": longest.length,
+        "longest_prefill_chunk": longest.chunk,
+        "longest_prefill_seconds": prefill_s,
+        "longest_case_components_seconds": components,
+        "naive_seconds": naive_s,
+        "naive_case_seconds": per_case,
+        "sweep_over_longest_prefill": check_s / prefill_s,
+        "naive_over_sweep": None if naive_s is None else naive_s / check_s,
+        "check_peak_rss_bytes": check_rss,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ropekv.bench.sweep", description=__doc__.splitlines()[0])
+    p.add_argument("model", nargs="?", default=None)
+    p.add_argument("--json", required=True, help="write the figures here")
+    p.add_argument("--threads", type=int, required=True)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--no-naive", action="store_true", help="skip the naive sweep (quick mode)")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    out = measure_sweep(args.model, dtype=args.dtype, naive=not args.no_naive)
+    Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

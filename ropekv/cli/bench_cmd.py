@@ -1,0 +1,55 @@
+"""``ropekv bench``: decode speed against transformers and the bandwidth limit, rotate-on-read cost,
+parity sweep cost, handoff throughput and cache memory, in one run (see docs/performance.md).
+
+Prints a table; ``--json`` writes every raw figure, the machine, and the goal ratios under ``goals``.
+Exit code 0 whether or not the goals are met (they are figures, not a verdict); 2 on bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..errors import UsageError
+from .options import add_model_argument, int_list, positive_int, writable_path
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser(
+        "bench", help="measure decode speed, rotate-on-read cost, parity sweep cost, handoff and memory",
+        description="Measure, in one run on one checkpoint, dtype and thread count: decode tokens/s of ropekv "
+                    "(both key forms) and of transformers' cached decode at several contexts, against the "
+                    "memory-bandwidth limit measured in the same run; the cost of the default parity sweep; "
+                    "handoff throughput between two local ranks against a bare send/recv; cache bytes per token.")
+    add_model_argument(p)
+    p.add_argument("--json", default=None, metavar="PATH", help="write every figure here as JSON")
+    p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of tokens/s against context here")
+    p.add_argument("--quick", action="store_true",
+                   help="contexts 128 and 1024, fewer steps, no naive sweep (a smoke run; under 2 minutes)")
+    p.add_argument("--threads", type=positive_int, default=None,
+                   help="torch threads for every engine (default: torch's default, usually the core count)")
+    p.add_argument("--contexts", type=int_list, default=None, help="decode contexts (default 128,1024,4096)")
+    p.add_argument("--steps", type=positive_int, default=None, help="timed decode steps per context")
+    p.add_argument("--bandwidth-mib", type=positive_int, default=None,
+                   help="buffer size of the bandwidth measurement (default 1024, --quick 512; keep it well "
+                        "above the last-level cache)")
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..bench.run import BenchSettings, format_table, plot, run_bench
+
+    json_path = writable_path(args.json, "--json")
+    plot_path = writable_path(args.plot, "--plot")
+    if args.contexts is not None and min(args.contexts) < 1:
+        raise UsageError(f"--contexts must be positive, got {','.join(map(str, args.contexts))}")
+    settings = BenchSettings.for_run(args.model, quick=args.quick, threads=args.threads, contexts=args.contexts,
+                                     steps=args.steps, bandwidth_mib=args.bandwidth_mib)
+    doc = run_bench(settings, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    print(format_table(doc))
+    if json_path is not None:
+        json_path.write_text(json.dumps(doc, indent=1, allow_nan=False))
+    if plot_path is not None:
+        plot(doc, plot_path)
+    return 0
