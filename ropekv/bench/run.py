@@ -1,9 +1,11 @@
 """``ropekv bench``: every figure of issue 7 in one run, on one checkpoint, dtype and thread count.
 
-Order: machine facts and memory bandwidth; ropekv decode with rotated keys (rotated backend), whose
-cache then gives the memory figures and the handoff payload; ropekv decode with raw keys
-(rotate_on_read backend); transformers' cached decode; the parity sweep (own process); the handoff
-(two rank processes). :func:`run_bench` returns the JSON document; :func:`format_table` renders it.
+Order: machine facts and memory bandwidth; decode, interleaved, of ropekv with rotated keys (rotated
+backend), ropekv with raw keys (rotate_on_read backend), transformers' cached decode and the matvec
+floor (``ropekv.bench.decode``); the rotated sequence's cache then gives the memory figures and the
+handoff payload; the parity sweep (own process); the handoff (two rank processes). :func:`run_bench`
+returns the JSON document, :func:`format_table` renders it, :func:`plot` draws tokens/s by context.
+See docs/performance.md.
 
 Goal ratios are named in :data:`GOALS`. Each names a context (1,024 or 4,096); a run whose contexts
 do not include it (``--quick``, a model with fewer positions) computes the ratio at the nearest
@@ -15,8 +17,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import subprocess
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -28,9 +30,9 @@ import torch
 
 from ..errors import UsageError
 from .bandwidth import measure_bandwidth
-from .handoff import measure_handoff
 from .decode import (DecodeRun, floor_driver, load_transformers_model, ropekv_driver, step_bytes, time_interleaved,
                      transformers_driver)
+from .handoff import measure_handoff
 from .machine import load_average, machine_facts
 from .memory import cache_bytes
 
@@ -400,7 +402,7 @@ def _grid(header: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
 
     def fmt(cells: list[str]) -> str:
-        return "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
 
     return [fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
 
