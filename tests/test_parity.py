@@ -155,3 +155,7 @@ def test_default_checkpoint_passes_reduced_matrix_in_both_key_forms():
         assert report.passed, report.table()
     report = check(FAULTS["double-rotation"].adapter(ckpt), cases=cases[:1] + cases[3:])
     assert report.diagnosis.kind == "double_rotation"
+    # At position 1 a theta = 1e5 rotation barely turns anything: the layout fault must still be named
+    # from the case that carries the evidence, not read as "no rotation".
+    report = check(FAULTS["layout-mismatch"].adapter(ckpt), cases=cases[:1] + cases[3:])
+    assert report.diagnosis.kind == "layout_mismatch"

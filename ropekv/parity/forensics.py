@@ -348,11 +348,18 @@ def _diagnose_misfit(inp: ForensicInput, a: dict, analyse, w: torch.Tensor, seq_
 
     other = "gptj" if rope.layout == "neox" else "neox"
     b = analyse(other)
-    if b["qf"] >= FIT_OK and _most(torch.ones_like(j, dtype=torch.bool), b["kf"][sel] >= FIT_OK):
+    fits_other = b["kf"][sel] >= FIT_OK
+    misfit = a["kf"][sel] < FIT_OK
+    # Either everything is paired the other way, or only the decode side is: the query (and the keys
+    # it wrote) fit the other pairing while the prefill's keys still fit the contract's.
+    everything = _most(torch.ones_like(j, dtype=torch.bool), fits_other)
+    decode_side = a["qf"] < FIT_OK and (not bool(misfit.any()) or _most(misfit, fits_other))
+    if b["qf"] >= FIT_OK and (everything or decode_side):
         toks = [_tok(inp, int(sel[i]), int(b["kp"][sel][i])) for i in _spread(torch.arange(sel.numel()))]
         fit = _wfit(b["qf"], b["qn"], b["kf"][sel], b["kn"][sel])
-        return _diagnosis("layout_mismatch", f"contract pairs {rope.layout} but query and keys are exact rotations "
-                          f"under the {other} pairing", (t, b["qp"], b["qf"]), toks, b["kp"], b["kf"], fit,
+        what = ("query and keys are exact rotations" if everything and not decode_side else
+                "the decode side's query (and the keys it wrote) are exact rotations, the prefill's keys are not,")
+        return _diagnosis("layout_mismatch", f"contract pairs {rope.layout} but {what} under the {other} pairing", (t, b["qp"], b["qf"]), toks, b["kp"], b["kf"], fit,
                           **base, effective_layout=other)
 
     qx, qn, kn = a["qx"], a["qn"], a["kn"][sel]

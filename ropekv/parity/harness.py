@@ -89,9 +89,11 @@ def check(engine: EngineAdapter | Checkpoint, *, lengths=None, block_sizes=None,
             if not result.passed and len(failed) < _MAX_FORENSIC_CASES:
                 failed.append((result, run))
         diagnosis = None
+        # Forensics reads phases, and a query at position 1 or 2 has hardly turned (with theta = 1e5
+        # most channel pairs stay put, so a wrong pairing looks like no rotation at all). The failing
+        # case that diverged at the highest position carries the most evidence; the others follow.
+        failed.sort(key=lambda item: -item[0].first_divergence.query_position if item[0].first_divergence else 0)
         for result, run in failed:
-            # The first failing case usually names the bug; one at a tiny position may not (theta x 4
-            # barely turns anything at t = 2), so later failing cases get their turn.
             bar.describe("forensics")
             found = _diagnose(adapter, refs, result, run)
             if diagnosis is None or diagnosis.kind == "unknown":
