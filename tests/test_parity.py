@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 from ropekv.adapters.native import NativeAdapter
 from ropekv.models import load_checkpoint
@@ -122,11 +121,8 @@ def test_report_json_round_trips_and_names_everything(llama):
 
 def test_default_matrix_covers_what_the_issue_asks():
     cases = default_matrix(8192)
-    blocks = {c.block_size for c in cases}
     assert any(c.length == 1 for c in cases)
     assert any(c.block_size % 2 == 1 for c in cases)
-    for b in blocks:
-        pass
     assert {15, 16, 17} <= {c.length for c in cases if c.block_size == 16 and c.prefix == 0}
     assert any(c.prefix and c.prefix % c.block_size for c in cases)
     assert any(c.chunk for c in cases)

@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
 from ..errors import CheckpointError, ConfigError

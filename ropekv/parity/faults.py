@@ -17,7 +17,7 @@ from ..engine import Engine
 from ..errors import UsageError
 from ..models.config import Checkpoint
 from ..rope import RopeScaling, RopeSpec, apply_rotation
-from ..rotation import RotationPolicy, StepContext
+from ..rotation import RotationPolicy
 
 CACHED = ("prefill", "decode")  # phases that go through the cache (not the engine's full forward)
 

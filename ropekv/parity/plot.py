@@ -8,7 +8,6 @@ against decode position, reference and self-parity, with the tolerance line.
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import matplotlib

@@ -18,7 +18,7 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-from ..adapters.base import CaseRun, FullRun, LayerView, StepTrace
+from ..adapters.base import CaseRun, FullRun
 from ..adapters.native import NativeAdapter, decode_steps, prefill_case
 from ..contract import CacheContract
 from ..engine import Engine
