@@ -49,6 +49,20 @@ class PayloadError(RopeKVError):
     """A handoff payload that is truncated, corrupted, inconsistent or of an unknown format."""
 
 
+class AdapterError(RopeKVError):
+    """An engine adapter that does not keep the protocol: a missing member, a result that does not fit
+    its case (steps, layers, shapes, dtypes, positions, non-finite values), or an option it cannot
+    honour. The message names the adapter, the field, what was expected and what came."""
+
+    def __init__(self, adapter: str, field: str, expected: str, got: str):
+        super().__init__(f"adapter {adapter!r}: {field}: expected {expected}, got {got}")
+        self.adapter, self.field, self.expected, self.got = adapter, field, expected, got
+
+
+class EngineUnavailable(RopeKVError):
+    """An engine whose package is not importable in this environment (run it from its own venv)."""
+
+
 class TransportError(RopeKVError):
     """A peer in a prefill->decode handoff failed or went silent."""
 
@@ -64,5 +78,7 @@ ALL_ERRORS: tuple[type[RopeKVError], ...] = (
     CacheError,
     CapacityError,
     PayloadError,
+    AdapterError,
+    EngineUnavailable,
     TransportError,
 )
