@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .protocol import LayerProbe
+from ..probe import LayerProbe
 
 
 def visible_keys(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None,
