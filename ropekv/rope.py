@@ -231,7 +231,8 @@ class RopeSpec:
 
     @classmethod
     def from_hf_config(
-        cls, config: Mapping[str, Any], layer_type: str | None = None, layout: str = "neox"
+        cls, config: Mapping[str, Any], layer_type: str | None = None, layout: str = "neox", *,
+        partial_rotary: bool = True,
     ) -> "RopeSpec":
         """Read a transformers ``config.json`` (as a dict).
 
@@ -240,6 +241,12 @@ class RopeSpec:
         ``rope_scaling`` / ``partial_rotary_factor`` fields. Defaults follow transformers'
         ``standardize_rope_params``: ``original_max_position_embeddings`` falls back to
         ``max_position_embeddings`` for llama3, yarn and longrope.
+
+        ``partial_rotary=False`` reads the config as architectures whose attention rotates the whole
+        head do (llama, mistral, qwen2/3, gemma, ...): their default RoPE never reads
+        ``partial_rotary_factor``, so the whole head rotates; their other RoPE types compute
+        frequencies for the partial dimension and then fail to broadcast them over the head in
+        transformers, a config no implementation runs, so it is refused.
         """
         if not isinstance(config, Mapping):
             raise ConfigError("model config must be a JSON object")
@@ -303,6 +310,13 @@ class RopeSpec:
         if partial > 1:
             raise ConfigError(f"RoPE 'partial_rotary_factor' must be in (0, 1], got {partial!r}")
         theta = float(theta)
+        if partial != 1 and not partial_rotary:
+            if rope_type != "default":
+                raise ConfigError(
+                    f"partial_rotary_factor {partial!r} with RoPE type {rope_type!r} on an architecture that rotates "
+                    "the whole head: transformers computes frequencies for part of the head and cannot apply them; "
+                    "ropekv refuses to check it under another reading")
+            partial = 1.0
         rotary_dim = int(head_dim * partial)
         rotary_dim -= rotary_dim % 2
 
