@@ -16,6 +16,7 @@ import torch
 
 from ..errors import CheckpointError, ConfigError
 from ..rope import MAX_POSITIONS, RopeSpec, _finite, _is_real
+from .moe import MoeSpec
 from .families import FAMILIES, REFUSED, Family, family_of
 
 ARCHITECTURES = tuple(FAMILIES)
@@ -30,7 +31,8 @@ _HF_FIELD_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attentio
 # Fields added with the architecture descriptions: left out of to_dict (and so of fingerprints) at
 # their defaults, so configs of the original four families keep their fingerprints.
 _LATER_FIELDS = {"hidden_act": "silu", "layer_ropes": None, "query_scale": None, "attn_softcap": None,
-                 "final_softcap": None, "embedding_scale": 1.0, "residual_scale": 1.0, "logits_scale": 1.0}
+                 "final_softcap": None, "embedding_scale": 1.0, "residual_scale": 1.0, "logits_scale": 1.0,
+                 "moe": None}
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,7 @@ class ModelConfig:
     embedding_scale: float = 1.0
     residual_scale: float = 1.0  # multiplies attention and MLP outputs before the residual add
     logits_scale: float = 1.0
+    moe: MoeSpec | None = None  # mixture-of-experts MLP on moe.sparse_layers (models/moe.py)
     warnings: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -127,6 +130,8 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not (_is_real(value) and _finite(value) and value > 0):
                 raise ConfigError(f"config field {name!r} must be a finite number > 0 or null, got {value!r}")
+        if self.moe is not None and not isinstance(self.moe, MoeSpec):
+            raise ConfigError(f"config field 'moe' must be a MoeSpec or None, got {type(self.moe).__name__}")
         for name in ("embedding_scale", "residual_scale", "logits_scale"):
             value = getattr(self, name)
             if not (_is_real(value) and _finite(value)):
@@ -155,6 +160,10 @@ class ModelConfig:
         """The window of ``layer``, or None for full attention."""
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
+    def layer_moe(self, layer: int) -> MoeSpec | None:
+        """The MoE MLP of ``layer``, or None where the layer's MLP is dense."""
+        return self.moe if self.moe is not None and layer in self.moe.sparse_layers else None
+
     def layer_rope(self, layer: int) -> RopeSpec | None:
         """Layer ``layer``'s RoPE, or None for a NoPE layer."""
         return self.rope if self.layer_ropes is None else self.layer_ropes[layer]
@@ -173,6 +182,8 @@ class ModelConfig:
         d["layer_types"] = list(self.layer_types)
         if self.layer_ropes is not None:
             d["layer_ropes"] = [None if s is None else s.to_dict() for s in self.layer_ropes]
+        if self.moe is not None:
+            d["moe"] = self.moe.to_dict()
         for name, default in _LATER_FIELDS.items():
             if d[name] == default:
                 del d[name]
@@ -211,17 +222,28 @@ class ModelConfig:
                 p + "self_attn.k_proj.weight": (kv, h),
                 p + "self_attn.v_proj.weight": (kv, h),
                 p + "self_attn.o_proj.weight": (h, q),
-                p + "mlp.up_proj.weight": (i, h),
-                p + "mlp.down_proj.weight": (h, i),
             })
-            if fam.mlp == "gated":
+            moe = self.layer_moe(n)
+            if moe is not None:
+                e, m = moe.num_experts, moe.expert_size
+                shapes.update({p + "mlp.gate.weight": (e, h), p + "mlp.experts.gate_up_proj": (e, 2 * m, h),
+                               p + "mlp.experts.down_proj": (e, h, m)})
+                if moe.shared_expert_size is not None:
+                    s = moe.shared_expert_size
+                    shapes.update({p + "mlp.shared_expert.gate_proj.weight": (s, h),
+                                   p + "mlp.shared_expert.up_proj.weight": (s, h),
+                                   p + "mlp.shared_expert.down_proj.weight": (h, s),
+                                   p + "mlp.shared_expert_gate.weight": (1, h)})
+            else:
+                shapes.update({p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i)})
+            if fam.mlp == "gated" and moe is None:
                 shapes[p + "mlp.gate_proj.weight"] = (i, h)
             if self.attention_bias:
                 shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                                p + "self_attn.v_proj.bias": (kv,)})
             if self.o_bias:
                 shapes[p + "self_attn.o_proj.bias"] = (h,)
-            if self.mlp_bias:
+            if self.mlp_bias and moe is None:
                 shapes.update({p + "mlp.up_proj.bias": (i,), p + "mlp.down_proj.bias": (h,)})
                 if fam.mlp == "gated":
                     shapes[p + "mlp.gate_proj.bias"] = (i,)

@@ -63,7 +63,8 @@ class Family:
     layout: Layout = "neox"
     partial_rotary: bool = False  # does the architecture honour partial_rotary_factor?
     rope_layers: RopeLayers = "all"
-    windows: Literal["none", "mistral", "qwen2", "layer_types"] = "layer_types"
+    windows: Literal["none", "mistral", "qwen2", "qwen3_moe", "layer_types"] = "layer_types"
+    moe: Literal["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe"] | None = None  # models/moe.py
     embedding_scale: Literal["none", "sqrt_hidden", "embedding_multiplier"] = "none"
     residual_scale_key: str | None = None  # granite: residual_multiplier
     attn_scale_key: str | None = None  # granite: attention_multiplier (the scale itself)
@@ -74,8 +75,12 @@ class Family:
     logits_multiply_key: str | None = None  # cohere: logits * logit_scale
     # config fields the architecture's implementation never reads although other families do
     ignored_fields: tuple[str, ...] = ()
-    names: Mapping[str, str] = field(default_factory=dict)  # canonical -> checkpoint name, per layer
+    names: Mapping[str, str] = field(default_factory=dict)  # canonical -> checkpoint module name, per layer
+    aliases: Mapping[str, str] = field(default_factory=dict)  # checkpoint tensor name -> canonical, per layer
     fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # fused tensor -> canonical parts
+    # Per-expert tensors as saved on disk: (module holding experts 0..E-1, (gate, up, down) names),
+    # stacked into the canonical experts.gate_up_proj / experts.down_proj (models/moe.py).
+    experts: tuple[str, tuple[str, str, str]] | None = None
 
 
 _LLAMA_BIAS = dict(qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias")
@@ -153,12 +158,29 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                   "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}),
 )}
 
+FAMILIES.update({f.name: f for f in (
+    # Mixture-of-experts MLPs (models/moe.py); attention as in their dense relatives.
+    Family("mixtral", ("MixtralForCausalLM",), moe="mixtral", windows="mistral",
+           aliases={"block_sparse_moe.gate.weight": "mlp.gate.weight"},
+           experts=("block_sparse_moe.experts", ("w1", "w3", "w2"))),
+    Family("qwen2_moe", ("Qwen2MoeForCausalLM",), moe="qwen2_moe", qkv_bias="qkv_bias", windows="qwen2",
+           experts=("mlp.experts", ("gate_proj", "up_proj", "down_proj"))),
+    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), moe="qwen3_moe", qkv_bias="attention_bias",
+           o_bias="attention_bias", qk_norm="head", windows="qwen3_moe",
+           experts=("mlp.experts", ("gate_proj", "up_proj", "down_proj"))),
+    Family("granitemoe", ("GraniteMoeForCausalLM",), moe="granitemoe", embedding_scale="embedding_multiplier",
+           residual_scale_key="residual_multiplier", attn_scale_key="attention_multiplier",
+           logits_divide_key="logits_scaling", qkv_bias="attention_bias", o_bias="attention_bias",
+           aliases={"block_sparse_moe.router.weight": "mlp.gate.weight",
+                    "block_sparse_moe.router.layer.weight": "mlp.gate.weight",
+                    "block_sparse_moe.experts.gate_up_proj": "mlp.experts.gate_up_proj",
+                    "block_sparse_moe.experts.down_proj": "mlp.experts.down_proj",
+                    "block_sparse_moe.input_linear.weight": "mlp.experts.gate_up_proj",
+                    "block_sparse_moe.output_linear.weight": "mlp.experts.down_proj"}),
+)})
+
 # Architectures ropekv refuses, with the feature that is not modelled yet (docs/architectures.md).
 REFUSED: dict[str, str] = {
-    "mixtral": "mixture-of-experts MLP (router and experts)",
-    "qwen2_moe": "mixture-of-experts MLP with a gated shared expert",
-    "qwen3_moe": "mixture-of-experts MLP (router and experts)",
-    "granitemoe": "mixture-of-experts MLP (router and experts)",
     "glm4_moe": "mixture-of-experts MLP with grouped routing",
     "olmo": "non-parametric LayerNorm and clip_qkv",
     "gpt_neox": "fused per-head interleaved query_key_value and parallel residual",
@@ -195,17 +217,28 @@ def layer_tensor_names(family: Family, canonical: str) -> str:
 def canonical_weights(family: Family, num_layers: int, weights: Mapping[str, torch.Tensor],
                       split_sizes: Mapping[str, tuple[int, ...]], source: str) -> dict[str, torch.Tensor]:
     """Checkpoint tensors under ropekv's canonical (llama-style) names: renamed per ``family.names``
-    and fused tensors split into their parts (``split_sizes[fused]`` rows each, in order).
+    and ``family.aliases``, fused tensors split into their parts (``split_sizes[fused]`` rows each, in
+    order), per-expert tensors stacked. Works on a saved checkpoint and on a live transformers
+    ``state_dict`` (which may already hold the stacked expert layout).
 
     Unknown names pass through unchanged, so :func:`~ropekv.models.config.validate_weights` still
     names them as unexpected."""
     renamed = {family.names[stem]: stem for stem in family.names}
     out: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}  # (layer prefix, part) -> expert -> tensor
     for name, tensor in weights.items():
         prefix, rest = _split_layer(name)
         if prefix is None:
             out[name] = tensor
             continue
+        if rest in family.aliases:
+            out[prefix + family.aliases[rest]] = tensor
+            continue
+        if family.experts is not None and rest.startswith(family.experts[0] + "."):
+            index, _, part = rest[len(family.experts[0]) + 1:].partition(".")
+            if index.isdigit() and part.endswith(".weight") and part[:-7] in family.experts[1]:
+                experts.setdefault((prefix, part[:-7]), {})[int(index)] = tensor
+                continue
         stem, _, suffix = rest.rpartition(".")
         if stem in family.fused:
             parts, sizes = family.fused[stem], split_sizes[stem]
@@ -216,6 +249,27 @@ def canonical_weights(family: Family, num_layers: int, weights: Mapping[str, tor
                 out[f"{prefix}{part}.{suffix}"] = piece
             continue
         out[f"{prefix}{renamed.get(stem, stem)}.{suffix}"] = tensor
+    if experts:
+        out.update(_stack_experts(family, experts, source))
+    return out
+
+
+def _stack_experts(family: Family, experts: dict, source: str) -> dict[str, torch.Tensor]:
+    """Per-expert gate/up/down ``[I, H]``/``[H, I]`` into ``gate_up_proj [E, 2I, H]``, ``down_proj [E, H, I]``."""
+    gate_name, up_name, down_name = family.experts[1]
+    out = {}
+    for prefix in sorted({p for p, _ in experts}):
+        parts = {name: experts.get((prefix, name), {}) for name in (gate_name, up_name, down_name)}
+        count = len(parts[gate_name])
+        if any(sorted(p) != list(range(count)) for p in parts.values()) or count == 0:
+            raise CheckpointError(f"{source}: {prefix}{family.experts[0]}: experts 0..E-1 need each of "
+                                  f"{', '.join(family.experts[1])}")
+        try:
+            out[prefix + "mlp.experts.gate_up_proj"] = torch.stack(
+                [torch.cat([parts[gate_name][e], parts[up_name][e]]) for e in range(count)])
+            out[prefix + "mlp.experts.down_proj"] = torch.stack([parts[down_name][e] for e in range(count)])
+        except RuntimeError as exc:
+            raise CheckpointError(f"{source}: {prefix}{family.experts[0]}: expert tensors do not fit: {exc}") from None
     return out
 
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from ..errors import ConfigError
 from ..rope import RopeSpec, _finite, _is_real
 from .families import Family
+from .moe import read_moe
 
 if TYPE_CHECKING:
     from .config import ModelConfig
@@ -136,6 +137,7 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
     if fam.logits_multiply_key:
         logits_scale = number(fam.logits_multiply_key, 1.0)
     qk_norm = fam.qk_norm != "none"
+    moe = read_moe(fam.moe, config, num_layers, source) if fam.moe else None
     if fam.name == "cohere" and flag("use_qk_norm"):
         raise ConfigError(f"{source}: cohere use_qk_norm (per-head LayerNorm weights [heads, head_dim]) is not supported yet")
     if fam.name == "stablelm" and (flag("qk_layernorm") or flag("use_parallel_residual")):
@@ -169,6 +171,7 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
             embedding_scale=embedding_scale,
             residual_scale=number(fam.residual_scale_key, 1.0) if fam.residual_scale_key else 1.0,
             logits_scale=logits_scale,
+            moe=moe,
             warnings=tuple(warnings),
         )
     except ConfigError as exc:
@@ -198,6 +201,9 @@ def _layer_types(fam: Family, config: Mapping[str, Any], num_layers: int, source
         return list(given)
     if fam.windows == "mistral":
         sliding = optional_int("sliding_window", 1)
+        return ["sliding_attention" if sliding else "full_attention"] * num_layers
+    if fam.windows == "qwen3_moe":  # its config drops sliding_window unless use_sliding_window
+        sliding = optional_int("sliding_window", 1) if flag("use_sliding_window") else None
         return ["sliding_attention" if sliding else "full_attention"] * num_layers
     if fam.windows == "qwen2":
         sliding = optional_int("sliding_window", 1) if flag("use_sliding_window") else None

@@ -118,10 +118,10 @@ class ReferenceDecoder:
                 attn[block] = self._attend(scores, v)
             attn_out = self._norm(self._linear(attn.reshape(T, -1), p + "self_attn.o_proj"), p, fam.attn_out)
             if fam.parallel:  # cohere: attention and MLP both read the one input norm
-                x = x + (attn_out + self._mlp(h, p)) * cfg.residual_scale
+                x = x + (attn_out + self._mlp(h, p, layer)) * cfg.residual_scale
             else:
                 x = x + attn_out * cfg.residual_scale
-                mlp_out = self._mlp(self._norm(x, p, fam.mlp_in), p)
+                mlp_out = self._mlp(self._norm(x, p, fam.mlp_in), p, layer)
                 x = x + self._norm(mlp_out, p, fam.mlp_out) * cfg.residual_scale
 
             if rows is not None:
@@ -175,14 +175,43 @@ class ReferenceDecoder:
         bias = self._w.get(prefix + name + ".bias")
         return out + bias if bias is not None else out
 
-    def _mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
-        """``down(act(gate(h)) * up(h))`` (gated) or ``down(act(up(h)))`` (plain)."""
-        up = self._linear(h, p + "mlp.up_proj")
+    def _mlp(self, h: torch.Tensor, p: str, layer: int) -> torch.Tensor:
+        """``down(act(gate(h)) * up(h))`` (gated) or ``down(act(up(h)))`` (plain); the MoE where
+        the layer has one."""
+        moe = self.config.layer_moe(layer)
+        if moe is not None:
+            return self._moe(h, p, moe)
+        return self._dense_mlp(h, p + "mlp.")
+
+    def _dense_mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
+        up = self._linear(h, p + "up_proj")
         if self.config.family.mlp == "gated":
-            up = _activation(self._linear(h, p + "mlp.gate_proj"), self.config.hidden_act) * up
+            up = _activation(self._linear(h, p + "gate_proj"), self.config.hidden_act) * up
         else:
             up = _activation(up, self.config.hidden_act)
-        return self._linear(up, p + "mlp.down_proj")
+        return self._linear(up, p + "down_proj")
+
+    def _moe(self, h: torch.Tensor, p: str, moe) -> torch.Tensor:
+        """Route each token ``h [T, hidden]`` to its top-k experts and sum their gated MLPs by weight
+        (models/moe.py); token by token, expert by expert."""
+        router_logits = h @ self._w[p + "mlp.gate.weight"].T  # [T, E]
+        if moe.router == "softmax_topk":
+            weights, experts = torch.softmax(router_logits, dim=-1).topk(moe.top_k, dim=-1)
+            if moe.normalize:
+                weights = weights / weights.sum(-1, keepdim=True)
+        else:
+            top, experts = router_logits.topk(moe.top_k, dim=-1)
+            weights = torch.softmax(top, dim=-1)
+        gate_up, down = self._w[p + "mlp.experts.gate_up_proj"], self._w[p + "mlp.experts.down_proj"]
+        out = torch.zeros_like(h)
+        for t in range(h.shape[0]):
+            for e, w in zip(experts[t].tolist(), weights[t]):
+                gate, up = (gate_up[e] @ h[t]).chunk(2)
+                out[t] += w * (down[e] @ (_activation(gate, self.config.hidden_act) * up))
+        if moe.shared_expert_size is not None:
+            shared = self._dense_mlp(h, p + "mlp.shared_expert.")
+            out = out + torch.sigmoid(h @ self._w[p + "mlp.shared_expert_gate.weight"].T) * shared
+        return out
 
     def _attn_logits(
         self, q_rot: torch.Tensor, rows: torch.Tensor, k_rot: torch.Tensor, window: int | None, sinks: int
