@@ -71,6 +71,7 @@ _CONSEQUENCES: dict[str, str] = {
     "num_kv_heads": "head counts differ: tensors would not fit, or one head's keys would be read as another's",
     "head_dim": "head sizes differ: tensors would not fit, channels would be misread",
     "model_fingerprint": "keys come from another model: attention would read keys this model never produced",
+    "layer_ropes": "some layers would turn their keys with another RoPE spec, or with none (NoPE)",
 }
 
 

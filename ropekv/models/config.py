@@ -318,6 +318,6 @@ def _architecture(config: Mapping[str, Any], source: str) -> str:
         raise ConfigError(f"{source}: missing field 'model_type' (or 'architectures')")
     refused = REFUSED.get(model_type) if isinstance(model_type, str) else None
     if refused:
-        raise ConfigError(f"{source}: architecture {named!r} is not supported yet: {refused} "
-                          "(see docs/architectures.md)")
+        raise ConfigError(f"{source}: unsupported architecture {named!r}: ropekv does not model its {refused} "
+                          "yet (see docs/architectures.md)")
     raise ConfigError(f"{source}: unsupported architecture {named!r}; supported: {', '.join(ARCHITECTURES)}")

@@ -205,7 +205,7 @@ def family_of(architectures: list, model_type: str | None) -> str | None:
     for a in architectures:
         if isinstance(a, str) and a in _CLASS_TO_FAMILY:
             return _CLASS_TO_FAMILY[a]
-    return model_type if model_type in FAMILIES else None
+    return model_type if isinstance(model_type, str) and model_type in FAMILIES else None
 
 
 def layer_tensor_names(family: Family, canonical: str) -> str:

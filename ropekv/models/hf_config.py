@@ -142,6 +142,13 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
         raise ConfigError(f"{source}: cohere use_qk_norm (per-head LayerNorm weights [heads, head_dim]) is not supported yet")
     if fam.name == "stablelm" and (flag("qk_layernorm") or flag("use_parallel_residual")):
         raise ConfigError(f"{source}: stablelm qk_layernorm / use_parallel_residual are not supported yet")
+    fields = dict(
+        tie_word_embeddings=flag("tie_word_embeddings"), attention_bias=rule(fam.qkv_bias), o_bias=rule(fam.o_bias),
+        mlp_bias=rule(fam.mlp_bias),
+        attn_softcap=number(fam.attn_softcap_key, None) if fam.attn_softcap_key else None,
+        final_softcap=number(fam.final_softcap_key, None) if fam.final_softcap_key else None,
+        residual_scale=number(fam.residual_scale_key, 1.0) if fam.residual_scale_key else 1.0,
+    )
     try:
         return cls(
             architecture=arch,
@@ -155,10 +162,6 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
             rms_norm_eps=eps,
             max_position_embeddings=sizes["max_position_embeddings"],
             rope=main_rope,
-            tie_word_embeddings=flag("tie_word_embeddings"),
-            attention_bias=rule(fam.qkv_bias),
-            o_bias=rule(fam.o_bias),
-            mlp_bias=rule(fam.mlp_bias),
             qk_norm=qk_norm,
             sliding_window=sliding,
             layer_types=tuple(layer_types),
@@ -166,13 +169,11 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
             hidden_act=act,
             layer_ropes=tuple(ropes),
             query_scale=query_scale,
-            attn_softcap=number(fam.attn_softcap_key, None) if fam.attn_softcap_key else None,
-            final_softcap=number(fam.final_softcap_key, None) if fam.final_softcap_key else None,
             embedding_scale=embedding_scale,
-            residual_scale=number(fam.residual_scale_key, 1.0) if fam.residual_scale_key else 1.0,
             logits_scale=logits_scale,
             moe=moe,
             warnings=tuple(warnings),
+            **fields,
         )
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
@@ -196,8 +197,15 @@ def _layer_types(fam: Family, config: Mapping[str, Any], num_layers: int, source
     """Each layer's attention kind, as the architecture derives it when ``layer_types`` is absent."""
     given = config.get("layer_types")
     if given is not None:
+        from .config import LAYER_TYPES
+
         if not isinstance(given, list):
             raise ConfigError(f"{source}: field 'layer_types' must be a list")
+        if len(given) != num_layers:
+            raise ConfigError(f"{source}: layer_types has {len(given)} entries for {num_layers} layers")
+        bad = [t for t in given if not isinstance(t, str) or t not in LAYER_TYPES]
+        if bad:
+            raise ConfigError(f"{source}: unknown layer type(s) {bad[:5]}; supported: {', '.join(LAYER_TYPES)}")
         return list(given)
     if fam.windows == "mistral":
         sliding = optional_int("sliding_window", 1)
