@@ -141,3 +141,43 @@ def hf_model() -> Callable[[Path], torch.nn.Module]:
         return cache[path]
 
     return load
+
+
+# ---------------------------------------------------------------------- every described architecture
+
+ARCH_BASE: dict[str, Any] = dict(
+    vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
+
+
+def build_arch_model(arch: str, overrides: dict[str, Any]) -> torch.nn.Module:
+    """A tiny random transformers model of ``model_type`` ``arch`` (seeded by its arguments), eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    key = json.dumps([arch, overrides], sort_keys=True, default=str)
+    seed = zlib.crc32(key.encode())
+    config = AutoConfig.for_model(arch, **{**ARCH_BASE, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    _randomize(model, seed)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def make_arch_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory: ``make_arch_checkpoint(model_type, **config_overrides) -> Path`` for any transformers
+    architecture (``AutoConfig.for_model``), saved by ``save_pretrained``; cached by arguments."""
+    root = tmp_path_factory.mktemp("arch_checkpoints")
+    cache: dict[str, Path] = {}
+
+    def make(arch: str, **overrides: Any) -> Path:
+        key = json.dumps([arch, overrides], sort_keys=True, default=str)
+        if key not in cache:
+            path = root / f"{arch}-{zlib.crc32(key.encode()):08x}"
+            build_arch_model(arch, overrides).save_pretrained(path)
+            cache[key] = path
+        return cache[key]
+
+    return make
