@@ -174,7 +174,8 @@ class Engine:
         n = tokens.numel()
         step_ctx = StepContext(phase=phase, seq_len=int(positions.max()) + 1,
                                fork_offset=self._fork_offset.get(seq_id, 0), block_size=c.block_size,
-                               layer_ropes=tuple(c.layer_rope(i) for i in range(c.num_layers)))
+                               layer_ropes=tuple(c.layer_rope(i) for i in range(c.num_layers)),
+                               window_layers=c.window_layers)
         num_before = self.cache.num_tokens(seq_id) if seq_id is not None else 0
         h = embed(cfg, self.weights, tokens.to(self.device))  # [n, hidden]
         new_keys, new_values, traces = [], [], []

@@ -32,6 +32,7 @@ class StepContext:
     block_size: int = 1
     layer: int = 0
     layer_ropes: tuple[RopeSpec | None, ...] = ()  # the contract's spec per layer (None: NoPE)
+    window_layers: tuple[int, ...] = ()  # the contract's sliding ("local") layers
 
     def for_layer(self, layer: int) -> "StepContext":
         """This context for ``layer`` (faults that confuse layers read ``layer`` and ``layer_ropes``)."""
