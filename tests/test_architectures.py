@@ -2,8 +2,9 @@
 
 For each configuration: the float64 reference decoder's logits against transformers' own forward of
 the same saved checkpoint (so every config field is read as the architecture's implementation reads
-it), and ropekv's engine (cached prefill in chunks, odd block size, decode steps; rotated and raw keys)
-against the reference. Tolerance 1e-5 scale-aware (``max |a - b| / max(1, max |b|)``): float32
+it); ropekv's engine (cached prefill in chunks, odd block size, ten decode steps; rotated and raw
+keys) against the reference; and ``ropekv.check`` on transformers' own cached path (HFEngine) and on
+ropekv's engine, plus HFEngine's cross-engine parity. Tolerance 1e-5 scale-aware (``max |a - b| / max(1, max |b|)``): float32
 against float64 on unit-scale tiny models measures 1e-7..2e-6, while any misread field (a bias, a
 norm offset, a partial rotary, a scale) measured 1e-2..1 when we tried.
 """
@@ -14,11 +15,16 @@ import pytest
 import torch
 
 from conftest import build_arch_model
+from ropekv.adapters.hf import HFEngine
+from ropekv.adapters.native import NativeAdapter
 from ropekv.contract import CacheContract
 from ropekv.engine import Engine
 from ropekv.errors import ConfigError
 from ropekv.models import ReferenceDecoder, load_checkpoint
 from ropekv.models.families import FAMILIES, REFUSED
+from ropekv.parity.cases import Case
+from ropekv.parity.cross_engine import cross_engine_parity
+from ropekv.parity.harness import check
 
 TOL = 1e-5
 LENGTH, PREFILL, CHUNK, BLOCK = 30, 20, 6, 7
@@ -103,18 +109,32 @@ def tokens() -> torch.Tensor:
     return torch.randint(0, 96, (LENGTH,), generator=torch.Generator().manual_seed(1))
 
 
+def cases_for(cfg) -> list[Case]:
+    """Short cases: odd blocks, a block boundary, chunked prefill, a prefix-cache hit where the windows
+    leave the prefix in the cache, several decode steps. Length-dependent RoPE stays below its switch
+    length (16 here): past it no cache matches a full forward beyond layer 0, by design."""
+    short = cfg.rope.length_dependent and cfg.rope.scaling.rope_type == "longrope"
+    cases = [Case(length=9 if short else 17, block_size=5 if short else 7, decode_steps=3)]
+    if cfg.sliding_window is None:
+        cases.append(Case(length=10, prefix=3, chunk=4, block_size=3, decode_steps=2))
+    else:
+        cases.append(Case(length=12 if short else 20, chunk=4, block_size=3, decode_steps=2))
+    return cases
+
+
 @pytest.mark.parametrize("arch,overrides", [v[1:] for v in VARIANTS], ids=[v[0] for v in VARIANTS])
-def test_reference_and_engine_match_transformers(arch, overrides, make_arch_checkpoint, hf_model, tokens):
+def test_reference_engine_and_hf_adapter_match_transformers(arch, overrides, make_arch_checkpoint, hf_model, tokens):
     path = make_arch_checkpoint(arch, **overrides)
     ckpt = load_checkpoint(path)
+    model = hf_model(path)
     with torch.no_grad():
-        hf = hf_model(path)(tokens[None]).logits[0]  # [T, vocab] float32, transformers' own forward
+        hf = model(tokens[None]).logits[0]  # [T, vocab] float32, transformers' own forward
     ref = ReferenceDecoder(ckpt).forward(tokens).logits  # [T, vocab] float64
     assert scaled(hf, ref) < TOL, f"reference vs transformers: {scaled(hf, ref):.2e}"
 
     # Length-dependent RoPE: rotated keys are refused, and chunks that cross LongRoPE's switch length
-    # would leave deeper layers' keys computed under the short factors (inherent, see
-    # test_raw_keys_fix_only_layer_0_across_a_length_switch), so prefill in one chunk there.
+    # would leave deeper layers' keys computed under the short factors (inherent), so prefill in one
+    # chunk there.
     dependent = ckpt.config.rope.length_dependent
     for form in ("raw",) if dependent else ("rotated", "raw"):
         engine = Engine(ckpt, CacheContract.for_model(ckpt.config, key_form=form, block_size=BLOCK))
@@ -123,6 +143,19 @@ def test_reference_and_engine_match_transformers(arch, overrides, make_arch_chec
         for t in range(PREFILL, LENGTH):
             err = scaled(engine.decode("s", int(tokens[t])).logits[0], ref[t])
             assert err < TOL, f"{form} keys, decode at {t}: {err:.2e}"
+
+    # The same model through the harness: transformers' cached path (HFEngine, attention recorded
+    # through its attention interface), its cache-free forward against the reference, and ropekv's
+    # engine from the saved checkpoint.
+    cases = cases_for(ckpt.config)
+    hf_engine = HFEngine(model)
+    for adapter in (hf_engine, NativeAdapter(ckpt, key_form="raw" if dependent else "rotated")):
+        report = check(adapter, cases=cases)
+        assert report.passed, report.table()
+        assert max(c.max_attn_error for c in report.cases) < TOL
+        assert max(max(c.logit_errors) for c in report.cases) < TOL
+    cross = cross_engine_parity(hf_engine, length=24)
+    assert cross.passed and max(cross.attn) < TOL and cross.logits < TOL, cross.to_dict()
 
 
 def test_every_architecture_of_the_issue_is_described_or_refused_by_feature():
