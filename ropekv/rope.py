@@ -392,6 +392,17 @@ class RopeSpec:
         """True when the frequencies depend on the sequence length (dynamic NTK, LongRoPE)."""
         return self.scaling.rope_type in ("dynamic", "longrope")
 
+    @property
+    def switch_length(self) -> int | None:
+        """The sequence length past which the frequencies change, or None: dynamic NTK grows its base
+        past ``max_position_embeddings``; LongRoPE switches to its long factors past
+        ``scaling.original_max_position_embeddings`` (not ``max_position_embeddings``)."""
+        if self.scaling.rope_type == "dynamic":
+            return self.max_position_embeddings
+        if self.scaling.rope_type == "longrope":
+            return self.scaling.original_max_position_embeddings
+        return None
+
     def inv_freq(self, seq_len: int | None = None) -> torch.Tensor:
         """Inverse frequencies ``[rotary_dim // 2]`` in float64 for a sequence of ``seq_len`` tokens."""
         return _INV_FREQ[self.scaling.rope_type](self, seq_len)

@@ -232,3 +232,19 @@ def test_default_checkpoint_is_unchanged():
     ckpt = load_checkpoint(None)
     assert ckpt.fingerprint == "ff654252273424f6"
     assert ckpt.config.uniform_rope and ckpt.config.warnings == () and ckpt.config.attn_scale == 64**-0.5
+
+
+def test_switch_length_is_where_the_frequencies_change():
+    """LongRoPE switches at original_max_position_embeddings, dynamic NTK at max_position_embeddings."""
+    from ropekv.rope import RopeScaling, RopeSpec
+
+    longrope = RopeSpec(16, 16, 1e4, scaling=RopeScaling("longrope", short_factor=(1.0,) * 8, long_factor=(2.0,) * 8,
+                                                         original_max_position_embeddings=16),
+                        max_position_embeddings=256)
+    assert longrope.switch_length == 16
+    assert not torch.equal(longrope.inv_freq(16), longrope.inv_freq(17))
+    dynamic = RopeSpec(16, 16, 1e4, scaling=RopeScaling("dynamic", factor=2.0), max_position_embeddings=64)
+    assert dynamic.switch_length == 64
+    assert torch.equal(dynamic.inv_freq(64), dynamic.inv_freq(10)) and not torch.equal(dynamic.inv_freq(65),
+                                                                                          dynamic.inv_freq(64))
+    assert RopeSpec(16, 16, 1e4).switch_length is None

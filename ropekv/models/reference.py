@@ -1,18 +1,23 @@
-"""The independent reference: a cache-free full forward of a llama-family checkpoint.
+"""The independent reference: a cache-free full forward of any described checkpoint.
 
 Everything else in ropekv (the engine, its caches, the attention backends, an adapted foreign engine)
 is judged against this file, so it is written to be obviously right rather than fast: one token
 sequence, no KV cache, no fused kernels, every step spelled out, all arithmetic in one ``dtype``
 (float64 by default). It shares only the pure RoPE functions (:mod:`ropekv.rope`) and the model
-config with the engine.
+config -- with the decoder description it names (:mod:`ropekv.models.families`) -- with the engine.
 
-Architecture (transformers' ``LlamaForCausalLM`` and its mistral / qwen2 / qwen3 relatives): token
-embedding; per layer ``x += o_proj(attention(rms_norm(x)))`` then
-``x += down_proj(silu(gate_proj(h)) * up_proj(h))`` with ``h = rms_norm(x)``; final norm; lm_head.
-qwen3 applies an RMSNorm over ``head_dim`` to each query and key head before RoPE. Query head ``h``
-reads key/value head ``h // (num_heads // num_kv_heads)`` (grouped-query attention).
+Architecture (transformers' ``LlamaForCausalLM`` as the template; the description says where a
+family differs): token embedding times ``embedding_scale``; per layer
+``x += s * norm_out(o_proj(attention(norm_in(x))))`` then ``x += s * norm_out(mlp(norm_in(x)))``
+(``s`` = ``residual_scale``; absent norm slots are the identity; ``parallel`` families add attention
+and MLP of the same input norm); the MLP is gated (``down(act(gate(h)) * up(h))``), plain
+(``down(act(up(h)))``) or a mixture of experts (:mod:`ropekv.models.moe`); q/k norms per head or
+over the whole projection, before RoPE; each layer turns with its own RoPE or none (NoPE); scores
+times ``attn_scale``, soft-capped where the family caps; final norm; lm_head, times
+``logits_scale``, soft-capped. Query head ``h`` reads key/value head ``h // (num_heads //
+num_kv_heads)`` (grouped-query attention).
 
-Differences from transformers that are deliberate: RMSNorm is computed in ``dtype`` (HF upcasts to
+Differences from transformers that are deliberate: norms are computed in ``dtype`` (HF upcasts to
 float32 and casts back), and RoPE angles come from float64 (HF uses float32), so a float64 run is a
 better reference than HF itself.
 """
