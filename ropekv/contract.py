@@ -289,7 +289,10 @@ class CacheContract:
         """Every field that differs, in declaration order; the RoPE spec is compared field by field."""
         per_layer = self.layer_ropes is not None or other.layer_ropes is not None
         ours, theirs = _flat(self, per_layer), _flat(other, per_layer)
-        return [FieldDiff(k, ours.get(k), theirs.get(k)) for k in _union(ours, theirs) if ours.get(k) != theirs.get(k)]
+        diffs = [FieldDiff(k, ours.get(k), theirs.get(k)) for k in _union(ours, theirs) if ours.get(k) != theirs.get(k)]
+        # A layer that is NoPE on one side differs as a whole ("layers.3.rope"), not field by field.
+        whole = {d.field for d in diffs if d.field.startswith("layers.") and d.field.endswith(".rope")}
+        return [d for d in diffs if not any(d.field.startswith(w + ".") for w in whole)]
 
     def require_compatible(self, other: "CacheContract", *, ours: str = "cache", theirs: str = "writer") -> None:
         """Raise :class:`ContractMismatch` naming every differing field, both values and the consequence.
@@ -377,6 +380,9 @@ def _flat(c: CacheContract, per_layer: bool = False) -> dict[str, Any]:
         value = getattr(c, f.name)
         if f.name == "layer_ropes":
             if per_layer:
+                # The summary (each layer's spec fingerprint, None for NoPE), then every differing detail.
+                out["layer_ropes"] = tuple(None if c.layer_rope(i) is None else c.layer_rope(i).fingerprint()
+                                           for i in range(c.num_layers))
                 for i in range(c.num_layers):
                     spec = c.layer_rope(i)
                     if spec is None:

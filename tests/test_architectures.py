@@ -248,3 +248,26 @@ def test_switch_length_is_where_the_frequencies_change():
     assert torch.equal(dynamic.inv_freq(64), dynamic.inv_freq(10)) and not torch.equal(dynamic.inv_freq(65),
                                                                                           dynamic.inv_freq(64))
     assert RopeSpec(16, 16, 1e4).switch_length is None
+
+
+# Fields a minimal config.json keeps: sizes and structure; everything else is left to the defaults.
+_STRUCTURE = {"model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+              "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "layer_types",
+              "num_local_experts", "num_experts", "moe_intermediate_size", "shared_expert_intermediate_size",
+              "num_experts_per_tok", "original_max_position_embeddings", "rms_norm_eps", "layer_norm_eps",
+              "norm_epsilon", "norm_eps"}
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_omitted_fields_read_as_the_architectures_own_defaults(arch):
+    """A config.json that omits optional fields (biases, tied embeddings, softcaps, scalars, RoPE theta
+    and partial factor, windows) reads as the full config of transformers' own config class."""
+    from transformers import AutoConfig
+
+    from conftest import ARCH_BASE
+    from ropekv.models.config import ModelConfig
+
+    full = AutoConfig.for_model(arch, **{k: v for k, v in ARCH_BASE.items() if k != "tie_word_embeddings"}).to_dict()
+    full["architectures"] = []
+    minimal = {k: v for k, v in full.items() if k in _STRUCTURE}
+    assert ModelConfig.from_hf_config(minimal) == ModelConfig.from_hf_config(full)

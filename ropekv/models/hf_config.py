@@ -31,10 +31,12 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
         raise ConfigError(f"{source}: must be a JSON object")
     arch = _architecture(config, source)
     if config.get("trust_remote_code") or config.get("auto_map"):
-        raise ConfigError(f"{source}: needs custom code (auto_map / trust_remote_code); ropekv never runs checkpoint code")
+        raise ConfigError(f"{source}: needs custom code (auto_map / trust_remote_code); "
+                          "ropekv never runs checkpoint code")
     from .families import FAMILIES
 
     fam = FAMILIES[arch]
+    config = _with_defaults(fam, config)
     warnings: list[str] = []
 
     def need(name: str, kind: type = int) -> Any:
@@ -139,7 +141,8 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
     qk_norm = fam.qk_norm != "none"
     moe = read_moe(fam.moe, config, num_layers, source) if fam.moe else None
     if fam.name == "cohere" and flag("use_qk_norm"):
-        raise ConfigError(f"{source}: cohere use_qk_norm (per-head LayerNorm weights [heads, head_dim]) is not supported yet")
+        raise ConfigError(f"{source}: cohere use_qk_norm (per-head LayerNorm weights [heads, head_dim]) "
+                          "is not supported yet")
     if fam.name == "stablelm" and (flag("qk_layernorm") or flag("use_parallel_residual")):
         raise ConfigError(f"{source}: stablelm qk_layernorm / use_parallel_residual are not supported yet")
     fields = dict(
@@ -177,6 +180,22 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
         )
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
+
+
+def _with_defaults(fam: Family, config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` with the architecture's class defaults (``Family.defaults``) for the fields it omits.
+    A field present as null keeps its null (gemma2's ``attn_logit_softcapping: null`` means no cap)."""
+    out = dict(config)
+    for key, value in fam.defaults.items():
+        if key == "rope_parameters":  # a whole RoPE default (gemma3's per-layer-type thetas)
+            if not any(k in config for k in ("rope_parameters", "rope_scaling", "rope_theta", "rope_local_base_freq")):
+                out[key] = value
+        elif key == "partial_rotary_factor":
+            if _partial_factor(config) is None:
+                out[key] = value
+        elif key not in config:  # rope_theta too: a flat rope_parameters' own theta still wins
+            out[key] = value
+    return out
 
 
 def _partial_factor(config: Mapping[str, Any]) -> Any:

@@ -78,7 +78,8 @@ def read_moe(kind: str, config: Mapping[str, Any], num_layers: int, source: str)
                        shared_expert_size=integer("shared_expert_intermediate_size") if kind == "qwen2_moe" else None,
                        sparse_layers=layers)
     if kind == "mixtral":
-        return MoeSpec("softmax_topk", experts, top_k, integer("intermediate_size"), normalize=True, sparse_layers=layers)
+        return MoeSpec("softmax_topk", experts, top_k, integer("intermediate_size"), normalize=True,
+                       sparse_layers=layers)
     if kind == "granitemoe":
         return MoeSpec("topk_softmax", experts, top_k, integer("intermediate_size"), normalize=False,
                        sparse_layers=layers)
