@@ -48,7 +48,7 @@ def cases_for(fault) -> list[Case]:
     if fault.name == "ignored-prefix-offset":
         return [Case(length=20, prefix=13, block_size=4)]
     if fault.name == "low-precision-angles":
-        return [Case(length=600, block_size=16, decode_steps=2)]
+        return [Case(length=200, chunk=64, decode_steps=2)]
     if fault.name == "stale-dynamic-scaling":
         return [Case(length=63, block_size=16, decode_steps=3)]
     return [Case(length=17, block_size=4)]
