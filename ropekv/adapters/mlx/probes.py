@@ -129,8 +129,8 @@ class ForwardProbe:
         keys the kernel attended to, so the probe holds exactly what the kernel read."""
         recorder = AttentionRecorder(len(self.calls))
         for i, c in enumerate(self.calls):
-            if len(c.rope) != 2 or c.fetched is None or c.hidden_in is None:
-                raise AdapterError(self.adapter, f"layers[{i}]", "one query rope, one key rope, one cache update",
+            if not c.rope or c.fetched is None or c.hidden_in is None:
+                raise AdapterError(self.adapter, f"layers[{i}]", "a query rope and a cache update",
                                    f"{len(c.rope)} rope call(s), update {'seen' if c.fetched else 'missing'}")
             q_in, q_out, _ = c.rope[0]
             keys, values, positions, slots = c.fetched
