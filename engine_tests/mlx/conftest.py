@@ -74,6 +74,9 @@ def against_reference(reference: ReferenceDecoder, run: CaseRun, case: Case, tok
             mine = attention_logits(probe, torch.tensor([row]), scale=scale, mask_by_position=False)[:, 0]  # [H, N]
             ref = out.layers[li].attn_logits[:, si]  # [H, T]
             visible = torch.isfinite(ref[0])
+            if int(probe.key_positions.max()) >= ref.shape[1]:  # keys the uninterrupted run never had
+                attn[li] = float("inf")
+                continue
             got = torch.full_like(ref, float("-inf"))
             got[:, probe.key_positions] = mine
             # a key the kernel read that the reference masks (or the reverse) is an error of its own
