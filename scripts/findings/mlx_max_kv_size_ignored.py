@@ -12,8 +12,17 @@ Run from .venv-mlx:  .venv-mlx/bin/python scripts/findings/mlx_max_kv_size_ignor
 from __future__ import annotations
 
 from ropekv.adapters.mlx import MLXEngine
-from ropekv.parity.cases import Case
+from ropekv.parity.cases import Case, token_stream
+from ropekv.errors import AdapterError
 from ropekv.parity.harness import check
+
+
+def show(engine, case) -> None:
+    """ropekv's verdict: the table, or the validator's refusal (keys outside the case's window)."""
+    try:
+        print(check(engine, cases=[case]).table())
+    except AdapterError as exc:
+        print(f"refused by ropekv's validation: {exc}")
 
 
 def main() -> None:
@@ -22,18 +31,16 @@ def main() -> None:
     print(f"make_prompt_cache(model, max_kv_size=37) -> {sorted({type(c).__name__ for c in caches})} "
           f"x {len(caches)} (model.make_cache exists: {hasattr(engine.model, 'make_cache')})")
     case = Case(length=48, window=37, decode_steps=2)
-    run = engine.run_case(case, __import__("ropekv.parity.cases", fromlist=["token_stream"]).token_stream(
-        engine.config.vocab_size, case.total))
+    run = engine.run_case(case, token_stream(engine.config.vocab_size, case.total))
     print(f"decode at position {run.steps[0].position} reads {len(run.steps[0].layers[0].key_positions)} keys "
           f"(a 37-token window holds 37)")
-    report = check(engine, cases=[case])
     print("\nropekv check, caches from make_prompt_cache(model, max_kv_size=37), case window 37:")
-    print(report.table())
+    show(engine, case)
     bounded = MLXEngine.__new__(MLXEngine)
     bounded.__dict__.update(engine.__dict__)
     bounded.keep = 0  # RotatingKVCache(max_size=37, keep=0) per layer
     print("\nropekv check, explicit RotatingKVCache(max_size=37, keep=0):")
-    print(check(bounded, cases=[case]).table())
+    show(bounded, case)
 
 
 if __name__ == "__main__":

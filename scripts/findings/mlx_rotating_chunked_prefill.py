@@ -15,7 +15,16 @@ from __future__ import annotations
 from ropekv.adapters.mlx import MLXEngine
 from ropekv.models.reference import ReferenceDecoder
 from ropekv.parity.cases import Case, token_stream
+from ropekv.errors import AdapterError
 from ropekv.parity.harness import check
+
+
+def show(engine, case) -> None:
+    """ropekv's verdict: the table, or the validator's refusal (keys outside the case's window)."""
+    try:
+        print(check(engine, cases=[case]).table())
+    except AdapterError as exc:
+        print(f"refused by ropekv's validation: {exc}")
 
 L, FIRST = 100, 60
 
@@ -43,7 +52,7 @@ def main() -> None:
               f"two chunks vs float64 window-37 reference: {vs_ref:.3g}")
     engine.keep = 0
     print("\nropekv check, keep=0, chunked prefill (chunk=60):")
-    print(check(engine, cases=[Case(length=L, window=37, chunk=FIRST)]).table())
+    show(engine, Case(length=L, window=37, chunk=FIRST))
 
 
 if __name__ == "__main__":

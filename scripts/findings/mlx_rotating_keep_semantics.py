@@ -17,7 +17,16 @@ import torch
 from ropekv.adapters.mlx import MLXEngine
 from ropekv.models.reference import ReferenceDecoder
 from ropekv.parity.cases import Case, token_stream
+from ropekv.errors import AdapterError
 from ropekv.parity.harness import check
+
+
+def show(engine, case) -> None:
+    """ropekv's verdict: the table, or the validator's refusal (keys outside the case's window)."""
+    try:
+        print(check(engine, cases=[case]).table())
+    except AdapterError as exc:
+        print(f"refused by ropekv's validation: {exc}")
 
 L = 60
 
@@ -48,12 +57,12 @@ def main() -> None:
               f"vs 4 sinks + 33: {(logits.double() - sinks[t]).abs().max():.2e}")
     for c in (Case(length=L, window=37), Case(length=L, window=33, sink_tokens=4)):
         print(f"\nropekv check, RotatingKVCache(max_size=37, keep=4), reference {c.label()}:")
-        print(check(engine, cases=[c]).table())
+        show(engine, c)
     keep0 = MLXEngine.__new__(MLXEngine)
     keep0.__dict__.update(engine.__dict__)
     keep0.keep = 0
     print("\nropekv check, RotatingKVCache(max_size=37, keep=0), reference window 37:")
-    print(check(keep0, cases=[Case(length=L, window=37)]).table())
+    show(keep0, Case(length=L, window=37))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                        help="caches from make_prompt_cache(model, max_kv_size=N), as mlx_lm.generate --max-kv-size")
     group.add_argument("--mlx-keep", type=int, default=None, metavar="K",
                        help="with --mlx-max-kv-size: RotatingKVCache(max_size=N, keep=K) per layer")
-    group.add_argument("--mlx-dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     group.add_argument("--mlx-rollback", type=int, default=0, metavar="N",
                        help="after the prefill, feed N rejected draft tokens and trim_prompt_cache them")
     group.add_argument("--mlx-restore", action="store_true",
@@ -39,8 +38,9 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
 
 
 def from_args(args: argparse.Namespace) -> "MLXEngine":
+    """``MLXEngine(MODEL, ...)`` from ``ropekv check``'s arguments (``--dtype`` is the shared flag)."""
     from .engine import MLXEngine
 
     return MLXEngine(getattr(args, "model", None), max_kv_size=args.mlx_max_kv_size, keep=args.mlx_keep,
-                     dtype=args.mlx_dtype, rollback=args.mlx_rollback, restore=args.mlx_restore,
+                     dtype=getattr(args, "dtype", "float32"), rollback=args.mlx_rollback, restore=args.mlx_restore,
                      blas=args.mlx_blas)
