@@ -6,4 +6,4 @@ cd "$(dirname "$0")/.."
 export HF_HUB_OFFLINE=1            # mlx-lm / transformers must never reach a hub
 export TOKENIZERS_PARALLELISM=false
 export OPENBLAS_NUM_THREADS=${OPENBLAS_NUM_THREADS:-2}   # the CI machine has 2 cores
-exec .venv-mlx/bin/python -m pytest engine_tests/mlx -q -p no:cacheprovider "$@"
+exec .venv-mlx/bin/python -m pytest engine_tests/mlx -p no:cacheprovider "$@"  # -q comes from pyproject addopts

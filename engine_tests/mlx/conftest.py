@@ -72,7 +72,9 @@ def against_reference(reference: ReferenceDecoder, run: CaseRun, case: Case, tok
         mabs = max(mabs, float((step.logits.double() - out.logits[row]).abs().max()))
         for li, probe in enumerate(step.layers):
             mine = attention_logits(probe, torch.tensor([row]), scale=scale, mask_by_position=False)[:, 0]  # [H, N]
-            ref = out.layers[li].attn_logits[:, si]  # [H, T]
+            ref_probe = out.layers[li]
+            ref = attention_logits(ref_probe, torch.tensor(rows), scale=scale, window=w,
+                                   sink_tokens=s)[:, si]  # [H, T]
             visible = torch.isfinite(ref[0])
             if int(probe.key_positions.max()) >= ref.shape[1]:  # keys the uninterrupted run never had
                 attn[li] = float("inf")
