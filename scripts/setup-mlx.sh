@@ -17,7 +17,7 @@ PINS=(mlx==0.32.4 mlx-cpu==0.32.4 mlx-lm==0.32.2)
 # torch is the CPU build pinned for ropekv's own .venv (an unpinned torch pulls a multi-GB CUDA build).
 ROPEKV_DEPS=(torch==2.13.0 gguf==0.19.0 matplotlib==3.11.2 psutil==7.2.2 pytest==9.2.0)
 OPENBLAS=/usr/lib/x86_64-linux-gnu/openblas-pthread/libopenblas.so.0
-LOG=$VENV.setup.log
+LOG=$VENV/.setup.log  # pip output; shown on failure
 pip_q() {
   if ! "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@" >>"$LOG" 2>&1; then
     grep -v "is ignored: it is neither" "$LOG" | tail -20 >&2

@@ -52,3 +52,11 @@ def test_cli_one_line_exit_2(tmp_path):
         assert proc.returncode == 2, proc.stderr
         lines = [l for l in proc.stderr.splitlines() if l.strip()]
         assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+
+
+def test_with_options_validates(engine):
+    with pytest.raises(UsageError):
+        engine.with_options(keep=3)  # keep needs max_kv_size
+    with pytest.raises(UsageError):
+        engine.with_options(dtype="bfloat16")  # a dtype needs a new load
+    assert engine.with_options(max_kv_size=37, keep=4).keep == 4 and engine.keep is None

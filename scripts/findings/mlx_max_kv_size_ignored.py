@@ -36,9 +36,7 @@ def main() -> None:
           f"(a 37-token window holds 37)")
     print("\nropekv check, caches from make_prompt_cache(model, max_kv_size=37), case window 37:")
     show(engine, case)
-    bounded = MLXEngine.__new__(MLXEngine)
-    bounded.__dict__.update(engine.__dict__)
-    bounded.keep = 0  # RotatingKVCache(max_size=37, keep=0) per layer
+    bounded = engine.with_options(keep=0)  # RotatingKVCache(max_size=37, keep=0) per layer
     print("\nropekv check, explicit RotatingKVCache(max_size=37, keep=0):")
     show(bounded, case)
 

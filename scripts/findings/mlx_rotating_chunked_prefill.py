@@ -43,16 +43,15 @@ def main() -> None:
     tokens = token_stream(engine.config.vocab_size, L + 3)
     ref = ReferenceDecoder(engine.checkpoint).forward(tokens, window=37).logits
     for keep in (4, 0):
-        engine.keep = keep
-        one = decode_logits(engine, tokens, [L])
-        two = decode_logits(engine, tokens, [FIRST, L - FIRST])
+        variant = engine.with_options(keep=keep)
+        one = decode_logits(variant, tokens, [L])
+        two = decode_logits(variant, tokens, [FIRST, L - FIRST])
         diff = max(float((a - b).abs().max()) for a, b in zip(one, two))
         vs_ref = max(float((b.double() - ref[L + i]).abs().max()) for i, b in enumerate(two))
         print(f"RotatingKVCache(37, keep={keep}): one chunk vs {FIRST}+{L - FIRST}: max|dlogit| {diff:.3g}; "
               f"two chunks vs float64 window-37 reference: {vs_ref:.3g}")
-    engine.keep = 0
     print("\nropekv check, keep=0, chunked prefill (chunk=60):")
-    show(engine, Case(length=L, window=37, chunk=FIRST))
+    show(engine.with_options(keep=0), Case(length=L, window=37, chunk=FIRST))
 
 
 if __name__ == "__main__":

@@ -58,9 +58,7 @@ def main() -> None:
     for c in (Case(length=L, window=37), Case(length=L, window=33, sink_tokens=4)):
         print(f"\nropekv check, RotatingKVCache(max_size=37, keep=4), reference {c.label()}:")
         show(engine, c)
-    keep0 = MLXEngine.__new__(MLXEngine)
-    keep0.__dict__.update(engine.__dict__)
-    keep0.keep = 0
+    keep0 = engine.with_options(keep=0)
     print("\nropekv check, RotatingKVCache(max_size=37, keep=0), reference window 37:")
     show(keep0, Case(length=L, window=37))
 

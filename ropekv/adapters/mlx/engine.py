@@ -52,14 +52,9 @@ class MLXEngine:
     def __init__(self, model_dir: str | Path | None = None, *, max_kv_size: int | None = None,
                  keep: int | None = None, dtype: DType = "float32", rollback: int = 0, restore: bool = False,
                  blas: BlasChoice = "openblas"):
-        if max_kv_size is not None and (isinstance(max_kv_size, bool) or not isinstance(max_kv_size, int) or max_kv_size < 1):
-            raise UsageError(f"mlx: max_kv_size must be a positive integer, got {max_kv_size!r}")
-        if keep is not None and (max_kv_size is None or not isinstance(keep, int) or not 0 <= keep < max_kv_size):
-            raise UsageError(f"mlx: keep needs max_kv_size and 0 <= keep < max_kv_size, got keep={keep!r}")
+        _check_options(max_kv_size, keep, rollback)
         if dtype not in _TORCH_DTYPES:
             raise UsageError(f"mlx: dtype must be one of {', '.join(_TORCH_DTYPES)}, got {dtype!r}")
-        if isinstance(rollback, bool) or not isinstance(rollback, int) or rollback < 0:
-            raise UsageError(f"mlx: rollback must be a non-negative integer, got {rollback!r}")
         self.rt = import_mlx(blas)
         self.max_kv_size, self.keep, self.dtype_name = max_kv_size, keep, dtype
         self.rollback, self.restore = rollback, bool(restore)
@@ -76,6 +71,18 @@ class MLXEngine:
         if dtype != "float32":
             self.model.set_dtype(getattr(self.rt.mx, dtype))
         self._checkpoint: Checkpoint | None = None
+
+    def with_options(self, **changes: Any) -> "MLXEngine":
+        """The same loaded model under other cache options (``max_kv_size``, ``keep``, ``rollback``,
+        ``restore``): no second load."""
+        unknown = set(changes) - {"max_kv_size", "keep", "rollback", "restore"}
+        if unknown:
+            raise UsageError(f"mlx: with_options cannot change {', '.join(sorted(unknown))}")
+        other = copy.copy(self)
+        for name, value in changes.items():
+            setattr(other, name, value)
+        _check_options(other.max_kv_size, other.keep, other.rollback)
+        return other
 
     # ------------------------------------------------------------------ the model as ropekv sees it
 
@@ -207,6 +214,15 @@ class MLXEngine:
                     else f"RotatingKVCache(max_size={self.max_kv_size}, keep={self.keep}) per layer")
         return ("make_prompt_cache(model) (the model's make_cache); a case window W with s sinks: "
                 "RotatingKVCache(max_size=W+s, keep=s) per layer")
+
+
+def _check_options(max_kv_size: Any, keep: Any, rollback: Any) -> None:
+    if max_kv_size is not None and (isinstance(max_kv_size, bool) or not isinstance(max_kv_size, int) or max_kv_size < 1):
+        raise UsageError(f"mlx: max_kv_size must be a positive integer, got {max_kv_size!r}")
+    if keep is not None and (max_kv_size is None or not isinstance(keep, int) or not 0 <= keep < max_kv_size):
+        raise UsageError(f"mlx: keep needs max_kv_size and 0 <= keep < max_kv_size, got keep={keep!r}")
+    if isinstance(rollback, bool) or not isinstance(rollback, int) or rollback < 0:
+        raise UsageError(f"mlx: rollback must be a non-negative integer, got {rollback!r}")
 
 
 def _model_dir(model_dir: str | Path | None) -> Path:

@@ -125,8 +125,8 @@ class ForwardProbe:
         """One LayerProbe per layer: ``q [R, H, D]`` at ``rows`` of this forward's new tokens (all when
         None), ``k``/``v [N, KVH, D]`` as fetched, ``key_positions``/``key_slots [N]``, ``hidden_in [R, hidden]``.
 
-        A decode step whose mask hides keys (a sliding layer narrower than its cache) keeps only the
-        keys the kernel attended to, so the probe holds exactly what the kernel read."""
+        A decode step reads every key its cache returns (mlx-lm passes no mask for one token); a step
+        with a mask is refused (AdapterError) rather than probed wrongly."""
         recorder = AttentionRecorder(len(self.calls))
         for i, c in enumerate(self.calls):
             if not c.rope or c.fetched is None or c.hidden_in is None:
@@ -141,9 +141,11 @@ class ForwardProbe:
             hidden = _torch(c.hidden_in)[0]              # [S, hidden]
             pos = torch.tensor(positions, dtype=torch.int64)
             slot = torch.tensor(slots, dtype=torch.int64)
-            if q.shape[0] == 1 and c.mask is not None and not isinstance(c.mask, str):
-                keep = _torch(c.mask).reshape(-1).to(torch.bool)  # [N] decode mask over buffer rows
-                k, v, pos, slot = k[keep], v[keep], pos[keep], slot[keep]
+            if q.shape[0] == 1 and any(m.mask is not None and not isinstance(m.mask, str) for m in self.calls):
+                # mlx-lm masks a decode only for sliding layers narrower than their cache; which layers
+                # share that mask is the model's business, so the probe refuses instead of guessing.
+                raise AdapterError(self.adapter, f"layers[{i}]", "a decode step without a mask (all keys read)",
+                                   "a mask over cache rows (sliding layers narrower than their cache)")
             sel = slice(None) if rows is None else torch.as_tensor(rows)
             recorder.record(i, q=q[sel], k=k, key_positions=pos, key_slots=slot, hidden_in=hidden[sel],
                             q_raw=q_raw[sel], v=v)
