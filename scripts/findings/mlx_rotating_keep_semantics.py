@@ -12,7 +12,6 @@ Run from .venv-mlx:  .venv-mlx/bin/python scripts/findings/mlx_rotating_keep_sem
 
 from __future__ import annotations
 
-import torch
 
 from ropekv.adapters.mlx import MLXEngine
 from ropekv.models.reference import ReferenceDecoder
