@@ -11,3 +11,10 @@ test: setup
 
 bench: setup
 	.venv/bin/ropekv bench
+
+.PHONY: setup-mlx test-mlx
+setup-mlx:
+	@bash scripts/setup-mlx.sh
+
+test-mlx: setup-mlx
+	@bash scripts/test-mlx.sh
