@@ -11,3 +11,10 @@ test: setup
 
 bench: setup
 	.venv/bin/ropekv bench
+
+.PHONY: setup-llamacpp test-llamacpp
+setup-llamacpp:
+	@bash scripts/setup-llamacpp.sh
+
+test-llamacpp: setup-llamacpp
+	@bash scripts/test-llamacpp.sh
