@@ -8,14 +8,14 @@ src/llama-graph.cpp, src/llama-kv-cache.cpp):
 
 - ``Qcur-N`` / ``Kcur-N`` with op ROPE: query / new keys after RoPE ``ne [D, H, T]``; their ``src[0]`` is
   the same before RoPE, their ``src[1]`` the positions of the batch (``inp_pos``, int32 ``[T]``);
-- SET_ROWS into ``cache_k_l0``: ``src[2]`` holds the cache cells (int64 ``[T]``) the new keys of the
-  batch go to, ``src[1]`` a view of ``Kcur-0``. Cells and ``inp_pos`` give the cell -> position map:
+- SET_ROWS into ``cache_k_l0`` (the node is a view of the cache): ``src[1]`` holds the cache cells
+  (int64 ``[T]``) the new keys of the batch go to, ``src[0]`` a view of ``Kcur-0``. Cells and ``inp_pos`` give the cell -> position map:
   positions come from llama.cpp's batch, never from a cell index;
 - ``kq-N`` (MUL_MAT): ``q . k`` before scaling and masking, ``[H, T, n_kv]``; its ``src[0]`` is the view
   of the K cache the kernel multiplied (``[KVH, n_kv, D]`` after the permute), so the keys are the
   cache's bytes as the kernel read them (f16 in an f16 cache);
 - ``kq_soft_max-N``: ``src[1]`` is the mask ``[T_pad, n_kv]`` (0 visible, -inf not);
-- ``inp_embd`` and ``l_out-N``: the residual stream entering layer 0 and layer N + 1;
+- ``embd`` (GET_ROWS) and ``l_out-N``: the residual stream entering layer 0 and layer N + 1;
 - the K-shift graph (``llama_memory_seq_add`` then the next decode): one in-place ROPE per layer over a
   view of ``cache_k_lN`` with ``src[1]`` = the per-cell shift (int32 ``[kv_size]``); the map moves by it.
 
@@ -132,7 +132,7 @@ class GraphTap:
         op = self.lib.op_name(t.op)
         name = ggml.name_of(t)
         if op == "SET_ROWS":
-            dest = ggml.src(t, 0)
+            dest = ggml.view_source(t)
             if dest is None or ggml.name_of(dest) != "cache_k_l0":
                 return False
             if not ask:
@@ -145,7 +145,7 @@ class GraphTap:
                 return self._shift(t, base, ggml.name_of(cache), ask)
         if not self.recording:
             return False
-        if name == "inp_embd":
+        if name == "embd":
             if not ask:
                 self.capture.hidden[0] = self._rows(ggml.read(t, 2))
             return True
@@ -181,9 +181,10 @@ class GraphTap:
         return x if self.rows is None else x[self.rows]
 
     def _track_writes(self, t: GgmlTensor) -> None:
-        """The batch's keys went to cells ``src[2]``; their positions are ``inp_pos`` of ``Kcur-0``."""
-        idxs = ggml.read(ggml.src(t, 2), 1).astype(np.int64)
-        k_view = ggml.src(t, 1)
+        """The batch's keys (``src[0]``, a view of ``Kcur-0``) went to cells ``src[1]``; their positions
+        are ``Kcur-0``'s ``inp_pos``."""
+        idxs = ggml.read(ggml.src(t, 1), 1).astype(np.int64)
+        k_view = ggml.src(t, 0)
         rope = ggml.view_source(k_view) if k_view is not None else None
         if rope is None or self.lib.op_name(rope.op) != "ROPE":
             raise RuntimeError("llama.cpp graph: the K-cache write does not come from a RoPE node")

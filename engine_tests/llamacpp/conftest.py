@@ -1,0 +1,32 @@
+"""Shared engines and the float64 reference for the llama.cpp adapter's tests (run from .venv-llamacpp).
+
+Loading a model takes seconds, so each engine configuration is built once per session. One token
+stream serves every case: row ``t`` of one reference forward over the longest sequence is the
+reference for every shorter case (causality, and SmolLM2's RoPE does not depend on length).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ropekv.adapters.llamacpp import LlamaCppEngine
+from ropekv.models.reference import ReferenceDecoder
+from ropekv.parity.cases import token_stream
+
+STREAM_LEN = 1200
+
+
+@pytest.fixture(scope="session")
+def f32_engine():
+    return LlamaCppEngine()
+
+
+@pytest.fixture(scope="session")
+def tokens(f32_engine) -> torch.Tensor:
+    return token_stream(f32_engine.config.vocab_size, STREAM_LEN, seed=0)
+
+
+@pytest.fixture(scope="session")
+def reference(f32_engine) -> ReferenceDecoder:
+    return ReferenceDecoder(f32_engine.checkpoint)
