@@ -27,6 +27,8 @@ def add_arguments(group) -> None:
                        help="llama.cpp batch size; a longer prompt is split into ubatches (default 512)")
     group.add_argument("--n-ctx", dest="llamacpp_n_ctx", type=int, default=2048,
                        help="llama.cpp KV cells (default 2048)")
+    group.add_argument("--n-threads", dest="llamacpp_n_threads", type=int, default=1,
+                       help="llama.cpp threads (default 1: ggml's spinning workers are slow on a shared machine)")
 
 
 def gguf_from_args(args: argparse.Namespace) -> Path | None:
@@ -50,7 +52,8 @@ def from_args(args: argparse.Namespace):
     from .engine import LlamaCppEngine  # raises EngineUnavailable without llama-cpp-python
 
     return LlamaCppEngine(gguf_from_args(args), type_k=args.llamacpp_type_k, type_v=args.llamacpp_type_v,
-                          n_batch=args.llamacpp_n_batch, n_ctx=args.llamacpp_n_ctx)
+                          n_batch=args.llamacpp_n_batch, n_ctx=args.llamacpp_n_ctx,
+                          n_threads=args.llamacpp_n_threads)
 
 
 def __getattr__(name: str):

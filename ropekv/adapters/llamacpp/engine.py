@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ...errors import CheckpointError, EngineUnavailable, UsageError
+from ...errors import AdapterError, CheckpointError, EngineUnavailable, UsageError
 from ...models.gguf_file import load_gguf, open_gguf
 from ...parity.cases import Case
 from ...parity.protocol import CaseRun, FullRun, StepRecord, Tier
@@ -71,7 +71,9 @@ class LlamaCppEngine:
         self.gguf_path = Path(gguf_path) if gguf_path is not None else default_f32_gguf()
         self.tier = Tier(tier)
         self.type_k, self.type_v, self.n_batch, self.n_ctx = type_k, type_v, n_batch, n_ctx
-        self.n_threads = n_threads or max(1, min(4, os.cpu_count() or 1))
+        # One thread by default: ggml's workers spin at barriers, and on a shared 2-core machine two
+        # spinning threads ran the same case 10x slower than one (docs/engines/llamacpp.md).
+        self.n_threads = n_threads or 1
         # ropekv's own loader first: a bad file is a one-line CheckpointError before llama.cpp sees it.
         self.weights = weight_kind(open_gguf(self.gguf_path))
         self.checkpoint = load_gguf(self.gguf_path, layout="gptj")
@@ -206,11 +208,11 @@ class LlamaCppEngine:
         cap = tap.stop()
         self.last_capture = cap
         if cap.positions is None or int(cap.positions[0]) != position:
-            raise UsageError(f"llama.cpp ran the query at {cap.positions}, not {position}")
+            raise AdapterError(self.name, "decode position", str(position), str(cap.positions))
         cells = visible_cells(cap.mask[0])
         missing = [int(c) for c in cells if int(c) not in tap.cells]
         if missing:
-            raise UsageError(f"llama.cpp attended to cells {missing[:5]} that no batch wrote")
+            raise AdapterError(self.name, "attended cells", "cells a batch wrote", f"unwritten cells {missing[:5]}")
         positions = torch.tensor([tap.cells[int(c)] for c in cells], dtype=torch.int64)
         slots = torch.from_numpy(cells.astype(np.int64))
         layers = tuple(LayerProbe(
