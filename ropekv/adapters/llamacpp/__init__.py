@@ -62,3 +62,11 @@ def __getattr__(name: str):
 
         return LlamaCppEngine
     raise AttributeError(name)
+
+
+def default_cases(max_positions: int):
+    """The default matrix without its windowed cases: llama.cpp applies only a model's own sliding
+    window (none for llama), so a case window cannot be honoured (``ignored`` says so)."""
+    from ...parity.cases import default_matrix
+
+    return [c for c in default_matrix(max_positions) if c.window is None]

@@ -94,7 +94,7 @@ class LlamaCppEngine:
         self.tap = GraphTap(self._lib, layers)          # the cached path's context
         self.full_tap = GraphTap(self._lib, layers)     # the full forward's context
         self._cached = self._context(n_batch, self.tap) if self.tier >= Tier.ATTENTION else None
-        self._full = self._context(n_ctx, self.full_tap)
+        self._full: TappedContext | None = None  # made at the first full forward (its buffers fit n_ctx tokens)
 
     def _context(self, n_batch: int, tap: GraphTap) -> TappedContext:
         spec = ContextSpec(n_ctx=self.n_ctx, n_batch=n_batch, type_k=_GGML_TYPE[self.type_k],
@@ -134,6 +134,8 @@ class LlamaCppEngine:
         tokens = [int(t) for t in tokens.tolist()]
         T = len(tokens)
         self._check_fits(T)
+        if self._full is None:
+            self._full = self._context(self.n_ctx, self.full_tap)
         ctx, tap = self._full, self.full_tap
         ctx.clear()
         outputs = [False] * T

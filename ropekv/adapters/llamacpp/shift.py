@@ -116,8 +116,9 @@ def check_shift(engine: LlamaCppEngine, reference: ReferenceDecoder, tokens: lis
 
 
 def reference_row(ref, layer: int) -> torch.Tensor:
-    """The reference's scores ``[H, n + 1]`` of its probed row ``n`` (keys ``0..n``, itself included)."""
-    return ref.layers[layer].attn_logits[:, 0]
+    """The reference's scores ``[H, n + 1]`` of its one probed row ``n`` (keys ``0..n``, itself included)."""
+    probe = ref.layers[layer]
+    return attention_logits(probe, ref.rows, scale=probe.q.shape[-1] ** -0.5)[:, 0]
 
 
 def _first_bad_layer(per_layer: tuple[float, ...], tol: float = 1e-2) -> int:
