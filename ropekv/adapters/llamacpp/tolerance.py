@@ -10,6 +10,9 @@ needs its own because two of its noise sources are not RoPE and not the compute 
 - an f16 KV cache: keys and values are rounded to 11 bits where the kernel reads them.
 
 With float32 weights and an f32 cache, llama.cpp is a float32 engine and gets the float32 tolerance.
+On quantized weights these tolerances only catch gross RoPE errors (a fault moves layer-0 scores by
+0.3 to 0.8 scale-aware, the Q4_1 noise reaches 0.06 to 0.3): there forensics (effective positions)
+and the engine-vs-itself comparison at layer 0 are the evidence; the default check runs float32.
 """
 
 from __future__ import annotations
@@ -22,10 +25,14 @@ KV_TYPES = ("f32", "f16")
 
 # (weights, kv) -> tolerance on scale-aware errors (max |diff| / max(1, max |ref|)); figures in the doc.
 _TABLE = {
+    # float32 weights, f32 cache: measured attention <= 4e-5, logits <= 1e-4 abs (float32 tolerance).
     ("f32", "f32"): Tolerance(attn=2e-3, hidden=2e-3, logits=5e-3),
+    # f16 cache: measured attention <= 4.7e-3, logits <= 1e-2 abs (L = 17..600).
     ("f32", "f16"): Tolerance(attn=2e-2, hidden=2e-2, logits=5e-2),
-    ("quantized", "f32"): Tolerance(attn=2e-1, hidden=2e-1, logits=2e-1),
-    ("quantized", "f16"): Tolerance(attn=2e-1, hidden=2e-1, logits=2e-1),
+    # Q4_1, f32 cache: measured attention <= 6.1e-2, logits <= 0.94 abs (~0.05 scale-aware); 2.5x margin.
+    ("quantized", "f32"): Tolerance(attn=1.5e-1, hidden=1.5e-1, logits=1.5e-1),
+    # Q4_1, f16 cache: measured attention up to 0.30 at L = 600 (deep layers), logits <= 1.2 abs.
+    ("quantized", "f16"): Tolerance(attn=6e-1, hidden=6e-1, logits=2e-1),
 }
 
 
