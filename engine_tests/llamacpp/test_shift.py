@@ -52,10 +52,12 @@ def test_shift_faults_are_caught_and_named(shift_engine, shift_reference, tokens
 
 def test_q4_1_shift_noise_is_quantization_not_the_shift(tokens):
     """The finding: on the Q4_1 file a shift of 1,000 moves the logits by ~0.5 against explicit positions,
-    yet the layer-0 scores agree to ~1e-4 and forensics puts every key at its shifted position."""
+    yet the layer-0 scores of the shifted and the explicit run agree to ~2e-5 (as on the f32 file), both
+    sit ~6e-2 from float64 (quantized projections), and forensics puts every key at its shifted position."""
     engine = LlamaCppEngine(default_gguf_path(), n_ctx=SHIFT_CTX)
     c = check_shift(engine, ReferenceDecoder(engine.checkpoint), tokens.tolist(), N, 1000)
     assert c.verdict == "correct shift"
-    assert c.logits_vs_explicit > 0.05  # the observation: visible logit noise
-    assert c.layer0_scores_vs_explicit < 1e-3 and c.layer0_scores_vs_reference < 1e-3
-    assert c.scores_vs_reference[-1] > 10 * c.scores_vs_reference[0]  # grows layer by layer: quantization
+    assert c.logits_vs_explicit > 0.05 and c.explicit_vs_reference > 0.05  # the observation: logit noise ...
+    assert c.layer0_scores_vs_explicit < 1e-3  # ... that is not in the shifted keys
+    assert abs(c.layer0_scores_vs_reference - c.explicit_layer0_vs_reference) < 1e-3
+    assert c.scores_vs_reference[-1] > 2 * c.scores_vs_reference[0]  # grows layer by layer: quantization

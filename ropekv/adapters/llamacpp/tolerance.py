@@ -10,8 +10,8 @@ needs its own because two of its noise sources are not RoPE and not the compute 
 - an f16 KV cache: keys and values are rounded to 11 bits where the kernel reads them.
 
 With float32 weights and an f32 cache, llama.cpp is a float32 engine and gets the float32 tolerance.
-On quantized weights these tolerances only catch gross RoPE errors (a fault moves layer-0 scores by
-0.3 to 0.8 scale-aware, the Q4_1 noise reaches 0.06 to 0.3): there forensics (effective positions)
+On quantized weights these tolerances only catch gross RoPE errors (an injected shift fault moves
+layer-0 scores by 3.7 to 8.6, the Q4_1 noise reaches 0.06 to 0.3 scale-aware at some layer): there forensics (effective positions)
 and the engine-vs-itself comparison at layer 0 are the evidence; the default check runs float32.
 """
 
