@@ -11,3 +11,11 @@ test: setup
 
 bench: setup
 	.venv/bin/ropekv bench
+
+# vLLM (CPU build) in its own venv: its torch/transformers pins conflict with .venv's.
+.PHONY: setup-vllm test-vllm
+setup-vllm:
+	@bash scripts/setup-vllm.sh
+
+test-vllm: setup-vllm
+	@bash scripts/test-vllm.sh
