@@ -202,9 +202,19 @@ class Probes:
             rec.q_kernel = query.detach()[fwd.rows].clone()
         if fwd.rows.numel() or (self.read_keys_position is not None
                                 and self.read_keys_position in fwd.positions.tolist()):
-            slots = kv_layout.slots_of(block_table[0], fwd.seq_len, block_size)  # [S]
-            rec.keys = kv_layout.read_keys(key_cache, slots, isa)
-            rec.key_slots = slots
+            # The data: what the kernel read, through the block table it was handed. The labels: the
+            # request's own blocks in vLLM's metadata (the same table unless something in between
+            # handed the kernel other blocks), whose slots the slot -> position map knows.
+            read_from = kv_layout.slots_of(block_table[0], fwd.seq_len, block_size)  # [S]
+            rec.keys = kv_layout.read_keys(key_cache, read_from, isa)
+            rec.key_slots = kv_layout.slots_of(self._metadata(layer).block_table[0], fwd.seq_len, block_size)
+
+    @staticmethod
+    def _metadata(layer: torch.nn.Module):
+        from vllm.forward_context import get_forward_context
+
+        md = get_forward_context().attn_metadata
+        return md[layer.layer_name] if isinstance(md, dict) else md
 
     # ------------------------------------------------------------------ results
 

@@ -1,0 +1,162 @@
+"""Bugs injected into vLLM's decode path in the running process, one per bug class ropekv must catch.
+
+Each fault patches the live engine's modules (instance attributes, undone on exit), never ropekv's
+code, so the adapter sees a buggy vLLM exactly as it would see one shipped that way. "Decode" is a
+forward of a single token at a position > 0 (vLLM's decode step); prefill is left correct, so only the
+cached path diverges. Each names the :data:`~ropekv.parity.forensics.KINDS` entry forensics should find.
+
+- ``double_rotation``: the decode-side reader rotates every cached (already rotated) key again before
+  the kernel reads it; the kernel sees ``R(2j) k_j``.
+- ``query_position_offset``: the decode query is rotated at ``t + 1``.
+- ``slot_as_position``: the decode token's query and key are rotated at its physical slot (from the
+  forward context's slot mapping) instead of its position.
+- ``frequency_mismatch``: decode rotates with another RoPE base (10,000, llama's default, hard-coded).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Iterator
+
+import torch
+
+from ...errors import UsageError
+from ...rope import apply_rotation
+from . import kv_layout
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .engine import VLLMEngine
+
+
+@dataclass(frozen=True)
+class VLLMFault:
+    name: str
+    kind: str  # the bug class forensics should name
+    summary: str
+    install: Callable[["VLLMEngine"], list[Callable[[], None]]]  # patches; returns the undo steps
+
+
+def _is_decode(positions: torch.Tensor) -> bool:
+    return positions.numel() == 1 and int(positions.reshape(-1)[0]) > 0
+
+
+def _rotary_modules(engine: "VLLMEngine") -> list[torch.nn.Module]:
+    seen: dict[int, torch.nn.Module] = {}
+    for layer in engine.model.model.layers:
+        seen.setdefault(id(layer.self_attn.rotary_emb), layer.self_attn.rotary_emb)
+    return list(seen.values())
+
+
+def _patch_rotary(engine: "VLLMEngine", decode_forward) -> list[Callable[[], None]]:
+    """Replace each rotary module's ``forward`` on decode steps by ``decode_forward(rope, original,
+    positions, query, key)``; prefill keeps the original."""
+    undo = []
+    for rope in _rotary_modules(engine):
+        original = rope.forward
+
+        def forward(positions, query, key=None, _rope=rope, _original=original):
+            if _is_decode(positions):
+                return decode_forward(_rope, _original, positions, query, key)
+            return _original(positions, query, key)
+
+        rope.forward = forward
+        undo.append(lambda r=rope: r.__dict__.pop("forward", None))
+    return undo
+
+
+def _query_off_by_one(rope, original, positions, query, key):
+    q, _ = original(positions + 1, query, key.clone())
+    _, k = original(positions, query.clone(), key)
+    return q, k
+
+
+def _slot_as_position(rope, original, positions, query, key):
+    from vllm.forward_context import get_forward_context
+
+    mapping = get_forward_context().slot_mapping
+    slots = next(iter(mapping.values())) if isinstance(mapping, dict) else mapping
+    slots = slots.reshape(-1)[: positions.numel()].to(positions.dtype)
+    if int(slots.max()) >= rope.cos_sin_cache.shape[0]:
+        raise UsageError(f"slot {int(slots.max())} is past vLLM's cos/sin table ({rope.cos_sin_cache.shape[0]} "
+                         "positions): run the slot_as_position fault with fewer KV blocks (num_gpu_blocks_override)")
+    return original(slots.reshape(positions.shape), query, key)
+
+
+def _other_base(base: float) -> float:
+    return 10000.0 if base != 10000.0 else 500000.0
+
+
+def _decode_base(rope, original, positions, query, key):
+    table = rope.cos_sin_cache
+    inv_freq = 1.0 / (_other_base(float(rope.base)) ** (torch.arange(0, rope.rotary_dim, 2, dtype=torch.float)
+                                                          / rope.rotary_dim))
+    freqs = torch.arange(table.shape[0], dtype=torch.float)[:, None] * inv_freq[None, :]
+    rope.cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(table.dtype)
+    try:
+        return original(positions, query, key)
+    finally:
+        rope.cos_sin_cache = table
+
+
+def _install_double_rotation(engine: "VLLMEngine") -> list[Callable[[], None]]:
+    rope = _rotary_modules(engine)[0]
+    undo = []
+    for layer in engine.model.model.layers:
+        attn = layer.self_attn.attn
+        impl = attn.impl
+        original = impl.forward
+
+        def forward(layer_, query, key, value, kv_cache, attn_metadata, *args, _original=original, **kwargs):
+            if attn_metadata is not None and attn_metadata.max_query_len == 1 and int(attn_metadata.seq_lens[0]) > 1:
+                kv_cache, attn_metadata = _rotated_again(kv_cache, attn_metadata, rope, str(layer_.isa))
+            return _original(layer_, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
+
+        impl.forward = forward
+        undo.append(lambda i=impl: i.__dict__.pop("forward", None))
+    return undo
+
+
+def _rotated_again(kv_cache: torch.Tensor, md, rope: torch.nn.Module, isa: str):
+    """A copy of the request's blocks with every key rotated once more by its position, and metadata
+    whose block table points at the copy (the real cache is left as it is)."""
+    # kv_cache: [num_blocks, KVH, B, 2D]; one request (the adapter runs them one by one)
+    block_size = kv_cache.shape[2]
+    n = int(md.seq_lens[0])
+    num = -(-n // block_size)
+    copy = kv_cache[md.block_table[0, :num].to(torch.int64)].clone()  # [num, KVH, B, 2D]
+    keys_view, _ = kv_layout.kernel_views(copy)
+    local = torch.arange(n)  # slot i of the copy holds token i, vLLM's position i
+    keys = kv_layout.read_keys(keys_view, local, isa)  # [n, KVH, D]
+    cos, sin = rope.cos_sin_cache[local].float().chunk(2, dim=-1)
+    layout = "neox" if rope.is_neox_style else "gptj"
+    kv_layout.write_keys(keys_view, local, apply_rotation(keys, cos, sin, layout), isa)
+    table = torch.arange(num, dtype=md.block_table.dtype)[None]
+    return copy, dataclasses.replace(md, block_table=table)
+
+
+FAULTS: dict[str, VLLMFault] = {f.name: f for f in (
+    VLLMFault("double_rotation", "double_rotation",
+              "decode reads every cached key rotated a second time (R(2j) k_j)", _install_double_rotation),
+    VLLMFault("query_position_offset", "query_position_offset", "decode rotates the query at t + 1",
+              lambda e: _patch_rotary(e, _query_off_by_one)),
+    VLLMFault("slot_as_position", "slot_as_position",
+              "decode rotates the new token's query and key by its physical slot", lambda e: _patch_rotary(e, _slot_as_position)),
+    VLLMFault("frequency_mismatch", "frequency_mismatch", "decode rotates with another RoPE base (10,000)",
+              lambda e: _patch_rotary(e, _decode_base)),
+)}
+
+
+@contextlib.contextmanager
+def injected(engine: "VLLMEngine", name: str) -> Iterator[VLLMFault]:
+    """Patch ``engine``'s running vLLM with fault ``name`` for the duration of the block."""
+    if name not in FAULTS:
+        raise UsageError(f"unknown vLLM fault {name!r}; known: {', '.join(FAULTS)}")
+    fault = FAULTS[name]
+    undo = fault.install(engine)
+    try:
+        yield fault
+    finally:
+        for step in reversed(undo):
+            step()
