@@ -69,9 +69,10 @@ def read_keys(key_cache: torch.Tensor, slots: torch.Tensor, isa: str) -> torch.T
                            f"{int(slots.min())}..{int(slots.max())}")
     order = _block_order(isa, block_size, head_dim)  # [B, D]
     blocks, offsets = slots // block_size, slots % block_size
-    cells = order[offsets]  # [N, D]
-    keys = _cells(key_cache)[blocks]  # [N, KVH, B*D]
-    return torch.gather(keys, 2, cells[:, None, :].expand(-1, num_kv_heads, -1)).clone()
+    used, where = torch.unique(blocks, return_inverse=True)  # each block copied once
+    cells = _cells(key_cache)[used].permute(0, 2, 1).reshape(-1, num_kv_heads)  # [U*B*D, KVH]
+    index = where[:, None] * (block_size * head_dim) + order[offsets]  # [N, D]
+    return cells[index].permute(0, 2, 1).contiguous()  # [N, KVH, D]
 
 
 def write_keys(key_cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, isa: str) -> None:

@@ -11,8 +11,8 @@ Installed for one adapter call and removed in ``finally`` (:meth:`Probes.install
 - a wrapper around ``vllm._custom_ops.cpu_attention_with_kv_cache``, the call into the CPU attention
   kernel: the query it receives, its block table and sequence lengths, and the keys it reads, gathered
   from the key cache it is handed through that block table and unpacked by the kernel ISA
-  (:mod:`.kv_layout`). It also checks that the slots this forward wrote (the forward context's slot
-  mapping) hold exactly the hooked keys, which tests the unpacking on every forward.
+  (:mod:`.kv_layout`). In every probed forward it also checks that the slots the forward wrote (the
+  forward context's slot mapping) hold exactly the hooked keys, which tests the unpacking each time.
 
 Key positions come from vLLM's metadata: every forward adds ``slot -> position`` for the slots its
 slot mapping wrote, with the positions the model runner passed in; keys read by the kernel are
@@ -189,6 +189,10 @@ class Probes:
         isa = str(layer.isa)
         block_size = key_cache.shape[2]
         fwd.seq_len = int(seq_lens[0])
+        reads = fwd.rows.numel() > 0 or (self.read_keys_position is not None
+                                         and self.read_keys_position in fwd.positions.tolist())
+        if not reads:
+            return
         # The write: the slots this forward filled must hold exactly the keys the Attention module got.
         real_keys, _ = kv_layout.kernel_views(layer.kv_cache)
         n = rec.k_rot.shape[0]
@@ -200,8 +204,7 @@ class Probes:
                                f"{isa}) to equal the keys the Attention module wrote", f"max difference {diff:.3g}")
         if fwd.rows.numel():
             rec.q_kernel = query.detach()[fwd.rows].clone()
-        if fwd.rows.numel() or (self.read_keys_position is not None
-                                and self.read_keys_position in fwd.positions.tolist()):
+        if reads:
             # The data: what the kernel read, through the block table it was handed. The labels: the
             # request's own blocks in vLLM's metadata (the same table unless something in between
             # handed the kernel other blocks), whose slots the slot -> position map knows.
