@@ -8,8 +8,8 @@ cached path diverges. Each names the :data:`~ropekv.parity.forensics.KINDS` entr
 - ``double_rotation``: the decode-side reader rotates every cached (already rotated) key again before
   the kernel reads it; the kernel sees ``R(2j) k_j``.
 - ``query_position_offset``: the decode query is rotated at ``t + 1``.
-- ``slot_as_position``: the decode token's query and key are rotated at its physical slot (from the
-  forward context's slot mapping) instead of its position.
+- ``slot_as_position``: the decode-side reader re-indexes cached keys by their physical slot (block
+  table entry x block size + offset): the kernel sees ``R(slot) k_j``.
 - ``frequency_mismatch``: decode rotates with another RoPE base (10,000, llama's default, hard-coded).
 """
 
@@ -72,18 +72,6 @@ def _query_off_by_one(rope, original, positions, query, key):
     return q, k
 
 
-def _slot_as_position(rope, original, positions, query, key):
-    from vllm.forward_context import get_forward_context
-
-    mapping = get_forward_context().slot_mapping
-    slots = next(iter(mapping.values())) if isinstance(mapping, dict) else mapping
-    slots = slots.reshape(-1)[: positions.numel()].to(positions.dtype)
-    if int(slots.max()) >= rope.cos_sin_cache.shape[0]:
-        raise UsageError(f"slot {int(slots.max())} is past vLLM's cos/sin table ({rope.cos_sin_cache.shape[0]} "
-                         "positions): run the slot_as_position fault with fewer KV blocks (num_gpu_blocks_override)")
-    return original(slots.reshape(positions.shape), query, key)
-
-
 def _other_base(base: float) -> float:
     return 10000.0 if base != 10000.0 else 500000.0
 
@@ -100,17 +88,18 @@ def _decode_base(rope, original, positions, query, key):
         rope.cos_sin_cache = table
 
 
-def _install_double_rotation(engine: "VLLMEngine") -> list[Callable[[], None]]:
+def _install_reader(engine: "VLLMEngine", turn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+    """Patch each layer's CPU attention ``forward`` so that on decode the kernel reads every cached key
+    turned once more by ``turn(positions, slots)`` (a buggy re-indexing step on the decode read path)."""
     rope = _rotary_modules(engine)[0]
     undo = []
     for layer in engine.model.model.layers:
-        attn = layer.self_attn.attn
-        impl = attn.impl
+        impl = layer.self_attn.attn.impl
         original = impl.forward
 
         def forward(layer_, query, key, value, kv_cache, attn_metadata, *args, _original=original, **kwargs):
             if attn_metadata is not None and attn_metadata.max_query_len == 1 and int(attn_metadata.seq_lens[0]) > 1:
-                kv_cache, attn_metadata = _rotated_again(kv_cache, attn_metadata, rope, str(layer_.isa))
+                kv_cache, attn_metadata = _turned_copy(kv_cache, attn_metadata, rope, str(layer_.isa), turn)
             return _original(layer_, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
 
         impl.forward = forward
@@ -118,31 +107,36 @@ def _install_double_rotation(engine: "VLLMEngine") -> list[Callable[[], None]]:
     return undo
 
 
-def _rotated_again(kv_cache: torch.Tensor, md, rope: torch.nn.Module, isa: str):
-    """A copy of the request's blocks with every key rotated once more by its position, and metadata
+def _turned_copy(kv_cache: torch.Tensor, md, rope: torch.nn.Module, isa: str, turn):
+    """A copy of the request's blocks with every key turned by ``turn(positions, slots)``, and metadata
     whose block table points at the copy (the real cache is left as it is)."""
     # kv_cache: [num_blocks, KVH, B, 2D]; one request (the adapter runs them one by one)
     block_size = kv_cache.shape[2]
     n = int(md.seq_lens[0])
     num = -(-n // block_size)
-    copy = kv_cache[md.block_table[0, :num].to(torch.int64)].clone()  # [num, KVH, B, 2D]
+    blocks = md.block_table[0, :num].to(torch.int64)
+    copy = kv_cache[blocks].clone()  # [num, KVH, B, 2D]
     keys_view, _ = kv_layout.kernel_views(copy)
-    local = torch.arange(n)  # slot i of the copy holds token i, vLLM's position i
+    local = torch.arange(n)  # slot i of the copy holds token i, at vLLM's position i
+    slots = kv_layout.slots_of(blocks, n, block_size)  # the real slots
     keys = kv_layout.read_keys(keys_view, local, isa)  # [n, KVH, D]
-    cos, sin = rope.cos_sin_cache[local].float().chunk(2, dim=-1)
+    inv_freq = 1.0 / (float(rope.base) ** (torch.arange(0, rope.rotary_dim, 2, dtype=torch.float64) / rope.rotary_dim))
+    angles = turn(local, slots).to(torch.float64)[:, None] * inv_freq[None, :]  # [n, rotary_dim / 2]
     layout = "neox" if rope.is_neox_style else "gptj"
-    kv_layout.write_keys(keys_view, local, apply_rotation(keys, cos, sin, layout), isa)
+    kv_layout.write_keys(keys_view, local, apply_rotation(keys, angles.cos(), angles.sin(), layout), isa)
     table = torch.arange(num, dtype=md.block_table.dtype)[None]
     return copy, dataclasses.replace(md, block_table=table)
 
 
 FAULTS: dict[str, VLLMFault] = {f.name: f for f in (
     VLLMFault("double_rotation", "double_rotation",
-              "decode reads every cached key rotated a second time (R(2j) k_j)", _install_double_rotation),
+              "decode reads every cached key rotated a second time (R(2j) k_j)",
+              lambda e: _install_reader(e, lambda positions, slots: positions)),
     VLLMFault("query_position_offset", "query_position_offset", "decode rotates the query at t + 1",
               lambda e: _patch_rotary(e, _query_off_by_one)),
     VLLMFault("slot_as_position", "slot_as_position",
-              "decode rotates the new token's query and key by its physical slot", lambda e: _patch_rotary(e, _slot_as_position)),
+              "decode re-indexes cached keys by their physical slot (R(slot) k_j)",
+              lambda e: _install_reader(e, lambda positions, slots: slots - positions)),
     VLLMFault("frequency_mismatch", "frequency_mismatch", "decode rotates with another RoPE base (10,000)",
               lambda e: _patch_rotary(e, _decode_base)),
 )}
