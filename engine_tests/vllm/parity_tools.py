@@ -51,18 +51,20 @@ def compare(engine, case: Case, run: CaseRun, full: FullRun, ref: ReferenceOutpu
     scale = cfg.head_dim ** -0.5
     rows = full.rows.tolist()
     l_ref, l_self, a_ref, a_self, h_ref = [], [], [], [], []
+    ref_rows = ref.rows.tolist()
+    ref_attn = [attention_logits(p, ref.rows, scale=scale) for p in ref.layers]  # per layer [H, R, T]
     for step in run.steps:
         t = step.position
         r = rows.index(t)
-        ref_row = ref.layers[0].rows.tolist().index(t)
+        ref_row = ref_rows.index(t)
         l_ref.append(topk_error_vs_logits(step.token_ids, step.logits, ref.logits[t]))
         l_self.append(topk_error(step.token_ids, step.logits, full.token_ids[r], full.logits[r]))
         qpos = torch.tensor([t])
         ar, asf, hr = [], [], []
-        for probe, full_probe, ref_probe in zip(step.layers, full.layers, ref.layers):
+        for probe, full_probe, ref_probe, ref_logits in zip(step.layers, full.layers, ref.layers, ref_attn):
             mine = attention_logits(probe, qpos, scale=scale, mask_by_position=False)[:, 0]  # [H, N]
             kpos = probe.key_positions
-            ar.append(scaled_error(mine, ref_probe.attn_logits[:, ref_row, kpos]))
+            ar.append(scaled_error(mine, ref_logits[:, ref_row, kpos]))
             own = attention_logits(full_probe, full.rows, scale=scale)[:, r]  # [H, T]
             asf.append(scaled_error(mine, own[:, kpos]))
             hr.append(scaled_error(probe.hidden_in[0], ref_probe.hidden_in[ref_row]))

@@ -17,7 +17,7 @@ from ...parity.cases import Case
 if TYPE_CHECKING:  # pragma: no cover
     from .engine import VLLMEngine
 
-__all__ = ["VLLMEngine", "add_arguments", "from_args", "vllm_cases"]
+__all__ = ["VLLMEngine", "add_arguments", "default_cases", "from_args", "vllm_cases"]
 
 DEFAULT_BLOCK_SIZE = 32
 
@@ -65,3 +65,11 @@ def vllm_cases(block_size: int = DEFAULT_BLOCK_SIZE, *, max_num_batched_tokens: 
         Case(length=long_context, block_size=B, chunk=chunk, decode_steps=decode_steps),
     ]
     return cases
+
+
+def default_cases(args: argparse.Namespace) -> list[Case]:
+    """The cases ``ropekv check --engine vllm`` runs when no case flag is given: :func:`vllm_cases` for
+    the engine's block size and token budget (ropekv's default matrix has windows and block sizes
+    vLLM cannot run)."""
+    return vllm_cases(args.vllm_block_size, max_num_batched_tokens=args.vllm_max_num_batched_tokens,
+                      decode_steps=getattr(args, "decode_steps", None) or 3)

@@ -9,7 +9,7 @@ of the module vLLM calls (``layers[i].self_attn.rotary_emb``) or of the engine's
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -57,9 +57,10 @@ class VLLMContract:
     attention_backend: str
     kernel_isa: str
     key_form: str = "rotated"  # the model rotates q/k before Attention writes the cache
+    cos_sin_table: torch.Tensor | None = field(default=None, repr=False, compare=False)  # [positions, rotary_dim]
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "cos_sin_table"}
 
     def diff(self, spec: RopeSpec, *, tolerance: float) -> tuple[FieldDiff, ...]:
         """Fields where vLLM runs something else than ``spec``; ``tolerance`` bounds the cos/sin table
@@ -73,8 +74,9 @@ class VLLMContract:
                 out.append(FieldDiff(name, got, value))
         if spec.scaling.factor is not None and self.scaling_factor != spec.scaling.factor:
             out.append(FieldDiff("scaling.factor", self.scaling_factor, spec.scaling.factor))
-        if self.cos_sin_max_error is not None and self.cos_sin_max_error > tolerance:
-            out.append(FieldDiff("cos_sin_cache", f"max error {self.cos_sin_max_error:.3g}",
+        error = table_error(self.cos_sin_table, spec)
+        if error is not None and error > tolerance:
+            out.append(FieldDiff("cos_sin_cache", f"max error {error:.3g}",
                                  f"within {tolerance:.3g} of ropekv's float64 table"))
         if not self.same_module_all_layers:
             out.append(FieldDiff("rotary module", "differs between layers", "one rotation for every layer"))
@@ -89,12 +91,7 @@ def read_contract(model: torch.nn.Module, spec: RopeSpec, *, block_size: int, dt
     rope = attn0.rotary_emb
     cls = type(rope).__name__
     table = getattr(rope, "cos_sin_cache", None)  # [max_positions, rotary_dim]: cos | sin halves
-    error = None
-    if table is not None and not spec.length_dependent:
-        n = table.shape[0]
-        cos, sin = spec.cos_sin(torch.arange(n))  # float64 [n, rotary_dim / 2]
-        ours = torch.cat((cos, sin), dim=-1)
-        error = float((table.double() - ours).abs().max()) if table.shape == ours.shape else float("inf")
+    table = None if table is None else table.detach().clone()
     same = all(getattr(l.self_attn, "rotary_emb", None) is rope or _same_rope(l.self_attn.rotary_emb, rope)
                for l in layers)
     return VLLMContract(
@@ -102,10 +99,21 @@ def read_contract(model: torch.nn.Module, spec: RopeSpec, *, block_size: int, dt
         rotary_dim=int(rope.rotary_dim), layout="neox" if rope.is_neox_style else "gptj",
         scaling_factor=_scaling_factor(rope), max_position_embeddings=int(rope.max_position_embeddings),
         cos_sin_dtype=str(table.dtype).removeprefix("torch.") if table is not None else "none",
-        cos_sin_positions=int(table.shape[0]) if table is not None else 0, cos_sin_max_error=error,
+        cos_sin_positions=int(table.shape[0]) if table is not None else 0,
+        cos_sin_max_error=table_error(table, spec), cos_sin_table=table,
         same_module_all_layers=same, block_size=block_size, dtype=str(dtype).removeprefix("torch."),
         kv_cache_dtype=kv_cache_dtype, attention_backend=type(attn0.attn.impl).__name__,
         kernel_isa=str(getattr(attn0.attn, "isa", "unknown")))
+
+
+def table_error(table: torch.Tensor | None, spec: RopeSpec) -> float | None:
+    """Largest difference between vLLM's ``cos | sin`` table ``[n, rotary_dim]`` and ropekv's float64
+    cos/sin under ``spec`` at positions ``0..n-1``; None where there is no single table."""
+    if table is None or spec.length_dependent:
+        return None
+    cos, sin = spec.cos_sin(torch.arange(table.shape[0]))  # float64 [n, rotary_dim / 2]
+    ours = torch.cat((cos, sin), dim=-1)
+    return float((table.double() - ours).abs().max()) if table.shape == ours.shape else float("inf")
 
 
 def _scaling_factor(rope: torch.nn.Module) -> float | None:
