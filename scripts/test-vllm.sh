@@ -13,4 +13,6 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
 # KV cache size in GiB: the check needs a few thousand token slots of a 135M model.
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
-exec .venv-vllm/bin/python -m pytest engine_tests/vllm -q -p no:cacheprovider "$@"
+# Arguments select tests (files, -k ...); none: the whole vLLM suite.
+if [ $# -eq 0 ] || [ "${1#-}" != "$1" ]; then set -- engine_tests/vllm "$@"; fi
+exec .venv-vllm/bin/python -m pytest -q -p no:cacheprovider "$@"
