@@ -145,7 +145,7 @@ def build_arch_model(arch: str, overrides: dict[str, Any]) -> torch.nn.Module:
     config = AutoConfig.for_model(arch, **{**ARCH_BASE, **overrides})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-    _randomize(model, seed)
+    randomize(model, seed)
     return model.eval()
 
 
