@@ -51,6 +51,8 @@ def test_arch_fault_is_caught_at_its_layer_and_named(fault, arch, overrides, lay
     assert fd.layer == layer
     assert diagnosis is not None and diagnosis.kind == ARCH_FAULTS[fault].kind, diagnosis
     assert f"layer {layer}" in diagnosis.evidence
+    # The harness names it itself, from the same records.
+    assert report.diagnosis.kind == ARCH_FAULTS[fault].kind, report.table()
 
 
 @pytest.mark.parametrize("arch,overrides", [("stablelm", {}), ("gemma3_text", GEMMA3), ("cohere2", SW)])

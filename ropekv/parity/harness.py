@@ -22,6 +22,7 @@ from ..models.config import Checkpoint
 from ..models.reference import ReferenceDecoder, ReferenceOutput
 from . import forensics
 from .cases import Case, build_matrix, token_stream
+from .layer_forensics import diagnose_layer
 from .compare import (LogitsOf, NextToken, RefRow, StepErrors, Tolerance, compare_step, first_failure, logits_error,
                       scaled_error, tolerance_for, worst_entry)
 from .progress import Progress
@@ -311,9 +312,24 @@ def _diagnose(adapter: EngineAdapter, refs: _References, result: CaseResult, run
     probe = out.layers[fd.layer]
     case = result.case
     slots = view.key_slots if view.key_slots is not None else torch.full_like(view.key_positions, -1)
+    cfg = adapter.checkpoint.config
+    k_raw = probe.k_raw[view.key_positions]
+    # Per-layer RoPE features first (NoPE layers, partial rotary, local/global RoPE): bug classes one
+    # spec alone cannot name. Then the general forensics under the diverging layer's own spec.
+    arch = diagnose_layer(cfg, fd.layer, q_raw=probe.q_raw[i], q_eff=view.q[0], k_raw=k_raw, k_eff=view.k,
+                          key_positions=view.key_positions, query_position=fd.query_position,
+                          seq_len=fd.query_position + 1)
+    if arch is not None:
+        return Diagnosis(arch.kind, arch.evidence, {**arch.details, "case": case.label(), "layer": fd.layer,
+                                                    "query_position": fd.query_position})
+    rope = cfg.layer_rope(fd.layer)
+    if rope is None:
+        return Diagnosis("unknown", f"layer {fd.layer} has no position embedding and its query and keys are not "
+                         "turned; the divergence is not a RoPE error of this layer",
+                         {"case": case.label(), "layer": fd.layer, "query_position": fd.query_position})
     inp = forensics.ForensicInput(
-        rope=adapter.checkpoint.config.rope, q_raw=probe.q_raw[i], q_eff=view.q[0],
-        k_raw=probe.k_raw[view.key_positions], k_eff=view.k, query_position=fd.query_position,
+        rope=rope, q_raw=probe.q_raw[i], q_eff=view.q[0],
+        k_raw=k_raw, k_eff=view.k, query_position=fd.query_position,
         key_positions=view.key_positions, key_slots=slots, fork_offset=case.prefix,
         # Even where the adapter ignores block sizes, the case's block size is the hypothesis to test:
         # an engine with its own blocks may still rotate keys by their offset inside one.
