@@ -37,7 +37,7 @@ for flag in avx2 fma f16c bmi2; do
 done
 
 stamp=$VENV/.ropekv-llamacpp-setup
-if [ ! -f "$stamp" ] || [ "$0" -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ scripts/setup-llamacpp.sh -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   if [ ! -x "$VENV/bin/python" ]; then
     echo "setup-llamacpp: creating $VENV" >&2
     "$PY" -m venv "$VENV"

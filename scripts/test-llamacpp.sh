@@ -10,4 +10,5 @@ fi
 export HF_HUB_OFFLINE=1
 # Two cores on CI: llama.cpp's threads and torch's threads must not fight each other.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-2}
-exec .venv-llamacpp/bin/python -m pytest engine_tests/llamacpp -q -p no:cacheprovider "$@"
+# pyproject.toml already adds -q; a second -q would drop the "N passed" closing line CI reads.
+exec .venv-llamacpp/bin/python -m pytest engine_tests/llamacpp -p no:cacheprovider "$@"

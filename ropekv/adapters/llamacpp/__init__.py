@@ -64,9 +64,15 @@ def __getattr__(name: str):
     raise AttributeError(name)
 
 
-def default_cases(max_positions: int):
+def llamacpp_cases(max_positions: int):
     """The default matrix without its windowed cases: llama.cpp applies only a model's own sliding
     window (none for llama), so a case window cannot be honoured (``ignored`` says so)."""
     from ...parity.cases import default_matrix
 
     return [c for c in default_matrix(max_positions) if c.window is None]
+
+
+def default_cases(args: argparse.Namespace):
+    """The cases ``ropekv check --engine llamacpp`` runs when no case flag is given (same hook as the
+    vLLM adapter's): :func:`llamacpp_cases` up to the context's ``--n-ctx`` cells."""
+    return llamacpp_cases(args.llamacpp_n_ctx)
