@@ -81,11 +81,17 @@ def run(args: argparse.Namespace) -> int:
     from ..parity.harness import check
 
     # The config alone (config.json / GGUF metadata) decides whether the cases fit the model: refuse
-    # them before any weight is read.
-    cfg = load_config(args.model)
-    cases = build_matrix(lengths=args.lengths, block_sizes=args.block_sizes, prefix_offsets=args.prefix_offsets,
-                         window=args.window, sink_tokens=args.sinks, chunk=args.chunk, decode_steps=args.decode_steps,
-                         max_positions=cfg.position_limit)
+    # them before any weight is read. An engine without case flags runs its own default matrix (the
+    # default one less what it cannot honour, e.g. case windows on llama.cpp).
+    no_case_flags = all(v is None for v in (args.lengths, args.block_sizes, args.prefix_offsets, args.window,
+                                            args.chunk, args.decode_steps)) and not args.sinks
+    if external and no_case_flags:
+        cases = module.default_cases(args)
+    else:
+        cfg = load_config(args.model)
+        cases = build_matrix(lengths=args.lengths, block_sizes=args.block_sizes, prefix_offsets=args.prefix_offsets,
+                             window=args.window, sink_tokens=args.sinks, chunk=args.chunk,
+                             decode_steps=args.decode_steps, max_positions=cfg.position_limit)
     longest = max(c.total for c in cases)
     if args.window is not None and args.window + args.sinks >= longest:
         raise UsageError(f"--window {args.window} is not smaller than the longest context ({longest} tokens): "
@@ -110,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"model: {display_name(ckpt)} ({cfg.architecture}, {cfg.num_layers} layers, fingerprint {ckpt.fingerprint}); "
           f"engine: {adapter.name} ({adapter.tier} tier); {len(cases)} cases", file=sys.stderr)
     progress = "off" if args.no_progress else ("bar" if sys.stderr.isatty() else "lines")
-    report = check(adapter, cases=cases, seed=args.seed, progress=progress)
+    tolerance = module.tolerance(adapter) if external else None
+    report = check(adapter, cases=cases, seed=args.seed, progress=progress, tolerance=tolerance)
     print(report.table())
     code = 0 if report.passed else 1
     if json_path is not None:

@@ -41,13 +41,16 @@ def check(engine: EngineAdapter | Checkpoint, *, lengths: list[int] | None = Non
           block_sizes: list[int] | None = None, prefix_offsets: list[int] | None = None, window: int | None = None,
           sink_tokens: int = 0, chunk: int | None = None, decode_steps: int | None = None, dtype: str | None = None,
           reference: str = "float64", key_form: str | None = None, backend: str | None = None, seed: int = 0,
-          cases: list[Case] | None = None, progress: bool | str = False) -> ParityReport:
+          cases: list[Case] | None = None, progress: bool | str = False,
+          tolerance: Tolerance | None = None) -> ParityReport:
     """Run the parity matrix on ``engine`` and return a :class:`ParityReport`.
 
     ``engine`` is an adapter (see :class:`ropekv.parity.protocol.EngineAdapter`) or a checkpoint, for
     which ropekv's own engine is used with ``key_form``/``backend``/``dtype``. The other keywords mean
     what the CLI flags of the same name mean; None means the default matrix. ``progress``: False, True
     or ``"bar"`` (a live bar on stderr), ``"lines"`` (one plain line per case, for CI logs).
+    ``tolerance`` replaces the per-dtype tolerance for both comparisons, for an engine whose noise is
+    not set by its compute dtype (quantized weights, an f16 cache; the adapter's docs justify it).
     Every adapter result is validated against its case first (AdapterError on a violation).
     """
     adapter = _as_adapter(engine, dtype=dtype, key_form=key_form, backend=backend)
@@ -65,8 +68,8 @@ def check(engine: EngineAdapter | Checkpoint, *, lengths: list[int] | None = Non
     tokens = token_stream(cfg.vocab_size, max(c.total for c in cases), seed)
     refs = _References(adapter, tier, ReferenceDecoder(adapter.checkpoint, dtype=_REFERENCE_DTYPES[reference]),
                        tokens, cases)
-    tol_ref = tolerance_for(adapter.dtype, _REFERENCE_DTYPES[reference])
-    tol_self = tolerance_for(adapter.dtype, adapter.dtype)
+    tol_ref = tolerance or tolerance_for(adapter.dtype, _REFERENCE_DTYPES[reference])
+    tol_self = tolerance or tolerance_for(adapter.dtype, adapter.dtype)
 
     results, failed = [], []
     with Progress(total=refs.work + sum(c.total for c in cases), mode=progress) as bar:

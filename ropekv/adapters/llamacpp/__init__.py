@@ -76,3 +76,8 @@ def default_cases(args: argparse.Namespace):
     """The cases ``ropekv check --engine llamacpp`` runs when no case flag is given (same hook as the
     vLLM adapter's): :func:`llamacpp_cases` up to the context's ``--n-ctx`` cells."""
     return llamacpp_cases(args.llamacpp_n_ctx)
+
+
+def tolerance(adapter):
+    """The run's own tolerance, per weight type and KV type (:mod:`.tolerance`)."""
+    return adapter.tolerance
