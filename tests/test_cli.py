@@ -53,3 +53,24 @@ def test_run_predicts_with_token_ids(tiny_llama_dir, capsys):
     assert main(["run", str(tiny_llama_dir), "--token-ids", "5,6,7,8", "--max-new-tokens", "3"]) == 0
     out = capsys.readouterr().out
     assert "float64 reference next token" in out and "agrees with the reference" in out
+
+
+def test_ignored_config_fields_are_warned_in_output_and_report(make_tiny_checkpoint, tmp_path, capsys):
+    """llama ignores partial_rotary_factor (transformers rotates the whole head): checked as llama reads
+    it, and said so on stderr, above the table and in the JSON, never silently reinterpreted."""
+    model = make_tiny_checkpoint("llama", partial_rotary_factor=0.5)
+    out_json = tmp_path / "r.json"
+    code = main(["check", str(model), "--lengths", "5", "--decode-steps", "1", "--no-progress", "--json", str(out_json)])
+    captured = capsys.readouterr()
+    assert code == 0
+    assert "warning:" in captured.err and "partial_rotary_factor" in captured.err
+    assert captured.out.startswith("warning:") and "partial_rotary_factor" in captured.out.splitlines()[0]
+    report = json.loads(out_json.read_text())
+    assert any("partial_rotary_factor" in w for w in report["model"]["warnings"])
+    assert report["provenance"]["exit_code"] == 0 and report["provenance"]["command"].startswith("ropekv check")
+
+
+def test_list_faults_includes_architecture_faults(capsys):
+    assert main(["check", "--list-faults"]) == 0
+    out = capsys.readouterr().out
+    assert "nope-layer-rotated" in out and "partial-rotary-all-channels" in out and "double-rotation" in out

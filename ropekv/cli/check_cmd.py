@@ -51,10 +51,10 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..parity.faults import FAULTS, get_fault
+    from ..parity.faults import ARCH_FAULTS, FAULTS, get_fault
 
     if args.list_faults:
-        for f in FAULTS.values():
+        for f in [*FAULTS.values(), *ARCH_FAULTS.values()]:
             print(f"{f.name:28s} -> {f.kind:22s} {f.description} (shows with: {f.shows_when})")
         return 0
     # Everything that can be refused is refused before any heavy work.
@@ -115,13 +115,15 @@ def run(args: argparse.Namespace) -> int:
     cfg = ckpt.config
     print(f"model: {display_name(ckpt)} ({cfg.architecture}, {cfg.num_layers} layers, fingerprint {ckpt.fingerprint}); "
           f"engine: {adapter.name} ({adapter.tier} tier); {len(cases)} cases", file=sys.stderr)
+    for warning in cfg.warnings:  # fields the architecture's reference implementation ignores
+        print(f"ropekv: warning: {warning}", file=sys.stderr)
     progress = "off" if args.no_progress else ("bar" if sys.stderr.isatty() else "lines")
     tolerance = module.tolerance(adapter) if external else None
     report = check(adapter, cases=cases, seed=args.seed, progress=progress, tolerance=tolerance)
     print(report.table())
     code = 0 if report.passed else 1
     if json_path is not None:
-        facts = {**report.provenance, "command": shlex.join(["ropekv", *sys.argv[1:]]), "exit_code": code}
+        facts = {**report.provenance, "command": shlex.join(args.command_line), "exit_code": code}
         json_path.write_text(dataclasses.replace(report, provenance=facts).to_json())
         print(f"report written to {json_path}", file=sys.stderr)
     if plot_path is not None:

@@ -69,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
+        args.command_line = ["ropekv", *argv]  # for reports' provenance
         if args.command is None:
             parser.print_help(sys.stderr)
             return 2

@@ -125,6 +125,7 @@ def check(engine: EngineAdapter | Checkpoint, *, lengths: list[int] | None = Non
     return ParityReport(
         passed=passed,
         model={"name": display_name(ckpt), "config_name": cfg.name, "architecture": cfg.architecture,
+               "warnings": list(cfg.warnings),
                "fingerprint": ckpt.fingerprint, "source": ckpt.source, "rope": cfg.rope.to_dict(),
                "rope_fingerprint": cfg.rope.fingerprint()},
         engine=adapter.describe(), reference=reference, tier=tier.value, limits=tier_limits(tier, results),
@@ -348,7 +349,7 @@ def _diagnose(adapter: EngineAdapter, refs: _References, result: CaseResult, run
         evidence = (f"layer 0 matches and layer {fd.layer} turns keys at the current frequencies, but its cached "
                     f"keys and values come from hidden states computed under an earlier length's frequencies "
                     f"(inherent to caching {inp.rope.scaling.rope_type} RoPE past position "
-                    f"{inp.rope.max_position_embeddings}); {evidence}")
+                    f"{inp.rope.switch_length}); {evidence}")
     details = dict(d.details)
     details.update({"case": case.label(), "layer": fd.layer, "query_position": fd.query_position,
                     "query_effective": d.query_effective, "fit": _finite(d.fit)})

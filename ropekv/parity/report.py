@@ -138,7 +138,8 @@ class ParityReport:
     def table(self) -> str:
         """Plain-text table of cases, then the verdict and diagnosis."""
         header = f"{'case':<34} {'result':<7} {'max|dlogit|':>11} {'attn err':>9} {'self err':>9}  first divergence"
-        lines = [header, "-" * len(header)]
+        lines = [f"warning: {w}" for w in self.model.get("warnings", ())]
+        lines += [header, "-" * len(header)]
         for r in self.cases:
             fd = r.first_divergence
             where = "-" if fd is None else fd.short()
