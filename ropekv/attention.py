@@ -78,8 +78,8 @@ def visibility(query_positions: torch.Tensor, key_positions: torch.Tensor, windo
     return mask
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
+           scale: float | None = None, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Scaled dot-product attention with grouped KV heads, computed in float32 or wider.
 
     q ``[n, H, D]`` (rotated), k ``[N, KVH, D]`` (as the kernel uses them), v ``[N, KVH, D]``,
@@ -96,7 +96,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # made torch.matmul expand K and V G times and copy them, which dominated long-context decode.
     qw = q.to(work).reshape(n, num_kv, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv, group * n, head_dim)
     kw = k.to(work).permute(1, 2, 0)  # [KVH, D, N]
-    logits = torch.bmm(qw, kw).mul_(1.0 / math.sqrt(head_dim)).view(num_kv, group, n, num_keys)  # [KVH, G, n, N]
+    factor = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    logits = torch.bmm(qw, kw).mul_(factor).view(num_kv, group, n, num_keys)  # [KVH, G, n, N]
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap).mul_(softcap)
     if mask is not None:
         logits.masked_fill_(~mask, float("-inf"))
     probs = torch.softmax(logits, dim=-1).view(num_kv, group * n, num_keys)

@@ -8,6 +8,7 @@ only decides how they turn queries and keys.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +30,13 @@ class StepContext:
     seq_len: int
     fork_offset: int = 0
     block_size: int = 1
+    layer: int = 0
+    layer_ropes: tuple[RopeSpec | None, ...] = ()  # the contract's spec per layer (None: NoPE)
+    window_layers: tuple[int, ...] = ()  # the contract's sliding ("local") layers
+
+    def for_layer(self, layer: int) -> "StepContext":
+        """This context for ``layer`` (faults that confuse layers read ``layer`` and ``layer_ropes``)."""
+        return dataclasses.replace(self, layer=layer)
 
 
 class RotationPolicy:
@@ -39,7 +47,8 @@ class RotationPolicy:
     def check_contract(self, contract) -> None:
         """Refuse a contract this policy cannot serve exactly: rotated keys under RoPE whose frequencies
         change with the sequence length (dynamic NTK, LongRoPE) would keep stale frequencies."""
-        if contract.key_form == "rotated" and contract.rope.length_dependent:
+        specs = [contract.layer_rope(i) for i in range(contract.num_layers)]
+        if contract.key_form == "rotated" and any(r is not None and r.length_dependent for r in specs):
             from .errors import ContractMismatch
 
             raise ContractMismatch(
@@ -73,8 +82,9 @@ class RotationPolicy:
         return stored
 
 
-def rotate(rope: RopeSpec, x: torch.Tensor, positions: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
-    """``rope.rotate(x, positions, seq_len)``, with cos/sin read from a per-spec table.
+def rotate(rope: RopeSpec | None, x: torch.Tensor, positions: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
+    """``rope.rotate(x, positions, seq_len)``, with cos/sin read from a per-spec table; ``x`` itself
+    for ``rope=None`` (a NoPE layer: no position embedding, nothing turns).
 
     Why: ``rope.rotate`` recomputes ``inv_freq`` and float64 cos/sin of every position at every call;
     a rotate-on-read decode step does that for every cached key in every layer. The table rows are
@@ -82,6 +92,8 @@ def rotate(rope: RopeSpec, x: torch.Tensor, positions: torch.Tensor, seq_len: in
     dtype exactly as ``apply_rotation`` would), so results do not change. Length-dependent RoPE,
     negative or out-of-range positions and anything unusual take ``rope.rotate`` itself.
     """
+    if rope is None:
+        return x
     if (rope.length_dependent or not isinstance(positions, torch.Tensor) or positions.dim() != 1
             or positions.dtype != torch.int64 or positions.numel() == 0 or not x.is_floating_point()):
         return rope.rotate(x, positions, seq_len)
