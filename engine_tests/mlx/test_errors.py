@@ -60,3 +60,18 @@ def test_with_options_validates(engine):
     with pytest.raises(UsageError):
         engine.with_options(dtype="bfloat16")  # a dtype needs a new load
     assert engine.with_options(max_kv_size=37, keep=4).keep == 4 and engine.keep is None
+
+
+def test_default_cases_drop_only_the_sinks():
+    import argparse
+
+    from ropekv.adapters import mlx
+    from ropekv.parity.cases import default_matrix
+
+    cases, default = mlx.default_cases(argparse.Namespace(model=None)), default_matrix(8192)
+    assert len(cases) == len(default)
+    for mine, theirs in zip(cases, default):
+        assert mine.sink_tokens == 0
+        assert (mine.length, mine.window, mine.chunk, mine.prefix) == (theirs.length, theirs.window, theirs.chunk,
+                                                                        theirs.prefix)
+    assert any(c.sink_tokens for c in default)

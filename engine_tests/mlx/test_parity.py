@@ -25,6 +25,8 @@ CASES = [
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.label())
 def test_cached_decode_matches_reference(engine, reference, tokens, tol, case):
     run = engine.run_case(case, tokens)
+    expected_cache = "KVCache" if case.window is None else f"RotatingKVCache(max_size={case.window}, keep=0)"
+    assert run.notes[0] == f"mlx-lm caches: 30 x {expected_cache}"
     err = against_reference(reference, run, case, tokens)
     assert err.logits < tol.logits, err
     assert max(err.attn) < tol.attn, err

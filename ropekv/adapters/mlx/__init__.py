@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .engine import MLXEngine
 
-__all__ = ["MLXEngine", "add_arguments", "from_args"]
+__all__ = ["MLXEngine", "add_arguments", "from_args", "default_cases", "tolerance", "mlx_cases"]
 
 
 def __getattr__(name: str) -> Any:
@@ -44,3 +44,31 @@ def from_args(args: argparse.Namespace) -> "MLXEngine":
     return MLXEngine(getattr(args, "model", None), max_kv_size=args.mlx_max_kv_size, keep=args.mlx_keep,
                      dtype=getattr(args, "dtype", "float32"), rollback=args.mlx_rollback, restore=args.mlx_restore,
                      blas=args.mlx_blas)
+
+
+def mlx_cases(max_positions: int) -> list:
+    """ropekv's default matrix, its sink case run without sinks.
+
+    mlx-lm has no cache with ropekv's window-with-sinks semantics: ``RotatingKVCache(W + s, keep=s)``
+    keeps ``s`` sinks during decode but none during prefill (docs/engines/mlx.md, finding 2), so that
+    case measures the finding, not the cache. It stays reproducible with ``--window 13 --sinks 2`` and
+    ``scripts/findings/mlx_rotating_keep_semantics.py``; here the same wrapped odd window, chunked, runs
+    with ``keep=0``."""
+    import dataclasses
+
+    from ...parity.cases import default_matrix
+
+    return [dataclasses.replace(c, sink_tokens=0) if c.sink_tokens else c for c in default_matrix(max_positions)]
+
+
+def default_cases(args: argparse.Namespace) -> list:
+    """What ``ropekv check --engine mlx`` runs without case flags: :func:`mlx_cases`."""
+    from ...models import load_config
+
+    return mlx_cases(load_config(getattr(args, "model", None)).position_limit)
+
+
+def tolerance(adapter) -> None:
+    """ropekv's per-dtype default: float32 mlx-lm stays 15x or more below it (1.25e-4 worst measured
+    against 2e-3, docs/engines/mlx.md); no engine-specific tolerance is needed."""
+    return None

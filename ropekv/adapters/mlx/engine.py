@@ -121,7 +121,7 @@ class MLXEngine:
 
     def run_case(self, case: Case, tokens: torch.Tensor) -> CaseRun:
         caches = self.new_caches(case)
-        notes: list[str] = []
+        notes: list[str] = [f"mlx-lm caches: {_cache_summary(caches)}"]
         if case.prefix:
             caches = self._prefix_hit(caches, tokens, case, notes)
         self.prefill(caches, tokens[case.prefix: case.prefix + case.length], case.chunk)
@@ -214,6 +214,15 @@ class MLXEngine:
                     else f"RotatingKVCache(max_size={self.max_kv_size}, keep={self.keep}) per layer")
         return ("make_prompt_cache(model) (the model's make_cache); a case window W with s sinks: "
                 "RotatingKVCache(max_size=W+s, keep=s) per layer")
+
+
+def _cache_summary(caches: list[Any]) -> str:
+    """``30 x KVCache`` / ``30 x RotatingKVCache(max_size=37, keep=4)``: what mlx-lm really built."""
+    def one(c: Any) -> str:
+        kind = type(c).__name__
+        return f"{kind}(max_size={c.max_size}, keep={c.keep})" if kind == "RotatingKVCache" else kind
+    kinds = [one(c) for c in caches]
+    return ", ".join(f"{kinds.count(k)} x {k}" for k in dict.fromkeys(kinds))
 
 
 def _check_options(max_kv_size: Any, keep: Any, rollback: Any) -> None:
