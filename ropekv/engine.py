@@ -127,18 +127,6 @@ class Engine:
     def num_tokens(self, seq_id) -> int:
         return self.cache.num_tokens(seq_id)
 
-    def export_handoff(self, seq_id, tokens: torch.Tensor):
-        """The cached state of ``seq_id`` as a :class:`ropekv.transfer.Handoff` (see docs/handoff.md)."""
-        from .transfer.importer import export_handoff
-
-        return export_handoff(self, seq_id, tokens)
-
-    def import_handoff(self, handoff, convert: str = "never", seq_id=None):
-        """Import a handed-off sequence, all or nothing, after checking its contract against ours."""
-        from .transfer.importer import import_handoff
-
-        return import_handoff(self, handoff, convert=convert, seq_id=seq_id)
-
     def forward_full(self, tokens: torch.Tensor, *, probe_rows: list[int] | None = None) -> StepOutput:
         """The engine's own cache-free forward over ``tokens [T]`` at positions ``0..T-1``."""
         tokens = self._check_tokens(tokens)
