@@ -263,7 +263,7 @@ class ReceiveFacts:
 def receive_sequence(channel: Channel, peer: int, cache: PagedKVCache, *, convert: str = "never",
                      policy: ImportPolicy | None = None, seq_id: Hashable | None = None,
                      accept: Callable[[StreamHeader], None] | None = None,
-                     after_header: Callable[[StreamHeader], None] | None = None, depth: int = 2) -> ReceiveFacts:
+                     after_header: Callable[[StreamHeader], None] | None = None, depth: int = 4) -> ReceiveFacts:
     """Receive one streamed sequence from ``peer`` into ``cache`` as ``seq_id`` (default: the sender's).
 
     ``accept(header)`` may refuse it by raising a RopeKVError (e.g. tokens other than planned);
