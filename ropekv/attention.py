@@ -78,15 +78,43 @@ def visibility(query_positions: torch.Tensor, key_positions: torch.Tensor, windo
     return mask
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-           mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+_BLOCK_BYTES = 32 << 20  # logits of one query block; below glibc's mmap threshold, so blocks reuse heap memory
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
+           with_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scaled dot-product attention with grouped KV heads, computed in float32 or wider.
 
     q ``[n, H, D]`` (rotated), k ``[N, KVH, D]`` (as the kernel uses them), v ``[N, KVH, D]``,
     mask ``[n, N]``, or None when every key is visible to every query (a decode step without a
     window: it saves two passes over the logits per layer). Returns ``(out [n, H, D] in q's dtype,
-    logits [H, n, N] pre-softmax, masked -inf)``.
+    logits [H, n, N] pre-softmax, masked -inf)``; the logits are None unless ``with_logits``.
+
+    Without logits the queries go in blocks whose ``[H, rows, N]`` scores stay under 32 MiB, and each
+    block reads only the keys up to the last one any of its rows sees (a causal prefill skips the
+    upper triangle): a long prefill never holds an ``[H, n, N]`` score tensor, and its temporaries
+    are reused instead of mapped and faulted in afresh for every layer.
     """
+    n, num_heads, _ = q.shape
+    rows = n if with_logits else max(1, _BLOCK_BYTES // (num_heads * k.shape[0] * 4))
+    if rows >= n:
+        return _attend_block(q, k, v, mask)
+    out = torch.empty_like(q)
+    for start in range(0, n, rows):
+        stop = min(n, start + rows)
+        block_mask = None if mask is None else mask[start:stop]
+        keys = k.shape[0]
+        if block_mask is not None:
+            seen = torch.nonzero(block_mask.any(dim=0))
+            keys = int(seen[-1]) + 1 if seen.numel() else 1
+            block_mask = block_mask[:, :keys]
+        out[start:stop] = _attend_block(q[start:stop], k[:keys], v[:keys], block_mask)[0]
+    return out, None
+
+
+def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attend` of one block of queries, logits included."""
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     n, num_heads, head_dim = q.shape
     num_keys, num_kv = k.shape[0], k.shape[1]

@@ -175,3 +175,32 @@ def test_uncopied_cache_views_hold_what_copied_ones_hold() -> None:
         append("a", 2)
         check()
     assert shared == {True, False}  # both paths ran
+
+
+@pytest.mark.parametrize("window, sinks", [(None, 0), (37, 0), (37, 3)])
+def test_attend_in_query_blocks_matches_attend_at_once(window, sinks) -> None:
+    """A long prefill without logits goes in query blocks that read only the keys they can see; it must
+    agree with the one-block computation within float32 rounding (written out independently here)."""
+    from ropekv.attention import visibility
+
+    g = torch.Generator().manual_seed(4)
+    n, cached = 700, 300
+    q = torch.randn(n, 6, 16, generator=g)
+    k, v = torch.randn(cached + n, 2, 16, generator=g), torch.randn(cached + n, 2, 16, generator=g)
+    positions = torch.arange(cached, cached + n)
+    mask = visibility(positions, torch.arange(cached + n), window, sinks)
+    expected, _ = attend(q, k, v, mask)
+    import ropekv.attention as attention
+
+    old = attention._BLOCK_BYTES
+    attention._BLOCK_BYTES = 6 * (cached + n) * 4 * 64  # 64 query rows a block
+    try:
+        blocked, logits = attend(q, k, v, mask, with_logits=False)
+    finally:
+        attention._BLOCK_BYTES = old
+    assert logits is None
+    scores = torch.einsum("nhd,mhd->hnm", q.double(), k.double().repeat_interleave(3, dim=1)) / 4.0
+    reference = torch.einsum("hnm,mhd->nhd", scores.masked_fill(~mask, float("-inf")).softmax(-1),
+                             v.double().repeat_interleave(3, dim=1))
+    torch.testing.assert_close(blocked.double(), reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(blocked, expected, rtol=1e-5, atol=1e-6)
