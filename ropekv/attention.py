@@ -112,6 +112,31 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return out, None
 
 
+def attend_segments(q: torch.Tensor, keys: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """:func:`attend` of queries that see every key (a decode step without a window), with the keys
+    and values given as segments along the key axis (``keys[s]``/``values[s]``: ``[N_s, KVH, D]``,
+    e.g. the cached tokens as views of the pool, then the step's new ones). Returns ``out [n, H, D]``.
+
+    Why: joining the segments first copies every cached key and value once per layer and step (at
+    4,096 tokens, 6 MB per layer); here each segment is read in place by its own ``bmm`` and only the
+    scores (``[H, n, N]``, a few KB for one query) are joined for the softmax.
+    """
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    n, num_heads, head_dim = q.shape
+    num_kv = keys[0].shape[1]
+    group = num_heads // num_kv
+    qw = q.to(work).reshape(n, num_kv, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv, group * n, head_dim)
+    scores = [torch.bmm(qw, k.to(work).permute(1, 2, 0)) for k in keys]  # [KVH, G * n, N_s] each
+    logits = torch.cat(scores, dim=-1).mul_(1.0 / math.sqrt(head_dim))  # [KVH, G * n, N]
+    probs = torch.softmax(logits, dim=-1)
+    out, start = None, 0
+    for v in values:
+        part = torch.bmm(probs[..., start:start + v.shape[0]], v.to(work).permute(1, 0, 2))  # [KVH, G * n, D]
+        out = part if out is None else out.add_(part)
+        start += v.shape[0]
+    return out.view(num_kv, group, n, head_dim).permute(2, 0, 1, 3).reshape(n, num_heads, head_dim).to(q.dtype)
+
+
 def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attend` of one block of queries, logits included."""

@@ -204,3 +204,16 @@ def test_attend_in_query_blocks_matches_attend_at_once(window, sinks) -> None:
                              v.double().repeat_interleave(3, dim=1))
     torch.testing.assert_close(blocked.double(), reference, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(blocked, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_attend_over_segments_is_attend_over_the_joined_keys() -> None:
+    """A decode step reads the cached keys/values in place (segments) instead of joining them first."""
+    from ropekv.attention import attend_segments
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 9, 64, generator=g)
+    k, v = torch.randn(1025, 3, 64, generator=g), torch.randn(1025, 3, 64, generator=g)
+    joined, _ = attend(q, k, v, None)
+    split = attend_segments(q, (k[:1024], k[1024:]), (v[:1024], v[1024:]))
+    torch.testing.assert_close(split, joined, rtol=1e-6, atol=1e-6)
+    assert torch.equal(attend_segments(q, (k,), (v,)), joined)
