@@ -30,6 +30,7 @@ from ..errors import CacheError, CapacityError, ContractMismatch, UsageError
 from .allocator import BlockAllocator
 
 FULL, SLIDING = "full", "sliding"
+_FUSED_CHECK_ELEMENTS = 1 << 18  # new keys + values of all layers below this: one fused finiteness check
 
 
 @dataclass(frozen=True)
@@ -260,6 +261,7 @@ class PagedKVCache:
         n = pos.numel()
         self._check_tensors("keys", keys, n)
         self._check_tensors("values", values, n)
+        self._check_finite(keys, values)
 
         plans = self._check_room(seq_id, seq, n)
 
@@ -359,8 +361,20 @@ class PagedKVCache:
                 raise CacheError(f"append: {what}[{layer}] must be a floating-point tensor")
             if tuple(t.shape) != want:
                 raise CacheError(f"append: {what}[{layer}] has shape {tuple(t.shape)}, expected {want}")
+
+    def _check_finite(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+        """Refuse NaN or infinite keys/values. A decode step's new rows (a few KB over all layers) are
+        checked by one reduction over all of them; a large chunk tensor by tensor, never copied."""
+        tensors = list(keys) + list(values)
+        total = sum(t.numel() for t in tensors)
+        if total <= _FUSED_CHECK_ELEMENTS:
+            lo, hi = torch.aminmax(torch.cat([t.reshape(-1).to(torch.float32) for t in tensors]))  # NaN propagates
+            if bool(torch.isfinite(lo) & torch.isfinite(hi)):
+                return
+        for i, t in enumerate(tensors):
             lo, hi = torch.aminmax(t)  # propagates NaN; cheaper than isfinite(t).all() on big chunks
             if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
+                what, layer = ("keys", i) if i < len(keys) else ("values", i - len(keys))
                 raise CacheError(f"append: {what}[{layer}] holds NaN or infinite values")
 
     # ------------------------------------------------------------------ reading
