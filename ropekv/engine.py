@@ -25,29 +25,16 @@ from .cache.paged import PagedKVCache
 from .contract import CacheContract
 from .errors import CacheError, ContractMismatch, UsageError
 from .models.config import Checkpoint
+from .probe import LayerProbe
 from .rotation import RotationPolicy, StepContext
 from .transformer import DecoderWeights, final_logits, finish_layer, project_qkv
-
-
-@dataclass(frozen=True, eq=False)
-class LayerTrace:
-    """What one layer's kernel saw for the probed query rows (decode: one row)."""
-
-    hidden_in: torch.Tensor  # [R, hidden]
-    q_raw: torch.Tensor  # [R, H, D]
-    q_eff: torch.Tensor  # [R, H, D]  query as the kernel used it
-    k_raw_new: torch.Tensor  # [n, KVH, D]  raw keys of the tokens this step added
-    k_eff: torch.Tensor  # [N, KVH, D]  every key as the kernel used it
-    key_positions: torch.Tensor  # [N] logical positions
-    key_slots: torch.Tensor  # [N] slot in the sequence's cache (write index for full layers)
-    attn_logits: torch.Tensor  # [H, R, N] pre-softmax, masked -inf
 
 
 @dataclass(frozen=True, eq=False)
 class StepOutput:
     logits: torch.Tensor  # [n, vocab] float32 (decode: n = 1)
     positions: torch.Tensor  # [n]
-    layers: tuple[LayerTrace, ...] = ()
+    layers: tuple[LayerProbe, ...] = ()  # per layer when probed (see _probe)
 
 
 class Engine:
@@ -66,13 +53,7 @@ class Engine:
         self.backend = backend_for(contract) if backend is None else (
             get_backend(backend) if isinstance(backend, str) else backend)
         self.backend.check(contract)
-        if contract.key_form == "rotated" and contract.rope.length_dependent and not self._allows_stale_rotation():
-            raise ContractMismatch(
-                f"key_form 'rotated' cannot serve {contract.rope.scaling.rope_type} RoPE: its frequencies change "
-                "with the sequence length, so cached keys would keep stale frequencies while new queries turn "
-                "at new ones; use key_form 'raw' (rotate on read)",
-                fields=("key_form", "rope.scaling"),
-            )
+        self.rotation.check_contract(contract)
         self.dtype = contract.torch_dtype
         if weights is not None and (weights.config != cfg or weights.embed.dtype != self.dtype):
             raise UsageError("shared weights were built for another config or dtype")
@@ -133,9 +114,6 @@ class Engine:
         return self._run(tokens, torch.arange(tokens.numel()), None, phase="full", probe_rows=probe_rows)
 
     # ------------------------------------------------------------------ internals
-
-    def _allows_stale_rotation(self) -> bool:
-        return False
 
     def _check_contract_fits_model(self) -> None:
         cfg, c = self.config, self.contract
@@ -219,9 +197,7 @@ class Engine:
                 k_eff = rot.read_keys(rope, keys, key_pos, key_slots, ctx, backend_rotates=self.backend.rotates)
                 out, logits = attend(q_eff, k_eff, values, attn_mask)
             if probe_rows is not None:
-                r = torch.as_tensor(probe_rows)
-                traces.append(LayerTrace(h[r].detach(), q[r], q_eff[r], k, k_eff, key_pos, key_slots,
-                                         logits[:, r]))
+                traces.append(_probe(probe_rows, h, q, q_eff, k_eff, values, key_pos, key_slots, mask))
             new_keys.append(stored_new)
             new_values.append(v)
             h = finish_layer(cfg, lw, h, out)
@@ -258,3 +234,13 @@ class Engine:
             all_logits.append(lg)
             q_effs.append(qi)
         return torch.cat(outs), torch.cat(all_logits, dim=1), torch.cat(q_effs), k_eff
+
+
+def _probe(rows: list[int], h, q, q_eff, k_eff, values, key_pos, key_slots, mask) -> LayerProbe:
+    """The layer as its kernel saw it at ``rows``. One row (a decode step, or a per-position full
+    forward): exactly the keys the kernel attended to, by the engine's own mask. Several rows (a probed
+    full forward): every key, and the reader masks by position."""
+    r = torch.as_tensor(rows)
+    keep = mask[r[0]] if len(rows) == 1 else slice(None)
+    return LayerProbe(q=q_eff[r], k=k_eff[keep], key_positions=key_pos[keep], key_slots=key_slots[keep],
+                      hidden_in=h[r].detach(), q_raw=q[r], v=values[keep])

@@ -36,6 +36,21 @@ class RotationPolicy:
 
     name = "correct"
 
+    def check_contract(self, contract) -> None:
+        """Refuse a contract this policy cannot serve exactly: rotated keys under RoPE whose frequencies
+        change with the sequence length (dynamic NTK, LongRoPE) would keep stale frequencies."""
+        if contract.key_form == "rotated" and contract.rope.length_dependent:
+            from .errors import ContractMismatch
+
+            raise ContractMismatch(
+                f"key_form 'rotated' cannot serve {contract.rope.scaling.rope_type} RoPE: its frequencies change "
+                "with the sequence length, so cached keys would keep stale frequencies while new queries turn "
+                "at new ones. No cache matches a full forward past the switch beyond layer 0 (deeper keys come "
+                "from hidden states computed under the old frequencies; docs/contract.md): key_form 'raw' "
+                "(rotate on read) makes layer 0 exact and the harness then reports the rest as inherent",
+                fields=("key_form", "rope.scaling"),
+            )
+
     def query(self, rope: RopeSpec, q: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Rotate queries ``q [n, H, D]`` to their rotation indices ``positions [n]``."""
         return rotate(rope, q, positions, ctx.seq_len)

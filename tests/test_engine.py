@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ropekv.parity.recorder import attention_logits
+
 from ropekv.contract import CacheContract
 from ropekv.engine import Engine
 from ropekv.errors import CacheError, ContractMismatch, UsageError
@@ -164,8 +166,11 @@ def test_dynamic_ntk_crossing_original_length(make_tiny_checkpoint):
         out = engine.decode("s", toks[t], probe=True)
         full = ref.forward(toks[: t + 1], probe_rows=[t])  # a full forward over exactly t + 1 tokens
         # Raw keys rotated on read with the current length's frequencies: layer 0 is exact.
-        layer0 = full.layers[0].attn_logits[:, 0].float()
-        torch.testing.assert_close(out.layers[0].attn_logits[:, 0], layer0, atol=1e-5, rtol=0)
+        scale = ckpt.config.head_dim ** -0.5
+        layer0 = attention_logits(full.layers[0], full.rows, scale=scale)[:, 0]
+        mine = attention_logits(out.layers[0], torch.tensor([t]), scale=scale)[:, 0]
+        assert out.layers[0].key_positions.tolist() == list(range(t + 1))
+        torch.testing.assert_close(mine, layer0, atol=1e-5, rtol=0)
     # Rotated keys would keep stale frequencies: the engine refuses that contract.
     with pytest.raises(ContractMismatch, match="stale|rotated"):
         make_engine(ckpt, "rotated")
@@ -186,10 +191,10 @@ def test_rotation_index_cache_matches_manual_rotation(llama, ref_llama):
     q = rope.rotate(probe.q_raw, ranks[-1:])  # [1, H, D]
     group = llama.config.num_heads // llama.config.num_kv_heads
     expected = torch.einsum("hd,nhd->hn", q[0], k.repeat_interleave(group, dim=1)) / llama.config.head_dim ** 0.5
-    trace = out.layers[0]
-    seen = torch.isfinite(trace.attn_logits[0, 0])
-    assert trace.key_positions[seen].tolist() == visible
-    torch.testing.assert_close(trace.attn_logits[:, 0][:, seen].double(), expected, atol=1e-5, rtol=0)
+    trace = out.layers[0]  # a decode probe holds exactly the keys the kernel attended to
+    assert trace.key_positions.tolist() == visible
+    got = attention_logits(trace, torch.tensor([25]), scale=llama.config.head_dim ** -0.5, mask_by_position=False)
+    torch.testing.assert_close(got[:, 0], expected, atol=1e-5, rtol=0)
     # Without a window, cache order and logical positions coincide.
     plain = make_engine(llama, "raw", rotation_index="cache")
     plain.prefill("s", toks[:20])

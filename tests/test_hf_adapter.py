@@ -19,8 +19,9 @@ transformers = pytest.importorskip("transformers")
 
 from transformers.models.llama import modeling_llama  # noqa: E402
 
-from ropekv.adapters.base import EngineAdapter  # noqa: E402
-from ropekv.adapters.hf import HFEngine, cross_engine_parity  # noqa: E402
+from ropekv.parity.protocol import EngineAdapter  # noqa: E402
+from ropekv.adapters.hf import HFEngine  # noqa: E402
+from ropekv.parity.cross_engine import cross_engine_parity  # noqa: E402
 from ropekv.errors import CheckpointError, UsageError  # noqa: E402
 from ropekv.models import load_checkpoint  # noqa: E402
 from ropekv.models.reference import ReferenceDecoder  # noqa: E402

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from ropekv.parity.recorder import attention_logits
 from safetensors.torch import load_file, save_file
 
 from ropekv.errors import CheckpointError, ConfigError, UsageError
@@ -139,12 +141,13 @@ def test_probes_are_consistent(arch_dir, hf_model):
     assert torch.equal(out.layers[0].hidden_in, embed[tokens[rows]])
 
     for layer, probe in enumerate(out.layers):
-        assert torch.equal(probe.rows, rows)
+        assert torch.equal(out.rows, rows) and torch.equal(probe.key_positions, torch.arange(T))
         assert probe.hidden_in.shape == (R, cfg.hidden_size)
-        assert probe.q_raw.shape == probe.q_rot.shape == (R, H, D)
-        assert probe.k_raw.shape == probe.k_rot.shape == probe.v.shape == (T, KVH, D)
-        assert probe.attn_logits.shape == (H, R, T)
-        assert probe.attn_logits.dtype == torch.float64
+        assert probe.q_raw.shape == probe.q.shape == (R, H, D)
+        assert probe.k_raw.shape == probe.k.shape == probe.v.shape == (T, KVH, D)
+        attn_logits = attention_logits(probe, rows, scale=D**-0.5, window=cfg.layer_window(layer))
+        assert attn_logits.shape == (H, R, T)
+        assert attn_logits.dtype == torch.float64
 
         # The layer input is transformers' hidden state; q/k/v follow from it through HF's own modules.
         assert (probe.hidden_in - hf.hidden_states[layer][0, rows].double()).abs().max() < ATOL
@@ -161,20 +164,20 @@ def test_probes_are_consistent(arch_dir, hf_model):
         assert (probe.v[rows] - v.double()).abs().max() < ATOL
 
         # Rotation at the logical positions, with seq_len = T.
-        assert torch.equal(probe.q_rot, cfg.rope.rotate(probe.q_raw, rows, seq_len=T))
-        assert torch.equal(probe.k_rot, cfg.rope.rotate(probe.k_raw, positions, seq_len=T))
+        assert torch.equal(probe.q, cfg.rope.rotate(probe.q_raw, rows, seq_len=T))
+        assert torch.equal(probe.k, cfg.rope.rotate(probe.k_raw, positions, seq_len=T))
 
         # attn_logits[h, r, j] = q_rot[r, h] . k_rot[j, h // group] / sqrt(D), -inf where masked.
         window = cfg.layer_window(layer)
         for r, i in enumerate(rows.tolist()):
             for head in range(H):
-                want = probe.k_rot[:, head // (H // KVH)] @ probe.q_rot[r, head] / D**0.5
+                want = probe.k[:, head // (H // KVH)] @ probe.q[r, head] / D**0.5
                 for j in range(T):
                     seen = j <= i and (window is None or i - window < j)
-                    got = probe.attn_logits[head, r, j]
+                    got = attn_logits[head, r, j]
                     assert (torch.isclose(got, want[j], rtol=1e-12, atol=1e-12) if seen else got == float("-inf"))
         # Softmax of the logits is transformers' attention pattern.
-        probs = torch.softmax(probe.attn_logits, dim=-1)
+        probs = torch.softmax(attn_logits, dim=-1)
         assert (probs - hf.attentions[layer][0][:, rows].double()).abs().max() < 1e-5
 
 
@@ -183,7 +186,7 @@ def test_sink_tokens_and_window_override_in_probes(tiny_llama_dir):
     tokens = tokens_of(T)
     rows = torch.arange(T)
     out = decoder.forward(tokens, probe_rows=rows, window=4, sink_tokens=2)
-    seen = torch.isfinite(out.layers[1].attn_logits[0])  # [T, T]
+    seen = torch.isfinite(attention_logits(out.layers[1], out.rows, scale=1.0, window=4, sink_tokens=2)[0])  # [T, T]
     for i in range(T):
         for j in range(T):
             assert bool(seen[i, j]) == (j <= i and (i - 4 < j or j < 2)), (i, j)

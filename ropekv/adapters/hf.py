@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import hashlib
 import itertools
 import sys
 from dataclasses import dataclass, field
@@ -44,9 +43,10 @@ from typing import Any, Iterator
 import torch
 
 from ..errors import CheckpointError, RopeKVError, UsageError
-from ..models.config import Checkpoint, ModelConfig, fingerprint_of
+from ..models.config import Checkpoint
 from ..parity.cases import Case
-from .base import CaseRun, FullRun, LayerView, StepTrace
+from ..parity.protocol import CaseRun, FullRun, StepRecord, Tier
+from ..parity.recorder import AttentionRecorder
 
 try:
     import transformers
@@ -74,14 +74,14 @@ class _Call:
     positions: torch.Tensor  # [q] logical positions of this call's tokens
     rows: torch.Tensor | None  # [R] indices into the q tokens to record; None records nothing
     raw: bool = False  # record raw keys (k_proj / k_norm output)
+    recorder: AttentionRecorder | None = None  # the layers' attention as the kernel saw it
     kv_offset: dict[int, int] = field(default_factory=dict)
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [R, hidden]
-    attn: dict[int, tuple] = field(default_factory=dict)  # layer -> (logits [H,R,N], kpos, slots, q [R,H,D], k [N,KVH,D])
     raw_keys: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [q, KVH, D]
 
 
 class HFEngine:
-    """A transformers causal LM as an :class:`~ropekv.adapters.base.EngineAdapter`.
+    """A transformers causal LM as an :class:`~ropekv.parity.protocol.EngineAdapter`.
 
     ``cache``: ``"dynamic"`` (``DynamicCache(config=...)``, sliding layers keep only their window) or
     ``"static"`` (``StaticCache``); default: static when ``model.generation_config.cache_implementation``
@@ -89,6 +89,7 @@ class HFEngine:
     """
 
     key_form = "rotated"  # transformers rotates keys before cache.update
+    tier = Tier.FORENSICS
 
     def __init__(self, model: torch.nn.Module, *, cache: str | None = None, name: str | None = None):
         _need_transformers()
@@ -157,14 +158,8 @@ class HFEngine:
         """
         if self._checkpoint is None:
             source = f"transformers {type(self.model).__name__} {getattr(self.model, 'name_or_path', '') or ''}".strip()
-            config = ModelConfig.from_hf_config(self.model.config.to_dict(), source=source)
-            state = self.model.state_dict()
-            weights = {k: state[k].detach().to(torch.float32) for k in config.expected_shapes() if k in state}
-            digest = hashlib.sha256()
-            for k in sorted(weights):
-                digest.update(k.encode())
-                digest.update(weights[k].contiguous().view(torch.uint8).numpy().tobytes())
-            self._checkpoint = Checkpoint(config, weights, source, fingerprint_of(config, digest.hexdigest()))
+            self._checkpoint = Checkpoint.from_tensors(self.model.config.to_dict(), self.model.state_dict(),
+                                                       source=source)
         return self._checkpoint
 
     # ------------------------------------------------------------------ the protocol
@@ -207,11 +202,8 @@ class HFEngine:
             self._prefill(cache, tokens[start: start + case.length], start, case)
             steps = []
             for t in case.decode_positions:
-                out, call = self._forward(tokens[t: t + 1], t, cache, case, rows=[0])
-                steps.append(StepTrace(position=t, logits=out.logits[0, -1], layers=tuple(
-                    LayerView(hidden_in=call.hidden[i][0], attn_logits=a[0][:, 0], key_positions=a[1],
-                              key_slots=a[2], q_eff=a[3][0], k_eff=a[4])
-                    for i, a in ((i, call.attn[i]) for i in range(len(self.layers))))))
+                out, layers, _ = self._forward(tokens[t: t + 1], t, cache, case, rows=[0])
+                steps.append(StepRecord(position=t, logits=out.logits[0, -1], layers=layers))
             return CaseRun(tuple(steps))
 
     @torch.no_grad()
@@ -219,11 +211,8 @@ class HFEngine:
         """One cache-free forward (``use_cache=False``) over ``tokens``, probed at ``rows``."""
         with self._session():
             self._reset_rope()
-            out, call = self._forward(tokens, 0, None, case, rows=rows)
-            n = len(self.layers)
-            return FullRun(rows=torch.as_tensor(rows), logits=out.logits[0, rows],
-                           hidden_in=tuple(call.hidden[i] for i in range(n)),
-                           attn_logits=tuple(call.attn[i][0] for i in range(n)))
+            out, layers, _ = self._forward(tokens, 0, None, case, rows=rows)
+            return FullRun(rows=torch.as_tensor(rows), logits=out.logits[0, rows], layers=layers)
 
     @torch.no_grad()
     def raw_keys(self, tokens: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -231,7 +220,7 @@ class HFEngine:
         cache-free forward over ``tokens``; what ropekv's forensics compare rotated keys with."""
         with self._session():
             self._reset_rope()
-            _, call = self._forward(tokens, 0, None, Case(length=1), rows=None, raw=True)
+            call = self._forward(tokens, 0, None, Case(length=1), rows=None, raw=True)[2]
             return tuple(call.raw_keys[i] for i in range(len(self.layers)))
 
     # ------------------------------------------------------------------ install / restore
@@ -334,6 +323,9 @@ class HFEngine:
         return self._delegate(module)(module, query, key, value, attention_mask, **kwargs)
 
     def _record(self, call: _Call, module, query, key, mask, kwargs) -> None:
+        """Hand the shared recorder the query rows and the keys exactly as the kernel gets them. For
+        one row (a decode step) only the keys HF's mask lets it see; for several rows every written key
+        (the harness masks by position). Unwritten static-cache slots must be masked, and are dropped."""
         layer = module.layer_idx
         q = query[0].transpose(0, 1)  # [q, H, D]
         k = key[0].transpose(0, 1)  # [N, KVH, D]
@@ -341,18 +333,14 @@ class HFEngine:
         rows = call.rows
         qpos = call.positions[rows]  # [R]
         kpos = call.kv_offset.get(layer, 0) + torch.arange(num_keys)  # [N]
-        visible, bias = _visibility(mask, rows, qpos, kpos, kwargs.get("sliding_window"))  # [Hm, R, N]
-        work = torch.float64 if query.dtype == torch.float64 else torch.float32
-        group = q.shape[1] // k.shape[1]
-        scores = torch.einsum("rhd,nhd->hrn", q[rows].to(work), k.repeat_interleave(group, dim=1).to(work))
-        scores = scores * kwargs.get("scaling", getattr(module, "scaling", q.shape[-1] ** -0.5)) + bias
-        logits = scores.masked_fill(~visible, float("-inf"))  # [H, R, N]
-        keep = kpos <= int(call.positions.max())
-        if bool(visible[..., ~keep].any()):
+        visible = _visibility(mask, rows, qpos, kpos, kwargs.get("sliding_window"))  # [R, N]
+        written = kpos <= int(call.positions.max())
+        if bool(visible[:, ~written].any()):
             raise RopeKVError(f"layer {layer}: transformers' attention mask lets a query see cache slots past the "
                               "newest token (unwritten slots)")
-        call.attn[layer] = (logits[..., keep], kpos[keep], torch.arange(num_keys)[keep],
-                            q[rows].detach().clone(), k[keep].detach().clone())
+        keep = visible[0] if rows.numel() == 1 else written
+        call.recorder.record(layer, q=q[rows], k=k[keep], key_positions=kpos[keep],
+                             key_slots=torch.arange(num_keys)[keep], hidden_in=call.hidden.get(layer))
 
     # ------------------------------------------------------------------ running
 
@@ -362,7 +350,8 @@ class HFEngine:
         if case.window is not None:
             kv_len = (cache.get_seq_length() if cache is not None else 0) + ids.shape[0]
             mask = self._window_mask(positions, kv_len, case)
-        call = _Call(positions, None if rows is None else torch.as_tensor(rows, dtype=torch.long), raw)
+        call = _Call(positions, None if rows is None else torch.as_tensor(rows, dtype=torch.long), raw,
+                     AttentionRecorder(len(self.layers)))
         self._call = call
         try:
             out = self.model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask,
@@ -370,11 +359,11 @@ class HFEngine:
                              logits_to_keep=0 if rows is not None else 1)
         finally:
             self._call = None
-        missing = [i for i in range(len(self.layers)) if rows is not None and i not in call.attn]
-        if missing:
-            raise UsageError(f"{type(self.model).__name__}: layers {missing} did not call the attention function "
-                             "through transformers' AttentionInterface, so ropekv cannot see their logits")
-        return out, call
+        layers = call.recorder.take()
+        if rows is not None and len(layers) != len(self.layers):
+            raise UsageError(f"{type(self.model).__name__}: {len(self.layers) - len(layers)} layers did not call the "
+                             "attention function through transformers' AttentionInterface, so ropekv cannot see them")
+        return out, layers, call
 
     def _prefill(self, cache, tokens: torch.Tensor, start: int, case: Case) -> None:
         chunk = case.chunk or tokens.shape[0]
@@ -415,75 +404,35 @@ class HFEngine:
         return list(layers)
 
 
-# ---------------------------------------------------------------------- cross-engine parity
-
-
-@dataclass(frozen=True)
-class CrossEngineParity:
-    """The engine's cache-free forward against ropekv's float64 reference on the same checkpoint:
-    no cache involved, so this isolates the model code (RoPE tables, norms, GQA) from the cache path
-    that ``ropekv.check`` judges. Errors are scale-aware (:func:`ropekv.parity.compare.scaled_error`)."""
-
-    length: int
-    attn: tuple[float, ...]  # per layer, worst row
-    hidden: tuple[float, ...]  # per layer input, worst row
-    logits: float
-    tolerance: dict[str, float]
-    passed: bool
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"length": self.length, "attn_logits": list(self.attn), "hidden_in": list(self.hidden),
-                "final_logits": self.logits, "tolerance": self.tolerance, "passed": self.passed}
-
-
-def cross_engine_parity(engine: HFEngine, *, length: int = 64, seed: int = 0,
-                        reference_dtype: torch.dtype = torch.float64) -> CrossEngineParity:
-    """Compare ``engine.full_forward`` over ``length`` seeded tokens, every row, with the reference
-    decoder built from ``engine.checkpoint`` (the model object's own config and weights)."""
-    from ..models.reference import ReferenceDecoder
-    from ..parity.cases import token_stream
-    from ..parity.compare import scaled_error, tolerance_for
-
-    cfg = engine.checkpoint.config
-    tokens = token_stream(cfg.vocab_size, length, seed)
-    rows = list(range(length))
-    full = engine.full_forward(tokens, rows, Case(length=1))
-    ref = ReferenceDecoder(engine.checkpoint, dtype=reference_dtype).forward(tokens, probe_rows=rows)
-    attn = tuple(scaled_error(a, p.attn_logits) for a, p in zip(full.attn_logits, ref.layers))
-    hidden = tuple(scaled_error(h, p.hidden_in) for h, p in zip(full.hidden_in, ref.layers))
-    logits = scaled_error(full.logits, ref.logits)
-    tol = tolerance_for(engine.dtype, reference_dtype)
-    passed = max(attn) <= tol.attn and max(hidden) <= tol.hidden and logits <= tol.logits
-    return CrossEngineParity(length, attn, hidden, logits, tol.to_dict(), passed)
-
-
 # ---------------------------------------------------------------------- helpers
 
 
 def _visibility(mask, rows: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor,
-                sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(visible [Hm, R, N] bool, additive bias [Hm, R, N])`` from the mask HF gave the kernel.
+                sliding_window: int | None) -> torch.Tensor:
+    """``visible [R, N]`` from the mask HF gave the kernel.
 
     None (sdpa's ``is_causal`` path, masks-free kernels): causal by position, within ``sliding_window``
     if the kernel was given one. A 2D mask is a padding mask on top of that. A 4D boolean mask is
-    used as is; a 4D float mask is additive, entries below half the dtype's minimum count as masked.
+    used as is; a 4D float mask is additive, entries below half the dtype's minimum count as masked
+    and any other nonzero entry (a positional bias) is refused: it is not RoPE and ropekv would miss it.
     """
     n = kpos.shape[0]
     causal = kpos[None, :] <= qpos[:, None]  # [R, N]
     if sliding_window is not None:
         causal &= kpos[None, :] > qpos[:, None] - sliding_window
-    zero = torch.zeros(1, *causal.shape)
     if mask is None:
-        return causal[None], zero
+        return causal
     if mask.dim() == 2:
-        return causal[None] & mask[0, -n:].bool()[None, None, :], zero
-    if mask.dim() != 4 or mask.shape[-1] < n:
+        return causal & mask[0, -n:].bool()[None, :]
+    if mask.dim() != 4 or mask.shape[-1] < n or mask.shape[1] != 1:
         raise RopeKVError(f"unexpected attention mask of shape {tuple(mask.shape)} for {n} keys")
-    m = mask[0][:, rows, :n]  # [Hm, R, N] (eager slices the same way)
+    m = mask[0, 0][rows, :n]  # [R, N] (eager slices the same way)
     if m.dtype == torch.bool:
-        return m, zero
+        return m
     visible = m > torch.finfo(m.dtype).min / 2
-    return visible, torch.where(visible, m.float(), torch.zeros((), dtype=torch.float32))
+    if bool((m[visible] != 0).any()):
+        raise RopeKVError("the attention mask carries an additive bias besides masking; ropekv checks RoPE only")
+    return visible
 
 
 def _rope_states(model: torch.nn.Module) -> list[tuple[torch.nn.Module, dict]]:

@@ -12,7 +12,7 @@ from ..models.config import Checkpoint
 from ..parity.cases import Case
 from ..rotation import RotationPolicy
 from ..transformer import DecoderWeights
-from .base import CaseRun, FullRun, LayerView, StepTrace
+from ..parity.protocol import CaseRun, FullRun, StepRecord, Tier
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -20,7 +20,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 class NativeAdapter:
     """Runs :class:`~ropekv.engine.Engine` under a contract built per case (block size, window)."""
 
-    engine_class = Engine
+    tier = Tier.FORENSICS
 
     def __init__(self, checkpoint: Checkpoint, *, key_form: str = "rotated", backend: str | None = None,
                  dtype: str = "float32", rotation: RotationPolicy | None = None, device: str = "cpu",
@@ -49,7 +49,7 @@ class NativeAdapter:
             num_blocks = 2 * (-(-case.total // case.block_size)) + 4
         if self._weights is None:
             self._weights = DecoderWeights.from_checkpoint(self.checkpoint, self.dtype, self.device)
-        return self.engine_class(self.checkpoint, self.contract(case), num_blocks, backend=self.backend,
+        return Engine(self.checkpoint, self.contract(case), num_blocks, backend=self.backend,
                                  rotation=self.rotation, device=self.device, weights=self._weights)
 
     def describe(self) -> dict[str, Any]:
@@ -69,9 +69,7 @@ class NativeAdapter:
     def full_forward(self, tokens: torch.Tensor, rows: list[int], case: Case) -> FullRun:
         engine = self.make_engine(case, num_blocks=1)
         out = engine.forward_full(tokens, probe_rows=rows)
-        return FullRun(rows=torch.as_tensor(rows), logits=out.logits[rows],
-                       hidden_in=tuple(tr.hidden_in for tr in out.layers),
-                       attn_logits=tuple(tr.attn_logits for tr in out.layers))
+        return FullRun(rows=torch.as_tensor(rows), logits=out.logits[rows], layers=out.layers)
 
 
 def prefill_case(engine: Engine, case: Case, tokens: torch.Tensor, seq_id: Hashable) -> None:
@@ -90,13 +88,10 @@ def prefill_case(engine: Engine, case: Case, tokens: torch.Tensor, seq_id: Hasha
         engine.prefill(seq_id, tokens[:end], chunk_size=case.chunk)
 
 
-def decode_steps(engine: Engine, seq_id: Hashable, case: Case, tokens: torch.Tensor) -> tuple[StepTrace, ...]:
+def decode_steps(engine: Engine, seq_id: Hashable, case: Case, tokens: torch.Tensor) -> tuple[StepRecord, ...]:
     """Decode ``case.decode_steps`` tokens on ``seq_id`` with probes, as the harness expects them."""
     steps = []
     for t in case.decode_positions:
         out = engine.decode(seq_id, tokens[t], probe=True)
-        steps.append(StepTrace(position=t, logits=out.logits[0], layers=tuple(
-            LayerView(hidden_in=tr.hidden_in[0], attn_logits=tr.attn_logits[:, 0], key_positions=tr.key_positions,
-                      key_slots=tr.key_slots, q_eff=tr.q_eff[0], k_eff=tr.k_eff)
-            for tr in out.layers)))
+        steps.append(StepRecord(position=int(out.positions[0]), logits=out.logits[0], layers=out.layers))
     return tuple(steps)

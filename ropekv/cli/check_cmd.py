@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import sys
 
+from ..adapters.registry import ENGINES, engine_module
 from ..errors import UsageError
 from .options import add_model_argument, int_list, positive_int, positive_int_list, seed, writable_path
 
@@ -15,8 +18,9 @@ def add_parser(sub) -> None:
                                    "independent float64 reference, layer by layer; names the bug on divergence. "
                                    "Exit 0: parity holds; 1: divergence; 2: bad input; 3: contract refused.")
     add_model_argument(p)
-    p.add_argument("--engine", choices=("ropekv", "hf"), default="ropekv",
-                   help="ropekv's paged engine (default) or the model's transformers implementation")
+    p.add_argument("--engine", choices=tuple(ENGINES), default="ropekv",
+                   help="the engine to check: " + "; ".join(f"{e.name}: {e.summary}" + (f" (from {e.venv})" if e.venv else "")
+                                                            for e in ENGINES.values()))
     p.add_argument("--key-form", choices=("raw", "rotated"), default=None, help="cache key form (default rotated)")
     p.add_argument("--backend", choices=("rotated", "rotate_on_read"), default=None,
                    help="attention backend (default: the one the key form needs)")
@@ -35,6 +39,10 @@ def add_parser(sub) -> None:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--seed", type=seed, default=0, help="seed of the token sequence")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    for entry in ENGINES.values():
+        if entry.venv is not None and importlib.util.find_spec(entry.module) is not None:
+            importlib.import_module(entry.module).add_arguments(
+                p.add_argument_group(f"{entry.name} engine", f"options of --engine {entry.name}"))
     p.set_defaults(handler=run)
 
 
@@ -56,8 +64,13 @@ def run(args: argparse.Namespace) -> int:
 
         if not torch.cuda.is_available():
             raise UsageError("--device cuda: no CUDA device is available")
-    if args.engine == "hf" and (fault or args.key_form or args.backend):
-        raise UsageError("--engine hf checks the model's own cache; --inject/--key-form/--backend apply to ropekv's engine")
+    if args.engine != "ropekv" and (fault or args.key_form or args.backend):
+        raise UsageError(f"--engine {args.engine} checks the engine's own cache; --inject/--key-form/--backend "
+                         "apply to ropekv's engine")
+    if args.engine != "ropekv" and args.device != "cpu":
+        raise UsageError(f"--device applies to ropekv's engine; --engine {args.engine} picks its own device")
+    external = ENGINES[args.engine].venv is not None
+    module = engine_module(args.engine) if external else None  # EngineUnavailable before any heavy work
 
     from ..models import load_checkpoint, load_config
     from ..parity.cases import build_matrix
@@ -73,22 +86,27 @@ def run(args: argparse.Namespace) -> int:
     if args.window is not None and args.window + args.sinks >= longest:
         raise UsageError(f"--window {args.window} is not smaller than the longest context ({longest} tokens): "
                          "it would never wrap")
-    ckpt = load_checkpoint(args.model)
-    cfg = ckpt.config
-    if args.engine == "hf":
+    if external:
+        adapter = module.from_args(args)
+    elif args.engine == "hf":
         from ..adapters.hf import HFEngine
 
         adapter = HFEngine.load(args.model, dtype=args.dtype)
     elif fault is not None:
-        adapter = fault.adapter(ckpt, dtype=args.dtype, key_form=args.key_form)
+        adapter = fault.adapter(load_checkpoint(args.model), dtype=args.dtype, key_form=args.key_form)
     else:
         from ..adapters.native import NativeAdapter
 
-        adapter = NativeAdapter(ckpt, key_form=args.key_form or "rotated", backend=args.backend, dtype=args.dtype,
-                                device=args.device)
-    print(f"model: {cfg.name} ({cfg.architecture}, {cfg.num_layers} layers, fingerprint {ckpt.fingerprint}); "
-          f"engine: {adapter.name}; {len(cases)} cases", file=sys.stderr)
-    report = check(adapter, cases=cases, seed=args.seed, progress=not args.no_progress and sys.stderr.isatty())
+        adapter = NativeAdapter(load_checkpoint(args.model), key_form=args.key_form or "rotated", backend=args.backend,
+                                dtype=args.dtype, device=args.device)
+    from ..models.default import display_name
+
+    ckpt = adapter.checkpoint
+    cfg = ckpt.config
+    print(f"model: {display_name(ckpt)} ({cfg.architecture}, {cfg.num_layers} layers, fingerprint {ckpt.fingerprint}); "
+          f"engine: {adapter.name} ({adapter.tier} tier); {len(cases)} cases", file=sys.stderr)
+    progress = "off" if args.no_progress else ("bar" if sys.stderr.isatty() else "lines")
+    report = check(adapter, cases=cases, seed=args.seed, progress=progress)
     print(report.table())
     if json_path is not None:
         json_path.write_text(report.to_json())

@@ -274,6 +274,21 @@ class Checkpoint:
     def weight(self, name: str) -> torch.Tensor:
         return self.weights[name]
 
+    @classmethod
+    def from_tensors(cls, config: "ModelConfig | Mapping[str, Any]", state_dict: Mapping[str, torch.Tensor], *,
+                     source: str = "tensors") -> "Checkpoint":
+        """A checkpoint from a config (a :class:`ModelConfig` or a transformers ``config.json`` dict) and a
+        state dict (HF names), e.g. a model built in memory. Tensors are taken in float32 (shared, not
+        copied, where they already are); the fingerprint hashes the config and every weight byte."""
+        cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_hf_config(dict(config), source=source)
+        expected = cfg.expected_shapes()
+        weights = {k: v.detach().to(torch.float32) for k, v in state_dict.items() if k in expected}
+        digest = hashlib.sha256()
+        for k in sorted(weights):
+            digest.update(k.encode())
+            digest.update(weights[k].contiguous().view(torch.uint8).numpy().tobytes())
+        return cls(cfg, weights, source, fingerprint_of(cfg, digest.hexdigest()))
+
     def with_config(self, config: ModelConfig) -> "Checkpoint":
         """The same weights under another config (e.g. another RoPE); the fingerprint covers both."""
         return Checkpoint(config, self.weights, self.source, fingerprint_of(config, self.fingerprint))

@@ -32,7 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, RopeKVError
 from .config import Checkpoint, ModelConfig, fingerprint_of
 from .gguf_file import checkpoint_from_reader, file_sha256, load_gguf, open_gguf, read_gguf_config
 from .tokenizer import Tokenizer
@@ -253,3 +253,17 @@ def _fsync_dir(folder: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+DISPLAY_NAME = "SmolLM2-135M-Instruct"  # what the embedded GGUF is (its general.name is a training-run string)
+
+
+def display_name(checkpoint: Checkpoint) -> str:
+    """A readable model name for reports: the embedded default by its published name, any other
+    checkpoint by its config's name."""
+    try:
+        if Path(checkpoint.source).resolve() in (cache_dir().resolve(), default_gguf_path().resolve()):
+            return DISPLAY_NAME
+    except (OSError, RuntimeError, ValueError, RopeKVError):
+        pass
+    return checkpoint.config.name or checkpoint.config.architecture

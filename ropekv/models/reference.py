@@ -26,28 +26,16 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import UsageError
+from ..probe import LayerProbe
 from .config import Checkpoint, ModelConfig
 
 _QUERY_BLOCK = 256  # queries per attention block: bounds memory at [H, block, T] scores
 
 
 @dataclass(frozen=True, eq=False)
-class LayerProbe:
-    """What one layer computed, for the probed query rows (``R``) and every key (``T``)."""
-
-    rows: torch.Tensor  # [R] int64, positions of the probed queries
-    hidden_in: torch.Tensor  # [R, hidden], the layer's input (residual stream, before the norm)
-    q_raw: torch.Tensor  # [R, H, D], after q_proj (and q_norm), before RoPE
-    q_rot: torch.Tensor  # [R, H, D], after RoPE
-    k_raw: torch.Tensor  # [T, KVH, D], after k_proj (and k_norm), before RoPE
-    k_rot: torch.Tensor  # [T, KVH, D], after RoPE
-    v: torch.Tensor  # [T, KVH, D]
-    attn_logits: torch.Tensor  # [H, R, T], q_rot . k_rot * D**-0.5, masked entries -inf
-
-
-@dataclass(frozen=True, eq=False)
 class ReferenceOutput:
     logits: torch.Tensor  # [T, vocab] in the decoder's dtype
+    rows: torch.Tensor | None = None  # [R] the probed positions, when probe_rows was given
     layers: tuple[LayerProbe, ...] = ()  # one per layer when probe_rows was given, else empty
 
 
@@ -118,20 +106,13 @@ class ReferenceDecoder:
 
             if rows is not None:
                 probes.append(LayerProbe(
-                    rows=rows.clone(),
-                    hidden_in=hidden_in[rows].clone(),
-                    q_raw=q[rows].clone(),
-                    q_rot=q_rot[rows].clone(),
-                    k_raw=k,
-                    k_rot=k_rot,
-                    v=v,
-                    attn_logits=self._attn_logits(q_rot[rows], rows, k_rot, windows[layer], sink_tokens),
-                ))
+                    q=q_rot[rows].clone(), k=k_rot, key_positions=positions, hidden_in=hidden_in[rows].clone(),
+                    q_raw=q[rows].clone(), k_raw=k, v=v))
 
         x = self._rms_norm(x, "model.norm.weight")
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         logits = x @ self._w[head].T  # [T, vocab]
-        return ReferenceOutput(logits=logits, layers=tuple(probes))
+        return ReferenceOutput(logits=logits, rows=rows, layers=tuple(probes))
 
     def next_token(self, tokens: torch.Tensor | Sequence[int]) -> int:
         """Greedy next token after ``tokens`` (argmax of the last row of the logits)."""

@@ -88,8 +88,12 @@ def build_matrix(*, lengths=None, block_sizes=None, prefix_offsets=None, window=
                  chunk=None, decode_steps=None, max_positions: int) -> list[Case]:
     """The cartesian product of the given values, or the default matrix when nothing is given.
 
-    ``window``/``chunk``/``decode_steps`` given alone modify every default case.
+    ``window``/``chunk``/``decode_steps`` given alone modify every default case. An empty list is
+    refused (it would otherwise quietly mean the defaults).
     """
+    for flag, values in (("lengths", lengths), ("block_sizes", block_sizes), ("prefix_offsets", prefix_offsets)):
+        if values is not None and len(values) == 0:
+            raise UsageError(f"{flag} is empty: give at least one value, or None for the default matrix")
     if lengths is None and block_sizes is None and prefix_offsets is None:
         cases = default_matrix(max_positions)
         if window is not None or chunk is not None or decode_steps is not None or sink_tokens:

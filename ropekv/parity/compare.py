@@ -2,6 +2,8 @@
 
 Errors are scale-aware: ``max |cached - ref| / max(1, max |ref|)`` over the entries both sides see.
 A key visible on one side and masked on the other is an infinite error (a window or mask bug).
+Attention logits are never taken from an engine: both sides are computed from the probes' queries
+and keys by :func:`ropekv.parity.recorder.attention_logits`.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..adapters.base import StepTrace
+from ..models.config import ModelConfig
+from ..probe import LayerProbe
+from .recorder import attention_logits
 
 
 @dataclass(frozen=True)
@@ -56,37 +60,114 @@ def scaled_error(cached: torch.Tensor, ref: torch.Tensor) -> float:
     return diff / max(1.0, ref[fin_r].abs().max().item())
 
 
+@dataclass(frozen=True, eq=False)
+class NextToken:
+    """Next-token scores of one row: full logits ``[V]`` (``token_ids`` None) or top-k
+    log-probabilities ``[K]`` at ``token_ids [K]``."""
+
+    values: torch.Tensor
+    token_ids: torch.Tensor | None = None
+
+    def on_common_ids(self, other: "NextToken") -> tuple[torch.Tensor, torch.Tensor]:
+        """Both sides on the same footing: raw logits where both are full, else log-probabilities on
+        the ids both know (a full side is turned into log-probabilities first)."""
+        if self.token_ids is None and other.token_ids is None:
+            return self.values, other.values
+        a_ids, a = _as_logprobs(self)
+        b_ids, b = _as_logprobs(other)
+        if a_ids is None:
+            return a[b_ids], b
+        if b_ids is None:
+            return a, b[a_ids]
+        common, ia, ib = _intersect(a_ids, b_ids)
+        if common.numel() == 0:
+            return torch.tensor([0.0]), torch.tensor([math.inf])  # disjoint top-k sets: diverged
+        return a[ia], b[ib]
+
+
+def _as_logprobs(x: NextToken) -> tuple[torch.Tensor | None, torch.Tensor]:
+    if x.token_ids is None:
+        return None, torch.log_softmax(x.values.double(), dim=-1)
+    return x.token_ids, x.values.double()
+
+
+def _intersect(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    where_b = {int(t): i for i, t in enumerate(b.tolist())}
+    pairs = [(int(t), i, where_b[int(t)]) for i, t in enumerate(a.tolist()) if int(t) in where_b]
+    if not pairs:
+        empty = torch.empty(0, dtype=torch.int64)
+        return empty, empty, empty
+    ids, ia, ib = zip(*pairs)
+    return torch.tensor(ids), torch.tensor(ia), torch.tensor(ib)
+
+
+def logits_error(cached: NextToken, ref: NextToken) -> tuple[float, float]:
+    """``(scale-aware error, max absolute difference)`` of next-token scores (see :class:`NextToken`)."""
+    a, b = cached.on_common_ids(ref)
+    if not torch.isfinite(b).all() or not torch.isfinite(a).all():
+        return math.inf, math.inf
+    return scaled_error(a, b), float((a.double() - b.double()).abs().max())
+
+
+@dataclass(frozen=True, eq=False)
+class RefRow:
+    """One row ``t`` of a full forward as the comparison needs it: per layer its input and its
+    attention logits over every key (empty at the logits tier), and the next-token scores."""
+
+    hidden_in: tuple[torch.Tensor | None, ...]  # per layer [hidden]
+    attn_logits: tuple[torch.Tensor, ...]  # per layer [H, T]
+    logits: NextToken
+
+
 @dataclass(frozen=True)
 class StepErrors:
-    """Errors of one decode step against one reference, per layer."""
+    """Errors of one decode step against one reference, per layer (empty at the logits tier)."""
 
     position: int
     attn: tuple[float, ...]  # per layer
-    hidden: tuple[float, ...]  # per layer (the layer's input)
+    hidden: tuple[float, ...]  # per layer (the layer's input; 0 where the engine does not expose it)
     logits: float  # final logits, scale-aware
     max_abs_logit_diff: float  # final logits, absolute
 
 
-@dataclass(frozen=True)
-class RefRow:
-    """One reference row ``t``: per layer its input and its attention logits over all keys."""
+class LogitsOf:
+    """Attention logits of probes under one model's scale, windows and sinks (the case's window, if
+    set, on every layer; else each layer's own)."""
 
-    hidden_in: tuple[torch.Tensor, ...]  # per layer [hidden]
-    attn_logits: tuple[torch.Tensor, ...]  # per layer [H, T]
-    logits: torch.Tensor  # [vocab]
+    def __init__(self, cfg: ModelConfig, window: int | None, sink_tokens: int):
+        self.cfg, self.window, self.sink_tokens = cfg, window, sink_tokens
+        self.scale = cfg.head_dim ** -0.5
+
+    def layer_window(self, layer: int) -> int | None:
+        return self.window if self.window is not None else self.cfg.layer_window(layer)
+
+    def step(self, layer: int, probe: LayerProbe, position: int) -> torch.Tensor:
+        """``[H, N]`` over exactly the keys the kernel read (nothing hidden: a key it should not have
+        read shows up against the reference's ``-inf``)."""
+        q_pos = torch.tensor([position])
+        return attention_logits(probe, q_pos, scale=self.scale, mask_by_position=False)[:, 0]
+
+    def rows(self, layer: int, probe: LayerProbe, rows: torch.Tensor) -> torch.Tensor:
+        """``[H, R, T]`` over every key, masked by position (causal, window, sinks)."""
+        return attention_logits(probe, rows, scale=self.scale, window=self.layer_window(layer),
+                                sink_tokens=self.sink_tokens)
 
 
-def compare_step(step: StepTrace, ref: RefRow) -> StepErrors:
+def compare_step(step_layers: tuple[LayerProbe, ...], step_logits: NextToken, position: int, ref: RefRow,
+                 logits_of: LogitsOf) -> StepErrors:
     attn, hidden = [], []
-    for layer, view in enumerate(step.layers):
-        ref_attn = ref.attn_logits[layer][:, view.key_positions]  # [H, N]
-        attn.append(scaled_error(view.attn_logits, ref_attn))
-        if _mask_misses_keys(ref.attn_logits[layer], view.key_positions):
-            attn[-1] = math.inf
-        hidden.append(scaled_error(view.hidden_in, ref.hidden_in[layer]))
-    logits_err = scaled_error(step.logits, ref.logits)
-    abs_diff = (step.logits.double() - ref.logits.double()).abs().max().item()
-    return StepErrors(step.position, tuple(attn), tuple(hidden), logits_err, abs_diff)
+    for layer, probe in enumerate(step_layers):
+        cached = logits_of.step(layer, probe, position)  # [H, N]
+        ref_row = ref.attn_logits[layer]  # [H, T]
+        ref_attn = ref_row[:, probe.key_positions]  # [H, N]
+        err = scaled_error(cached, ref_attn)
+        if _mask_misses_keys(ref_row, probe.key_positions):
+            err = math.inf
+        attn.append(err)
+        mine, theirs = probe.hidden_in, ref.hidden_in[layer]
+        hidden.append(0.0 if mine is None or theirs is None else scaled_error(mine[0], theirs))
+    logits_err, abs_diff = logits_error(step_logits, ref.logits)
+    return StepErrors(position, tuple(attn), tuple(hidden), logits_err, abs_diff)
 
 
 def _mask_misses_keys(ref_row: torch.Tensor, key_positions: torch.Tensor) -> bool:
@@ -95,14 +176,15 @@ def _mask_misses_keys(ref_row: torch.Tensor, key_positions: torch.Tensor) -> boo
     return not bool(torch.isin(visible, key_positions).all())
 
 
-def first_failure(errors: list[StepErrors], tol: Tolerance) -> tuple[int, int] | None:
-    """``(step index, layer)`` of the first diverging attention logits (or input), in decode order."""
+def first_failure(errors: list[StepErrors], tol: Tolerance) -> tuple[int, int | None] | None:
+    """``(step index, layer)`` of the first diverging attention logits (or input), in decode order;
+    the layer is None where only the final logits diverged (the logits tier sees nothing else)."""
     for s, e in enumerate(errors):
         for layer, (a, h) in enumerate(zip(e.attn, e.hidden)):
             if a > tol.attn or h > tol.hidden:
                 return s, layer
         if e.logits > tol.logits:
-            return s, len(e.attn) - 1
+            return s, (len(e.attn) - 1 if e.attn else None)
     return None
 
 

@@ -13,7 +13,6 @@ from typing import Callable
 import torch
 
 from ..adapters.native import NativeAdapter
-from ..engine import Engine
 from ..errors import UsageError
 from ..models.config import Checkpoint
 from ..rope import RopeScaling, RopeSpec, apply_rotation
@@ -142,15 +141,13 @@ class LowPrecisionAngles(RotationPolicy):
         return stored
 
 
-class StaleRotationEngine(Engine):
-    """An engine that keeps rotated keys under dynamic NTK instead of refusing the contract."""
+class StaleDynamicRotation(RotationPolicy):
+    """Keeps rotated keys under dynamic NTK instead of refusing the contract (stale frequencies)."""
 
-    def _allows_stale_rotation(self) -> bool:
-        return True
+    name = "stale-dynamic-scaling"
 
-
-class StaleAdapter(NativeAdapter):
-    engine_class = StaleRotationEngine
+    def check_contract(self, contract) -> None:
+        return None
 
 
 def dynamic_variant(ckpt: Checkpoint, original_max: int = 64, factor: float = 2.0) -> Checkpoint:
@@ -173,7 +170,7 @@ class Fault:
         if self.name == "stale-dynamic-scaling":
             if not checkpoint.config.rope.length_dependent:
                 checkpoint = dynamic_variant(checkpoint)
-            return StaleAdapter(checkpoint, key_form="rotated", dtype=dtype, rotation=RotationPolicy(),
+            return NativeAdapter(checkpoint, key_form="rotated", dtype=dtype, rotation=StaleDynamicRotation(),
                                 name=f"ropekv engine with fault {self.name}")
         return NativeAdapter(checkpoint, key_form=form, dtype=dtype, rotation=self.policy(),
                              name=f"ropekv engine with fault {self.name}")
@@ -200,7 +197,7 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "rotated", "positions past a few hundred; only the float64 reference sees it", LowPrecisionAngles),
     Fault("stale-dynamic-scaling", "stale_dynamic_scaling",
           "rotated keys under dynamic NTK (original length 64, factor 2 unless the model has its own)", "rotated",
-          "decoding past the original length", RotationPolicy),
+          "decoding past the original length", StaleDynamicRotation),
 )}
 
 

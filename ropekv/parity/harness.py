@@ -10,38 +10,46 @@ causal forward is the reference for position ``t``); for dynamic NTK and LongRoP
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any
 
 import torch
 
-from ..adapters.base import CaseRun, EngineAdapter, FullRun
 from ..errors import UsageError
 from ..models.config import Checkpoint
 from ..models.reference import ReferenceDecoder, ReferenceOutput
-from . import forensics  # noqa: F401  (written in parallel)
+from . import forensics
 from .cases import Case, build_matrix, token_stream
-from .compare import (RefRow, StepErrors, Tolerance, compare_step, first_failure, scaled_error, tolerance_for,
-                      worst_entry)
+from .compare import (LogitsOf, NextToken, RefRow, StepErrors, Tolerance, compare_step, first_failure, logits_error,
+                      scaled_error, tolerance_for, worst_entry)
 from .progress import Progress
+from .protocol import CaseRun, EngineAdapter, FullRun, Tier
 from .report import CaseResult, Diagnosis, Divergence, ParityReport
+from .validate import check_adapter, check_case_run, check_full_run, check_ignored
 
 _MAX_FORENSIC_CASES = 6
 _REFERENCE_DTYPES = {"float64": torch.float64, "float32": torch.float32}
+_ENGINE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+                  "float64": torch.float64}
 
 
-def check(engine: EngineAdapter | Checkpoint, *, lengths=None, block_sizes=None, prefix_offsets=None, window=None,
-          sink_tokens: int = 0, chunk=None, decode_steps=None, dtype: str | None = None, reference: str = "float64",
-          key_form: str | None = None, backend: str | None = None, seed: int = 0, cases: list[Case] | None = None,
-          progress: bool = False) -> ParityReport:
+def check(engine: EngineAdapter | Checkpoint, *, lengths: list[int] | None = None,
+          block_sizes: list[int] | None = None, prefix_offsets: list[int] | None = None, window: int | None = None,
+          sink_tokens: int = 0, chunk: int | None = None, decode_steps: int | None = None, dtype: str | None = None,
+          reference: str = "float64", key_form: str | None = None, backend: str | None = None, seed: int = 0,
+          cases: list[Case] | None = None, progress: bool | str = False) -> ParityReport:
     """Run the parity matrix on ``engine`` and return a :class:`ParityReport`.
 
-    ``engine`` is an adapter (see ``ropekv.adapters.base.EngineAdapter``) or a checkpoint, for which
-    ropekv's own engine is used with ``key_form``/``backend``/``dtype``. The other keywords mean what
-    the CLI flags of the same name mean; None means the default matrix.
+    ``engine`` is an adapter (see :class:`ropekv.parity.protocol.EngineAdapter`) or a checkpoint, for
+    which ropekv's own engine is used with ``key_form``/``backend``/``dtype``. The other keywords mean
+    what the CLI flags of the same name mean; None means the default matrix. ``progress``: False, True
+    or ``"bar"`` (a live bar on stderr), ``"lines"`` (one plain line per case, for CI logs).
+    Every adapter result is validated against its case first (AdapterError on a violation).
     """
     adapter = _as_adapter(engine, dtype=dtype, key_form=key_form, backend=backend)
+    tier = check_adapter(adapter)
     if reference not in _REFERENCE_DTYPES:
         raise UsageError(f"reference must be one of {', '.join(_REFERENCE_DTYPES)}, got {reference!r}")
     cfg = adapter.checkpoint.config
@@ -53,60 +61,91 @@ def check(engine: EngineAdapter | Checkpoint, *, lengths=None, block_sizes=None,
         raise UsageError("no parity cases to run")
     started = time.perf_counter()
     tokens = token_stream(cfg.vocab_size, max(c.total for c in cases), seed)
-    refs = _References(adapter, ReferenceDecoder(adapter.checkpoint, dtype=_REFERENCE_DTYPES[reference]), tokens, cases)
+    refs = _References(adapter, tier, ReferenceDecoder(adapter.checkpoint, dtype=_REFERENCE_DTYPES[reference]),
+                       tokens, cases)
     tol_ref = tolerance_for(adapter.dtype, _REFERENCE_DTYPES[reference])
     tol_self = tolerance_for(adapter.dtype, adapter.dtype)
 
     results, failed = [], []
-    with Progress(total=refs.work + sum(c.total for c in cases), enabled=progress) as bar:
+    with Progress(total=refs.work + sum(c.total for c in cases), mode=progress) as bar:
         refs.bar = bar
-        for case in cases:
-            bar.describe(f"case {case.label()}")
+        for n, case in enumerate(cases):
+            bar.describe(f"case {n + 1}/{len(cases)} {case.label()}: cached run")
             t0 = time.perf_counter()
-            run = adapter.run_case(case, tokens)
+            ignored = check_ignored(adapter, case, adapter.ignored(case))
+            run = check_case_run(adapter, tier, cfg, case, adapter.run_case(case, tokens))
             bar.advance(case.total)
             ref_rows = [refs.reference_row(case, s.position) for s in run.steps]
             self_rows = [refs.self_row(case, s.position) for s in run.steps]
-            err_ref = [compare_step(s, r) for s, r in zip(run.steps, ref_rows)]
-            err_self = [compare_step(s, r) for s, r in zip(run.steps, self_rows)]
+            of = LogitsOf(cfg, case.window, case.sink_tokens)
+            err_ref = [compare_step(s.layers, _next(s), s.position, r, of) for s, r in zip(run.steps, ref_rows)]
+            err_self = [compare_step(s.layers, _next(s), s.position, r, of) for s, r in zip(run.steps, self_rows)]
             full_err = max(_rows_error(a, b) for a, b in zip(self_rows, ref_rows))
             fail_ref, fail_self = first_failure(err_ref, tol_ref), first_failure(err_self, tol_self)
             divergence = None
             if fail_ref is not None:
-                divergence = _divergence("reference", fail_ref, run, ref_rows, err_ref, tol_ref)
+                divergence = _divergence("reference", fail_ref, run, ref_rows, err_ref, tol_ref, of)
             elif fail_self is not None:
-                divergence = _divergence("self", fail_self, run, self_rows, err_self, tol_self)
+                divergence = _divergence("self", fail_self, run, self_rows, err_self, tol_self, of)
             result = CaseResult(
                 case=case, passed=fail_ref is None and fail_self is None, reference_passed=fail_ref is None,
                 self_passed=fail_self is None, max_abs_logit_diff=max(e.max_abs_logit_diff for e in err_ref),
                 max_attn_error=_max(err_ref), max_self_attn_error=_max(err_self), first_divergence=divergence,
                 positions=tuple(s.position for s in run.steps),
                 attn_errors=tuple(e.attn for e in err_ref), self_attn_errors=tuple(e.attn for e in err_self),
-                ignored=tuple(adapter.ignored(case)), full_forward_error=full_err,
+                logit_errors=tuple(e.logits for e in err_ref), self_logit_errors=tuple(e.logits for e in err_self),
+                ignored=ignored, notes=run.notes, full_forward_error=full_err,
                 seconds=time.perf_counter() - t0)
             results.append(result)
+            bar.case_done(f"case {n + 1}/{len(cases)} {case.label()}: {'PASS' if result.passed else 'FAIL'} "
+                          f"({result.seconds:.1f} s)")
             if not result.passed and len(failed) < _MAX_FORENSIC_CASES:
                 failed.append((result, run))
         diagnosis = None
-        # Forensics reads phases, and a query at position 1 or 2 has hardly turned (with theta = 1e5
-        # most channel pairs stay put, so a wrong pairing looks like no rotation at all). The failing
-        # case that diverged at the highest position carries the most evidence; the others follow.
-        failed.sort(key=lambda item: -item[0].first_divergence.query_position if item[0].first_divergence else 0)
-        for result, run in failed:
-            bar.describe("forensics")
-            found = _diagnose(adapter, refs, result, run)
-            if diagnosis is None or diagnosis.kind == "unknown":
-                diagnosis = found if diagnosis is None or found.kind != "unknown" else diagnosis
-            if diagnosis.kind != "unknown":
-                break
+        if tier >= Tier.FORENSICS:
+            # Forensics reads phases, and a query at position 1 or 2 has hardly turned (with theta = 1e5
+            # most channel pairs stay put, so a wrong pairing looks like no rotation at all). The failing
+            # case that diverged at the highest position carries the most evidence; the others follow.
+            failed.sort(key=lambda item: -item[0].first_divergence.query_position if item[0].first_divergence else 0)
+            for result, run in failed:
+                bar.describe("forensics")
+                found = _diagnose(adapter, refs, result, run)
+                if diagnosis is None or diagnosis.kind == "unknown":
+                    diagnosis = found if diagnosis is None or found.kind != "unknown" else diagnosis
+                if diagnosis.kind != "unknown":
+                    break
     ckpt = adapter.checkpoint
+    passed = all(r.passed for r in results)
+    from ..models.default import display_name  # local: the default-model module pulls in the GGUF reader
     return ParityReport(
-        passed=all(r.passed for r in results),
-        model={"name": cfg.name, "architecture": cfg.architecture, "fingerprint": ckpt.fingerprint,
-               "source": ckpt.source, "rope": cfg.rope.to_dict(), "rope_fingerprint": cfg.rope.fingerprint()},
-        engine=adapter.describe(), reference=reference,
+        passed=passed,
+        model={"name": display_name(ckpt), "config_name": cfg.name, "architecture": cfg.architecture,
+               "fingerprint": ckpt.fingerprint, "source": ckpt.source, "rope": cfg.rope.to_dict(),
+               "rope_fingerprint": cfg.rope.fingerprint()},
+        engine=adapter.describe(), reference=reference, tier=tier.value, limits=tier_limits(tier, results),
         tolerances={"reference": tol_ref.to_dict(), "self": tol_self.to_dict()},
         cases=tuple(results), diagnosis=diagnosis, seconds=time.perf_counter() - started, seed=seed)
+
+
+def tier_limits(tier: Tier, results: list[CaseResult]) -> str:
+    """What the tier the engine ran at cannot conclude, in one sentence for the report."""
+    failing = [r for r in results if r.first_divergence is not None]
+    if tier == Tier.LOGITS:
+        if not failing:
+            return ("logits tier: next-token logits match; a fault that leaves the logits within tolerance "
+                    "(or shows only in layers the logits hide) is not excluded; layer and bug class not examined")
+        fd = failing[0].first_divergence
+        return (f"logits tier: divergence localized to decode step {fd.step} (position {fd.query_position}) "
+                f"of {failing[0].case.label()}; layer and bug class unknown")
+    if tier == Tier.ATTENTION:
+        return ("attention tier: first divergent layer localized; bug class not named (the adapter does not "
+                "promise the exact query and keys its kernel multiplied)") if failing else \
+            "attention tier: every layer's attention logits match; bug class not examined"
+    return "forensics tier: all conclusions available"
+
+
+def _next(step) -> NextToken:
+    return NextToken(step.logits, step.token_ids)
 
 
 def _as_adapter(engine: Any, *, dtype, key_form, backend) -> EngineAdapter:
@@ -114,13 +153,22 @@ def _as_adapter(engine: Any, *, dtype, key_form, backend) -> EngineAdapter:
         from ..adapters.native import NativeAdapter
 
         return NativeAdapter(engine, key_form=key_form or "rotated", backend=backend, dtype=dtype or "float32")
-    if not isinstance(engine, EngineAdapter):
+    if engine is None or isinstance(engine, (str, bytes)):
         raise UsageError(f"check() needs an engine adapter or a checkpoint, got {type(engine).__name__}")
-    given = {"dtype": dtype, "key_form": key_form, "backend": backend}
-    for name, value in given.items():
-        have = getattr(engine, name if name != "dtype" else "dtype_name", None)
-        if value is not None and have is not None and value != have:
-            raise UsageError(f"{name}={value!r} conflicts with the adapter's {name} {have!r}")
+    check_adapter(engine)
+    name = engine.name
+    if dtype is not None:
+        want = _ENGINE_DTYPES.get(dtype)
+        if want is None:
+            raise UsageError(f"dtype must be one of {', '.join(_ENGINE_DTYPES)}, got {dtype!r}")
+        if want != engine.dtype:
+            raise UsageError(f"dtype={dtype!r}: adapter {name!r} computes in {engine.dtype}; build the adapter in "
+                             f"{dtype} instead (the harness cannot change an engine's dtype)")
+    facts = engine.describe()
+    for option, value in (("key_form", key_form), ("backend", backend)):
+        if value is not None and facts.get(option) != value:
+            raise UsageError(f"{option}={value!r}: adapter {name!r} does not run with it (it reports "
+                             f"{option}={facts.get(option)!r}); {option} selects ropekv's own engine")
     return engine
 
 
@@ -128,19 +176,23 @@ def _rows_error(engine_row: RefRow, ref_row: RefRow) -> float:
     """Cross-engine parity without any cache: the engine's own full forward against the float64
     reference at the same row, worst over layers (attention logits) and the final logits."""
     errs = [scaled_error(a, b) for a, b in zip(engine_row.attn_logits, ref_row.attn_logits)]
-    return max(errs + [scaled_error(engine_row.logits, ref_row.logits)])
+    return max(errs + [logits_error(engine_row.logits, ref_row.logits)[0]])
 
 
-def _max(errors: list[StepErrors]) -> float:
-    return max((max(e.attn) for e in errors), default=0.0)
+def _max(errors: list[StepErrors]) -> float | None:
+    if not any(e.attn for e in errors):
+        return None
+    return max(max(e.attn) for e in errors)
 
 
 class _References:
     """Full forwards (float64 reference and the engine's own), computed once per window and reused."""
 
-    def __init__(self, adapter: EngineAdapter, decoder: ReferenceDecoder, tokens: torch.Tensor, cases: list[Case]):
-        self.adapter, self.decoder, self.tokens = adapter, decoder, tokens
-        self.per_position = adapter.checkpoint.config.rope.length_dependent
+    def __init__(self, adapter: EngineAdapter, tier: Tier, decoder: ReferenceDecoder, tokens: torch.Tensor,
+                 cases: list[Case]):
+        self.adapter, self.tier, self.decoder, self.tokens = adapter, tier, decoder, tokens
+        self.cfg = adapter.checkpoint.config
+        self.per_position = self.cfg.rope.length_dependent
         self.bar = None
         self._rows: dict[tuple, list[int]] = {}
         self._cases: dict[tuple, Case] = {}
@@ -170,19 +222,18 @@ class _References:
             rows = self._rows_for(key)
             n = max(rows) + 1
             if self.bar:
-                self.bar.describe(f"float64 reference over {n} tokens")
+                self.bar.describe(f"float64 reference forward over {n} tokens")
             window = "model" if case.window is None else case.window
             self._ref[key] = self.decoder.forward(self.tokens[:n], probe_rows=rows, window=window,
                                                   sink_tokens=case.sink_tokens)
             if self.bar:
                 self.bar.advance(n)
         out = self._ref[key]
-        return out, int((out.layers[0].rows == t).nonzero()[0, 0])
+        return out, int((out.rows == t).nonzero()[0, 0])
 
     def reference_row(self, case: Case, t: int) -> RefRow:
         out, i = self.reference_output(case, t)
-        return RefRow(hidden_in=tuple(l.hidden_in[i] for l in out.layers),
-                      attn_logits=tuple(l.attn_logits[:, i] for l in out.layers), logits=out.logits[t])
+        return _row(out.layers, out.rows, i, NextToken(out.logits[t]), case, self.cfg)
 
     def self_row(self, case: Case, t: int) -> RefRow:
         key = self._key(case, t)
@@ -191,42 +242,77 @@ class _References:
             n = max(rows) + 1
             if self.bar:
                 self.bar.describe(f"engine full forward over {n} tokens")
-            self._self[key] = self.adapter.full_forward(self.tokens[:n], rows, self._cases[self._group(case)])
+            group_case = self._cases[self._group(case)]
+            run = self.adapter.full_forward(self.tokens[:n], rows, group_case)
+            self._self[key] = check_full_run(self.adapter, self.tier, self.cfg, group_case, rows, n, run)
             if self.bar:
                 self.bar.advance(n)
         run = self._self[key]
         i = int((run.rows == t).nonzero()[0, 0])
-        return RefRow(hidden_in=tuple(h[i] for h in run.hidden_in),
-                      attn_logits=tuple(a[:, i] for a in run.attn_logits), logits=run.logits[i])
+        ids = None if run.token_ids is None else run.token_ids[i]
+        layers = run.layers if self.tier >= Tier.ATTENTION else ()
+        return _row(layers, run.rows, i, NextToken(run.logits[i], ids), case, self.cfg)
 
 
-def _divergence(against: str, where: tuple[int, int], run: CaseRun, rows: list[RefRow], errors: list[StepErrors],
-                tol: Tolerance) -> Divergence:
+def _row(layers, rows: torch.Tensor, i: int, logits: NextToken, case: Case, cfg) -> RefRow:
+    """Row ``i`` of probed layers: per layer its input and attention logits ``[H, T]``."""
+    of = LogitsOf(cfg, case.window, case.sink_tokens)
+    r = rows[i: i + 1]
+    hidden = tuple(None if p.hidden_in is None else p.hidden_in[i] for p in layers)
+    attn = tuple(_dense(of.rows(layer, _at(p, i), r)[:, 0], p.key_positions) for layer, p in enumerate(layers))
+    return RefRow(hidden_in=hidden, attn_logits=attn, logits=logits)
+
+
+def _at(p, i: int):
+    """The probe restricted to query row ``i`` (keys unchanged)."""
+    return dataclasses.replace(p, q=p.q[i: i + 1], hidden_in=None if p.hidden_in is None else p.hidden_in[i: i + 1],
+                               q_raw=None if p.q_raw is None else p.q_raw[i: i + 1])
+
+
+def _dense(scores: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
+    """``[H, N]`` scores at ``key_positions`` as ``[H, T]`` indexed by position (-inf where no key)."""
+    T = int(key_positions.max()) + 1
+    out = torch.full((scores.shape[0], T), float("-inf"), dtype=scores.dtype)
+    out[:, key_positions] = scores
+    return out
+
+
+def _divergence(against: str, where: tuple[int, int | None], run: CaseRun, rows: list[RefRow],
+                errors: list[StepErrors], tol: Tolerance, of: LogitsOf) -> Divergence:
     s, layer = where
-    view = run.steps[s].layers[layer]
-    ref_attn = rows[s].attn_logits[layer][:, view.key_positions]
-    head, k, cached, refv = worst_entry(view.attn_logits, ref_attn)
+    step = run.steps[s]
+    if layer is None:  # logits tier: only the final logits are known
+        return Divergence(against=against, step=s, query_position=step.position, layer=None, head=None,
+                          key_position=None, key_slot=None, reference_logit=None, cached_logit=None,
+                          attn_error=None, input_error=None, input_matched=None,
+                          logits_error=errors[s].logits)
+    probe = step.layers[layer]
+    cached_attn = of.step(layer, probe, step.position)
+    ref_attn = rows[s].attn_logits[layer][:, probe.key_positions]
+    head, k, cached, refv = worst_entry(cached_attn, ref_attn)
     input_err = errors[s].hidden[layer]
-    return Divergence(against=against, step=s, query_position=run.steps[s].position, layer=layer, head=head,
-                      key_position=int(view.key_positions[k]), key_slot=int(view.key_slots[k]),
+    slot = -1 if probe.key_slots is None else int(probe.key_slots[k])
+    return Divergence(against=against, step=s, query_position=step.position, layer=layer, head=head,
+                      key_position=int(probe.key_positions[k]), key_slot=slot,
                       reference_logit=refv, cached_logit=cached, attn_error=errors[s].attn[layer],
-                      input_error=input_err, input_matched=input_err <= tol.hidden)
+                      input_error=input_err, input_matched=input_err <= tol.hidden, logits_error=errors[s].logits)
 
 
 def _diagnose(adapter: EngineAdapter, refs: _References, result: CaseResult, run: CaseRun) -> Diagnosis:
     fd = result.first_divergence
     if fd is None:
         return Diagnosis("unknown", "the final logits diverged but no layer's attention did")
+    if fd.layer is None:
+        return Diagnosis("unknown", "only the final logits diverged; no layer's attention did")
     view = run.steps[fd.step].layers[fd.layer]
-    if view.q_eff is None or view.k_eff is None:
-        return Diagnosis("unknown", f"{adapter.name} does not expose the query and keys its kernel used")
     out, i = refs.reference_output(result.case, fd.query_position)
     probe = out.layers[fd.layer]
     case = result.case
+    slots = view.key_slots if view.key_slots is not None else torch.full_like(view.key_positions, -1)
     inp = forensics.ForensicInput(
-        rope=adapter.checkpoint.config.rope, q_raw=probe.q_raw[i], q_eff=view.q_eff,
-        k_raw=probe.k_raw[view.key_positions], k_eff=view.k_eff, query_position=fd.query_position,
-        key_positions=view.key_positions, key_slots=view.key_slots, fork_offset=case.prefix,
+        rope=adapter.checkpoint.config.rope, q_raw=probe.q_raw[i], q_eff=view.q[0],
+        k_raw=probe.k_raw[view.key_positions], k_eff=view.k, query_position=fd.query_position,
+        key_positions=view.key_positions, key_slots=slots, fork_offset=case.prefix,
         # Even where the adapter ignores block sizes, the case's block size is the hypothesis to test:
         # an engine with its own blocks may still rotate keys by their offset inside one.
         block_size=case.block_size,

@@ -10,7 +10,7 @@ from typing import Any
 from .cases import Case
 
 REPORT_FORMAT = "ropekv.parity-report"
-REPORT_VERSION = 1
+REPORT_VERSION = 2  # 2: tier, limits, provenance, logit_errors, notes; nullable layer fields
 
 
 @dataclass(frozen=True)
@@ -20,21 +20,31 @@ class Divergence:
     against: str  # "reference" (float64 decoder) or "self" (the engine's own full forward)
     step: int  # decode step index
     query_position: int
-    layer: int
-    head: int
-    key_position: int
-    key_slot: int
-    reference_logit: float
-    cached_logit: float
-    attn_error: float  # scale-aware error of the layer's attention logits
-    input_error: float  # scale-aware error of the layer's input hidden state
-    input_matched: bool
+    layer: int | None  # None at the logits tier: only the final logits are known
+    head: int | None
+    key_position: int | None
+    key_slot: int | None
+    reference_logit: float | None
+    cached_logit: float | None
+    attn_error: float | None  # scale-aware error of the layer's attention logits
+    input_error: float | None  # scale-aware error of the layer's input hidden state
+    input_matched: bool | None
+    logits_error: float = 0.0  # scale-aware error of the step's next-token logits
 
     def describe(self) -> str:
+        if self.layer is None:
+            return (f"vs {self.against}: decode step {self.step} (query position {self.query_position}): next-token "
+                    f"logits error {self.logits_error:.3g} (logits tier: no layer information)")
         where = "input matched" if self.input_matched else "input already differed"
         return (f"vs {self.against}: decode step {self.step} (query position {self.query_position}), layer "
                 f"{self.layer} ({where}), head {self.head}, key position {self.key_position} (slot {self.key_slot}): "
                 f"reference {self.reference_logit:.4g}, cached {self.cached_logit:.4g}")
+
+    def short(self) -> str:
+        if self.layer is None:
+            return f"{self.against}: step {self.step} pos {self.query_position} (logits)"
+        return (f"{self.against}: step {self.step} pos {self.query_position} layer {self.layer} "
+                f"head {self.head} key {self.key_position} (slot {self.key_slot})")
 
 
 @dataclass(frozen=True)
@@ -51,13 +61,16 @@ class CaseResult:
     reference_passed: bool
     self_passed: bool
     max_abs_logit_diff: float  # final logits against the reference
-    max_attn_error: float  # worst attention-logit error against the reference
-    max_self_attn_error: float
+    max_attn_error: float | None  # worst attention-logit error against the reference (None: logits tier)
+    max_self_attn_error: float | None
     first_divergence: Divergence | None
     positions: tuple[int, ...]  # decode positions
-    attn_errors: tuple[tuple[float, ...], ...]  # [step][layer] against the reference
+    attn_errors: tuple[tuple[float, ...], ...]  # [step][layer] against the reference (empty rows: logits tier)
     self_attn_errors: tuple[tuple[float, ...], ...]  # [step][layer] against the engine itself
+    logit_errors: tuple[float, ...] = ()  # [step] next-token logits against the reference
+    self_logit_errors: tuple[float, ...] = ()  # [step] against the engine's own full forward
     ignored: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()  # engine facts (prefix-cache hits, ...)
     full_forward_error: float = 0.0  # the engine's cache-free forward vs the float64 reference (no cache)
     seconds: float = 0.0
 
@@ -76,7 +89,10 @@ class CaseResult:
             "positions": list(self.positions),
             "attn_errors": [[_num(x) for x in row] for row in self.attn_errors],
             "self_attn_errors": [[_num(x) for x in row] for row in self.self_attn_errors],
+            "logit_errors": [_num(x) for x in self.logit_errors],
+            "self_logit_errors": [_num(x) for x in self.self_logit_errors],
             "ignored": list(self.ignored),
+            "notes": list(self.notes),
             "full_forward_error": _num(self.full_forward_error),
             "seconds": round(self.seconds, 3),
         }
@@ -93,6 +109,9 @@ class ParityReport:
     diagnosis: Diagnosis | None
     seconds: float
     seed: int = 0
+    tier: str = "forensics"  # the tier the engine ran at (ropekv.parity.protocol.Tier)
+    limits: str = ""  # what that tier cannot conclude
+    provenance: dict[str, Any] = field(default_factory=dict)  # versions, machine, call, time (see provenance())
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -101,6 +120,8 @@ class ParityReport:
             "passed": self.passed,
             "model": self.model,
             "engine": self.engine,
+            "tier": self.tier,
+            "limits": self.limits,
             "reference": self.reference,
             "tolerances": self.tolerances,
             "seed": self.seed,
@@ -108,6 +129,7 @@ class ParityReport:
             "cases": [c.to_dict() for c in self.cases],
             "diagnosis": None if self.diagnosis is None else {
                 "kind": self.diagnosis.kind, "evidence": self.diagnosis.evidence, "details": self.diagnosis.details},
+            "provenance": self.provenance,
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -119,27 +141,36 @@ class ParityReport:
         lines = [header, "-" * len(header)]
         for r in self.cases:
             fd = r.first_divergence
-            where = "-" if fd is None else (f"{fd.against}: step {fd.step} pos {fd.query_position} layer {fd.layer} "
-                                            f"head {fd.head} key {fd.key_position} (slot {fd.key_slot})")
+            where = "-" if fd is None else fd.short()
             lines.append(f"{r.case.label():<34} {'PASS' if r.passed else 'FAIL':<7} {r.max_abs_logit_diff:>11.2e} "
-                         f"{r.max_attn_error:>9.2e} {r.max_self_attn_error:>9.2e}  {where}")
+                         f"{_fmt(r.max_attn_error):>9} {_fmt(r.max_self_attn_error):>9}  {where}")
             if r.ignored:
                 lines.append(f"{'':<34} note: ignored for this engine: {', '.join(r.ignored)}")
+            for note in r.notes:
+                lines.append(f"{'':<34} note: {note}")
         n_fail = sum(not r.passed for r in self.cases)
         worst_full = max(r.full_forward_error for r in self.cases)
         lines.append("")
         lines.append(f"cross-engine: the engine's full forward (no cache) vs the float64 reference: worst error "
                      f"{worst_full:.2e} (tolerance {self.tolerances['reference']['attn_logits']:g})")
+        if self.limits:
+            lines.append(self.limits)
         if self.passed:
             lines.append(f"parity holds in all {len(self.cases)} cases ({self.seconds:.1f} s)")
         else:
             lines.append(f"parity FAILS in {n_fail} of {len(self.cases)} cases ({self.seconds:.1f} s)")
             first = next(r for r in self.cases if not r.passed)
             if first.first_divergence is not None:
-                lines.append("first divergence " + first.first_divergence.describe())
+                lines.append(f"first divergence in {first.case.label()} " + first.first_divergence.describe())
         if self.diagnosis is not None:
-            lines.append(f"diagnosis: {self.diagnosis.kind}: {self.diagnosis.evidence}")
+            source = self.diagnosis.details.get("case")
+            lines.append(f"diagnosis: {self.diagnosis.kind}{f' (from case {source})' if source else ''}: "
+                         f"{self.diagnosis.evidence}")
         return "\n".join(lines)
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2e}"
 
 
 def _num(x: Any) -> Any:

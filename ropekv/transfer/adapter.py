@@ -18,7 +18,7 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-from ..adapters.base import CaseRun, FullRun
+from ..parity.protocol import CaseRun, FullRun, Tier
 from ..adapters.native import NativeAdapter, decode_steps, prefill_case
 from ..contract import CacheContract
 from ..engine import Engine
@@ -79,6 +79,8 @@ class TransferFacts:
 
 class HandoffAdapter:
     """Prefill on one :class:`Engine`, hand off through payload bytes, decode on another."""
+
+    tier = Tier.FORENSICS
 
     def __init__(self, checkpoint: Checkpoint, *, prefill_key_form: str = "rotated",
                  decode_key_form: str | None = None, convert: str = "never", dtype: str = "float32",

@@ -1,0 +1,41 @@
+"""An attention-tier adapter: the logits-tier one plus what its attention kernel multiplied."""
+import dataclasses
+
+import torch
+from logits_tier import MyEngine
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from ropekv.parity.protocol import Tier
+from ropekv.parity.recorder import AttentionRecorder
+
+
+class MyAttentionEngine(MyEngine):
+    tier = Tier.ATTENTION  # ropekv now names the first divergent layer
+
+    def __init__(self, model, name="my-engine"):
+        super().__init__(model, name)
+        self.recorder = AttentionRecorder(model.config.num_hidden_layers)
+        name = f"recorded_{id(self)}"  # one name per engine; the mask builder must be registered too, or a
+        AttentionInterface.register(name, self.attention)  # chunked prefill gets sdpa's top-left causal mask
+        AttentionMaskInterface.register(name, sdpa_mask)
+        model.set_attn_implementation(name)
+
+    def attention(self, module, query, key, value, mask, **kwargs):
+        # query [1, H, n, D], key [1, KVH, N, D]: exactly what the kernel gets (after RoPE and the cache
+        # update). This engine's DynamicCache holds every key of the sequence, positions 0..N-1 in order.
+        q, k = query[0].transpose(0, 1), key[0].transpose(0, 1)  # [n, H, D], [N, KVH, D]
+        self.recorder.record(module.layer_idx, q=q, k=k, key_positions=torch.arange(k.shape[0]))
+        return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
+
+    def decode(self, token, t, cache):
+        self.recorder.clear()
+        step = super().decode(token, t, cache)
+        return dataclasses.replace(step, layers=self.recorder.take())
+
+    def full_forward(self, tokens, rows, case):
+        self.recorder.clear()
+        run = super().full_forward(tokens, rows, case)
+        layers = tuple(dataclasses.replace(p, q=p.q[rows]) for p in self.recorder.take())  # q at the rows
+        return dataclasses.replace(run, layers=layers)
