@@ -93,10 +93,14 @@ class ReferenceDecoder:
             k_rot = cfg.rope.rotate(k, positions, seq_len=T)  # [T, KVH, D]
 
             attn = torch.empty(T, cfg.num_heads, cfg.head_dim, dtype=self.dtype)
-            for start in range(0, T, _QUERY_BLOCK):
-                block = slice(start, start + _QUERY_BLOCK)
-                scores = self._attn_logits(q_rot[block], positions[block], k_rot, windows[layer], sink_tokens)
-                attn[block] = self._attend(scores, v)
+            kv_head = torch.arange(cfg.num_heads) // (cfg.num_heads // cfg.num_kv_heads)  # [H]
+            k_heads, v_heads = k_rot[:, kv_head], v[:, kv_head]  # [T, H, D]: query head h reads KV head kv_head[h]
+            block = self._query_block(T)
+            for start in range(0, T, block):
+                stop = min(T, start + block)  # causal: no query of the block sees a key at or past `stop`
+                scores = self._attn_logits(q_rot[start:stop], positions[start:stop], k_heads[:stop],
+                                           windows[layer], sink_tokens)
+                attn[start:stop] = self._attend(scores, v_heads[:stop])
             x = x + self._linear(attn.reshape(T, -1), p + "self_attn.o_proj")
 
             h = self._rms_norm(x, p + "post_attention_layernorm.weight")
@@ -132,23 +136,24 @@ class ReferenceDecoder:
         variance = x.pow(2).mean(-1, keepdim=True)
         return x * torch.rsqrt(variance + self.config.rms_norm_eps) * self._w[weight_name]
 
-    def _attn_logits(
-        self, q_rot: torch.Tensor, rows: torch.Tensor, k_rot: torch.Tensor, window: int | None, sinks: int
-    ) -> torch.Tensor:
-        """Scaled, masked scores ``[H, R, T]`` of queries ``q_rot [R, H, D]`` at ``rows`` against
-        every key ``k_rot [T, KVH, D]``."""
-        cfg = self.config
-        kv_head = torch.arange(cfg.num_heads) // (cfg.num_heads // cfg.num_kv_heads)  # [H]
-        k_per_head = k_rot[:, kv_head]  # [T, H, D]
-        scores = torch.einsum("rhd,thd->hrt", q_rot, k_per_head) * cfg.head_dim**-0.5
-        return scores.masked_fill(~visible(rows, k_rot.shape[0], window, sinks), float("-inf"))
+    def _query_block(self, num_keys: int) -> int:
+        """Queries per attention block: their ``[H, block, T]`` scores stay near 16 MiB, so a long
+        context never holds scores for every query at once and each block's temporaries are reused
+        (large fresh tensors are mapped and faulted in afresh on every allocation)."""
+        per_query = self.config.num_heads * num_keys * torch.finfo(self.dtype).bits // 8
+        return max(1, min(_QUERY_BLOCK, (16 << 20) // per_query))
 
-    def _attend(self, scores: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Softmax ``scores [H, R, T]`` over keys and mix ``v [T, KVH, D]`` -> ``[R, H, D]``."""
-        cfg = self.config
-        kv_head = torch.arange(cfg.num_heads) // (cfg.num_heads // cfg.num_kv_heads)
-        probs = torch.softmax(scores, dim=-1)
-        return torch.einsum("hrt,thd->rhd", probs, v[:, kv_head])
+    def _attn_logits(
+        self, q_rot: torch.Tensor, rows: torch.Tensor, k_heads: torch.Tensor, window: int | None, sinks: int
+    ) -> torch.Tensor:
+        """Scaled, masked scores ``[H, R, T]`` of queries ``q_rot [R, H, D]`` at ``rows`` against the
+        keys ``k_heads [T, H, D]`` at positions ``0..T-1`` (already repeated per query head)."""
+        scores = torch.einsum("rhd,thd->hrt", q_rot, k_heads) * self.config.head_dim**-0.5
+        return scores.masked_fill(~visible(rows, k_heads.shape[0], window, sinks), float("-inf"))
+
+    def _attend(self, scores: torch.Tensor, v_heads: torch.Tensor) -> torch.Tensor:
+        """Softmax ``scores [H, R, T]`` over keys and mix ``v_heads [T, H, D]`` -> ``[R, H, D]``."""
+        return torch.einsum("hrt,thd->rhd", torch.softmax(scores, dim=-1), v_heads)
 
     # ------------------------------------------------------------------ argument checks
 
