@@ -42,7 +42,8 @@ class Engine:
 
     def __init__(self, checkpoint: Checkpoint, contract: CacheContract, num_blocks: int = 1024, *,
                  backend: str | Backend | None = None, rotation: RotationPolicy | None = None,
-                 device: str | torch.device = "cpu", weights: DecoderWeights | None = None):
+                 device: str | torch.device = "cpu", weights: DecoderWeights | None = None,
+                 compile_rotation: bool = False):
         cfg = checkpoint.config
         self.checkpoint = checkpoint
         self.config = cfg
@@ -63,7 +64,10 @@ class Engine:
         self._join_buffers: list[torch.Tensor | None] = [None, None]  # keys, values; see _joined
         self._key_scratch: torch.Tensor | None = None  # keys a rotating backend turns; see _scratch
         work = torch.float64 if self.dtype == torch.float64 else torch.float32
-        self._rope_tables = RopeTables(contract.rope, work, self.device)  # cos/sin rows, see _step_tables
+        # cos/sin rows, see _step_tables; compile_rotation: a rotating backend turns keys in one
+        # torch.compile'd pass (tests/test_bench.py holds it to the eager step within float32 rounding)
+        self._rope_tables = RopeTables(contract.rope, work, self.device,
+                                       compile_keys=compile_rotation and self.backend.rotates)
 
     # ------------------------------------------------------------------ public API
 

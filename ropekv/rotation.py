@@ -15,6 +15,7 @@ across steps or kept in module state.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -29,14 +30,17 @@ class RopeTable:
 
     rope: RopeSpec
     positions: torch.Tensor  # [T] int64
-    cos: torch.Tensor  # [T, heads, rotary_dim / 2], rope.cos_sin rows cast to the working dtype
+    cos: torch.Tensor  # [T, heads or 1, rotary_dim / 2], rope.cos_sin rows cast to the working dtype
     sin: torch.Tensor
+    kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # compiled neox_rotate
+    heads: int = 0  # the KV heads a key table serves (0: a query table)
 
     def serves(self, rope: RopeSpec, positions: torch.Tensor, x: torch.Tensor) -> bool:
         """Whether this table is ``rope.cos_sin(positions)`` for ``x [T, heads, D]`` (the engine hands
         every layer the very ``positions`` tensor it built the table from)."""
         return (positions is self.positions and (rope is self.rope or rope == self.rope) and x.dim() == 3
                 and x.shape[0] == self.cos.shape[0] and self.cos.shape[1] in (x.shape[1], 1)
+                and self.heads in (0, x.shape[1])
                 and (x.dtype == self.cos.dtype or x.dtype in (torch.bfloat16, torch.float16)))
 
     def rotate(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -50,6 +54,8 @@ class RopeTable:
             return result if out is None else out.copy_(result)
         if x.dtype != work:
             x = x.to(work)
+        if self.kernel is not None:  # one fused pass (torch.compile); ``out`` would only add a copy
+            return self.kernel(x, self.cos, self.sin)
         if out is None:
             out = torch.empty(x.shape, dtype=work, device=x.device)
         a, b = x[..., :n], x[..., n:]
@@ -67,9 +73,12 @@ class RopeTables:
 
     MAX_POSITIONS = 1 << 20  # beyond this (a buggy position), no table: the policy falls back
 
-    def __init__(self, rope: RopeSpec, dtype: torch.dtype, device: torch.device):
+    def __init__(self, rope: RopeSpec, dtype: torch.dtype, device: torch.device, *, compile_keys: bool = False):
         self.rope, self.dtype, self.device = rope, dtype, device
         self._cos = self._sin = torch.empty(0, rope.rotary_dim // 2, dtype=dtype, device=device)
+        # Key tables rotate with one compiled pass (read keys, write rotated keys) instead of four eager
+        # ones: the eager passes dominate a rotate-on-read step at long contexts.
+        self._kernel = torch.compile(neox_rotate, dynamic=True) if compile_keys else None
 
     def table(self, positions: torch.Tensor, heads: int = 1) -> RopeTable | None:
         """The rows of ``positions [T]`` expanded to ``heads``, or None when a table cannot serve them
@@ -86,10 +95,21 @@ class RopeTables:
             self._cos = cos.to(device=self.device, dtype=self.dtype)
             self._sin = sin.to(device=self.device, dtype=self.dtype)
         index = positions.to(self.device)
-        shape = (positions.numel(), heads, self._cos.shape[1])
-        cos = self._cos.index_select(0, index)[:, None].expand(shape).contiguous()
-        sin = self._sin.index_select(0, index)[:, None].expand(shape).contiguous()
-        return RopeTable(self.rope, positions, cos, sin)
+        cos, sin = self._cos.index_select(0, index)[:, None], self._sin.index_select(0, index)[:, None]
+        kernel = self._kernel if heads > 1 else None
+        if heads > 1 and kernel is None:  # eager passes run faster on plain contiguous operands
+            shape = (positions.numel(), heads, self._cos.shape[1])
+            cos, sin = cos.expand(shape).contiguous(), sin.expand(shape).contiguous()
+        return RopeTable(self.rope, positions, cos, sin, kernel, heads if heads > 1 else 0)
+
+
+def neox_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Full-width neox rotation of ``x [T, heads, 2n]`` by ``cos/sin [T, 1 or heads, n]`` (the same
+    products, differences and sums as :func:`~ropekv.rope.apply_rotation`); what ``torch.compile``
+    fuses into one pass for the key tables."""
+    n = cos.shape[-1]
+    a, b = x[..., :n], x[..., n:]
+    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
 
 
 @dataclass(frozen=True)
@@ -160,7 +180,7 @@ class RotationPolicy:
         if table is None:
             return rope.rotate(work, rotation_index, ctx.seq_len)
         out = ctx.key_scratch  # for the layer's keys (a table expanded to the KV heads), not a step's new key
-        fits = (out is not None and table.cos.shape[1] == stored.shape[1] > 1 and out.shape[0] >= stored.shape[0]
+        fits = (out is not None and table.heads == stored.shape[1] > 1 and out.shape[0] >= stored.shape[0]
                 and out.shape[1:] == stored.shape[1:] and out.dtype == table.cos.dtype)
         return table.rotate(stored, out[: stored.shape[0]] if fits else None)
 

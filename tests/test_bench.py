@@ -269,3 +269,21 @@ def test_unprobed_decode_reads_like_the_probed_one(tiny_llama_dir, key_form, win
     if window is None:
         full = fast.forward_full(tokens[:30]).logits[-1]
         torch.testing.assert_close(a[-1], full, rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_rotation_keeps_the_eager_step(tiny_llama_dir) -> None:
+    """``compile_rotation`` (one torch.compile'd pass over the keys a rotate-on-read step turns) must
+    give the eager step's logits within float32 rounding, at contexts past one compiled shape."""
+    from ropekv.engine import Engine
+    from ropekv.models import load_checkpoint
+
+    ckpt = load_checkpoint(tiny_llama_dir)
+    contract = CacheContract.for_model(ckpt.config, key_form="raw", block_size=4, dtype="float32",
+                                       model_fingerprint=ckpt.fingerprint)
+    tokens = torch.randint(0, ckpt.config.vocab_size, (40,), generator=torch.Generator().manual_seed(7))
+    eager, compiled = Engine(ckpt, contract, 16), Engine(ckpt, contract, 16, compile_rotation=True)
+    for engine in (eager, compiled):
+        engine.prefill("s", tokens[:30])
+    for t in range(30, 40):
+        torch.testing.assert_close(compiled.decode("s", int(tokens[t])).logits,
+                                   eager.decode("s", int(tokens[t])).logits, rtol=1e-5, atol=1e-5)

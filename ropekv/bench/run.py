@@ -77,13 +77,14 @@ class BenchSettings:
     handoff_tokens: int = 4096
     handoff_repeats: int = 3
     naive_sweep: bool = True
+    compile_rotation: bool = False  # rotate_on_read turns keys with one torch.compile'd pass
     sweep_max_tokens: int | None = None  # None: the whole default matrix; else its cases up to this many tokens
 
     @classmethod
     def for_run(cls, model: str | None, *, quick: bool, threads: int | None = None,
                 contexts: list[int] | None = None, steps: int | None = None,
-                bandwidth_mib: int | None = None) -> "BenchSettings":
-        s = cls(model=model, quick=quick)
+                bandwidth_mib: int | None = None, compile_rotation: bool = False) -> "BenchSettings":
+        s = cls(model=model, quick=quick, compile_rotation=compile_rotation)
         if quick:
             s.contexts = [128, 1024]
             s.warmup, s.steps = 1, 4
@@ -142,7 +143,7 @@ def run_bench(settings: BenchSettings, progress: Callable[[str], None] | None = 
     for key_form, backend in BACKENDS.items():
         weights = drivers["rotated"].keep[0].weights if drivers else None  # one copy of the weights
         drivers[backend] = ropekv_driver(checkpoint, key_form, tokens, max_tokens, dtype=settings.dtype,
-                                         weights=weights)
+                                         weights=weights, compile_rotation=settings.compile_rotation)
     hf_dir, why_not = _transformers_dir(settings.model)
     if hf_dir is not None:
         drivers["transformers"] = transformers_driver(load_transformers_model(hf_dir, getattr(torch, settings.dtype)),
@@ -422,7 +423,9 @@ def _goal_context(name: str, context: int | None, doc: dict[str, Any]) -> str:
     """Where a goal's figure comes from, in the words of the table above it."""
     if context is not None:
         wanted = GOALS[name][2]
-        return f"context {context}" + ("" if context == wanted else f" (the goal names {wanted})")
+        compiled = ", compiled rotation" if name.startswith("rotate_on_read") and doc["settings"].get(
+            "compile_rotation") else ""
+        return f"context {context}" + ("" if context == wanted else f" (the goal names {wanted})") + compiled
     if name == "handoff_over_bare_sendrecv":
         return f"{doc['handoff']['tokens']} tokens, 2 local ranks"
     if name == "cache_bytes_over_ideal":
