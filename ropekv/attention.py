@@ -82,12 +82,14 @@ _BLOCK_BYTES = 32 << 20  # logits of one query block; below glibc's mmap thresho
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
+           scale: float | None = None, softcap: float | None = None,
            with_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scaled dot-product attention with grouped KV heads, computed in float32 or wider.
 
     q ``[n, H, D]`` (rotated), k ``[N, KVH, D]`` (as the kernel uses them), v ``[N, KVH, D]``,
     mask ``[n, N]``, or None when every key is visible to every query (a decode step without a
-    window: it saves two passes over the logits per layer). Returns ``(out [n, H, D] in q's dtype,
+    window: it saves two passes over the logits per layer). ``scale`` defaults to ``D**-0.5``;
+    ``softcap`` caps the scores as ``softcap * tanh(s / softcap)``. Returns ``(out [n, H, D] in q's dtype,
     logits [H, n, N] pre-softmax, masked -inf)``; the logits are None unless ``with_logits``.
 
     Without logits the queries go in blocks whose ``[H, rows, N]`` scores stay under 32 MiB, and each
@@ -98,7 +100,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     n, num_heads, _ = q.shape
     rows = n if with_logits else max(1, _BLOCK_BYTES // (num_heads * k.shape[0] * 4))
     if rows >= n:
-        return _attend_block(q, k, v, mask)
+        return _attend_block(q, k, v, mask, scale, softcap)
     out = torch.empty_like(q)
     for start in range(0, n, rows):
         stop = min(n, start + rows)
@@ -108,11 +110,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
             seen = torch.nonzero(block_mask.any(dim=0))
             keys = int(seen[-1]) + 1 if seen.numel() else 1
             block_mask = block_mask[:, :keys]
-        out[start:stop] = _attend_block(q[start:stop], k[:keys], v[:keys], block_mask)[0]
+        out[start:stop] = _attend_block(q[start:stop], k[:keys], v[:keys], block_mask, scale, softcap)[0]
     return out, None
 
 
-def attend_segments(q: torch.Tensor, keys: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...]) -> torch.Tensor:
+def attend_segments(q: torch.Tensor, keys: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...], *,
+                    scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
     """:func:`attend` of queries that see every key (a decode step without a window), with the keys
     and values given as segments along the key axis (``keys[s]``/``values[s]``: ``[N_s, KVH, D]``,
     e.g. the cached tokens as views of the pool, then the step's new ones). Returns ``out [n, H, D]``.
@@ -127,7 +130,9 @@ def attend_segments(q: torch.Tensor, keys: tuple[torch.Tensor, ...], values: tup
     group = num_heads // num_kv
     qw = q.to(work).reshape(n, num_kv, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv, group * n, head_dim)
     scores = [torch.bmm(qw, k.to(work).permute(1, 2, 0)) for k in keys]  # [KVH, G * n, N_s] each
-    logits = torch.cat(scores, dim=-1).mul_(1.0 / math.sqrt(head_dim))  # [KVH, G * n, N]
+    logits = torch.cat(scores, dim=-1).mul_(1.0 / math.sqrt(head_dim) if scale is None else scale)  # [KVH, G*n, N]
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap).mul_(softcap)
     probs = torch.softmax(logits, dim=-1)
     out, start = None, 0
     for v in values:
@@ -137,8 +142,8 @@ def attend_segments(q: torch.Tensor, keys: tuple[torch.Tensor, ...], values: tup
     return out.view(num_kv, group, n, head_dim).permute(2, 0, 1, 3).reshape(n, num_heads, head_dim).to(q.dtype)
 
 
-def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                  scale: float | None, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attend` of one block of queries, logits included."""
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     n, num_heads, head_dim = q.shape
@@ -149,7 +154,10 @@ def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # made torch.matmul expand K and V G times and copy them, which dominated long-context decode.
     qw = q.to(work).reshape(n, num_kv, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv, group * n, head_dim)
     kw = k.to(work).permute(1, 2, 0)  # [KVH, D, N]
-    logits = torch.bmm(qw, kw).mul_(1.0 / math.sqrt(head_dim)).view(num_kv, group, n, num_keys)  # [KVH, G, n, N]
+    factor = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    logits = torch.bmm(qw, kw).mul_(factor).view(num_kv, group, n, num_keys)  # [KVH, G, n, N]
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap).mul_(softcap)
     if mask is not None:
         logits.masked_fill_(~mask, float("-inf"))
     probs = torch.softmax(logits, dim=-1).view(num_kv, group * n, num_keys)

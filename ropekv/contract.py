@@ -71,6 +71,7 @@ _CONSEQUENCES: dict[str, str] = {
     "num_kv_heads": "head counts differ: tensors would not fit, or one head's keys would be read as another's",
     "head_dim": "head sizes differ: tensors would not fit, channels would be misread",
     "model_fingerprint": "keys come from another model: attention would read keys this model never produced",
+    "layer_ropes": "some layers would turn their keys with another RoPE spec, or with none (NoPE)",
 }
 
 
@@ -98,9 +99,16 @@ def consequence(diff: FieldDiff) -> str:
     """What goes wrong if ``diff`` is ignored; ``theirs`` wrote the keys, ``ours`` reads them."""
     if diff.field == "key_form":
         return key_form_consequence(stored=diff.theirs, reader=diff.ours)
-    if diff.field.startswith("rope.scaling."):
+    field = diff.field
+    if field.startswith("layers."):  # layers.{i}.rope...: the same consequence, on that layer
+        layer, _, field = field[len("layers."):].partition(".")
+        if field == "rope":
+            return (f"layer {layer} has no position embedding (NoPE) on one side and turns its keys on the "
+                    "other: its keys would be rotated where they must not be, or never rotated")
+        return f"on layer {layer}: " + consequence(FieldDiff(field, diff.ours, diff.theirs))
+    if field.startswith("rope.scaling."):
         return _CONSEQUENCES["rope.scaling"]
-    return _CONSEQUENCES[diff.field]
+    return _CONSEQUENCES[field]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,6 +129,12 @@ class CacheContract:
     - ``block_size``, ``dtype``, ``num_layers``, ``num_kv_heads``, ``head_dim``: storage layout.
     - ``model_fingerprint``: identifies the weights and config that produced the keys ("" = unnamed;
       compared like any other field).
+    - ``layer_ropes``: per layer, the :class:`RopeSpec` that layer's keys turn with, or None for a
+      layer without position embedding (NoPE: cohere2's and smollm3's global layers); None (the
+      field) means ``rope`` on every layer. Gemma 3's local and global layers turn with different
+      specs; a reader that mixed them up would rotate one kind of layer at the other's frequencies.
+      :meth:`require_compatible` compares it layer by layer and names the layer
+      (``layers.5.rope.theta``).
 
     Rotated keys with a length-dependent RoPE (``rope.length_dependent``) are a valid contract to
     describe -- HF transformers caches exactly that -- even though cached decode then drifts from a full
@@ -140,6 +154,7 @@ class CacheContract:
     num_kv_heads: int
     head_dim: int
     model_fingerprint: str = ""
+    layer_ropes: tuple[RopeSpec | None, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.key_form not in KEY_FORMS:
@@ -192,6 +207,23 @@ class CacheContract:
             raise ConfigError(f"contract dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
         if not isinstance(self.model_fingerprint, str):
             raise ConfigError(f"contract model_fingerprint must be a string, got {self.model_fingerprint!r}")
+        if isinstance(self.layer_ropes, list):  # normalize, do not reinterpret
+            object.__setattr__(self, "layer_ropes", tuple(self.layer_ropes))
+        if self.layer_ropes is not None:
+            if not isinstance(self.layer_ropes, tuple) or len(self.layer_ropes) != self.num_layers:
+                raise ConfigError(f"contract layer_ropes must hold one RoPE spec (or None) per layer "
+                                  f"({self.num_layers}), got {self.layer_ropes!r}")
+            for i, spec in enumerate(self.layer_ropes):
+                if spec is not None and not isinstance(spec, RopeSpec):
+                    raise ConfigError(f"contract layer_ropes[{i}] must be a RopeSpec or None, got {type(spec).__name__}")
+                if spec is not None and spec.head_dim != self.head_dim:
+                    raise ConfigError(f"contract layer_ropes[{i}].head_dim {spec.head_dim} != head_dim {self.head_dim}")
+            if all(spec == self.rope for spec in self.layer_ropes):
+                object.__setattr__(self, "layer_ropes", None)  # one RoPE for every layer
+
+    def layer_rope(self, layer: int) -> RopeSpec | None:
+        """The spec layer ``layer``'s keys turn with, or None for a NoPE layer."""
+        return self.rope if self.layer_ropes is None else self.layer_ropes[layer]
 
     # ------------------------------------------------------------------ construction
 
@@ -222,6 +254,7 @@ class CacheContract:
         return cls(
             key_form=key_form,
             rope=config.rope,
+            layer_ropes=config.layer_ropes,
             kernel_rotates=key_form == "raw",
             num_layers=config.num_layers,
             num_kv_heads=config.num_kv_heads,
@@ -254,8 +287,12 @@ class CacheContract:
 
     def diff(self, other: "CacheContract") -> list[FieldDiff]:
         """Every field that differs, in declaration order; the RoPE spec is compared field by field."""
-        ours, theirs = _flat(self), _flat(other)
-        return [FieldDiff(k, ours.get(k), theirs.get(k)) for k in _union(ours, theirs) if ours.get(k) != theirs.get(k)]
+        per_layer = self.layer_ropes is not None or other.layer_ropes is not None
+        ours, theirs = _flat(self, per_layer), _flat(other, per_layer)
+        diffs = [FieldDiff(k, ours.get(k), theirs.get(k)) for k in _union(ours, theirs) if ours.get(k) != theirs.get(k)]
+        # A layer that is NoPE on one side differs as a whole ("layers.3.rope"), not field by field.
+        whole = {d.field for d in diffs if d.field.startswith("layers.") and d.field.endswith(".rope")}
+        return [d for d in diffs if not any(d.field.startswith(w + ".") for w in whole)]
 
     def require_compatible(self, other: "CacheContract", *, ours: str = "cache", theirs: str = "writer") -> None:
         """Raise :class:`ContractMismatch` naming every differing field, both values and the consequence.
@@ -279,6 +316,10 @@ class CacheContract:
             d[f.name] = getattr(self, f.name)
         d["rope"] = self.rope.to_dict()
         d["window_layers"] = list(self.window_layers)
+        if self.layer_ropes is None:
+            del d["layer_ropes"]  # one RoPE for all layers: the format (and fingerprints) of version 1
+        else:
+            d["layer_ropes"] = [None if spec is None else spec.to_dict() for spec in self.layer_ropes]
         return d
 
     def to_json(self) -> str:
@@ -299,7 +340,7 @@ class CacheContract:
         if data.get("version") != FORMAT_VERSION:
             raise ConfigError(f"cache contract JSON version {data.get('version')!r} is not supported (expected {FORMAT_VERSION})")
         expected = {f.name for f in dataclasses.fields(cls)} | {"format", "version"}
-        missing, unexpected = sorted(expected - set(data)), sorted(set(data) - expected)
+        missing, unexpected = sorted(expected - set(data) - {"layer_ropes"}), sorted(set(data) - expected)
         if missing or unexpected:
             raise ConfigError(f"cache contract JSON: missing field(s) {missing}, unexpected field(s) {unexpected}")
         kwargs = {k: v for k, v in data.items() if k not in ("format", "version")}
@@ -312,8 +353,15 @@ class CacheContract:
         for name in ("head_dim", "rotary_dim", "max_position_embeddings"):
             if not isinstance(rope.get(name), int) or isinstance(rope.get(name), bool):
                 raise ConfigError(f"cache contract JSON: rope.{name} must be an integer, got {rope.get(name)!r}")
+        ropes = kwargs.get("layer_ropes")
+        if ropes is not None and (not isinstance(ropes, list)
+                                  or not all(r is None or isinstance(r, dict) and isinstance(r.get("scaling"), dict)
+                                             for r in ropes)):
+            raise ConfigError("cache contract JSON: layer_ropes must be a list of RoPE objects or nulls")
         try:
             kwargs["rope"] = RopeSpec.from_dict(rope)
+            if ropes is not None:
+                kwargs["layer_ropes"] = tuple(None if r is None else RopeSpec.from_dict(r) for r in ropes)
             return cls(**kwargs)
         except (TypeError, ValueError, AttributeError, ArithmeticError) as exc:
             raise ConfigError(f"cache contract JSON has a value of the wrong type: {exc}") from None
@@ -324,22 +372,40 @@ def _check_int(name: str, value: Any, low: int) -> None:
         raise ConfigError(f"contract {name} must be an integer >= {low}, got {value!r}")
 
 
-def _flat(c: CacheContract) -> dict[str, Any]:
-    """Fields by dotted name, the RoPE spec (and its scaling) expanded; tuples stay tuples."""
+def _flat(c: CacheContract, per_layer: bool = False) -> dict[str, Any]:
+    """Fields by dotted name, the RoPE spec (and its scaling) expanded; tuples stay tuples.
+    ``per_layer``: each layer's spec too, as ``layers.{i}.rope.*`` (``layers.{i}.rope`` = None for NoPE)."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(c):
         value = getattr(c, f.name)
+        if f.name == "layer_ropes":
+            if per_layer:
+                # The summary (each layer's spec fingerprint, None for NoPE), then every differing detail.
+                out["layer_ropes"] = tuple(None if c.layer_rope(i) is None else c.layer_rope(i).fingerprint()
+                                           for i in range(c.num_layers))
+                for i in range(c.num_layers):
+                    spec = c.layer_rope(i)
+                    if spec is None:
+                        out[f"layers.{i}.rope"] = None
+                    else:
+                        out[f"layers.{i}.rope"] = "RoPE"
+                        _flat_rope(out, f"layers.{i}.rope", spec)
+            continue
         if f.name != "rope":
             out[f.name] = value
             continue
-        for rf in dataclasses.fields(value):
-            rv = getattr(value, rf.name)
-            if rf.name == "scaling":
-                for sf in dataclasses.fields(rv):
-                    out[f"rope.scaling.{sf.name}"] = getattr(rv, sf.name)
-            else:
-                out[f"rope.{rf.name}"] = rv
+        _flat_rope(out, "rope", value)
     return out
+
+
+def _flat_rope(out: dict[str, Any], prefix: str, spec: RopeSpec) -> None:
+    for rf in dataclasses.fields(spec):
+        rv = getattr(spec, rf.name)
+        if rf.name == "scaling":
+            for sf in dataclasses.fields(rv):
+                out[f"{prefix}.scaling.{sf.name}"] = getattr(rv, sf.name)
+        else:
+            out[f"{prefix}.{rf.name}"] = rv
 
 
 def _union(a: dict[str, Any], b: dict[str, Any]) -> list[str]:

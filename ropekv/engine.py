@@ -27,7 +27,7 @@ from .errors import CacheError, ContractMismatch, UsageError
 from .models.config import Checkpoint
 from .probe import LayerProbe
 from .rotation import RopeTable, RopeTables, RotationPolicy, StepContext
-from .transformer import DecoderWeights, final_logits, finish_layer, project_qkv
+from .transformer import DecoderWeights, embed, final_logits, finish_layer, project_qkv
 
 
 @dataclass(frozen=True, eq=False)
@@ -133,6 +133,10 @@ class Engine:
         if c.rope != cfg.rope:
             problems.append(("rope", f"rope: contract {c.rope.fingerprint()}, model {cfg.rope.fingerprint()} "
                                      "(keys and queries would turn differently from what the model was trained with)"))
+        elif c.layer_ropes != cfg.layer_ropes:
+            bad = [i for i in range(cfg.num_layers) if c.layer_rope(i) != cfg.layer_rope(i)]
+            problems.append(("layer_ropes", f"layer_ropes: layer(s) {bad[:8]} turn with another RoPE (or none) in the "
+                                            "contract than in the model"))
         if c.model_fingerprint and c.model_fingerprint != self.checkpoint.fingerprint:
             problems.append(("model_fingerprint", f"model_fingerprint: contract {c.model_fingerprint}, model "
                                                   f"{self.checkpoint.fingerprint} (keys would come from another model)"))
@@ -162,16 +166,19 @@ class Engine:
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, seq_id, *, phase: str,
              probe_rows: list[int] | None) -> StepOutput:
         cfg, c, rot = self.config, self.contract, self.rotation
-        rope = c.rope
         n = tokens.numel()
         groups = self._step_groups(seq_id, positions, probe_rows is not None)
-        ctx = StepContext(phase=phase, seq_len=int(positions.max()) + 1,
-                          fork_offset=self._fork_offset.get(seq_id, 0), block_size=c.block_size,
-                          tables=self._step_tables(positions, groups.values()),
-                          key_scratch=None if probe_rows is not None else self._scratch(groups.values()))
-        h = self.weights.embed[tokens.to(self.device)]  # [n, hidden]
+        step_ctx = StepContext(phase=phase, seq_len=int(positions.max()) + 1,
+                               fork_offset=self._fork_offset.get(seq_id, 0), block_size=c.block_size,
+                               layer_ropes=tuple(c.layer_rope(i) for i in range(c.num_layers)),
+                               window_layers=c.window_layers,
+                               tables=self._step_tables(positions, groups.values()),
+                               key_scratch=None if probe_rows is not None else self._scratch(groups.values()))
+        h = embed(cfg, self.weights, tokens.to(self.device))  # [n, hidden]
         new_keys, new_values, traces = [], [], []
         for layer, lw in enumerate(self.weights.layers):
+            rope = c.layer_rope(layer)  # None: a NoPE layer (the policy leaves its q/k unrotated)
+            ctx = step_ctx.for_layer(layer)
             g = groups[c.window if layer in c.window_layers else None]
             q, k, v = project_qkv(cfg, lw, h)  # [n, H, D], [n, KVH, D], [n, KVH, D]
             # copy=False: the cached keys/values are read (or joined with this step's) right below,
@@ -184,7 +191,8 @@ class Engine:
                                          backend_rotates=self.backend.rotates)
                 k_new = rot.read_keys(rope, stored_new, positions, g.new_slots, ctx,
                                       backend_rotates=self.backend.rotates)
-                out = attend_segments(q_eff, (k_cached, k_new), (view.values, v))
+                out = attend_segments(q_eff, (k_cached, k_new), (view.values, v), scale=cfg.attn_scale,
+                                      softcap=cfg.attn_softcap)
             else:
                 if view is not None:
                     reuse = probe_rows is None  # probes keep k_eff (the keys themselves when read as stored)
@@ -198,7 +206,8 @@ class Engine:
                     q_eff = rot.query(rope, q, positions, ctx)
                     k_eff = rot.read_keys(rope, keys, g.key_pos, g.key_slots, ctx,
                                           backend_rotates=self.backend.rotates)
-                    out, _ = attend(q_eff, k_eff, values, g.attn_mask, with_logits=False)
+                    out, _ = attend(q_eff, k_eff, values, g.attn_mask, scale=cfg.attn_scale,
+                                    softcap=cfg.attn_softcap, with_logits=False)
                 if probe_rows is not None:
                     traces.append(_probe(probe_rows, h, q, q_eff, k_eff, values, g.key_pos, g.key_slots, g.mask))
             new_keys.append(stored_new)
@@ -272,14 +281,15 @@ class Engine:
     def _attend_cache_index(self, q, keys, values, mask, key_slots, ctx):
         """StreamingLLM-style rotation: each query row turns itself and its visible keys to their order
         among the visible keys (sinks first). Exact with raw keys; one row at a time."""
-        rope, rot = self.contract.rope, self.rotation
+        rope, rot = self.contract.layer_rope(ctx.layer), self.rotation
         outs, q_effs, k_eff = [], [], None
         for i in range(q.shape[0]):
             vis = mask[i]
             index = torch.cumsum(vis.to(torch.int64), 0) - 1  # rank among visible keys
             k_eff = rot.read_keys(rope, keys, index.clamp(min=0), key_slots, ctx, backend_rotates=self.backend.rotates)
             qi = rot.query(rope, q[i:i + 1], index[vis][-1:].reshape(1), ctx)
-            o, _ = attend(qi, k_eff, values, mask[i:i + 1], with_logits=False)
+            o, _ = attend(qi, k_eff, values, mask[i:i + 1], scale=self.config.attn_scale,
+                          softcap=self.config.attn_softcap, with_logits=False)
             outs.append(o)
             q_effs.append(qi)
         return torch.cat(outs), torch.cat(q_effs), k_eff

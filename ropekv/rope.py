@@ -231,7 +231,8 @@ class RopeSpec:
 
     @classmethod
     def from_hf_config(
-        cls, config: Mapping[str, Any], layer_type: str | None = None, layout: str = "neox"
+        cls, config: Mapping[str, Any], layer_type: str | None = None, layout: str = "neox", *,
+        partial_rotary: bool = True,
     ) -> "RopeSpec":
         """Read a transformers ``config.json`` (as a dict).
 
@@ -240,6 +241,12 @@ class RopeSpec:
         ``rope_scaling`` / ``partial_rotary_factor`` fields. Defaults follow transformers'
         ``standardize_rope_params``: ``original_max_position_embeddings`` falls back to
         ``max_position_embeddings`` for llama3, yarn and longrope.
+
+        ``partial_rotary=False`` reads the config as architectures whose attention rotates the whole
+        head do (llama, mistral, qwen2/3, gemma, ...): their default RoPE never reads
+        ``partial_rotary_factor``, so the whole head rotates; their other RoPE types compute
+        frequencies for the partial dimension and then fail to broadcast them over the head in
+        transformers, a config no implementation runs, so it is refused.
         """
         if not isinstance(config, Mapping):
             raise ConfigError("model config must be a JSON object")
@@ -303,6 +310,13 @@ class RopeSpec:
         if partial > 1:
             raise ConfigError(f"RoPE 'partial_rotary_factor' must be in (0, 1], got {partial!r}")
         theta = float(theta)
+        if partial != 1 and not partial_rotary:
+            if rope_type != "default":
+                raise ConfigError(
+                    f"partial_rotary_factor {partial!r} with RoPE type {rope_type!r} on an architecture that rotates "
+                    "the whole head: transformers computes frequencies for part of the head and cannot apply them; "
+                    "ropekv refuses to check it under another reading")
+            partial = 1.0
         rotary_dim = int(head_dim * partial)
         rotary_dim -= rotary_dim % 2
 
@@ -377,6 +391,17 @@ class RopeSpec:
     def length_dependent(self) -> bool:
         """True when the frequencies depend on the sequence length (dynamic NTK, LongRoPE)."""
         return self.scaling.rope_type in ("dynamic", "longrope")
+
+    @property
+    def switch_length(self) -> int | None:
+        """The sequence length past which the frequencies change, or None: dynamic NTK grows its base
+        past ``max_position_embeddings``; LongRoPE switches to its long factors past
+        ``scaling.original_max_position_embeddings`` (not ``max_position_embeddings``)."""
+        if self.scaling.rope_type == "dynamic":
+            return self.max_position_embeddings
+        if self.scaling.rope_type == "longrope":
+            return self.scaling.original_max_position_embeddings
+        return None
 
     def inv_freq(self, seq_len: int | None = None) -> torch.Tensor:
         """Inverse frequencies ``[rotary_dim // 2]`` in float64 for a sequence of ``seq_len`` tokens."""

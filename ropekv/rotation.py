@@ -14,6 +14,7 @@ across steps or kept in module state.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -129,10 +130,19 @@ class StepContext:
     seq_len: int
     fork_offset: int = 0
     block_size: int = 1
+    layer: int = 0
+    layer_ropes: tuple[RopeSpec | None, ...] = ()  # the contract's spec per layer (None: NoPE)
+    window_layers: tuple[int, ...] = ()  # the contract's sliding ("local") layers
     tables: tuple[RopeTable, ...] = field(default=(), compare=False)
     key_scratch: torch.Tensor | None = field(default=None, compare=False)
 
-    def table_for(self, rope: RopeSpec, positions: torch.Tensor, x: torch.Tensor) -> RopeTable | None:
+    def for_layer(self, layer: int) -> "StepContext":
+        """This context for ``layer`` (faults that confuse layers read ``layer`` and ``layer_ropes``)."""
+        return dataclasses.replace(self, layer=layer)
+
+    def table_for(self, rope: RopeSpec | None, positions: torch.Tensor, x: torch.Tensor) -> RopeTable | None:
+        if rope is None:
+            return None
         return next((t for t in self.tables if t.serves(rope, positions, x)), None)
 
 
@@ -144,7 +154,8 @@ class RotationPolicy:
     def check_contract(self, contract) -> None:
         """Refuse a contract this policy cannot serve exactly: rotated keys under RoPE whose frequencies
         change with the sequence length (dynamic NTK, LongRoPE) would keep stale frequencies."""
-        if contract.key_form == "rotated" and contract.rope.length_dependent:
+        specs = [contract.layer_rope(i) for i in range(contract.num_layers)]
+        if contract.key_form == "rotated" and any(r is not None and r.length_dependent for r in specs):
             from .errors import ContractMismatch
 
             raise ContractMismatch(
@@ -178,16 +189,20 @@ class RotationPolicy:
         work = stored if stored.dtype == torch.float64 else stored.float()
         table = ctx.table_for(rope, rotation_index, stored)
         if table is None:
-            return rope.rotate(work, rotation_index, ctx.seq_len)
+            return rotate(rope, work, rotation_index, ctx)
         out = ctx.key_scratch  # for the layer's keys (a table expanded to the KV heads), not a step's new key
         fits = (out is not None and table.heads == stored.shape[1] > 1 and out.shape[0] >= stored.shape[0]
                 and out.shape[1:] == stored.shape[1:] and out.dtype == table.cos.dtype)
         return table.rotate(stored, out[: stored.shape[0]] if fits else None)
 
 
-def rotate(rope: RopeSpec, x: torch.Tensor, positions: torch.Tensor, ctx: StepContext | None = None) -> torch.Tensor:
+def rotate(rope: RopeSpec | None, x: torch.Tensor, positions: torch.Tensor,
+           ctx: StepContext | None = None) -> torch.Tensor:
     """``rope.rotate(x, positions, ctx.seq_len)`` (working dtype), from the step's table when it has
-    one for these positions, else computed (faults hand in other positions or specs)."""
+    one for these positions, else computed (faults hand in other positions or specs); ``x`` itself
+    for ``rope=None`` (a NoPE layer: no position embedding, nothing turns)."""
+    if rope is None:
+        return x
     table = None if ctx is None else ctx.table_for(rope, positions, x)
     if table is None:
         return rope.rotate(x, positions, None if ctx is None else ctx.seq_len)

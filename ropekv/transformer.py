@@ -1,8 +1,10 @@
 """The engine's transformer math: fused weights and the per-layer pieces around attention.
 
 Deliberately separate from ``ropekv.models.reference`` (the float64 reference decoder): the engine is
-the code under test and the reference must not share its layers. Only the config, the checkpoint and
-the pure RoPE functions are common.
+the code under test and the reference must not share its layers. Only the config (and the decoder
+description it names, ``ropekv.models.families``), the checkpoint and the pure RoPE functions are
+common. Norm offsets (gemma's ``1 + w``) are folded into the weights once, here; q/k/v and gate/up
+are fused into one matmul each.
 """
 
 from __future__ import annotations
@@ -16,19 +18,41 @@ from .models.config import Checkpoint, ModelConfig
 
 
 @dataclass(frozen=True, eq=False)
+class Norm:
+    """One norm: ``kind`` "rms" or "layer" (mean-centred), weight (offset folded in) and optional bias."""
+
+    kind: str
+    weight: torch.Tensor  # [n]
+    bias: torch.Tensor | None
+
+
+@dataclass(frozen=True, eq=False)
+class MoeWeights:
+    router: torch.Tensor  # [E, hidden]
+    gate_up: torch.Tensor  # [E, 2 * I, hidden]
+    down: torch.Tensor  # [E, hidden, I]
+    shared_gate_up: torch.Tensor | None  # [2 * S, hidden]
+    shared_down: torch.Tensor | None  # [hidden, S]
+    shared_gate: torch.Tensor | None  # [1, hidden]
+
+
+@dataclass(frozen=True, eq=False)
 class LayerWeights:
-    input_norm: torch.Tensor  # [hidden]
-    post_norm: torch.Tensor  # [hidden]
+    attn_in: Norm | None
+    attn_out: Norm | None
+    mlp_in: Norm | None
+    mlp_out: Norm | None
     qkv: torch.Tensor  # [(H + 2 * KVH) * D, hidden]
     qkv_bias: torch.Tensor | None  # [(H + 2 * KVH) * D]
-    q_norm: torch.Tensor | None  # [D]
-    k_norm: torch.Tensor | None  # [D]
+    q_norm: Norm | None  # [D] per head, or [H * D] over the projection (family.qk_norm)
+    k_norm: Norm | None
     o: torch.Tensor  # [hidden, H * D]
     o_bias: torch.Tensor | None
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden] (gated), [intermediate, hidden] (plain)
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor  # [hidden, intermediate]
     down_bias: torch.Tensor | None
+    moe: MoeWeights | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -37,52 +61,80 @@ class DecoderWeights:
 
     config: ModelConfig
     embed: torch.Tensor  # [vocab, hidden]
-    final_norm: torch.Tensor  # [hidden]
+    final_norm: Norm
     lm_head: torch.Tensor  # [vocab, hidden]
     layers: tuple[LayerWeights, ...]
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype, device: str | torch.device = "cpu") -> "DecoderWeights":
         cfg = ckpt.config
+        fam = cfg.family
         w = {k: v.to(device=device, dtype=dtype).contiguous() for k, v in ckpt.weights.items()}
 
         def opt(name: str) -> torch.Tensor | None:
             return w.get(name)
 
+        def norm(name: str | None) -> Norm | None:
+            if name is None:
+                return None
+            weight = w[name + ".weight"]
+            if fam.norm in ("rms_offset", "layer_offset"):
+                weight = (weight.float() + 1.0).to(dtype)
+            return Norm("layer" if fam.norm.startswith("layer") else "rms", weight, opt(name + ".bias"))
+
+        def cat(names: list[str]) -> torch.Tensor | None:
+            parts = [w.get(n) for n in names]
+            return None if any(t is None for t in parts) else torch.cat(parts)
+
         layers = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            qkv_bias = None
-            if cfg.attention_bias:
-                qkv_bias = torch.cat([w[a + "q_proj.bias"], w[a + "k_proj.bias"], w[a + "v_proj.bias"]])
-            gate_up_bias = None
-            if cfg.mlp_bias:
-                gate_up_bias = torch.cat([w[p + "mlp.gate_proj.bias"], w[p + "mlp.up_proj.bias"]])
+            mlp = ["gate_proj", "up_proj"] if fam.mlp == "gated" else ["up_proj"]
+            spec = cfg.layer_moe(i)
+            moe = None
+            if spec is not None:
+                shared = spec.shared_expert_size is not None
+                moe = MoeWeights(
+                    router=w[p + "mlp.gate.weight"], gate_up=w[p + "mlp.experts.gate_up_proj"],
+                    down=w[p + "mlp.experts.down_proj"],
+                    shared_gate_up=cat([p + "mlp.shared_expert.gate_proj.weight", p + "mlp.shared_expert.up_proj.weight"])
+                    if shared else None,
+                    shared_down=w[p + "mlp.shared_expert.down_proj.weight"] if shared else None,
+                    shared_gate=w[p + "mlp.shared_expert_gate.weight"] if shared else None)
             layers.append(LayerWeights(
-                input_norm=w[p + "input_layernorm.weight"],
-                post_norm=w[p + "post_attention_layernorm.weight"],
+                attn_in=norm(p + fam.attn_in if fam.attn_in else None),
+                attn_out=norm(p + fam.attn_out if fam.attn_out else None),
+                mlp_in=norm(p + fam.mlp_in if fam.mlp_in else None),
+                mlp_out=norm(p + fam.mlp_out if fam.mlp_out else None),
                 qkv=torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]),
-                qkv_bias=qkv_bias,
-                q_norm=opt(a + "q_norm.weight"),
-                k_norm=opt(a + "k_norm.weight"),
+                qkv_bias=cat([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]) if cfg.attention_bias else None,
+                q_norm=norm(a + "q_norm") if cfg.qk_norm else None,
+                k_norm=norm(a + "k_norm") if cfg.qk_norm else None,
                 o=w[a + "o_proj.weight"],
                 o_bias=opt(a + "o_proj.bias"),
-                gate_up=torch.cat([w[p + "mlp.gate_proj.weight"], w[p + "mlp.up_proj.weight"]]),
-                gate_up_bias=gate_up_bias,
-                down=w[p + "mlp.down_proj.weight"],
-                down_bias=opt(p + "mlp.down_proj.bias"),
+                gate_up=moe.gate_up.reshape(-1, cfg.hidden_size) if moe else cat([p + f"mlp.{m}.weight" for m in mlp]),
+                gate_up_bias=cat([p + f"mlp.{m}.bias" for m in mlp]) if cfg.mlp_bias and moe is None else None,
+                down=moe.down.reshape(cfg.hidden_size, -1) if moe else w[p + "mlp.down_proj.weight"],
+                down_bias=opt(p + "mlp.down_proj.bias") if moe is None else None,
+                moe=moe,
             ))
         embed = w["model.embed_tokens.weight"]
         lm_head = embed if cfg.tie_word_embeddings else w["lm_head.weight"]
-        return cls(cfg, embed, w["model.norm.weight"], lm_head, tuple(layers))
+        return cls(cfg, embed, norm(fam.final_norm), lm_head, tuple(layers))
 
     def nbytes(self) -> int:
         seen: set[int] = set()
         total = 0
-        tensors = [self.embed, self.final_norm, self.lm_head]
+        tensors = [self.embed, self.final_norm.weight, self.lm_head]
         for lw in self.layers:
-            tensors += [t for t in vars(lw).values() if isinstance(t, torch.Tensor)]
+            for t in vars(lw).values():
+                if isinstance(t, Norm):
+                    tensors += [x for x in (t.weight, t.bias) if x is not None]
+                elif isinstance(t, MoeWeights):
+                    tensors += [x for x in vars(t).values() if x is not None]
+                elif isinstance(t, torch.Tensor):
+                    tensors.append(t)
         for t in tensors:
             if t.data_ptr() not in seen:
                 seen.add(t.data_ptr())
@@ -103,30 +155,110 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def apply_norm(x: torch.Tensor, norm: Norm | None, eps: float) -> torch.Tensor:
+    """``norm`` over the last dim of ``x`` (identity for None), computed in float32 or wider."""
+    if norm is None:
+        return x
+    if norm.kind == "rms":
+        out = rms_norm(x, norm.weight, eps)
+        return out + norm.bias if norm.bias is not None else out
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    w = norm.weight.to(work)
+    b = norm.bias.to(work) if norm.bias is not None else None
+    return F.layer_norm(x.to(work), (x.shape[-1],), w, b, eps).to(x.dtype)
+
+
+def activation(x: torch.Tensor, name: str) -> torch.Tensor:
+    """transformers' ``ACT2FN[name]`` through torch's own kernels."""
+    if name == "silu":
+        return F.silu(x)
+    if name == "gelu":
+        return F.gelu(x)
+    if name in ("gelu_pytorch_tanh", "gelu_new"):
+        return F.gelu(x, approximate="tanh")
+    if name == "relu":
+        return F.relu(x)
+    if name == "relu2":
+        return F.relu(x).square()
+    raise ValueError(f"activation {name!r} is not implemented")
+
+
+def embed(cfg: ModelConfig, weights: DecoderWeights, tokens: torch.Tensor) -> torch.Tensor:
+    """Hidden states ``[n, hidden]`` of ``tokens [n]``: the embedding rows times ``embedding_scale``."""
+    h = weights.embed[tokens]
+    return h * cfg.embedding_scale if cfg.embedding_scale != 1.0 else h
+
+
 def project_qkv(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Raw (pre-RoPE) q ``[n, H, D]``, k ``[n, KVH, D]``, v ``[n, KVH, D]`` from hidden ``h [n, hidden]``."""
-    x = rms_norm(h, lw.input_norm, cfg.rms_norm_eps)
+    x = apply_norm(h, lw.attn_in, cfg.rms_norm_eps)
     qkv = F.linear(x, lw.qkv, lw.qkv_bias)
     n, d = h.shape[0], cfg.head_dim
     q_end = cfg.num_heads * d
     k_end = q_end + cfg.num_kv_heads * d
-    q = qkv[:, :q_end].reshape(n, cfg.num_heads, d)
-    k = qkv[:, q_end:k_end].reshape(n, cfg.num_kv_heads, d)
-    v = qkv[:, k_end:].reshape(n, cfg.num_kv_heads, d)
-    if lw.q_norm is not None:
-        q = rms_norm(q, lw.q_norm, cfg.rms_norm_eps)
-        k = rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
+    q, k, v = qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:]
+    if lw.q_norm is not None and cfg.family.qk_norm == "projection":
+        q = apply_norm(q, lw.q_norm, cfg.rms_norm_eps)
+        k = apply_norm(k, lw.k_norm, cfg.rms_norm_eps)
+    q = q.reshape(n, cfg.num_heads, d)
+    k = k.reshape(n, cfg.num_kv_heads, d)
+    v = v.reshape(n, cfg.num_kv_heads, d)
+    if lw.q_norm is not None and cfg.family.qk_norm == "head":
+        q = apply_norm(q, lw.q_norm, cfg.rms_norm_eps)
+        k = apply_norm(k, lw.k_norm, cfg.rms_norm_eps)
     return q, k, v
 
 
 def finish_layer(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-    """Residual around attention (``attn_out [n, H, D]``) and the gated MLP; returns the next hidden state."""
-    h = h + F.linear(attn_out.reshape(h.shape[0], -1), lw.o, lw.o_bias)
-    x = rms_norm(h, lw.post_norm, cfg.rms_norm_eps)
-    gate, up = F.linear(x, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
-    return h + F.linear(F.silu(gate) * up, lw.down, lw.down_bias)
+    """Residual around attention (``attn_out [n, H, D]``) and the MLP; returns the next hidden state."""
+    fam, eps, scale = cfg.family, cfg.rms_norm_eps, cfg.residual_scale
+    a = apply_norm(F.linear(attn_out.reshape(h.shape[0], -1), lw.o, lw.o_bias), lw.attn_out, eps)
+    if fam.parallel:  # attention and MLP both read the block's input norm
+        m = _mlp(cfg, lw, apply_norm(h, lw.attn_in, eps))
+        return h + (a + m) * scale if scale != 1.0 else h + a + m
+    h = h + a * scale if scale != 1.0 else h + a
+    m = apply_norm(_mlp(cfg, lw, apply_norm(h, lw.mlp_in, eps)), lw.mlp_out, eps)
+    return h + m * scale if scale != 1.0 else h + m
+
+
+def _mlp(cfg: ModelConfig, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+    if lw.moe is not None:
+        return _moe(cfg, lw.moe, x)
+    if cfg.family.mlp == "gated":
+        gate, up = F.linear(x, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
+        return F.linear(activation(gate, cfg.hidden_act) * up, lw.down, lw.down_bias)
+    return F.linear(activation(F.linear(x, lw.gate_up, lw.gate_up_bias), cfg.hidden_act), lw.down, lw.down_bias)
+
+
+def _moe(cfg: ModelConfig, mw: MoeWeights, x: torch.Tensor) -> torch.Tensor:
+    """Top-k routing of ``x [n, hidden]``; each expert runs once on the tokens routed to it."""
+    spec = cfg.moe
+    logits = F.linear(x, mw.router).float()  # [n, E]
+    if spec.router == "softmax_topk":
+        weights, experts = torch.softmax(logits, dim=-1).topk(spec.top_k, dim=-1)
+        if spec.normalize:
+            weights = weights / weights.sum(-1, keepdim=True)
+    else:
+        top, experts = logits.topk(spec.top_k, dim=-1)
+        weights = torch.softmax(top, dim=-1)
+    out = torch.zeros_like(x)
+    for e in torch.unique(experts).tolist():
+        token, slot = torch.where(experts == e)
+        gate, up = F.linear(x[token], mw.gate_up[e]).chunk(2, dim=-1)
+        y = F.linear(activation(gate, cfg.hidden_act) * up, mw.down[e])
+        out.index_add_(0, token, y * weights[token, slot, None].to(x.dtype))
+    if mw.shared_gate_up is not None:
+        gate, up = F.linear(x, mw.shared_gate_up).chunk(2, dim=-1)
+        shared = F.linear(activation(gate, cfg.hidden_act) * up, mw.shared_down)
+        out = out + torch.sigmoid(F.linear(x, mw.shared_gate)) * shared
+    return out
 
 
 def final_logits(cfg: ModelConfig, weights: DecoderWeights, h: torch.Tensor) -> torch.Tensor:
     """Logits ``[n, vocab]`` in float32 from the last hidden state ``h [n, hidden]``."""
-    return F.linear(rms_norm(h, weights.final_norm, cfg.rms_norm_eps), weights.lm_head).float()
+    logits = F.linear(apply_norm(h, weights.final_norm, cfg.rms_norm_eps), weights.lm_head).float()
+    if cfg.logits_scale != 1.0:
+        logits = logits * cfg.logits_scale
+    if cfg.final_softcap is not None:
+        logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
+    return logits

@@ -24,6 +24,8 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from ropekv.testing.tiny import randomize
+
 TINY_BASE: dict[str, Any] = dict(
     vocab_size=96,
     hidden_size=64,
@@ -56,24 +58,6 @@ def _config_class(arch: str) -> type:
     }[arch]
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Unit-scale random weights: embeddings N(0,1), linears N(0, 1/fan_in), norms 1 + N(0, 0.2^2),
-    biases N(0, 0.3^2). Deterministic in ``seed`` whatever transformers' own init did."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
-            if name.endswith("norm.weight"):
-                value = 1.0 + 0.2 * noise
-            elif name.endswith(".bias"):
-                value = 0.3 * noise
-            elif "embed_tokens" in name:
-                value = noise
-            else:
-                value = noise / param.shape[-1] ** 0.5
-            param.copy_(value)
-
-
 def _make(root: Path, arch: str, overrides: dict[str, Any]) -> Path:
     from transformers import AutoModelForCausalLM
 
@@ -83,7 +67,7 @@ def _make(root: Path, arch: str, overrides: dict[str, Any]) -> Path:
     config = _config_class(arch)(**kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-    _randomize(model, seed)
+    randomize(model, seed)
     path = root / f"{arch}-{seed:08x}"
     model.save_pretrained(path)
     return path
@@ -141,3 +125,43 @@ def hf_model() -> Callable[[Path], torch.nn.Module]:
         return cache[path]
 
     return load
+
+
+# ---------------------------------------------------------------------- every described architecture
+
+ARCH_BASE: dict[str, Any] = dict(
+    vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
+    pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
+
+
+def build_arch_model(arch: str, overrides: dict[str, Any]) -> torch.nn.Module:
+    """A tiny random transformers model of ``model_type`` ``arch`` (seeded by its arguments), eval mode."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    key = json.dumps([arch, overrides], sort_keys=True, default=str)
+    seed = zlib.crc32(key.encode())
+    config = AutoConfig.for_model(arch, **{**ARCH_BASE, **overrides})
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    randomize(model, seed)
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def make_arch_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory: ``make_arch_checkpoint(model_type, **config_overrides) -> Path`` for any transformers
+    architecture (``AutoConfig.for_model``), saved by ``save_pretrained``; cached by arguments."""
+    root = tmp_path_factory.mktemp("arch_checkpoints")
+    cache: dict[str, Path] = {}
+
+    def make(arch: str, **overrides: Any) -> Path:
+        key = json.dumps([arch, overrides], sort_keys=True, default=str)
+        if key not in cache:
+            path = root / f"{arch}-{zlib.crc32(key.encode()):08x}"
+            build_arch_model(arch, overrides).save_pretrained(path)
+            cache[key] = path
+        return cache[key]
+
+    return make

@@ -165,6 +165,8 @@ VARIANTS = {
     "num_kv_heads": (make(num_kv_heads=4), {"num_kv_heads"}, "head counts differ"),
     "head_dim": (make(rope=ROPE.replace(head_dim=16), head_dim=16), {"rope.head_dim", "head_dim"}, "head sizes differ"),
     "model_fingerprint": (make(model_fingerprint="m2"), {"model_fingerprint"}, "keys come from another model"),
+    # per layer: the summary plus the layer's own fields (tests/test_architectures_contract.py)
+    "layer_ropes": (make(layer_ropes=(ROPE, None, ROPE)), {"layer_ropes", "layers.1.rope"}, "other RoPE spec"),
 }
 
 

@@ -125,6 +125,8 @@ def variants(base: CacheContract) -> dict[str, CacheContract]:
         "num_layers": base.replace(num_layers=3),
         "num_kv_heads": base.replace(num_kv_heads=4),
         "model_fingerprint": base.replace(model_fingerprint="another-model"),
+        # a writer whose layer 1 has no position embedding (NoPE)
+        "layer_ropes": base.replace(layer_ropes=(rope, None) + (rope,) * (base.num_layers - 2)),
     }
 
 

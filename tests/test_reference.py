@@ -335,7 +335,7 @@ def test_bad_config_json(text, error, match, tiny_llama_dir, tmp_path):
     ({"num_attention_heads": "four"}, "num_attention_heads"),
     ({"vocab_size": None}, "vocab_size"),
     ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "GPT2LMHeadModel"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"hidden_act": "quick_gelu"}, "hidden_act"),
     ({"auto_map": {"AutoModelForCausalLM": "modeling_evil.Evil"}}, "custom code"),
     ({"rope_parameters": {"rope_type": "wavy", "rope_theta": 1e4}}, "wavy"),
 ])

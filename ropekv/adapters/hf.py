@@ -1,6 +1,6 @@
 """The transformers adapter: ropekv's parity harness on any HF RoPE causal LM, unmodified.
 
-``HFEngine(model)`` wraps an already constructed ``*ForCausalLM`` (llama, mistral, qwen2, qwen3) so
+``HFEngine(model)`` wraps an already constructed ``*ForCausalLM`` (any architecture of ropekv.models.families) so
 ``ropekv.check(HFEngine(model), ...)`` compares the model's cached path (its ``DynamicCache`` by
 default, ``StaticCache`` on request, sliding-window layers where the config has them) with its own
 cache-free forward and with ropekv's float64 reference built from the model's config and state dict.
@@ -141,6 +141,9 @@ class HFEngine:
         if not folder.is_dir() or not (folder / "config.json").is_file():
             raise CheckpointError(f"{folder}: the HF engine needs a transformers directory with config.json "
                                   "(GGUF files and single weight files are for the ropekv engine)")
+        # ropekv shows its own progress; transformers' loading bars and warnings would interleave with it.
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
         try:
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 folder, dtype=_DTYPES[dtype], local_files_only=True, trust_remote_code=False, use_safetensors=True,
@@ -261,10 +264,11 @@ class HFEngine:
             undo.append(lambda: model.set_attn_implementation(impl))
             for i, layer in enumerate(self.layers):
                 attn = layer.self_attn
-                k_mod = attn.k_norm if getattr(attn, "k_norm", None) is not None else attn.k_proj
+                k_mod = getattr(attn, "k_norm", None) or getattr(attn, "k_proj", None)
                 undo.append(layer.register_forward_pre_hook(self._hidden_hook(i), with_kwargs=True).remove)
                 undo.append(attn.register_forward_pre_hook(self._offset_hook(i), with_kwargs=True).remove)
-                undo.append(k_mod.register_forward_hook(self._raw_key_hook(i, attn.head_dim)).remove)
+                if k_mod is not None:  # fused qkv_proj (phi3) has no separate raw-key module
+                    undo.append(k_mod.register_forward_hook(self._raw_key_hook(i, attn.head_dim)).remove)
         except BaseException:
             self._uninstall()
             raise
@@ -398,9 +402,8 @@ class HFEngine:
     def _decoder_layers(self) -> list[torch.nn.Module]:
         base = getattr(self.model, getattr(self.model, "base_model_prefix", "model"), None)
         layers = getattr(base, "layers", None)
-        if layers is None or not all(hasattr(l, "self_attn") and hasattr(l.self_attn, "k_proj") for l in layers):
-            raise UsageError(f"{type(self.model).__name__}: expected decoder layers with self_attn.k_proj "
-                             "(a llama-family causal LM)")
+        if layers is None or not all(hasattr(l, "self_attn") for l in layers):
+            raise UsageError(f"{type(self.model).__name__}: expected decoder layers with a self_attn module")
         return list(layers)
 
 

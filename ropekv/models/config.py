@@ -16,30 +16,34 @@ import torch
 
 from ..errors import CheckpointError, ConfigError
 from ..rope import MAX_POSITIONS, RopeSpec, _finite, _is_real
+from .moe import MoeSpec
+from .families import FAMILIES, REFUSED, Family, canonical_weights, family_of
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = tuple(FAMILIES)
 LAYER_TYPES = ("full_attention", "sliding_attention")
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu", "relu2")
 # Far above any real model (~130 layers): a config's layer count sizes lists built before any tensor is read.
 MAX_LAYERS = 4096
 
 # ModelConfig fields whose config.json name differs (for error messages).
 _HF_FIELD_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
                    "num_kv_heads": "num_key_value_heads"}
-# transformers "architectures" entries and "model_type" values we accept.
-_HF_CLASS_TO_ARCH = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-    "Qwen3ForCausalLM": "qwen3",
-}
+# Fields added with the architecture descriptions: left out of to_dict (and so of fingerprints) at
+# their defaults, so configs of the original four families keep their fingerprints.
+_LATER_FIELDS = {"hidden_act": "silu", "layer_ropes": None, "query_scale": None, "attn_softcap": None,
+                 "final_softcap": None, "embedding_scale": 1.0, "residual_scale": 1.0, "logits_scale": 1.0,
+                 "moe": None}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """A decoder-only RoPE transformer (llama family) in the terms ropekv needs.
+    """A decoder-only RoPE transformer in the terms ropekv needs; ``family`` says how it computes.
 
     ``layer_types[i]`` is ``"sliding_attention"`` for layers that see only the last ``sliding_window``
-    keys (HF semantics: key ``j`` visible to query ``i`` iff ``i - W < j <= i``).
+    keys (HF semantics: key ``j`` visible to query ``i`` iff ``i - W < j <= i``). ``layer_ropes[i]``
+    is layer ``i``'s :class:`RopeSpec`, or None for a layer without position embedding (NoPE);
+    empty means ``rope`` on every layer. ``rms_norm_eps`` is the epsilon of every norm, whatever the
+    norm kind. ``warnings`` name config fields the architecture's reference implementation ignores.
     """
 
     architecture: str
@@ -54,13 +58,23 @@ class ModelConfig:
     max_position_embeddings: int
     rope: RopeSpec
     tie_word_embeddings: bool = False
-    attention_bias: bool = False  # bias on q, k, v projections (qwen2; llama's attention_bias)
-    o_bias: bool = False  # bias on o_proj (llama's attention_bias also covers it)
+    attention_bias: bool = False  # bias on q, k, v projections
+    o_bias: bool = False  # bias on o_proj
     mlp_bias: bool = False
-    qk_norm: bool = False  # RMSNorm on each head of q and k before RoPE (qwen3)
+    qk_norm: bool = False  # q/k norms before RoPE (per head, or over the projection: family.qk_norm)
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
     name: str = ""
+    hidden_act: str = "silu"
+    layer_ropes: tuple[RopeSpec | None, ...] | None = None
+    query_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float | None = None  # attention scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    embedding_scale: float = 1.0
+    residual_scale: float = 1.0  # multiplies attention and MLP outputs before the residual add
+    logits_scale: float = 1.0
+    moe: MoeSpec | None = None  # mixture-of-experts MLP on moe.sparse_layers (models/moe.py)
+    warnings: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
@@ -102,6 +116,36 @@ class ModelConfig:
             raise ConfigError(f"unknown layer type(s) {bad[:5]}; supported: {', '.join(LAYER_TYPES)}")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ConfigError("sliding_attention layers need a sliding_window")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(f"activation {self.hidden_act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+        if self.layer_ropes is not None:
+            if not isinstance(self.layer_ropes, tuple) or len(self.layer_ropes) != self.num_layers:
+                raise ConfigError(f"layer_ropes must be a tuple of {self.num_layers} RopeSpec or None entries")
+            for spec in self.layer_ropes:
+                if spec is not None and (not isinstance(spec, RopeSpec) or spec.head_dim != self.head_dim):
+                    raise ConfigError(f"layer_ropes entries must be RopeSpecs over head_dim {self.head_dim}, got {spec!r}")
+            if all(spec == self.rope for spec in self.layer_ropes):
+                object.__setattr__(self, "layer_ropes", None)  # normalize: one RoPE for every layer
+        for name in ("query_scale", "attn_softcap", "final_softcap"):
+            value = getattr(self, name)
+            if value is not None and not (_is_real(value) and _finite(value) and value > 0):
+                raise ConfigError(f"config field {name!r} must be a finite number > 0 or null, got {value!r}")
+        if self.moe is not None and not isinstance(self.moe, MoeSpec):
+            raise ConfigError(f"config field 'moe' must be a MoeSpec or None, got {type(self.moe).__name__}")
+        for name in ("embedding_scale", "residual_scale", "logits_scale"):
+            value = getattr(self, name)
+            if not (_is_real(value) and _finite(value)):
+                raise ConfigError(f"config field {name!r} must be a finite number, got {value!r}")
+
+    @property
+    def family(self) -> Family:
+        """How this architecture computes (norms, MLP, names, ...): :mod:`ropekv.models.families`."""
+        return FAMILIES[self.architecture]
+
+    @property
+    def attn_scale(self) -> float:
+        """The factor on ``q . k`` before softmax: ``query_scale``, else ``head_dim ** -0.5``."""
+        return self.query_scale if self.query_scale is not None else self.head_dim**-0.5
 
     @property
     def position_limit(self) -> int:
@@ -116,147 +160,103 @@ class ModelConfig:
         """The window of ``layer``, or None for full attention."""
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
 
+    def layer_moe(self, layer: int) -> MoeSpec | None:
+        """The MoE MLP of ``layer``, or None where the layer's MLP is dense."""
+        return self.moe if self.moe is not None and layer in self.moe.sparse_layers else None
+
+    def layer_rope(self, layer: int) -> RopeSpec | None:
+        """Layer ``layer``'s RoPE, or None for a NoPE layer."""
+        return self.rope if self.layer_ropes is None else self.layer_ropes[layer]
+
+    @property
+    def uniform_rope(self) -> bool:
+        """True when every layer rotates with ``rope`` (no NoPE layer, no per-layer-type RoPE)."""
+        return self.layer_ropes is None
+
     def replace(self, **changes: Any) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "warnings"}
         d["rope"] = self.rope.to_dict()
         d["layer_types"] = list(self.layer_types)
+        if self.layer_ropes is not None:
+            d["layer_ropes"] = [None if s is None else s.to_dict() for s in self.layer_ropes]
+        if self.moe is not None:
+            d["moe"] = self.moe.to_dict()
+        for name, default in _LATER_FIELDS.items():
+            if d[name] == default:
+                del d[name]
         return d
 
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any], *, source: str = "config.json", layout: str = "neox") -> "ModelConfig":
-        """Validate a transformers ``config.json`` dict. Errors name ``source`` and the field."""
-        if not isinstance(config, Mapping):
-            raise ConfigError(f"{source}: must be a JSON object")
-        arch = _architecture(config, source)
-        if config.get("trust_remote_code") or config.get("auto_map"):
-            raise ConfigError(f"{source}: needs custom code (auto_map / trust_remote_code); ropekv never runs checkpoint code")
+        """Validate a transformers ``config.json`` dict, read as the architecture's own implementation
+        reads it (:mod:`ropekv.models.families`). Errors name ``source`` and the field; fields the
+        implementation ignores become ``warnings`` instead of being reinterpreted."""
+        from .hf_config import read_hf_config
 
-        def need(name: str, kind: type = int) -> Any:
-            if name not in config or config[name] is None:
-                raise ConfigError(f"{source}: missing field {name!r}")
-            value = config[name]
-            if kind is int and (not isinstance(value, int) or isinstance(value, bool)):
-                raise ConfigError(f"{source}: field {name!r} must be an integer, got {value!r}")
-            if kind is float and not (_is_real(value) and _finite(value)):
-                raise ConfigError(f"{source}: field {name!r} must be a finite number, got {value!r}")
-            return value
-
-        def flag(name: str) -> bool:
-            value = config.get(name)
-            if value is None:
-                return False
-            if not isinstance(value, bool) and value not in (0, 1):
-                raise ConfigError(f"{source}: field {name!r} must be true or false, got {value!r}")
-            return bool(value)
-
-        def optional_int(name: str, low: int) -> int | None:
-            value = config.get(name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
-                raise ConfigError(f"{source}: field {name!r} must be an integer >= {low}, got {value!r}")
-            return value
-
-        act = config.get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ConfigError(f"{source}: field 'hidden_act' = {act!r} is not supported (silu only)")
-        num_heads = need("num_attention_heads")
-        hidden = need("hidden_size")
-        num_layers = need("num_hidden_layers")
-        if not 1 <= num_layers <= MAX_LAYERS:
-            raise ConfigError(f"{source}: field 'num_hidden_layers' must be in [1, {MAX_LAYERS}], got {num_layers}")
-        head_dim = config.get("head_dim") or (hidden // num_heads if num_heads else 0)
-        num_kv_heads = config.get("num_key_value_heads")
-        if num_kv_heads is None:
-            num_kv_heads = num_heads
-        sizes = {name: need(name) for name in ("vocab_size", "intermediate_size", "max_position_embeddings")}
-        rms_norm_eps = float(need("rms_norm_eps", float))
-        try:
-            rope = RopeSpec.from_hf_config(config, layout=layout)
-        except ConfigError as exc:
-            raise ConfigError(f"{source}: {exc}") from None
-
-        sliding = None
-        layer_types = config.get("layer_types")
-        if arch == "mistral":
-            sliding = optional_int("sliding_window", 1)
-            default_types = ["sliding_attention" if sliding else "full_attention"] * num_layers
-        elif arch in ("qwen2", "qwen3"):
-            use = flag("use_sliding_window")
-            sliding = optional_int("sliding_window", 1) if use else None
-            mwl = optional_int("max_window_layers", 0)
-            mwl = num_layers if mwl is None else mwl
-            default_types = [
-                "sliding_attention" if (sliding and i >= mwl) else "full_attention" for i in range(num_layers)
-            ]
-        else:
-            default_types = ["full_attention"] * num_layers
-        if layer_types is None:
-            layer_types = default_types
-        if not isinstance(layer_types, list):
-            raise ConfigError(f"{source}: field 'layer_types' must be a list")
-        if "sliding_attention" in layer_types and not sliding:
-            sliding = optional_int("sliding_window", 1)
-        if "sliding_attention" not in layer_types:
-            sliding = None
-        attention_bias = flag("attention_bias")
-        tie_word_embeddings, mlp_bias = flag("tie_word_embeddings"), flag("mlp_bias")
-        try:
-            return cls(
-                architecture=arch,
-                vocab_size=sizes["vocab_size"],
-                hidden_size=hidden,
-                intermediate_size=sizes["intermediate_size"],
-                num_layers=num_layers,
-                num_heads=num_heads,
-                num_kv_heads=num_kv_heads,
-                head_dim=head_dim,
-                rms_norm_eps=rms_norm_eps,
-                max_position_embeddings=sizes["max_position_embeddings"],
-                rope=rope,
-                tie_word_embeddings=tie_word_embeddings,
-                attention_bias=attention_bias or arch == "qwen2",
-                o_bias=attention_bias and arch in ("llama", "qwen3"),
-                mlp_bias=mlp_bias,
-                qk_norm=arch == "qwen3",
-                sliding_window=sliding,
-                layer_types=tuple(layer_types),
-                name=str(config.get("_name_or_path") or config.get("name") or arch),
-            )
-        except ConfigError as exc:
-            raise ConfigError(f"{source}: {exc}") from None
+        return read_hf_config(cls, config, source=source, layout=layout)
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every tensor a checkpoint of this config must hold, with its shape (HF names)."""
+        """Every tensor a checkpoint of this config must hold, with its shape, under ropekv's canonical
+        names (transformers' llama names; :func:`~ropekv.models.families.canonical_weights` maps others)."""
+        fam = self.family
         h, d, i = self.hidden_size, self.head_dim, self.intermediate_size
         q, kv = self.num_heads * d, self.num_kv_heads * d
-        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h), "model.norm.weight": (h,)}
+        final = fam.final_norm
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h), final + ".weight": (h,)}
+        if fam.norm_bias:
+            shapes[final + ".bias"] = (h,)
         if not self.tie_word_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, h)
         for n in range(self.num_layers):
             p = f"model.layers.{n}."
+            for norm in (fam.attn_in, fam.attn_out, fam.mlp_in, fam.mlp_out):
+                if norm is not None:
+                    shapes[p + norm + ".weight"] = (h,)
+                    if fam.norm_bias:
+                        shapes[p + norm + ".bias"] = (h,)
             shapes.update({
-                p + "input_layernorm.weight": (h,),
-                p + "post_attention_layernorm.weight": (h,),
                 p + "self_attn.q_proj.weight": (q, h),
                 p + "self_attn.k_proj.weight": (kv, h),
                 p + "self_attn.v_proj.weight": (kv, h),
                 p + "self_attn.o_proj.weight": (h, q),
-                p + "mlp.gate_proj.weight": (i, h),
-                p + "mlp.up_proj.weight": (i, h),
-                p + "mlp.down_proj.weight": (h, i),
             })
+            moe = self.layer_moe(n)
+            if moe is not None:
+                e, m = moe.num_experts, moe.expert_size
+                shapes.update({p + "mlp.gate.weight": (e, h), p + "mlp.experts.gate_up_proj": (e, 2 * m, h),
+                               p + "mlp.experts.down_proj": (e, h, m)})
+                if moe.shared_expert_size is not None:
+                    s = moe.shared_expert_size
+                    shapes.update({p + "mlp.shared_expert.gate_proj.weight": (s, h),
+                                   p + "mlp.shared_expert.up_proj.weight": (s, h),
+                                   p + "mlp.shared_expert.down_proj.weight": (h, s),
+                                   p + "mlp.shared_expert_gate.weight": (1, h)})
+            else:
+                shapes.update({p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i)})
+            if fam.mlp == "gated" and moe is None:
+                shapes[p + "mlp.gate_proj.weight"] = (i, h)
             if self.attention_bias:
                 shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                                p + "self_attn.v_proj.bias": (kv,)})
             if self.o_bias:
                 shapes[p + "self_attn.o_proj.bias"] = (h,)
-            if self.mlp_bias:
-                shapes.update({p + "mlp.gate_proj.bias": (i,), p + "mlp.up_proj.bias": (i,), p + "mlp.down_proj.bias": (h,)})
+            if self.mlp_bias and moe is None:
+                shapes.update({p + "mlp.up_proj.bias": (i,), p + "mlp.down_proj.bias": (h,)})
+                if fam.mlp == "gated":
+                    shapes[p + "mlp.gate_proj.bias"] = (i,)
             if self.qk_norm:
-                shapes.update({p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,)})
+                qn, kn = (d, d) if fam.qk_norm == "head" else (q, kv)
+                shapes.update({p + "self_attn.q_norm.weight": (qn,), p + "self_attn.k_norm.weight": (kn,)})
         return shapes
+
+    def split_sizes(self) -> dict[str, tuple[int, ...]]:
+        """Rows of each part of the family's fused tensors (``self_attn.qkv_proj`` -> q, k, v rows)."""
+        q, kv, i = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.intermediate_size
+        sizes = {"self_attn.qkv_proj": (q, kv, kv), "mlp.gate_up_proj": (i, i)}
+        return {name: sizes[name] for name in self.family.fused}
 
 
 @dataclass(frozen=True, eq=False)
@@ -282,6 +282,7 @@ class Checkpoint:
         copied, where they already are); the fingerprint hashes the config and every weight byte."""
         cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_hf_config(dict(config), source=source)
         expected = cfg.expected_shapes()
+        state_dict = canonical_weights(cfg.family, cfg.num_layers, state_dict, cfg.split_sizes(), source)
         weights = {k: v.detach().to(torch.float32) for k, v in state_dict.items() if k in expected}
         digest = hashlib.sha256()
         for k in sorted(weights):
@@ -324,13 +325,15 @@ def _architecture(config: Mapping[str, Any], source: str) -> str:
     archs = config.get("architectures") or []
     if not isinstance(archs, list):
         raise ConfigError(f"{source}: field 'architectures' must be a list")
-    for a in archs:
-        if isinstance(a, str) and a in _HF_CLASS_TO_ARCH:
-            return _HF_CLASS_TO_ARCH[a]
     model_type = config.get("model_type")
-    if model_type in ARCHITECTURES:
-        return model_type
+    family = family_of(archs, model_type)
+    if family is not None:
+        return family
     named = archs[0] if archs else model_type
     if named is None:
         raise ConfigError(f"{source}: missing field 'model_type' (or 'architectures')")
+    refused = REFUSED.get(model_type) if isinstance(model_type, str) else None
+    if refused:
+        raise ConfigError(f"{source}: unsupported architecture {named!r}: ropekv does not model its {refused} "
+                          "yet (see docs/architectures.md)")
     raise ConfigError(f"{source}: unsupported architecture {named!r}; supported: {', '.join(ARCHITECTURES)}")

@@ -1,29 +1,34 @@
-"""The independent reference: a cache-free full forward of a llama-family checkpoint.
+"""The independent reference: a cache-free full forward of any described checkpoint.
 
 Everything else in ropekv (the engine, its caches, the attention backends, an adapted foreign engine)
 is judged against this file, so it is written to be obviously right rather than fast: one token
 sequence, no KV cache, no fused kernels, every step spelled out, all arithmetic in one ``dtype``
 (float64 by default). It shares only the pure RoPE functions (:mod:`ropekv.rope`) and the model
-config with the engine.
+config -- with the decoder description it names (:mod:`ropekv.models.families`) -- with the engine.
 
-Architecture (transformers' ``LlamaForCausalLM`` and its mistral / qwen2 / qwen3 relatives): token
-embedding; per layer ``x += o_proj(attention(rms_norm(x)))`` then
-``x += down_proj(silu(gate_proj(h)) * up_proj(h))`` with ``h = rms_norm(x)``; final norm; lm_head.
-qwen3 applies an RMSNorm over ``head_dim`` to each query and key head before RoPE. Query head ``h``
-reads key/value head ``h // (num_heads // num_kv_heads)`` (grouped-query attention).
+Architecture (transformers' ``LlamaForCausalLM`` as the template; the description says where a
+family differs): token embedding times ``embedding_scale``; per layer
+``x += s * norm_out(o_proj(attention(norm_in(x))))`` then ``x += s * norm_out(mlp(norm_in(x)))``
+(``s`` = ``residual_scale``; absent norm slots are the identity; ``parallel`` families add attention
+and MLP of the same input norm); the MLP is gated (``down(act(gate(h)) * up(h))``), plain
+(``down(act(up(h)))``) or a mixture of experts (:mod:`ropekv.models.moe`); q/k norms per head or
+over the whole projection, before RoPE; each layer turns with its own RoPE or none (NoPE); scores
+times ``attn_scale``, soft-capped where the family caps; final norm; lm_head, times
+``logits_scale``, soft-capped. Query head ``h`` reads key/value head ``h // (num_heads //
+num_kv_heads)`` (grouped-query attention).
 
-Differences from transformers that are deliberate: RMSNorm is computed in ``dtype`` (HF upcasts to
+Differences from transformers that are deliberate: norms are computed in ``dtype`` (HF upcasts to
 float32 and casts back), and RoPE angles come from float64 (HF uses float32), so a float64 run is a
 better reference than HF itself.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import UsageError
 from ..probe import LayerProbe
@@ -77,20 +82,27 @@ class ReferenceDecoder:
             raise UsageError(f"sink_tokens must be a non-negative integer, got {sink_tokens!r}")
 
         positions = torch.arange(T)
-        x = self._w["model.embed_tokens.weight"][tokens]  # [T, hidden]
+        fam = cfg.family
+        x = self._w["model.embed_tokens.weight"][tokens] * cfg.embedding_scale  # [T, hidden]
         probes = []
         for layer in range(cfg.num_layers):
             p = f"model.layers.{layer}."
             hidden_in = x
-            h = self._rms_norm(x, p + "input_layernorm.weight")
-            q = self._linear(h, p + "self_attn.q_proj").view(T, cfg.num_heads, cfg.head_dim)
-            k = self._linear(h, p + "self_attn.k_proj").view(T, cfg.num_kv_heads, cfg.head_dim)
+            h = self._norm(x, p, fam.attn_in)
+            q = self._linear(h, p + "self_attn.q_proj")  # [T, H * D]
+            k = self._linear(h, p + "self_attn.k_proj")  # [T, KVH * D]
             v = self._linear(h, p + "self_attn.v_proj").view(T, cfg.num_kv_heads, cfg.head_dim)
-            if cfg.qk_norm:
-                q = self._rms_norm(q, p + "self_attn.q_norm.weight")
-                k = self._rms_norm(k, p + "self_attn.k_norm.weight")
-            q_rot = cfg.rope.rotate(q, positions, seq_len=T)  # [T, H, D]
-            k_rot = cfg.rope.rotate(k, positions, seq_len=T)  # [T, KVH, D]
+            if cfg.qk_norm and fam.qk_norm == "projection":  # olmo2: over the whole projection
+                q = self._norm(q, p, "self_attn.q_norm")
+                k = self._norm(k, p, "self_attn.k_norm")
+            q = q.view(T, cfg.num_heads, cfg.head_dim)
+            k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
+            if cfg.qk_norm and fam.qk_norm == "head":
+                q = self._norm(q, p, "self_attn.q_norm")
+                k = self._norm(k, p, "self_attn.k_norm")
+            rope = cfg.layer_rope(layer)  # None: a NoPE layer
+            q_rot = rope.rotate(q, positions, seq_len=T) if rope is not None else q  # [T, H, D]
+            k_rot = rope.rotate(k, positions, seq_len=T) if rope is not None else k  # [T, KVH, D]
 
             attn = torch.empty(T, cfg.num_heads, cfg.head_dim, dtype=self.dtype)
             kv_head = torch.arange(cfg.num_heads) // (cfg.num_heads // cfg.num_kv_heads)  # [H]
@@ -101,21 +113,24 @@ class ReferenceDecoder:
                 scores = self._attn_logits(q_rot[start:stop], positions[start:stop], k_heads[:stop],
                                            windows[layer], sink_tokens)
                 attn[start:stop] = self._attend(scores, v_heads[:stop])
-            x = x + self._linear(attn.reshape(T, -1), p + "self_attn.o_proj")
-
-            h = self._rms_norm(x, p + "post_attention_layernorm.weight")
-            gate = self._linear(h, p + "mlp.gate_proj")
-            up = self._linear(h, p + "mlp.up_proj")
-            x = x + self._linear(F.silu(gate) * up, p + "mlp.down_proj")
+            attn_out = self._norm(self._linear(attn.reshape(T, -1), p + "self_attn.o_proj"), p, fam.attn_out)
+            if fam.parallel:  # cohere: attention and MLP both read the one input norm
+                x = x + (attn_out + self._mlp(h, p, layer)) * cfg.residual_scale
+            else:
+                x = x + attn_out * cfg.residual_scale
+                mlp_out = self._mlp(self._norm(x, p, fam.mlp_in), p, layer)
+                x = x + self._norm(mlp_out, p, fam.mlp_out) * cfg.residual_scale
 
             if rows is not None:
                 probes.append(LayerProbe(
                     q=q_rot[rows].clone(), k=k_rot, key_positions=positions, hidden_in=hidden_in[rows].clone(),
                     q_raw=q[rows].clone(), k_raw=k, v=v))
 
-        x = self._rms_norm(x, "model.norm.weight")
+        x = self._norm(x, "", fam.final_norm)
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        logits = x @ self._w[head].T  # [T, vocab]
+        logits = (x @ self._w[head].T) * cfg.logits_scale  # [T, vocab]
+        if cfg.final_softcap is not None:
+            logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return ReferenceOutput(logits=logits, rows=rows, layers=tuple(probes))
 
     def next_token(self, tokens: torch.Tensor | Sequence[int]) -> int:
@@ -131,10 +146,62 @@ class ReferenceDecoder:
         bias = self._w.get(name + ".bias")
         return out + bias if bias is not None else out
 
-    def _rms_norm(self, x: torch.Tensor, weight_name: str) -> torch.Tensor:
-        """RMSNorm over the last dim: ``x / sqrt(mean(x^2) + eps) * weight``."""
-        variance = x.pow(2).mean(-1, keepdim=True)
-        return x * torch.rsqrt(variance + self.config.rms_norm_eps) * self._w[weight_name]
+    def _norm(self, x: torch.Tensor, prefix: str, name: str | None) -> torch.Tensor:
+        """The family's norm over the last dim with the tensors ``prefix + name`` (.weight, .bias);
+        ``name`` None: no norm in this slot (identity).
+
+        - ``rms``: ``x / sqrt(mean(x^2) + eps) * w``; ``rms_offset`` (gemma): times ``1 + w``;
+        - ``layer``: ``(x - mean) / sqrt(var + eps) * w (+ b)``; ``layer_offset`` (nemotron): ``1 + w``.
+        """
+        if name is None:
+            return x
+        kind, eps = self.config.family.norm, self.config.rms_norm_eps
+        weight = self._w[prefix + name + ".weight"]
+        if kind in ("rms_offset", "layer_offset"):
+            weight = 1.0 + weight
+        if kind in ("layer", "layer_offset"):
+            x = x - x.mean(-1, keepdim=True)
+        out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+        bias = self._w.get(prefix + name + ".bias")
+        return out + bias if bias is not None else out
+
+    def _mlp(self, h: torch.Tensor, p: str, layer: int) -> torch.Tensor:
+        """``down(act(gate(h)) * up(h))`` (gated) or ``down(act(up(h)))`` (plain); the MoE where
+        the layer has one."""
+        moe = self.config.layer_moe(layer)
+        if moe is not None:
+            return self._moe(h, p, moe)
+        return self._dense_mlp(h, p + "mlp.")
+
+    def _dense_mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
+        up = self._linear(h, p + "up_proj")
+        if self.config.family.mlp == "gated":
+            up = _activation(self._linear(h, p + "gate_proj"), self.config.hidden_act) * up
+        else:
+            up = _activation(up, self.config.hidden_act)
+        return self._linear(up, p + "down_proj")
+
+    def _moe(self, h: torch.Tensor, p: str, moe) -> torch.Tensor:
+        """Route each token ``h [T, hidden]`` to its top-k experts and sum their gated MLPs by weight
+        (models/moe.py); token by token, expert by expert."""
+        router_logits = h @ self._w[p + "mlp.gate.weight"].T  # [T, E]
+        if moe.router == "softmax_topk":
+            weights, experts = torch.softmax(router_logits, dim=-1).topk(moe.top_k, dim=-1)
+            if moe.normalize:
+                weights = weights / weights.sum(-1, keepdim=True)
+        else:
+            top, experts = router_logits.topk(moe.top_k, dim=-1)
+            weights = torch.softmax(top, dim=-1)
+        gate_up, down = self._w[p + "mlp.experts.gate_up_proj"], self._w[p + "mlp.experts.down_proj"]
+        out = torch.zeros_like(h)
+        for t in range(h.shape[0]):
+            for e, w in zip(experts[t].tolist(), weights[t]):
+                gate, up = (gate_up[e] @ h[t]).chunk(2)
+                out[t] += w * (down[e] @ (_activation(gate, self.config.hidden_act) * up))
+        if moe.shared_expert_size is not None:
+            shared = self._dense_mlp(h, p + "mlp.shared_expert.")
+            out = out + torch.sigmoid(h @ self._w[p + "mlp.shared_expert_gate.weight"].T) * shared
+        return out
 
     def _query_block(self, num_keys: int) -> int:
         """Queries per attention block: their ``[H, block, T]`` scores stay near 16 MiB, so a long
@@ -148,7 +215,10 @@ class ReferenceDecoder:
     ) -> torch.Tensor:
         """Scaled, masked scores ``[H, R, T]`` of queries ``q_rot [R, H, D]`` at ``rows`` against the
         keys ``k_heads [T, H, D]`` at positions ``0..T-1`` (already repeated per query head)."""
-        scores = torch.einsum("rhd,thd->hrt", q_rot, k_heads) * self.config.head_dim**-0.5
+        cfg = self.config
+        scores = torch.einsum("rhd,thd->hrt", q_rot, k_heads) * cfg.attn_scale
+        if cfg.attn_softcap is not None:  # gemma2: cap * tanh(scores / cap), before the mask
+            scores = torch.tanh(scores / cfg.attn_softcap) * cfg.attn_softcap
         return scores.masked_fill(~visible(rows, k_heads.shape[0], window, sinks), float("-inf"))
 
     def _attend(self, scores: torch.Tensor, v_heads: torch.Tensor) -> torch.Tensor:
@@ -187,6 +257,22 @@ class ReferenceDecoder:
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise UsageError(f"window must be 'model', None or a positive integer, got {window!r}")
         return [window] * n
+
+
+def _activation(x: torch.Tensor, name: str) -> torch.Tensor:
+    """transformers' ``ACT2FN[name]``, written out: ``gelu_pytorch_tanh`` and ``gelu_new`` are the
+    tanh approximation, ``gelu`` the exact erf form, ``relu2`` is ``relu(x) ** 2``."""
+    if name == "silu":
+        return x * torch.sigmoid(x)
+    if name == "gelu":
+        return 0.5 * x * (1.0 + torch.erf(x / math.sqrt(2.0)))
+    if name in ("gelu_pytorch_tanh", "gelu_new"):
+        return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))))
+    if name == "relu":
+        return torch.clamp(x, min=0)
+    if name == "relu2":
+        return torch.clamp(x, min=0).pow(2)
+    raise UsageError(f"activation {name!r} is not implemented")
 
 
 def visible(rows: torch.Tensor, num_keys: int, window: int | None, sink_tokens: int = 0) -> torch.Tensor:

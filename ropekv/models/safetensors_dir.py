@@ -25,6 +25,7 @@ from safetensors import safe_open
 
 from ..errors import CheckpointError, ConfigError
 from .config import Checkpoint, ModelConfig, fingerprint_of
+from .families import canonical_weights
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -52,6 +53,7 @@ def load_safetensors_dir(path: str | Path, *, layout: str = "neox", weights_dige
     for file, names in files.items():
         weights.update(_read_safetensors(file, names))
     weights = _drop_derived(weights, config, root)
+    weights = canonical_weights(config.family, config.num_layers, weights, config.split_sizes(), str(root))
     checkpoint_fingerprint = fingerprint_of(config, weights_digest_hint or weights_digest(weights))
     return Checkpoint(config, weights, source=str(root), fingerprint=checkpoint_fingerprint)
 

@@ -136,7 +136,7 @@ class LogitsOf:
 
     def __init__(self, cfg: ModelConfig, window: int | None, sink_tokens: int):
         self.cfg, self.window, self.sink_tokens = cfg, window, sink_tokens
-        self.scale = cfg.head_dim ** -0.5
+        self.scale, self.softcap = cfg.attn_scale, cfg.attn_softcap
 
     def layer_window(self, layer: int) -> int | None:
         return self.window if self.window is not None else self.cfg.layer_window(layer)
@@ -145,12 +145,12 @@ class LogitsOf:
         """``[H, N]`` over exactly the keys the kernel read (nothing hidden: a key it should not have
         read shows up against the reference's ``-inf``)."""
         q_pos = torch.tensor([position])
-        return attention_logits(probe, q_pos, scale=self.scale, mask_by_position=False)[:, 0]
+        return attention_logits(probe, q_pos, scale=self.scale, softcap=self.softcap, mask_by_position=False)[:, 0]
 
     def rows(self, layer: int, probe: LayerProbe, rows: torch.Tensor) -> torch.Tensor:
         """``[H, R, T]`` over every key, masked by position (causal, window, sinks)."""
-        return attention_logits(probe, rows, scale=self.scale, window=self.layer_window(layer),
-                                sink_tokens=self.sink_tokens)
+        return attention_logits(probe, rows, scale=self.scale, softcap=self.softcap,
+                                window=self.layer_window(layer), sink_tokens=self.sink_tokens)
 
 
 def compare_step(step_layers: tuple[LayerProbe, ...], step_logits: NextToken, position: int, ref: RefRow,

@@ -27,7 +27,7 @@ class DoubleRotation(RotationPolicy):
     name = "double-rotation"
 
     def read_keys(self, rope, stored, rotation_index, slots, ctx, *, backend_rotates):
-        if ctx.phase == "decode":
+        if ctx.phase == "decode" and rope is not None:  # NoPE layers have nothing to rotate twice
             return rope.rotate(stored.float(), rotation_index, ctx.seq_len)
         return super().read_keys(rope, stored, rotation_index, slots, ctx, backend_rotates=backend_rotates)
 
@@ -90,13 +90,14 @@ class _DecodeSideSpec(RotationPolicy):
         raise NotImplementedError
 
     def query(self, rope, q, positions, ctx):
-        return super().query(self.other(rope) if ctx.phase == "decode" else rope, q, positions, ctx)
+        return super().query(self.other(rope) if ctx.phase == "decode" and rope else rope, q, positions, ctx)
 
     def write_key(self, rope, k, positions, slots, ctx):
-        return super().write_key(self.other(rope) if ctx.phase == "decode" else rope, k, positions, slots, ctx)
+        spec = self.other(rope) if ctx.phase == "decode" and rope else rope
+        return super().write_key(spec, k, positions, slots, ctx)
 
     def read_keys(self, rope, stored, rotation_index, slots, ctx, *, backend_rotates):
-        spec = self.other(rope) if ctx.phase == "decode" else rope
+        spec = self.other(rope) if ctx.phase == "decode" and rope else rope
         return super().read_keys(spec, stored, rotation_index, slots, ctx, backend_rotates=backend_rotates)
 
 
@@ -118,7 +119,9 @@ class LayoutMismatch(_DecodeSideSpec):
         return rope.replace(layout="gptj" if rope.layout == "neox" else "neox")
 
 
-def _bf16_rotate(rope: RopeSpec, x: torch.Tensor, positions: torch.Tensor, seq_len: int) -> torch.Tensor:
+def _bf16_rotate(rope: RopeSpec | None, x: torch.Tensor, positions: torch.Tensor, seq_len: int) -> torch.Tensor:
+    if rope is None:  # a NoPE layer
+        return x
     ang = (positions.to(torch.bfloat16)[:, None] * rope.inv_freq(seq_len).to(torch.bfloat16)[None, :]).double()
     return apply_rotation(x, torch.cos(ang) * rope.attention_factor, torch.sin(ang) * rope.attention_factor,
                           rope.layout)
@@ -164,14 +167,15 @@ class Fault:
     key_form: str
     shows_when: str  # what a case needs for the fault to show
     policy: Callable[[], RotationPolicy]
+    # The model the fault needs, from the one given (stale dynamic scaling needs length-dependent RoPE).
+    model: Callable[[Checkpoint], Checkpoint] | None = None
+    fixed_key_form: bool = False  # the fault only exists in its own key form
 
     def adapter(self, checkpoint: Checkpoint, *, dtype: str = "float32", key_form: str | None = None) -> NativeAdapter:
-        form = key_form or self.key_form
-        if self.name == "stale-dynamic-scaling":
-            if not checkpoint.config.rope.length_dependent:
-                checkpoint = dynamic_variant(checkpoint)
-            return NativeAdapter(checkpoint, key_form="rotated", dtype=dtype, rotation=StaleDynamicRotation(),
-                                name=f"ropekv engine with fault {self.name}")
+        """ropekv's engine with this fault's policy handed in (the engine itself has no fault switches)."""
+        if self.model is not None:
+            checkpoint = self.model(checkpoint)
+        form = self.key_form if self.fixed_key_form else (key_form or self.key_form)
         return NativeAdapter(checkpoint, key_form=form, dtype=dtype, rotation=self.policy(),
                              name=f"ropekv engine with fault {self.name}")
 
@@ -197,11 +201,133 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "rotated", "positions past a few hundred; only the float64 reference sees it", LowPrecisionAngles),
     Fault("stale-dynamic-scaling", "stale_dynamic_scaling",
           "rotated keys under dynamic NTK (original length 64, factor 2 unless the model has its own)", "rotated",
-          "decoding past the original length", StaleDynamicRotation),
+          "decoding past the original length", StaleDynamicRotation,
+          model=lambda c: c if c.config.rope.length_dependent else dynamic_variant(c), fixed_key_form=True),
+)}
+
+
+# ---------------------------------------------------------------------- architecture faults
+# Faults of per-layer RoPE features (ropekv.models.families); each needs a model that has the feature
+# (``ArchFault.needs``), so they live apart from FAULTS, which every model can run.
+
+
+class _DecodeLayerSpec(RotationPolicy):
+    """The decode side turns some layers' queries and new keys with a spec chosen per layer."""
+
+    def spec(self, rope: RopeSpec | None, ctx) -> RopeSpec | None:
+        raise NotImplementedError
+
+    def _pick(self, rope, ctx):
+        return self.spec(rope, ctx) if ctx.phase == "decode" else rope
+
+    def query(self, rope, q, positions, ctx):
+        return super().query(self._pick(rope, ctx), q, positions, ctx)
+
+    def write_key(self, rope, k, positions, slots, ctx):
+        return super().write_key(self._pick(rope, ctx), k, positions, slots, ctx)
+
+    def read_keys(self, rope, stored, rotation_index, slots, ctx, *, backend_rotates):
+        return super().read_keys(self._pick(rope, ctx), stored, rotation_index, slots, ctx,
+                                 backend_rotates=backend_rotates)
+
+
+class PartialRotaryAllChannels(_DecodeLayerSpec):
+    """Partial rotary applied to every channel: the pass-through channels turn too, at frequencies
+    computed for the whole head."""
+
+    name = "partial-rotary-all-channels"
+
+    def spec(self, rope, ctx):
+        if rope is None or rope.rotary_dim == rope.head_dim:
+            return rope
+        return rope.replace(rotary_dim=rope.head_dim)
+
+
+def _kind_specs(ctx) -> tuple[RopeSpec | None, RopeSpec | None]:
+    """(local, global): the spec of the first sliding layer and of the first full layer."""
+    local = next((ctx.layer_ropes[i] for i in ctx.window_layers), None)
+    global_ = next((r for i, r in enumerate(ctx.layer_ropes) if i not in ctx.window_layers), None)
+    return local, global_
+
+
+class LocalRopeOnGlobalLayers(_DecodeLayerSpec):
+    """Global (full-attention) layers turn with the local (sliding) layers' RoPE (gemma3: theta 1e4
+    instead of 1e6 and no scaling)."""
+
+    name = "local-rope-on-global-layers"
+
+    def spec(self, rope, ctx):
+        return _kind_specs(ctx)[0] if ctx.layer not in ctx.window_layers and rope is not None else rope
+
+
+class GlobalRopeOnLocalLayers(_DecodeLayerSpec):
+    """Local (sliding) layers turn with the global layers' RoPE."""
+
+    name = "global-rope-on-local-layers"
+
+    def spec(self, rope, ctx):
+        return _kind_specs(ctx)[1] if ctx.layer in ctx.window_layers and rope is not None else rope
+
+
+class NopeLayerRotated(_DecodeLayerSpec):
+    """A layer without position embedding (NoPE) turns its queries and keys with the model's RoPE."""
+
+    name = "nope-layer-rotated"
+
+    def spec(self, rope, ctx):
+        return next((r for r in ctx.layer_ropes if r is not None), None) if rope is None else rope
+
+
+def _has_partial(cfg) -> bool:
+    return any(r is not None and r.rotary_dim < r.head_dim for r in (cfg.layer_rope(i) for i in range(cfg.num_layers)))
+
+
+def _has_two_kinds(cfg) -> bool:
+    sliding = [i for i, t in enumerate(cfg.layer_types) if t == "sliding_attention"]
+    full = [i for i, t in enumerate(cfg.layer_types) if t != "sliding_attention"]
+    return bool(sliding and full) and cfg.layer_rope(sliding[0]) not in (None, cfg.layer_rope(full[0])) and \
+        cfg.layer_rope(full[0]) is not None
+
+
+def _has_nope(cfg) -> bool:
+    return any(cfg.layer_rope(i) is None for i in range(cfg.num_layers))
+
+
+@dataclass(frozen=True)
+class ArchFault(Fault):
+    """A :class:`Fault` that only a model with a given feature can show; ``needs`` says which."""
+
+    needs: str = ""
+    applies: Callable[[object], bool] = lambda cfg: True
+
+    def adapter(self, checkpoint: Checkpoint, *, dtype: str = "float32", key_form: str | None = None) -> NativeAdapter:
+        if not self.applies(checkpoint.config):
+            raise UsageError(f"fault {self.name!r} needs a model with {self.needs}; "
+                             f"{checkpoint.config.architecture} here has none")
+        return super().adapter(checkpoint, dtype=dtype, key_form=key_form)
+
+
+ARCH_FAULTS: dict[str, ArchFault] = {f.name: f for f in (
+    ArchFault("partial-rotary-all-channels", "partial_rotary_mismatch",
+              "partial rotary applied to every channel of the head", "rotated", "any decode",
+              PartialRotaryAllChannels, needs="partial rotary (phi3, glm, stablelm, nemotron)", applies=_has_partial),
+    ArchFault("local-rope-on-global-layers", "layer_rope_mismatch",
+              "global layers turn with the local layers' RoPE", "rotated", "any decode",
+              LocalRopeOnGlobalLayers, needs="different RoPE on sliding and full layers (gemma3)",
+              applies=_has_two_kinds),
+    ArchFault("global-rope-on-local-layers", "layer_rope_mismatch",
+              "local layers turn with the global layers' RoPE", "rotated", "any decode",
+              GlobalRopeOnLocalLayers, needs="different RoPE on sliding and full layers (gemma3)",
+              applies=_has_two_kinds),
+    ArchFault("nope-layer-rotated", "nope_rotated", "a NoPE layer turns its queries and keys", "rotated",
+              "any decode past position 0", NopeLayerRotated, needs="NoPE layers (cohere2, smollm3, exaone4)",
+              applies=_has_nope),
 )}
 
 
 def get_fault(name: str) -> Fault:
+    if name in ARCH_FAULTS:
+        return ARCH_FAULTS[name]
     if name not in FAULTS:
-        raise UsageError(f"unknown fault {name!r}; choose one of: {', '.join(FAULTS)}")
+        raise UsageError(f"unknown fault {name!r}; choose one of: {', '.join([*FAULTS, *ARCH_FAULTS])}")
     return FAULTS[name]

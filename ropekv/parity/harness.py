@@ -22,10 +22,12 @@ from ..models.config import Checkpoint
 from ..models.reference import ReferenceDecoder, ReferenceOutput
 from . import forensics
 from .cases import Case, build_matrix, token_stream
+from .layer_forensics import diagnose_layer
 from .compare import (LogitsOf, NextToken, RefRow, StepErrors, Tolerance, compare_step, first_failure, logits_error,
                       scaled_error, tolerance_for, worst_entry)
 from .progress import Progress
 from .protocol import CaseRun, EngineAdapter, FullRun, Tier
+from .provenance import provenance
 from .report import CaseResult, Diagnosis, Divergence, ParityReport
 from .validate import check_adapter, check_case_run, check_full_run, check_ignored
 
@@ -39,13 +41,16 @@ def check(engine: EngineAdapter | Checkpoint, *, lengths: list[int] | None = Non
           block_sizes: list[int] | None = None, prefix_offsets: list[int] | None = None, window: int | None = None,
           sink_tokens: int = 0, chunk: int | None = None, decode_steps: int | None = None, dtype: str | None = None,
           reference: str = "float64", key_form: str | None = None, backend: str | None = None, seed: int = 0,
-          cases: list[Case] | None = None, progress: bool | str = False) -> ParityReport:
+          cases: list[Case] | None = None, progress: bool | str = False,
+          tolerance: Tolerance | None = None) -> ParityReport:
     """Run the parity matrix on ``engine`` and return a :class:`ParityReport`.
 
     ``engine`` is an adapter (see :class:`ropekv.parity.protocol.EngineAdapter`) or a checkpoint, for
     which ropekv's own engine is used with ``key_form``/``backend``/``dtype``. The other keywords mean
     what the CLI flags of the same name mean; None means the default matrix. ``progress``: False, True
     or ``"bar"`` (a live bar on stderr), ``"lines"`` (one plain line per case, for CI logs).
+    ``tolerance`` replaces the per-dtype tolerance for both comparisons, for an engine whose noise is
+    not set by its compute dtype (quantized weights, an f16 cache; the adapter's docs justify it).
     Every adapter result is validated against its case first (AdapterError on a violation).
     """
     adapter = _as_adapter(engine, dtype=dtype, key_form=key_form, backend=backend)
@@ -63,8 +68,8 @@ def check(engine: EngineAdapter | Checkpoint, *, lengths: list[int] | None = Non
     tokens = token_stream(cfg.vocab_size, max(c.total for c in cases), seed)
     refs = _References(adapter, tier, ReferenceDecoder(adapter.checkpoint, dtype=_REFERENCE_DTYPES[reference]),
                        tokens, cases)
-    tol_ref = tolerance_for(adapter.dtype, _REFERENCE_DTYPES[reference])
-    tol_self = tolerance_for(adapter.dtype, adapter.dtype)
+    tol_ref = tolerance or tolerance_for(adapter.dtype, _REFERENCE_DTYPES[reference])
+    tol_self = tolerance or tolerance_for(adapter.dtype, adapter.dtype)
 
     results, failed = [], []
     with Progress(total=refs.work + sum(c.total for c in cases), mode=progress) as bar:
@@ -124,7 +129,8 @@ def check(engine: EngineAdapter | Checkpoint, *, lengths: list[int] | None = Non
                "rope_fingerprint": cfg.rope.fingerprint()},
         engine=adapter.describe(), reference=reference, tier=tier.value, limits=tier_limits(tier, results),
         tolerances={"reference": tol_ref.to_dict(), "self": tol_self.to_dict()},
-        cases=tuple(results), diagnosis=diagnosis, seconds=time.perf_counter() - started, seed=seed)
+        cases=tuple(results), diagnosis=diagnosis, seconds=time.perf_counter() - started, seed=seed,
+        provenance=provenance(f"ropekv.check({adapter.name!r}, {len(cases)} cases, seed={seed}, reference={reference!r})"))
 
 
 def tier_limits(tier: Tier, results: list[CaseResult]) -> str:
@@ -309,9 +315,24 @@ def _diagnose(adapter: EngineAdapter, refs: _References, result: CaseResult, run
     probe = out.layers[fd.layer]
     case = result.case
     slots = view.key_slots if view.key_slots is not None else torch.full_like(view.key_positions, -1)
+    cfg = adapter.checkpoint.config
+    k_raw = probe.k_raw[view.key_positions]
+    # Per-layer RoPE features first (NoPE layers, partial rotary, local/global RoPE): bug classes one
+    # spec alone cannot name. Then the general forensics under the diverging layer's own spec.
+    arch = diagnose_layer(cfg, fd.layer, q_raw=probe.q_raw[i], q_eff=view.q[0], k_raw=k_raw, k_eff=view.k,
+                          key_positions=view.key_positions, query_position=fd.query_position,
+                          seq_len=fd.query_position + 1)
+    if arch is not None:
+        return Diagnosis(arch.kind, arch.evidence, {**arch.details, "case": case.label(), "layer": fd.layer,
+                                                    "query_position": fd.query_position})
+    rope = cfg.layer_rope(fd.layer)
+    if rope is None:
+        return Diagnosis("unknown", f"layer {fd.layer} has no position embedding and its query and keys are not "
+                         "turned; the divergence is not a RoPE error of this layer",
+                         {"case": case.label(), "layer": fd.layer, "query_position": fd.query_position})
     inp = forensics.ForensicInput(
-        rope=adapter.checkpoint.config.rope, q_raw=probe.q_raw[i], q_eff=view.q[0],
-        k_raw=probe.k_raw[view.key_positions], k_eff=view.k, query_position=fd.query_position,
+        rope=rope, q_raw=probe.q_raw[i], q_eff=view.q[0],
+        k_raw=k_raw, k_eff=view.k, query_position=fd.query_position,
         key_positions=view.key_positions, key_slots=slots, fork_offset=case.prefix,
         # Even where the adapter ignores block sizes, the case's block size is the hypothesis to test:
         # an engine with its own blocks may still rotate keys by their offset inside one.

@@ -1,0 +1,279 @@
+"""Reading a transformers ``config.json`` the way the architecture's own implementation reads it.
+
+Every field is read through the architecture's :class:`~ropekv.models.families.Family`: the bias
+flags it consults, its epsilon and activation fields, whether it honours ``partial_rotary_factor``,
+which layers rotate, how it derives sliding layers. A field the implementation ignores although the
+config sets it (``attention_bias`` on Mistral, ``partial_rotary_factor`` on llama) is not
+reinterpreted: it becomes a one-line entry in ``ModelConfig.warnings``. A config ropekv cannot model
+exactly raises :class:`ConfigError`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Mapping
+
+from ..errors import ConfigError
+from ..rope import RopeSpec, _finite, _is_real
+from .families import Family
+from .moe import read_moe
+
+if TYPE_CHECKING:
+    from .config import ModelConfig
+
+_NESTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, source: str, layout: str) -> "ModelConfig":
+    from .config import MAX_LAYERS, _architecture
+
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"{source}: must be a JSON object")
+    arch = _architecture(config, source)
+    if config.get("trust_remote_code") or config.get("auto_map"):
+        raise ConfigError(f"{source}: needs custom code (auto_map / trust_remote_code); "
+                          "ropekv never runs checkpoint code")
+    from .families import FAMILIES
+
+    fam = FAMILIES[arch]
+    config = _with_defaults(fam, config)
+    warnings: list[str] = []
+
+    def need(name: str, kind: type = int) -> Any:
+        if name not in config or config[name] is None:
+            raise ConfigError(f"{source}: missing field {name!r}")
+        value = config[name]
+        if kind is int and (not isinstance(value, int) or isinstance(value, bool)):
+            raise ConfigError(f"{source}: field {name!r} must be an integer, got {value!r}")
+        if kind is float and not (_is_real(value) and _finite(value)):
+            raise ConfigError(f"{source}: field {name!r} must be a finite number, got {value!r}")
+        return value
+
+    def flag(name: str) -> bool:
+        value = config.get(name)
+        if value is None:
+            return False
+        if not isinstance(value, bool) and value not in (0, 1):
+            raise ConfigError(f"{source}: field {name!r} must be true or false, got {value!r}")
+        return bool(value)
+
+    def rule(value: bool | str) -> bool:
+        return value if isinstance(value, bool) else flag(value)
+
+    def number(name: str, default: float | None) -> float | None:
+        value = config.get(name, default)
+        if value is None:
+            return None
+        if not (_is_real(value) and _finite(value)):
+            raise ConfigError(f"{source}: field {name!r} must be a finite number, got {value!r}")
+        return float(value)
+
+    def optional_int(name: str, low: int) -> int | None:
+        value = config.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+            raise ConfigError(f"{source}: field {name!r} must be an integer >= {low}, got {value!r}")
+        return value
+
+    for name in fam.ignored_fields:
+        if flag(name) if isinstance(config.get(name), bool) else config.get(name):
+            warnings.append(f"{name}={config[name]!r} is ignored: transformers' {arch} implementation never reads it")
+
+    act = config.get(fam.act_key) or fam.act_default
+    if act == "swish":
+        act = "silu"
+    from .config import ACTIVATIONS
+
+    if act not in ACTIVATIONS:
+        raise ConfigError(f"{source}: field {fam.act_key!r} = {act!r} is not supported ({', '.join(ACTIVATIONS)})")
+    num_heads = need("num_attention_heads")
+    hidden = need("hidden_size")
+    num_layers = need("num_hidden_layers")
+    if not 1 <= num_layers <= MAX_LAYERS:
+        raise ConfigError(f"{source}: field 'num_hidden_layers' must be in [1, {MAX_LAYERS}], got {num_layers}")
+    head_dim = config.get("head_dim") or (hidden // num_heads if num_heads else 0)
+    num_kv_heads = config.get("num_key_value_heads")
+    if num_kv_heads is None:
+        num_kv_heads = num_heads
+    sizes = {name: need(name) for name in ("vocab_size", "intermediate_size", "max_position_embeddings")}
+    if fam.eps_default is None:
+        eps = float(need(fam.eps_key, float))
+    else:
+        eps = number(fam.eps_key, fam.eps_default)
+
+    layer_types = _layer_types(fam, config, num_layers, source, optional_int, flag)
+    sliding = None
+    if "sliding_attention" in layer_types:
+        sliding = optional_int("sliding_window", 1)
+        if sliding is None:
+            raise ConfigError(f"{source}: sliding_attention layers need a 'sliding_window'")
+    elif config.get("sliding_window") and fam.windows != "none" and fam.windows != "qwen2":
+        warnings.append(f"sliding_window={config['sliding_window']!r} is ignored: no layer of this {arch} config "
+                        "is a sliding_attention layer")
+
+    rope_layout = fam.layout if fam.layout != "neox" else layout
+    ropes = _layer_ropes(fam, config, layer_types, rope_layout, source)
+    partial = _partial_factor(config)
+    if partial not in (None, 1, 1.0) and not fam.partial_rotary:
+        warnings.append(f"partial_rotary_factor={partial!r} is ignored: transformers' {arch} rotates the whole head")
+    main_rope = next((r for r in ropes if r is not None), None)
+    if main_rope is None:  # every layer NoPE: keep a spec for the contract's shape fields
+        main_rope = _rope(config, None, rope_layout, fam, source)
+
+    query_scale = None
+    if fam.attn_scale_key:
+        query_scale = number(fam.attn_scale_key, None)
+    elif fam.query_pre_attn_scalar:
+        scalar = number("query_pre_attn_scalar", None)
+        query_scale = None if scalar is None else scalar**-0.5
+    embedding_scale = 1.0
+    if fam.embedding_scale == "sqrt_hidden":
+        embedding_scale = math.sqrt(hidden)
+    elif fam.embedding_scale == "embedding_multiplier":
+        embedding_scale = number("embedding_multiplier", 1.0)
+    logits_scale = 1.0
+    if fam.logits_divide_key:
+        divisor = number(fam.logits_divide_key, 1.0)
+        if not divisor:
+            raise ConfigError(f"{source}: field {fam.logits_divide_key!r} must not be 0")
+        logits_scale = 1.0 / divisor
+    if fam.logits_multiply_key:
+        logits_scale = number(fam.logits_multiply_key, 1.0)
+    qk_norm = fam.qk_norm != "none"
+    moe = read_moe(fam.moe, config, num_layers, source) if fam.moe else None
+    if fam.name == "cohere" and flag("use_qk_norm"):
+        raise ConfigError(f"{source}: cohere use_qk_norm (per-head LayerNorm weights [heads, head_dim]) "
+                          "is not supported yet")
+    if fam.name == "stablelm" and (flag("qk_layernorm") or flag("use_parallel_residual")):
+        raise ConfigError(f"{source}: stablelm qk_layernorm / use_parallel_residual are not supported yet")
+    fields = dict(
+        tie_word_embeddings=flag("tie_word_embeddings"), attention_bias=rule(fam.qkv_bias), o_bias=rule(fam.o_bias),
+        mlp_bias=rule(fam.mlp_bias),
+        attn_softcap=number(fam.attn_softcap_key, None) if fam.attn_softcap_key else None,
+        final_softcap=number(fam.final_softcap_key, None) if fam.final_softcap_key else None,
+        residual_scale=number(fam.residual_scale_key, 1.0) if fam.residual_scale_key else 1.0,
+    )
+    try:
+        return cls(
+            architecture=arch,
+            vocab_size=sizes["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=sizes["intermediate_size"],
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=eps,
+            max_position_embeddings=sizes["max_position_embeddings"],
+            rope=main_rope,
+            qk_norm=qk_norm,
+            sliding_window=sliding,
+            layer_types=tuple(layer_types),
+            name=str(config.get("_name_or_path") or config.get("name") or arch),
+            hidden_act=act,
+            layer_ropes=tuple(ropes),
+            query_scale=query_scale,
+            embedding_scale=embedding_scale,
+            logits_scale=logits_scale,
+            moe=moe,
+            warnings=tuple(warnings),
+            **fields,
+        )
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def _with_defaults(fam: Family, config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` with the architecture's class defaults (``Family.defaults``) for the fields it omits.
+    A field present as null keeps its null (gemma2's ``attn_logit_softcapping: null`` means no cap)."""
+    out = dict(config)
+    for key, value in fam.defaults.items():
+        if key == "rope_parameters":  # a whole RoPE default (gemma3's per-layer-type thetas)
+            if not any(k in config for k in ("rope_parameters", "rope_scaling", "rope_theta", "rope_local_base_freq")):
+                out[key] = value
+        elif key == "partial_rotary_factor":
+            if _partial_factor(config) is None:
+                out[key] = value
+        elif key not in config:  # rope_theta too: a flat rope_parameters' own theta still wins
+            out[key] = value
+    return out
+
+
+def _partial_factor(config: Mapping[str, Any]) -> Any:
+    params = config.get("rope_parameters")
+    if isinstance(params, Mapping):
+        if "partial_rotary_factor" in params:
+            return params["partial_rotary_factor"]
+        for v in params.values():
+            if isinstance(v, Mapping) and "partial_rotary_factor" in v:
+                return v["partial_rotary_factor"]
+    scaling = config.get("rope_scaling")
+    if isinstance(scaling, Mapping) and "partial_rotary_factor" in scaling:
+        return scaling["partial_rotary_factor"]
+    return config.get("partial_rotary_factor")
+
+
+def _layer_types(fam: Family, config: Mapping[str, Any], num_layers: int, source: str, optional_int, flag) -> list[str]:
+    """Each layer's attention kind, as the architecture derives it when ``layer_types`` is absent."""
+    given = config.get("layer_types")
+    if given is not None:
+        from .config import LAYER_TYPES
+
+        if not isinstance(given, list):
+            raise ConfigError(f"{source}: field 'layer_types' must be a list")
+        if len(given) != num_layers:
+            raise ConfigError(f"{source}: layer_types has {len(given)} entries for {num_layers} layers")
+        bad = [t for t in given if not isinstance(t, str) or t not in LAYER_TYPES]
+        if bad:
+            raise ConfigError(f"{source}: unknown layer type(s) {bad[:5]}; supported: {', '.join(LAYER_TYPES)}")
+        return list(given)
+    if fam.windows == "mistral":
+        sliding = optional_int("sliding_window", 1)
+        return ["sliding_attention" if sliding else "full_attention"] * num_layers
+    if fam.windows == "qwen3_moe":  # its config drops sliding_window unless use_sliding_window
+        sliding = optional_int("sliding_window", 1) if flag("use_sliding_window") else None
+        return ["sliding_attention" if sliding else "full_attention"] * num_layers
+    if fam.windows == "qwen2":
+        sliding = optional_int("sliding_window", 1) if flag("use_sliding_window") else None
+        mwl = optional_int("max_window_layers", 0)
+        mwl = num_layers if mwl is None else mwl
+        return ["sliding_attention" if (sliding and i >= mwl) else "full_attention" for i in range(num_layers)]
+    if fam.windows == "layer_types" and config.get("sliding_window") and fam.name in (
+            "gemma2", "gemma3_text", "cohere2", "exaone4", "olmo3", "ministral"):
+        raise ConfigError(f"{source}: {fam.name} config with a sliding_window but no 'layer_types': ropekv reads "
+                          "the layer pattern only from layer_types (save the config with transformers 5)")
+    return ["full_attention"] * num_layers
+
+
+def _rope(config: Mapping[str, Any], layer_type: str | None, layout: str, fam: Family, source: str) -> RopeSpec:
+    try:
+        return RopeSpec.from_hf_config(config, layer_type=layer_type, layout=layout, partial_rotary=fam.partial_rotary)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def _layer_ropes(fam: Family, config: Mapping[str, Any], layer_types: list[str], layout: str,
+                 source: str) -> list[RopeSpec | None]:
+    """Each layer's RoPE (None: NoPE), as the architecture's attention decides it."""
+    params = config.get("rope_parameters")
+    nested = isinstance(params, Mapping) and params and all(
+        isinstance(v, Mapping) or v is None for v in params.values())
+    per_type: dict[str, RopeSpec] = {}
+    for t in sorted(set(layer_types)):
+        per_type[t] = _rope(config, t if nested and t in params else None, layout, fam, source)
+    if fam.name == "gemma3_text" and not nested and config.get("rope_local_base_freq") is not None:
+        local = {**config, "rope_parameters": None, "rope_scaling": None,
+                 "rope_theta": config["rope_local_base_freq"]}
+        per_type["sliding_attention"] = _rope(local, None, layout, fam, source)
+    ropes: list[RopeSpec | None] = [per_type[t] for t in layer_types]
+    if fam.rope_layers == "no_rope_layers":
+        flags = config.get("no_rope_layers")
+        if flags is None:
+            interval = config.get("no_rope_layer_interval", 4)
+            flags = [int((i + 1) % interval != 0) for i in range(len(layer_types))]
+        if not isinstance(flags, list) or len(flags) != len(layer_types):
+            raise ConfigError(f"{source}: field 'no_rope_layers' must list one 0/1 per layer")
+        ropes = [r if f else None for r, f in zip(ropes, flags)]
+    elif fam.rope_layers == "sliding_only" or (
+            fam.rope_layers == "sliding_only_if_window" and config.get("sliding_window") is not None):
+        ropes = [r if t == "sliding_attention" else None for r, t in zip(ropes, layer_types)]
+    return ropes

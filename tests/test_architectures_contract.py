@@ -1,0 +1,89 @@
+"""The per-layer cache contract: each layer's RoPE (or none), compared layer by layer, serialized."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ropekv.contract import CacheContract
+from ropekv.engine import Engine
+from ropekv.errors import ConfigError, ContractMismatch
+from ropekv.rope import RopeScaling, RopeSpec
+
+LOCAL = RopeSpec(head_dim=8, rotary_dim=8, theta=1e4)
+GLOBAL = RopeSpec(head_dim=8, rotary_dim=8, theta=1e6, scaling=RopeScaling("linear", factor=4.0))
+
+
+def make(layer_ropes=(LOCAL, GLOBAL, LOCAL), **changes) -> CacheContract:
+    base = dict(key_form="rotated", kernel_rotates=False, rope=LOCAL, num_layers=3, num_kv_heads=2, head_dim=8,
+                window=5, window_layers=(0, 2), block_size=4, layer_ropes=layer_ropes)
+    base.update(changes)
+    return CacheContract(**base)
+
+
+def test_layer_rope_per_layer_and_uniform_normalizes_to_none():
+    c = make()
+    assert [c.layer_rope(i) for i in range(3)] == [LOCAL, GLOBAL, LOCAL]
+    assert make(layer_ropes=(LOCAL,) * 3).layer_ropes is None  # one RoPE everywhere: the plain contract
+    assert make(layer_ropes=(LOCAL, None, LOCAL)).layer_rope(1) is None
+
+
+@pytest.mark.parametrize("ropes,match", [
+    ((LOCAL, GLOBAL), "one RoPE spec"),
+    ((LOCAL, "rope", LOCAL), "RopeSpec or None"),
+    ((LOCAL, RopeSpec(head_dim=16, rotary_dim=16, theta=1e4), LOCAL), "head_dim"),
+])
+def test_bad_layer_ropes_raise(ropes, match):
+    with pytest.raises(ConfigError, match=match):
+        make(layer_ropes=ropes)
+
+
+def test_diff_names_the_layer_and_the_field():
+    ours, theirs = make(), make(layer_ropes=(LOCAL, LOCAL.replace(theta=5e5), LOCAL))
+    fields = {d.field for d in ours.diff(theirs)}
+    assert "layers.1.rope.theta" in fields and "layers.1.rope.scaling.rope_type" in fields
+    assert not any(f.startswith(("layers.0.", "layers.2.")) for f in fields)
+    with pytest.raises(ContractMismatch) as info:
+        ours.require_compatible(theirs)
+    assert "layers.1.rope.theta" in str(info.value) and "on layer 1:" in str(info.value)
+
+
+def test_nope_against_rope_on_a_layer_is_named():
+    with pytest.raises(ContractMismatch) as info:
+        make(layer_ropes=(LOCAL, None, LOCAL)).require_compatible(make())
+    assert "layers.1.rope" in info.value.fields
+    assert "layer 1 has no position embedding (NoPE) on one side" in str(info.value)
+
+
+def test_uniform_against_per_layer_is_compared_layer_by_layer():
+    uniform = make(layer_ropes=None)
+    fields = {d.field for d in uniform.diff(make())}
+    assert {"layers.1.rope.theta"} <= fields and not any(f.startswith("layers.0.") for f in fields)
+
+
+def test_json_round_trip_and_unchanged_format_for_uniform_contracts():
+    c = make(layer_ropes=(LOCAL, None, GLOBAL))
+    back = CacheContract.from_json(c.to_json())
+    assert back == c and back.layer_rope(1) is None and back.layer_rope(2) == GLOBAL
+    plain = make(layer_ropes=None)
+    assert "layer_ropes" not in json.loads(plain.to_json())  # version-1 documents stay as they were
+    assert CacheContract.from_json(plain.to_json()) == plain
+    bad = json.loads(c.to_json())
+    bad["layer_ropes"] = [1, 2, 3]
+    with pytest.raises(ConfigError, match="layer_ropes"):
+        CacheContract.from_json(json.dumps(bad))
+
+
+def test_for_model_carries_the_models_layer_ropes(make_arch_checkpoint):
+    from ropekv.models import load_checkpoint
+
+    sw = {"sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"]}
+    ckpt = load_checkpoint(make_arch_checkpoint("cohere2", **sw))
+    contract = CacheContract.for_model(ckpt.config, key_form="rotated")
+    assert contract.layer_rope(0) == ckpt.config.rope and contract.layer_rope(1) is None
+    # A contract that rotates the NoPE layer does not fit the model: refused before any cache exists.
+    wrong = contract.replace(layer_ropes=None)
+    with pytest.raises(ContractMismatch, match="layer_ropes") as info:
+        Engine(ckpt, wrong)
+    assert "layer_ropes" in info.value.fields
