@@ -78,15 +78,73 @@ def visibility(query_positions: torch.Tensor, key_positions: torch.Tensor, windo
     return mask
 
 
+_BLOCK_BYTES = 32 << 20  # logits of one query block; below glibc's mmap threshold, so blocks reuse heap memory
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
-           scale: float | None = None, softcap: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+           scale: float | None = None, softcap: float | None = None,
+           with_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scaled dot-product attention with grouped KV heads, computed in float32 or wider.
 
     q ``[n, H, D]`` (rotated), k ``[N, KVH, D]`` (as the kernel uses them), v ``[N, KVH, D]``,
     mask ``[n, N]``, or None when every key is visible to every query (a decode step without a
-    window: it saves two passes over the logits per layer). Returns ``(out [n, H, D] in q's dtype,
-    logits [H, n, N] pre-softmax, masked -inf)``.
+    window: it saves two passes over the logits per layer). ``scale`` defaults to ``D**-0.5``;
+    ``softcap`` caps the scores as ``softcap * tanh(s / softcap)``. Returns ``(out [n, H, D] in q's dtype,
+    logits [H, n, N] pre-softmax, masked -inf)``; the logits are None unless ``with_logits``.
+
+    Without logits the queries go in blocks whose ``[H, rows, N]`` scores stay under 32 MiB, and each
+    block reads only the keys up to the last one any of its rows sees (a causal prefill skips the
+    upper triangle): a long prefill never holds an ``[H, n, N]`` score tensor, and its temporaries
+    are reused instead of mapped and faulted in afresh for every layer.
     """
+    n, num_heads, _ = q.shape
+    rows = n if with_logits else max(1, _BLOCK_BYTES // (num_heads * k.shape[0] * 4))
+    if rows >= n:
+        return _attend_block(q, k, v, mask, scale, softcap)
+    out = torch.empty_like(q)
+    for start in range(0, n, rows):
+        stop = min(n, start + rows)
+        block_mask = None if mask is None else mask[start:stop]
+        keys = k.shape[0]
+        if block_mask is not None:
+            seen = torch.nonzero(block_mask.any(dim=0))
+            keys = int(seen[-1]) + 1 if seen.numel() else 1
+            block_mask = block_mask[:, :keys]
+        out[start:stop] = _attend_block(q[start:stop], k[:keys], v[:keys], block_mask, scale, softcap)[0]
+    return out, None
+
+
+def attend_segments(q: torch.Tensor, keys: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...], *,
+                    scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+    """:func:`attend` of queries that see every key (a decode step without a window), with the keys
+    and values given as segments along the key axis (``keys[s]``/``values[s]``: ``[N_s, KVH, D]``,
+    e.g. the cached tokens as views of the pool, then the step's new ones). Returns ``out [n, H, D]``.
+
+    Why: joining the segments first copies every cached key and value once per layer and step (at
+    4,096 tokens, 6 MB per layer); here each segment is read in place by its own ``bmm`` and only the
+    scores (``[H, n, N]``, a few KB for one query) are joined for the softmax.
+    """
+    work = torch.float64 if q.dtype == torch.float64 else torch.float32
+    n, num_heads, head_dim = q.shape
+    num_kv = keys[0].shape[1]
+    group = num_heads // num_kv
+    qw = q.to(work).reshape(n, num_kv, group, head_dim).permute(1, 2, 0, 3).reshape(num_kv, group * n, head_dim)
+    scores = [torch.bmm(qw, k.to(work).permute(1, 2, 0)) for k in keys]  # [KVH, G * n, N_s] each
+    logits = torch.cat(scores, dim=-1).mul_(1.0 / math.sqrt(head_dim) if scale is None else scale)  # [KVH, G*n, N]
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap).mul_(softcap)
+    probs = torch.softmax(logits, dim=-1)
+    out, start = None, 0
+    for v in values:
+        part = torch.bmm(probs[..., start:start + v.shape[0]], v.to(work).permute(1, 0, 2))  # [KVH, G * n, D]
+        out = part if out is None else out.add_(part)
+        start += v.shape[0]
+    return out.view(num_kv, group, n, head_dim).permute(2, 0, 1, 3).reshape(n, num_heads, head_dim).to(q.dtype)
+
+
+def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                  scale: float | None, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attend` of one block of queries, logits included."""
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     n, num_heads, head_dim = q.shape
     num_keys, num_kv = k.shape[0], k.shape[1]

@@ -20,13 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import Backend, attend, backend_for, get_backend, visibility
+from .attention import Backend, attend, attend_segments, backend_for, get_backend, visibility
 from .cache.paged import PagedKVCache
 from .contract import CacheContract
 from .errors import CacheError, ContractMismatch, UsageError
 from .models.config import Checkpoint
 from .probe import LayerProbe
-from .rotation import RotationPolicy, StepContext
+from .rotation import RopeTable, RopeTables, RotationPolicy, StepContext
 from .transformer import DecoderWeights, embed, final_logits, finish_layer, project_qkv
 
 
@@ -42,7 +42,8 @@ class Engine:
 
     def __init__(self, checkpoint: Checkpoint, contract: CacheContract, num_blocks: int = 1024, *,
                  backend: str | Backend | None = None, rotation: RotationPolicy | None = None,
-                 device: str | torch.device = "cpu", weights: DecoderWeights | None = None):
+                 device: str | torch.device = "cpu", weights: DecoderWeights | None = None,
+                 compile_rotation: bool = False):
         cfg = checkpoint.config
         self.checkpoint = checkpoint
         self.config = cfg
@@ -61,6 +62,12 @@ class Engine:
         self.cache = PagedKVCache(contract, num_blocks, device=self.device)
         self._fork_offset: dict[object, int] = {}
         self._join_buffers: list[torch.Tensor | None] = [None, None]  # keys, values; see _joined
+        self._key_scratch: torch.Tensor | None = None  # keys a rotating backend turns; see _scratch
+        work = torch.float64 if self.dtype == torch.float64 else torch.float32
+        # cos/sin rows, see _step_tables; compile_rotation: a rotating backend turns keys in one
+        # torch.compile'd pass (tests/test_bench.py holds it to the eager step within float32 rounding)
+        self._rope_tables = RopeTables(contract.rope, work, self.device,
+                                       compile_keys=compile_rotation and self.backend.rotates)
 
     # ------------------------------------------------------------------ public API
 
@@ -107,18 +114,6 @@ class Engine:
 
     def num_tokens(self, seq_id) -> int:
         return self.cache.num_tokens(seq_id)
-
-    def export_handoff(self, seq_id, tokens: torch.Tensor):
-        """The cached state of ``seq_id`` as a :class:`ropekv.transfer.Handoff` (see docs/handoff.md)."""
-        from .transfer.importer import export_handoff
-
-        return export_handoff(self, seq_id, tokens)
-
-    def import_handoff(self, handoff, convert: str = "never", seq_id=None):
-        """Import a handed-off sequence, all or nothing, after checking its contract against ours."""
-        from .transfer.importer import import_handoff
-
-        return import_handoff(self, handoff, convert=convert, seq_id=seq_id)
 
     def forward_full(self, tokens: torch.Tensor, *, probe_rows: list[int] | None = None) -> StepOutput:
         """The engine's own cache-free forward over ``tokens [T]`` at positions ``0..T-1``."""
@@ -172,57 +167,102 @@ class Engine:
              probe_rows: list[int] | None) -> StepOutput:
         cfg, c, rot = self.config, self.contract, self.rotation
         n = tokens.numel()
+        groups = self._step_groups(seq_id, positions, probe_rows is not None)
         step_ctx = StepContext(phase=phase, seq_len=int(positions.max()) + 1,
                                fork_offset=self._fork_offset.get(seq_id, 0), block_size=c.block_size,
                                layer_ropes=tuple(c.layer_rope(i) for i in range(c.num_layers)),
-                               window_layers=c.window_layers)
-        num_before = self.cache.num_tokens(seq_id) if seq_id is not None else 0
+                               window_layers=c.window_layers,
+                               tables=self._step_tables(positions, groups.values()),
+                               key_scratch=None if probe_rows is not None else self._scratch(groups.values()))
         h = embed(cfg, self.weights, tokens.to(self.device))  # [n, hidden]
         new_keys, new_values, traces = [], [], []
-        # Slots, key positions and the mask depend only on the layer's window (its cache group), so
-        # they are built once per step and window instead of once per layer; the same tensors then
-        # reach every layer, which also lets the rotation policy reuse its cos/sin lookup.
-        per_window: dict[int | None, tuple] = {}
         for layer, lw in enumerate(self.weights.layers):
             rope = c.layer_rope(layer)  # None: a NoPE layer (the policy leaves its q/k unrotated)
             ctx = step_ctx.for_layer(layer)
-            window = c.window if layer in c.window_layers else None
+            g = groups[c.window if layer in c.window_layers else None]
             q, k, v = project_qkv(cfg, lw, h)  # [n, H, D], [n, KVH, D], [n, KVH, D]
-            # copy=False: the cached keys/values are concatenated with this step's right below (that
-            # cat is their one copy) before the cache can change.
+            # copy=False: the cached keys/values are read (or joined with this step's) right below,
+            # before the cache can change.
             view = self.cache.view(seq_id, layer, copy=False) if seq_id is not None else None
-            if window not in per_window:
-                new_slots = self.cache.slots_of(layer, num_before, n)
-                if view is not None:
-                    key_pos = torch.cat([view.positions, positions])
-                    key_slots = torch.cat([view.slots, new_slots])
-                else:
-                    key_pos, key_slots = positions, new_slots
-                mask = visibility(positions, key_pos, window, c.sink_tokens)
-                # None when nothing is hidden (decode without a window): attend then skips masking.
-                per_window[window] = (new_slots, key_pos, key_slots, mask, None if bool(mask.all()) else mask)
-            new_slots, key_pos, key_slots, mask, attn_mask = per_window[window]
-            stored_new = k if c.key_form == "raw" else rot.write_key(rope, k, positions, new_slots, ctx)
-            if view is not None:
-                reuse = probe_rows is None  # probes keep k_eff (the keys themselves when read as stored)
-                keys = self._joined(0, view.keys, stored_new.to(view.keys.dtype), reuse)
-                values = self._joined(1, view.values, v.to(view.values.dtype), reuse)
-            else:
-                keys, values = stored_new, v
-            if c.rotation_index == "cache":
-                out, logits, q_eff, k_eff = self._attend_cache_index(q, keys, values, mask, key_slots, ctx)
-            else:
+            stored_new = k if c.key_form == "raw" else rot.write_key(rope, k, positions, g.new_slots, ctx)
+            if g.segments:  # a decode step that sees every key: cached keys read in place, no join
                 q_eff = rot.query(rope, q, positions, ctx)
-                k_eff = rot.read_keys(rope, keys, key_pos, key_slots, ctx, backend_rotates=self.backend.rotates)
-                out, logits = attend(q_eff, k_eff, values, attn_mask, scale=cfg.attn_scale, softcap=cfg.attn_softcap)
-            if probe_rows is not None:
-                traces.append(_probe(probe_rows, h, q, q_eff, k_eff, values, key_pos, key_slots, mask))
+                k_cached = rot.read_keys(rope, view.keys, view.positions, view.slots, ctx,
+                                         backend_rotates=self.backend.rotates)
+                k_new = rot.read_keys(rope, stored_new, positions, g.new_slots, ctx,
+                                      backend_rotates=self.backend.rotates)
+                out = attend_segments(q_eff, (k_cached, k_new), (view.values, v), scale=cfg.attn_scale,
+                                      softcap=cfg.attn_softcap)
+            else:
+                if view is not None:
+                    reuse = probe_rows is None  # probes keep k_eff (the keys themselves when read as stored)
+                    keys = self._joined(0, view.keys, stored_new.to(view.keys.dtype), reuse)
+                    values = self._joined(1, view.values, v.to(view.values.dtype), reuse)
+                else:
+                    keys, values = stored_new, v
+                if c.rotation_index == "cache":
+                    out, q_eff, k_eff = self._attend_cache_index(q, keys, values, g.mask, g.key_slots, ctx)
+                else:
+                    q_eff = rot.query(rope, q, positions, ctx)
+                    k_eff = rot.read_keys(rope, keys, g.key_pos, g.key_slots, ctx,
+                                          backend_rotates=self.backend.rotates)
+                    out, _ = attend(q_eff, k_eff, values, g.attn_mask, scale=cfg.attn_scale,
+                                    softcap=cfg.attn_softcap, with_logits=False)
+                if probe_rows is not None:
+                    traces.append(_probe(probe_rows, h, q, q_eff, k_eff, values, g.key_pos, g.key_slots, g.mask))
             new_keys.append(stored_new)
             new_values.append(v)
             h = finish_layer(cfg, lw, h, out)
         if seq_id is not None:
             self.cache.append(seq_id, positions, new_keys, new_values, key_form=c.key_form)
         return StepOutput(final_logits(cfg, self.weights, h), positions, tuple(traces))
+
+    def _step_groups(self, seq_id, positions: torch.Tensor, probed: bool) -> dict[int | None, "_StepGroup"]:
+        """Slots, key positions and the mask of this step per window (cache group), built once per step:
+        every layer of a group gets the same tensors (and the same cos/sin table)."""
+        c, n = self.contract, positions.numel()
+        num_before = self.cache.num_tokens(seq_id) if seq_id is not None else 0
+        out: dict[int | None, _StepGroup] = {}
+        for layer in range(c.num_layers):
+            window = c.window if layer in c.window_layers else None
+            if window in out:
+                continue
+            new_slots = self.cache.slots_of(layer, num_before, n)
+            view = self.cache.view(seq_id, layer, copy=False) if seq_id is not None and num_before else None
+            if view is not None:
+                key_pos = torch.cat([view.positions, positions])
+                key_slots = torch.cat([view.slots, new_slots])
+            else:
+                key_pos, key_slots = positions, new_slots
+            mask = visibility(positions, key_pos, window, c.sink_tokens)
+            everything = bool(mask.all())  # decode without a window hiding anything: attend skips masking
+            segments = view is not None and everything and not probed and c.rotation_index == "logical"
+            out[window] = _StepGroup(new_slots, key_pos, key_slots, mask, None if everything else mask,
+                                     segments, view.positions if segments else key_pos)
+        return out
+
+    def _step_tables(self, positions: torch.Tensor, groups) -> tuple[RopeTable, ...]:
+        """The step's cos/sin tables: its query positions (queries and new keys), and for a rotating
+        backend each group's key positions, expanded to the KV heads."""
+        tables = []
+        if self.backend.rotates:
+            tables += [self._rope_tables.table(g.read_positions, self.config.num_kv_heads) for g in groups]
+        tables.append(self._rope_tables.table(positions))
+        return tuple(t for t in tables if t is not None)
+
+    def _scratch(self, groups) -> torch.Tensor | None:
+        """A buffer for the keys a rotating backend turns, as many rows as the step reads, reused by
+        every layer (nothing keeps a layer's keys once the step is not probed)."""
+        if not self.backend.rotates:
+            return None
+        rows = max(g.read_positions.numel() for g in groups)
+        c = self.contract
+        work = torch.float64 if self.dtype == torch.float64 else torch.float32
+        buf = self._key_scratch
+        if buf is None or buf.shape[0] < rows or buf.dtype != work:
+            buf = torch.empty((rows + rows // 4 + 16, c.num_kv_heads, c.head_dim), dtype=work, device=self.device)
+            self._key_scratch = buf
+        return buf
 
     def _joined(self, which: int, cached: torch.Tensor, new: torch.Tensor, reuse: bool) -> torch.Tensor:
         """``cat([cached, new])`` (``[N + n, KVH, D]``), written into a buffer shared by all layers when
@@ -242,18 +282,30 @@ class Engine:
         """StreamingLLM-style rotation: each query row turns itself and its visible keys to their order
         among the visible keys (sinks first). Exact with raw keys; one row at a time."""
         rope, rot = self.contract.layer_rope(ctx.layer), self.rotation
-        outs, all_logits, q_effs, k_eff = [], [], [], None
+        outs, q_effs, k_eff = [], [], None
         for i in range(q.shape[0]):
             vis = mask[i]
             index = torch.cumsum(vis.to(torch.int64), 0) - 1  # rank among visible keys
             k_eff = rot.read_keys(rope, keys, index.clamp(min=0), key_slots, ctx, backend_rotates=self.backend.rotates)
             qi = rot.query(rope, q[i:i + 1], index[vis][-1:].reshape(1), ctx)
-            o, lg = attend(qi, k_eff, values, mask[i:i + 1], scale=self.config.attn_scale,
-                           softcap=self.config.attn_softcap)
+            o, _ = attend(qi, k_eff, values, mask[i:i + 1], scale=self.config.attn_scale,
+                          softcap=self.config.attn_softcap, with_logits=False)
             outs.append(o)
-            all_logits.append(lg)
             q_effs.append(qi)
-        return torch.cat(outs), torch.cat(all_logits, dim=1), torch.cat(q_effs), k_eff
+        return torch.cat(outs), torch.cat(q_effs), k_eff
+
+
+@dataclass(frozen=True, eq=False)
+class _StepGroup:
+    """One window group's share of a step (see ``Engine._step_groups``)."""
+
+    new_slots: torch.Tensor  # [n] slots of the step's tokens
+    key_pos: torch.Tensor  # [N + n] positions of every key the step's queries may read
+    key_slots: torch.Tensor  # [N + n]
+    mask: torch.Tensor  # [n, N + n] visibility
+    attn_mask: torch.Tensor | None  # the mask, or None when it hides nothing
+    segments: bool  # read the cached keys in place (attend_segments) instead of joining them
+    read_positions: torch.Tensor  # positions of the keys a rotating read turns in one call
 
 
 def _probe(rows: list[int], h, q, q_eff, k_eff, values, key_pos, key_slots, mask) -> LayerProbe:

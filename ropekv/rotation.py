@@ -4,16 +4,113 @@
 that overrides one method (see ``ropekv.parity.faults``), so a fault is a named, reviewable variant
 and the engine itself has no fault switches. Stored positions are always the logical truth; a policy
 only decides how they turn queries and keys.
+
+cos/sin come from tables the engine builds once per step (:class:`RopeTable`, one for the step's
+query positions and one per window group's key positions) and hands to every layer in the
+:class:`StepContext`, as gpt-fast passes ``freqs_cis[input_pos]`` down its layers; the tables are
+rows of one per-engine :class:`RopeTables` (``rope.cos_sin`` of ``0..size-1``). Nothing is memoized
+across steps or kept in module state.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
 from .rope import RopeSpec, apply_rotation
+
+
+@dataclass(frozen=True, eq=False)
+class RopeTable:
+    """cos/sin of one positions tensor under one spec in one working dtype, expanded to ``heads``
+    (contiguous ``[T, heads, rotary_dim / 2]``: the elementwise passes over keys then run on plain
+    contiguous operands, about three times faster than broadcasting a ``[T, 1, n]`` table)."""
+
+    rope: RopeSpec
+    positions: torch.Tensor  # [T] int64
+    cos: torch.Tensor  # [T, heads or 1, rotary_dim / 2], rope.cos_sin rows cast to the working dtype
+    sin: torch.Tensor
+    kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # compiled neox_rotate
+    heads: int = 0  # the KV heads a key table serves (0: a query table)
+
+    def serves(self, rope: RopeSpec, positions: torch.Tensor, x: torch.Tensor) -> bool:
+        """Whether this table is ``rope.cos_sin(positions)`` for ``x [T, heads, D]`` (the engine hands
+        every layer the very ``positions`` tensor it built the table from)."""
+        return (positions is self.positions and (rope is self.rope or rope == self.rope) and x.dim() == 3
+                and x.shape[0] == self.cos.shape[0] and self.cos.shape[1] in (x.shape[1], 1)
+                and self.heads in (0, x.shape[1])
+                and (x.dtype == self.cos.dtype or x.dtype in (torch.bfloat16, torch.float16)))
+
+    def rotate(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``rope.rotate(x, positions)`` for ``x [T, heads, D]``, written into ``out`` when given (same
+        shape, the working dtype; it must not overlap ``x``). Full-width neox rotary takes the lean
+        path below; other layouts and partial rotary take :func:`~ropekv.rope.apply_rotation`."""
+        n = self.cos.shape[-1]
+        work = self.cos.dtype
+        if self.rope.layout != "neox" or x.shape[-1] != 2 * n:
+            result = apply_rotation(x, self.cos[:, 0], self.sin[:, 0], self.rope.layout)
+            return result if out is None else out.copy_(result)
+        if x.dtype != work:
+            x = x.to(work)
+        if self.kernel is not None:  # one fused pass (torch.compile); ``out`` would only add a copy
+            return self.kernel(x, self.cos, self.sin)
+        if out is None:
+            out = torch.empty(x.shape, dtype=work, device=x.device)
+        a, b = x[..., :n], x[..., n:]
+        first, second = out[..., :n], out[..., n:]
+        torch.mul(a, self.cos, out=first)
+        first.addcmul_(b, self.sin, value=-1.0)  # a * cos - b * sin
+        torch.mul(b, self.cos, out=second)
+        second.addcmul_(a, self.sin)  # b * cos + a * sin
+        return out
+
+
+class RopeTables:
+    """``rope.cos_sin(arange(size))`` for one spec, dtype and device, grown on demand; owned by an
+    engine (not shared between engines or processes). :meth:`table` gathers a step's rows."""
+
+    MAX_POSITIONS = 1 << 20  # beyond this (a buggy position), no table: the policy falls back
+
+    def __init__(self, rope: RopeSpec, dtype: torch.dtype, device: torch.device, *, compile_keys: bool = False):
+        self.rope, self.dtype, self.device = rope, dtype, device
+        self._cos = self._sin = torch.empty(0, rope.rotary_dim // 2, dtype=dtype, device=device)
+        # Key tables rotate with one compiled pass (read keys, write rotated keys) instead of four eager
+        # ones: the eager passes dominate a rotate-on-read step at long contexts.
+        self._kernel = torch.compile(neox_rotate, dynamic=True) if compile_keys else None
+
+    def table(self, positions: torch.Tensor, heads: int = 1) -> RopeTable | None:
+        """The rows of ``positions [T]`` expanded to ``heads``, or None when a table cannot serve them
+        (length-dependent RoPE, negative or huge positions, an empty tensor)."""
+        if (self.rope.length_dependent or positions.dim() != 1 or positions.dtype != torch.int64
+                or positions.numel() == 0):
+            return None
+        lo, hi = (int(v) for v in torch.aminmax(positions))
+        if lo < 0 or hi >= self.MAX_POSITIONS:
+            return None
+        if self._cos.shape[0] <= hi:
+            size = max(4096, 1 << hi.bit_length())
+            cos, sin = self.rope.cos_sin(torch.arange(size, dtype=torch.int64))  # float64 [size, n]
+            self._cos = cos.to(device=self.device, dtype=self.dtype)
+            self._sin = sin.to(device=self.device, dtype=self.dtype)
+        index = positions.to(self.device)
+        cos, sin = self._cos.index_select(0, index)[:, None], self._sin.index_select(0, index)[:, None]
+        kernel = self._kernel if heads > 1 else None
+        if heads > 1 and kernel is None:  # eager passes run faster on plain contiguous operands
+            shape = (positions.numel(), heads, self._cos.shape[1])
+            cos, sin = cos.expand(shape).contiguous(), sin.expand(shape).contiguous()
+        return RopeTable(self.rope, positions, cos, sin, kernel, heads if heads > 1 else 0)
+
+
+def neox_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Full-width neox rotation of ``x [T, heads, 2n]`` by ``cos/sin [T, 1 or heads, n]`` (the same
+    products, differences and sums as :func:`~ropekv.rope.apply_rotation`); what ``torch.compile``
+    fuses into one pass for the key tables."""
+    n = cos.shape[-1]
+    a, b = x[..., :n], x[..., n:]
+    return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
 
 
 @dataclass(frozen=True)
@@ -23,7 +120,10 @@ class StepContext:
     ``phase`` is ``"prefill"`` (a chunk of new tokens), ``"decode"`` (one new token) or ``"full"``
     (the engine's own cache-free forward, used for self-parity). ``seq_len`` is the length the
     frequencies are computed for (length-dependent RoPE); ``fork_offset`` the prefix length the
-    sequence was forked at (0 if it was not); ``block_size`` the cache's block size.
+    sequence was forked at (0 if it was not); ``block_size`` the cache's block size. ``tables``: the
+    step's cos/sin tables (its query positions, each window group's key positions); ``key_scratch``:
+    a buffer ``[N, KVH, D]`` (working dtype) a rotating read may write the layer's keys into, reused
+    by every layer of the step, or None.
     """
 
     phase: str
@@ -33,10 +133,17 @@ class StepContext:
     layer: int = 0
     layer_ropes: tuple[RopeSpec | None, ...] = ()  # the contract's spec per layer (None: NoPE)
     window_layers: tuple[int, ...] = ()  # the contract's sliding ("local") layers
+    tables: tuple[RopeTable, ...] = field(default=(), compare=False)
+    key_scratch: torch.Tensor | None = field(default=None, compare=False)
 
     def for_layer(self, layer: int) -> "StepContext":
         """This context for ``layer`` (faults that confuse layers read ``layer`` and ``layer_ropes``)."""
         return dataclasses.replace(self, layer=layer)
+
+    def table_for(self, rope: RopeSpec | None, positions: torch.Tensor, x: torch.Tensor) -> RopeTable | None:
+        if rope is None:
+            return None
+        return next((t for t in self.tables if t.serves(rope, positions, x)), None)
 
 
 class RotationPolicy:
@@ -62,131 +169,41 @@ class RotationPolicy:
 
     def query(self, rope: RopeSpec, q: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Rotate queries ``q [n, H, D]`` to their rotation indices ``positions [n]``."""
-        return rotate(rope, q, positions, ctx.seq_len)
+        return rotate(rope, q, positions, ctx)
 
     def write_key(self, rope: RopeSpec, k: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                   ctx: StepContext) -> torch.Tensor:
         """The form a ``"rotated"`` cache stores for new raw keys ``k [n, KVH, D]``: rotated at ``positions``."""
-        return rotate(rope, k, positions, ctx.seq_len)
+        return rotate(rope, k, positions, ctx)
 
     def read_keys(self, rope: RopeSpec, stored: torch.Tensor, rotation_index: torch.Tensor, slots: torch.Tensor,
                   ctx: StepContext, *, backend_rotates: bool) -> torch.Tensor:
         """Keys ``[N, KVH, D]`` as the kernel uses them, from the stored form.
 
         A rotating backend turns raw keys to ``rotation_index`` (logical positions, never ``slots``) in
-        float32 or wider; a non-rotating backend reads rotated keys as stored.
+        float32 or wider, into ``ctx.key_scratch`` when it fits; a non-rotating backend reads rotated
+        keys as stored.
         """
-        if backend_rotates:
-            work = stored if stored.dtype == torch.float64 else stored.float()
-            return rotate(rope, work, rotation_index, ctx.seq_len)
-        return stored
+        if not backend_rotates:
+            return stored
+        work = stored if stored.dtype == torch.float64 else stored.float()
+        table = ctx.table_for(rope, rotation_index, stored)
+        if table is None:
+            return rotate(rope, work, rotation_index, ctx)
+        out = ctx.key_scratch  # for the layer's keys (a table expanded to the KV heads), not a step's new key
+        fits = (out is not None and table.heads == stored.shape[1] > 1 and out.shape[0] >= stored.shape[0]
+                and out.shape[1:] == stored.shape[1:] and out.dtype == table.cos.dtype)
+        return table.rotate(stored, out[: stored.shape[0]] if fits else None)
 
 
-def rotate(rope: RopeSpec | None, x: torch.Tensor, positions: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
-    """``rope.rotate(x, positions, seq_len)``, with cos/sin read from a per-spec table; ``x`` itself
-    for ``rope=None`` (a NoPE layer: no position embedding, nothing turns).
-
-    Why: ``rope.rotate`` recomputes ``inv_freq`` and float64 cos/sin of every position at every call;
-    a rotate-on-read decode step does that for every cached key in every layer. The table rows are
-    ``rope.cos_sin`` of the same positions (computed by that same function, then cast to the working
-    dtype exactly as ``apply_rotation`` would), so results do not change. Length-dependent RoPE,
-    negative or out-of-range positions and anything unusual take ``rope.rotate`` itself.
-    """
+def rotate(rope: RopeSpec | None, x: torch.Tensor, positions: torch.Tensor,
+           ctx: StepContext | None = None) -> torch.Tensor:
+    """``rope.rotate(x, positions, ctx.seq_len)`` (working dtype), from the step's table when it has
+    one for these positions, else computed (faults hand in other positions or specs); ``x`` itself
+    for ``rope=None`` (a NoPE layer: no position embedding, nothing turns)."""
     if rope is None:
         return x
-    if (rope.length_dependent or not isinstance(positions, torch.Tensor) or positions.dim() != 1
-            or positions.dtype != torch.int64 or positions.numel() == 0 or not x.is_floating_point()):
-        return rope.rotate(x, positions, seq_len)
-    work = torch.float64 if x.dtype == torch.float64 else torch.float32
-    cos_sin = _TABLES.lookup(rope, positions, work)
-    if cos_sin is None:
-        return rope.rotate(x, positions, seq_len)
-    cos, sin = cos_sin  # [T, 1, rotary_dim / 2]
-    n = cos.shape[-1]
-    if (rope.layout == "neox" and x.dtype == work and x.shape[-1] == 2 * n and x.dim() >= 3
-            and x.shape[-3] == cos.shape[0]):
-        return _rotate_neox(x, cos, sin)
-    return apply_rotation(x, cos[:, 0], sin[:, 0], rope.layout)
-
-
-def _rotate_neox(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``apply_rotation(x, cos, sin, "neox")`` for full-width rotary in the working dtype, the same
-    products, differences and sums in the same order (so bit for bit), written into one output.
-
-    Why: rotate-on-read turns every cached key of every layer at every step. apply_rotation makes
-    six half-size temporaries and concatenates them; at a few MB per layer each fresh tensor is a
-    fresh mapping from the allocator, and the page faults (one per 4 KiB) cost more than the
-    arithmetic. Here the halves are written in place and one scratch buffer serves all products.
-    (Working through the keys in cache-sized blocks of tokens was tried: no faster on two threads.)
-    """
-    n = cos.shape[-1]
-    a, b = x[..., :n], x[..., n:]
-    if x.numel() < _SMALL:  # a step's new queries and keys: fewer calls beat fewer allocations
-        return torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    first, second = out[..., :n], out[..., n:]
-    tmp = _scratch(a.shape, x.dtype, x.device)
-    torch.mul(a, cos, out=first)
-    first.sub_(torch.mul(b, sin, out=tmp))  # a * cos - b * sin
-    torch.mul(b, cos, out=second)
-    second.add_(torch.mul(a, sin, out=tmp))  # b * cos + a * sin
-    return out
-
-
-_SMALL = 1 << 16  # elements
-_SCRATCH: dict[tuple, torch.Tensor] = {}
-
-
-def _scratch(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A reused buffer of ``shape`` (per dtype and device; its contents never escape a call)."""
-    numel = shape.numel()
-    buf = _SCRATCH.get((dtype, device))
-    if buf is None or buf.numel() < numel:
-        buf = torch.empty(numel + numel // 4, dtype=dtype, device=device)  # headroom: contexts grow by a token a step
-        _SCRATCH[(dtype, device)] = buf
-    return buf[:numel].view(shape)
-
-
-class _CosSinTables:
-    """``rope.cos_sin(arange(size))`` per (spec, dtype, device), grown on demand, plus recent lookups.
-
-    Recent lookups are kept because the engine passes the same ``positions`` tensors (the step's
-    query positions, each window's key positions) to every layer of a step. A kept lookup holds a
-    reference to its ``positions`` tensor (so that id cannot be reused) and its version counter (an
-    in-place change misses). Inference tensors have no version counter, so they are never kept.
-    """
-
-    MAX_POSITIONS = 1 << 20  # beyond this (a buggy position), fall back rather than build a huge table
-    MAX_SPECS = 16
-    RECENT = 4  # a step's query positions and key positions per window group, with room to spare
-
-    def __init__(self) -> None:
-        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
-        self._recent: list[tuple] = []
-
-    def lookup(self, rope: RopeSpec, positions: torch.Tensor, dtype: torch.dtype):
-        memo = not positions.is_inference()
-        if memo:
-            for entry in self._recent:
-                if (entry[0] is positions and entry[1] == positions._version and entry[2] is dtype
-                        and (entry[3] is rope or entry[3] == rope)):
-                    return entry[4]
-        lo, hi = (int(v) for v in torch.aminmax(positions))
-        if lo < 0 or hi >= self.MAX_POSITIONS:
-            return None
-        key = (rope, dtype, positions.device)
-        table = self._tables.get(key)
-        if table is None or table[0].shape[0] <= hi:
-            size = max(4096, 1 << hi.bit_length())
-            cos, sin = rope.cos_sin(torch.arange(size, dtype=torch.int64))  # float64 [size, rotary_dim / 2]
-            if len(self._tables) >= self.MAX_SPECS:
-                self._tables.clear()
-            table = (cos.to(device=positions.device, dtype=dtype), sin.to(device=positions.device, dtype=dtype))
-            self._tables[key] = table
-        found = (table[0].index_select(0, positions)[:, None], table[1].index_select(0, positions)[:, None])
-        if memo:
-            self._recent = [(positions, positions._version, dtype, rope, found)] + self._recent[: self.RECENT - 1]
-        return found
-
-
-_TABLES = _CosSinTables()
+    table = None if ctx is None else ctx.table_for(rope, positions, x)
+    if table is None:
+        return rope.rotate(x, positions, None if ctx is None else ctx.seq_len)
+    return table.rotate(x).to(x.dtype)

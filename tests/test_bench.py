@@ -19,8 +19,8 @@ from ropekv.attention import attend
 from ropekv.bench.run import GOALS
 from ropekv.cache.paged import PagedKVCache
 from ropekv.contract import CacheContract
-from ropekv.rope import RopeSpec
-from ropekv.rotation import rotate
+from ropekv.rope import RopeScaling, RopeSpec
+from ropekv.rotation import RopeTables, StepContext, rotate
 from ropekv.transformer import rms_norm
 
 CONTEXTS = (16, 64)
@@ -95,20 +95,45 @@ def test_quick_bench_prints_a_table_and_a_plot(bench_run) -> None:
 @pytest.mark.parametrize("layout", ["neox", "gptj"])
 @pytest.mark.parametrize("rotary_dim", [64, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-def test_table_rotation_is_rope_rotate_bit_for_bit(layout, rotary_dim, dtype) -> None:
-    """``ropekv.rotation.rotate`` (cos/sin tables, a lean neox path) must equal ``RopeSpec.rotate``
-    exactly, including the fallbacks (negative and huge positions)."""
+@pytest.mark.parametrize("heads", [1, 3])
+def test_step_table_rotation_is_rope_rotate(layout, rotary_dim, dtype, heads) -> None:
+    """A step's cos/sin table (``RopeTables.table``, handed to every layer in the step context) rotates
+    as ``RopeSpec.rotate`` does, within the rounding of its fused multiply-adds; positions a table cannot
+    serve (negative, huge, length-dependent RoPE) get no table, and the policy computes them."""
     spec = RopeSpec(head_dim=64, rotary_dim=rotary_dim, theta=100000.0, layout=layout, max_position_embeddings=8192)
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    tables = RopeTables(spec, work, torch.device("cpu"))
     g = torch.Generator().manual_seed(0)
-    for positions in (torch.arange(4097), torch.randint(0, 9000, (333,), generator=g), torch.tensor([0]),
-                      torch.tensor([5, -1, 7]), torch.tensor([3, 1 << 21])):
+    for positions in (torch.arange(4097), torch.randint(0, 9000, (333,), generator=g), torch.tensor([0])):
+        table = tables.table(positions, heads)
         x = torch.randn(positions.numel(), 3, 64, generator=g).to(dtype)
-        for _ in range(2):  # the second call is served from the lookup memo
-            assert torch.equal(rotate(spec, x, positions), spec.rotate(x, positions))
-    positions = torch.arange(50)
-    positions.add_(1)  # an in-place change must miss the memo
-    x = torch.randn(50, 3, 64, generator=g).to(dtype)
-    assert torch.equal(rotate(spec, x, positions), spec.rotate(x, positions))
+        ctx = StepContext(phase="decode", seq_len=int(positions.max()) + 1, tables=(table,))
+        expected = spec.rotate(x, positions)
+        got = rotate(spec, x, positions, ctx)
+        assert got.dtype == dtype and table.serves(spec, positions, x)
+        tol = 1e-2 if dtype == torch.bfloat16 else 1e-12 if dtype == torch.float64 else 2e-6
+        torch.testing.assert_close(got, expected, rtol=tol, atol=tol)
+        assert not table.serves(spec, positions.clone(), x)  # only the tensor it was built from
+        out = torch.empty(x.shape, dtype=work)
+        assert table.rotate(x, out) is out
+        torch.testing.assert_close(out.to(dtype), expected, rtol=tol, atol=tol)
+    assert tables.table(torch.tensor([5, -1, 7])) is None and tables.table(torch.tensor([3, 1 << 21])) is None
+    dynamic = spec.replace(scaling=RopeScaling("dynamic", factor=2.0))
+    assert RopeTables(dynamic, work, torch.device("cpu")).table(torch.arange(4)) is None
+
+
+def test_rotation_keeps_no_state_between_steps() -> None:
+    """Nothing is memoized in module state: the policy reads only the tables its step hands it."""
+    import ropekv.rotation as rotation
+
+    spec = RopeSpec(head_dim=8, rotary_dim=8, theta=10000.0)
+    positions = torch.arange(5)
+    x = torch.randn(5, 2, 8)
+    wrong = RopeTables(spec.replace(theta=20.0), torch.float32, torch.device("cpu")).table(positions)
+    assert not wrong.serves(spec, positions, x)  # a table of another spec never serves
+    ctx = StepContext(phase="decode", seq_len=5, tables=(wrong,))
+    assert torch.equal(rotate(spec, x, positions, ctx), spec.rotate(x, positions))
+    assert not any(isinstance(v, (dict, list)) for k, v in vars(rotation).items() if not k.startswith("__"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
@@ -175,3 +200,90 @@ def test_uncopied_cache_views_hold_what_copied_ones_hold() -> None:
         append("a", 2)
         check()
     assert shared == {True, False}  # both paths ran
+
+
+@pytest.mark.parametrize("window, sinks", [(None, 0), (37, 0), (37, 3)])
+def test_attend_in_query_blocks_matches_attend_at_once(window, sinks) -> None:
+    """A long prefill without logits goes in query blocks that read only the keys they can see; it must
+    agree with the one-block computation within float32 rounding (written out independently here)."""
+    from ropekv.attention import visibility
+
+    g = torch.Generator().manual_seed(4)
+    n, cached = 700, 300
+    q = torch.randn(n, 6, 16, generator=g)
+    k, v = torch.randn(cached + n, 2, 16, generator=g), torch.randn(cached + n, 2, 16, generator=g)
+    positions = torch.arange(cached, cached + n)
+    mask = visibility(positions, torch.arange(cached + n), window, sinks)
+    expected, _ = attend(q, k, v, mask)
+    import ropekv.attention as attention
+
+    old = attention._BLOCK_BYTES
+    attention._BLOCK_BYTES = 6 * (cached + n) * 4 * 64  # 64 query rows a block
+    try:
+        blocked, logits = attend(q, k, v, mask, with_logits=False)
+    finally:
+        attention._BLOCK_BYTES = old
+    assert logits is None
+    scores = torch.einsum("nhd,mhd->hnm", q.double(), k.double().repeat_interleave(3, dim=1)) / 4.0
+    reference = torch.einsum("hnm,mhd->nhd", scores.masked_fill(~mask, float("-inf")).softmax(-1),
+                             v.double().repeat_interleave(3, dim=1))
+    torch.testing.assert_close(blocked.double(), reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(blocked, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_attend_over_segments_is_attend_over_the_joined_keys() -> None:
+    """A decode step reads the cached keys/values in place (segments) instead of joining them first."""
+    from ropekv.attention import attend_segments
+
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 9, 64, generator=g)
+    k, v = torch.randn(1025, 3, 64, generator=g), torch.randn(1025, 3, 64, generator=g)
+    joined, _ = attend(q, k, v, None)
+    split = attend_segments(q, (k[:1024], k[1024:]), (v[:1024], v[1024:]))
+    torch.testing.assert_close(split, joined, rtol=1e-6, atol=1e-6)
+    assert torch.equal(attend_segments(q, (k,), (v,)), joined)
+
+
+@pytest.mark.parametrize("key_form", ["rotated", "raw"])
+@pytest.mark.parametrize("window", [None, 9])
+def test_unprobed_decode_reads_like_the_probed_one(tiny_llama_dir, key_form, window) -> None:
+    """An unprobed decode step reads the cached keys in place (attend_segments) and rotates raw keys
+    into a reused scratch; a probed step joins and keeps them. Both must give the same logits, and both
+    must agree with the engine's own full forward over the same tokens."""
+    from ropekv.engine import Engine
+    from ropekv.models import load_checkpoint
+
+    ckpt = load_checkpoint(tiny_llama_dir)
+    contract = CacheContract.for_model(ckpt.config, key_form=key_form, block_size=4, dtype="float32",
+                                       model_fingerprint=ckpt.fingerprint)
+    if window is not None:
+        contract = contract.replace(window=window, window_layers=(0,))
+    tokens = torch.randint(0, ckpt.config.vocab_size, (30,), generator=torch.Generator().manual_seed(6))
+    fast, probed = Engine(ckpt, contract, 16), Engine(ckpt, contract, 16)
+    for engine in (fast, probed):
+        engine.prefill("s", tokens[:20], chunk_size=7)
+    for t in range(20, 30):
+        a = fast.decode("s", int(tokens[t])).logits
+        b = probed.decode("s", int(tokens[t]), probe=True).logits
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    if window is None:
+        full = fast.forward_full(tokens[:30]).logits[-1]
+        torch.testing.assert_close(a[-1], full, rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_rotation_keeps_the_eager_step(tiny_llama_dir) -> None:
+    """``compile_rotation`` (one torch.compile'd pass over the keys a rotate-on-read step turns) must
+    give the eager step's logits within float32 rounding, at contexts past one compiled shape."""
+    from ropekv.engine import Engine
+    from ropekv.models import load_checkpoint
+
+    ckpt = load_checkpoint(tiny_llama_dir)
+    contract = CacheContract.for_model(ckpt.config, key_form="raw", block_size=4, dtype="float32",
+                                       model_fingerprint=ckpt.fingerprint)
+    tokens = torch.randint(0, ckpt.config.vocab_size, (40,), generator=torch.Generator().manual_seed(7))
+    eager, compiled = Engine(ckpt, contract, 16), Engine(ckpt, contract, 16, compile_rotation=True)
+    for engine in (eager, compiled):
+        engine.prefill("s", tokens[:30])
+    for t in range(30, 40):
+        torch.testing.assert_close(compiled.decode("s", int(tokens[t])).logits,
+                                   eager.decode("s", int(tokens[t])).logits, rtol=1e-5, atol=1e-5)

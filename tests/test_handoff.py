@@ -25,7 +25,7 @@ from ropekv.rope import RopeScaling, RopeSpec
 from ropekv.transfer import Handoff, read_payload, write_payload
 from ropekv.transfer.adapter import HandoffAdapter, get_handoff_fault
 from ropekv.transfer.handshake import decide
-from ropekv.transfer.importer import import_handoff
+from ropekv.transfer.importer import export_handoff, import_handoff
 from ropekv.transfer.payload import window_rows
 from ropekv.transfer.workers import launch
 
@@ -156,7 +156,7 @@ def test_each_contract_mismatch_is_refused_with_the_field_named(ckpt, base, conv
         if convert == "explicit" and field in ("key_form", "kernel_rotates"):
             continue  # converted: see test_explicit_conversion_passes
         with pytest.raises(ContractMismatch) as e:
-            import_handoff(engine, synthetic(theirs), convert=convert)
+            import_handoff(engine.cache, synthetic(theirs), convert=convert)
         assert field in e.value.fields and field in str(e.value), field
         assert engine.cache.state_digest() == before, field
         verdict = decide(base, theirs, convert, rank=1)
@@ -183,21 +183,21 @@ def test_import_is_all_or_nothing(ckpt, base):
     engine = prefilled(ckpt, base, 20, seq="other", num_blocks=3)  # 2 of 3 blocks in use
     twin = prefilled(ckpt, base, 20, seq="other", num_blocks=3)
     before = engine.cache.state_digest()
-    big = prefilled(ckpt, base, 40).export_handoff("s", tokens(40))
+    big = export_handoff(prefilled(ckpt, base, 40).cache, "s", tokens(40))
     failures = [
-        (lambda: engine.import_handoff(big), CapacityError),  # needs 3 blocks, 1 free
-        (lambda: engine.import_handoff(big, seq_id="other"), CacheError),  # the id is taken
-        (lambda: engine.import_handoff(synthetic(base.with_key_form("raw"))), ContractMismatch),
-        (lambda: engine.import_handoff(big, convert="sometimes"), UsageError),
-        (lambda: engine.import_handoff(b"payload bytes"), UsageError),
+        (lambda: import_handoff(engine.cache, big), CapacityError),  # needs 3 blocks, 1 free
+        (lambda: import_handoff(engine.cache, big, seq_id="other"), CacheError),  # the id is taken
+        (lambda: import_handoff(engine.cache, synthetic(base.with_key_form("raw"))), ContractMismatch),
+        (lambda: import_handoff(engine.cache, big, convert="sometimes"), UsageError),
+        (lambda: import_handoff(engine.cache, b"payload bytes"), UsageError),
     ]
     for attempt, error in failures:
         with pytest.raises(error):
             attempt()
         assert engine.cache.state_digest() == before
         assert engine.cache.seq_ids() == ["other"]
-    small = prefilled(ckpt, base, 10).export_handoff("s", tokens(10))
-    assert engine.import_handoff(read_payload(write_payload(small)), seq_id="new") == "new"
+    small = export_handoff(prefilled(ckpt, base, 10).cache, "s", tokens(10))
+    assert import_handoff(engine.cache, read_payload(write_payload(small)), seq_id="new") == "new"
     assert engine.num_tokens("new") == 10
     assert torch.equal(engine.decode("other", 3).logits, twin.decode("other", 3).logits)
 
@@ -205,7 +205,7 @@ def test_import_is_all_or_nothing(ckpt, base):
 def test_imported_sequence_decodes_like_the_original(ckpt, base):
     source = prefilled(ckpt, base, 23)
     target = Engine(ckpt, base, 16)
-    target.import_handoff(read_payload(write_payload(source.export_handoff("s", tokens(23)))))
+    import_handoff(target.cache, read_payload(write_payload(export_handoff(source.cache, "s", tokens(23)))))
     for t in (4, 9):
         torch.testing.assert_close(target.decode("s", t).logits, source.decode("s", t).logits, rtol=0, atol=0)
 
@@ -214,11 +214,11 @@ def test_imported_sequence_decodes_like_the_original(ckpt, base):
 def test_all_sliding_wrapped_ring_round_trips(ckpt, base, sinks):
     windowed = base.replace(window=5, window_layers=(0, 1), sink_tokens=sinks, block_size=3)
     source = prefilled(ckpt, windowed, 14)
-    h = source.export_handoff("s", tokens(14))
+    h = export_handoff(source.cache, "s", tokens(14))
     assert torch.equal(h.positions, torch.arange(14))
     assert h.keys[0].shape[0] == sinks + 5
     target = Engine(ckpt, windowed, 16)
-    target.import_handoff(read_payload(write_payload(h)))
+    import_handoff(target.cache, read_payload(write_payload(h)))
     torch.testing.assert_close(target.decode("s", 7).logits, source.decode("s", 7).logits, rtol=0, atol=0)
 
 
@@ -226,23 +226,23 @@ def test_export_refuses_positions_the_ring_no_longer_determines(ckpt, base):
     windowed = base.replace(window=3, window_layers=(0, 1))
     engine = Engine(ckpt, windowed, 16)
     late = synthetic(windowed, n=8, seq_id="late")
-    engine.import_handoff(dataclasses.replace(late, positions=torch.arange(8) + 100))
+    import_handoff(engine.cache, dataclasses.replace(late, positions=torch.arange(8) + 100))
     with pytest.raises(CacheError, match="do not determine"):
-        engine.export_handoff("late", tokens(8))
+        export_handoff(engine.cache, "late", tokens(8))
 
 
 def test_export_checks_its_tokens(ckpt, base):
     engine = prefilled(ckpt, base, 5)
     with pytest.raises(UsageError, match="one per cached token"):
-        engine.export_handoff("s", tokens(4))
+        export_handoff(engine.cache, "s", tokens(4))
     with pytest.raises(CacheError, match="unknown"):
-        engine.export_handoff("missing", tokens(5))
+        export_handoff(engine.cache, "missing", tokens(5))
 
 
 @pytest.fixture(scope="module")
 def damaged_target(ckpt, base):
     engine = prefilled(ckpt, base, 6, seq="other")
-    data = write_payload(prefilled(ckpt, base, 7).export_handoff("s", tokens(7)))
+    data = write_payload(export_handoff(prefilled(ckpt, base, 7).cache, "s", tokens(7)))
     return engine, data, engine.cache.state_digest()
 
 
@@ -257,7 +257,7 @@ def test_damaged_payloads_never_reach_the_cache(damaged_target, flips, cut):
     if damaged == data:
         return
     with pytest.raises(PayloadError):
-        engine.import_handoff(read_payload(damaged))
+        import_handoff(engine.cache, read_payload(damaged))
     assert engine.cache.state_digest() == digest
 
 

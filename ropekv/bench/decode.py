@@ -124,12 +124,14 @@ def time_interleaved(drivers: dict[str, Driver], contexts: list[int], *, warmup:
 
 
 def ropekv_driver(checkpoint: Checkpoint, key_form: str, tokens: torch.Tensor, max_tokens: int, *,
-                  dtype: str = "float32", weights: DecoderWeights | None = None, block_size: int = 16) -> Driver:
+                  dtype: str = "float32", weights: DecoderWeights | None = None, block_size: int = 16,
+                  compile_rotation: bool = False) -> Driver:
     """ropekv's engine with ``key_form`` keys (its backend follows: rotated / rotate_on_read) and room
     for ``max_tokens``; ``keep`` is ``(engine, seq_id)``."""
     contract = CacheContract.for_model(checkpoint.config, key_form=key_form, block_size=block_size, dtype=dtype,
                                        model_fingerprint=checkpoint.fingerprint)
-    engine = Engine(checkpoint, contract, num_blocks=-(-max_tokens // block_size) + 2, weights=weights)
+    engine = Engine(checkpoint, contract, num_blocks=-(-max_tokens // block_size) + 2, weights=weights,
+                    compile_rotation=compile_rotation)
     seq = "bench"
     return Driver(prefill=lambda start, end: engine.prefill(seq, tokens[start:end]),
                   decode=lambda position: engine.decode(seq, tokens[position]), keep=(engine, seq))

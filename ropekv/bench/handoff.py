@@ -1,17 +1,21 @@
 """Handoff throughput between two local ranks (torch.distributed, gloo), against a bare send/recv.
 
 The parent process writes one sequence's payload (``ropekv.transfer.write_payload``) to a file and
-starts two ranks (``python -m ropekv.bench.handoff``), one thread each. Rank 0 imports the payload
-into its own engine (setup, untimed); then, ``repeats`` times, after a barrier:
+starts two ranks (``python -m ropekv.bench.handoff``), one thread each, each holding a
+``PagedKVCache`` of the payload's contract (no model: the handoff moves caches). Rank 0 imports the
+payload into its cache (setup, untimed); then, ``repeats`` times, after a barrier:
 
-- ``handoff``: what ``ropekv handoff`` does per sequence. Rank 0: ``export_handoff`` ->
-  ``write_payload`` -> ``Channel.send`` (framed, chunked). Rank 1: ``Channel.recv`` -> ``read_payload``
-  (checksum, validation) -> ``import_handoff`` into its engine (all-or-nothing append).
-- ``channel``: the same framed ``Channel.send``/``recv`` of the already written bytes (the wire part).
-- ``bare``: ``dist.send``/``dist.recv`` of one preallocated uint8 tensor of the same byte count.
+- ``handoff``: what ``ropekv handoff`` does per sequence, the streamed handoff
+  (``ropekv.transfer.stream``): rank 0 hashes its pool chunk by chunk and sends the header, then the
+  chunks as views of its pool; rank 1 checks the header, reserves blocks, receives every chunk
+  straight into them (checksum and finiteness checked while the next chunk arrives), commits, acks.
+- ``bare_chunks``: the same chunks sent and received with nothing else (no header, no hashing, no
+  checks, no reservation): what the chunking alone costs against one message.
+- ``bare``: one ``dist.send``/``dist.recv`` of a preallocated uint8 tensor of the same byte count.
 
 Times are taken on the receiving rank from the barrier to the end of its work, so each includes the
-sender's share. The figure is payload bytes over the best of ``repeats``.
+sender's share. The figure is the stream's bytes (keys/values plus header) over the best of ``repeats``.
+The first imported copy is compared with the payload, bit for bit (untimed).
 """
 
 from __future__ import annotations
@@ -25,16 +29,16 @@ import sys
 import time
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
-KINDS = ("handoff", "channel", "bare")
+KINDS = ("handoff", "bare_chunks", "bare")
 
 
-def measure_handoff(payload: bytes, model: str | None, workdir: Path, *, repeats: int = 3,
-                    timeout: float = 300.0) -> dict[str, Any]:
-    """Start both ranks on 127.0.0.1 and collect their figures (rank 1 times, rank 0 phases)."""
+def measure_handoff(payload: bytes, workdir: Path, *, repeats: int = 3, timeout: float = 300.0,
+                    progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Start both ranks on 127.0.0.1 and collect their figures (rank 1 times, both ranks' phases)."""
     payload_path = workdir / "payload.safetensors"
     payload_path.write_bytes(payload)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -45,8 +49,6 @@ def measure_handoff(payload: bytes, model: str | None, workdir: Path, *, repeats
         argv = [sys.executable, "-m", "ropekv.bench.handoff", "--rank", str(rank), "--port", str(port),
                 "--payload", str(payload_path), "--result", str(workdir / f"rank{rank}.json"),
                 "--repeats", str(repeats), "--timeout", str(timeout)]
-        if model is not None:
-            argv += ["--model", str(model)]
         log = open(workdir / f"rank{rank}.log", "w")
         procs.append((subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT), log))
     deadline = time.monotonic() + timeout
@@ -73,8 +75,10 @@ def measure_handoff(payload: bytes, model: str | None, workdir: Path, *, repeats
             raise RuntimeError(f"handoff bench rank {rank} exited {codes[rank]} without a result:\n{tail}")
         results.append(json.loads(path.read_text()))
     sender, receiver = results
-    nbytes = len(payload)
+    nbytes = receiver["stream_bytes"]
     out: dict[str, Any] = {"payload_bytes": nbytes, "tensor_bytes": receiver["tensor_bytes"],
+                           "header_bytes": nbytes - receiver["tensor_bytes"], "chunks": receiver["chunks"],
+                           "in_place_chunks": receiver["in_place_chunks"], "verified_exact": receiver["verified"],
                            "tokens": receiver["tokens"], "repeats": repeats, "threads_per_rank": 1,
                            "transport": "torch.distributed gloo over 127.0.0.1, two processes"}
     for kind in KINDS:
@@ -83,68 +87,67 @@ def measure_handoff(payload: bytes, model: str | None, workdir: Path, *, repeats
     out["sender_phases_seconds"] = sender["phases"]
     out["receiver_phases_seconds"] = receiver["phases"]
     out["handoff_over_bare_sendrecv"] = out["handoff"]["bytes_per_s"] / out["bare"]["bytes_per_s"]
-    out["channel_over_bare_sendrecv"] = out["channel"]["bytes_per_s"] / out["bare"]["bytes_per_s"]
+    out["bare_chunks_over_bare_sendrecv"] = out["bare_chunks"]["bytes_per_s"] / out["bare"]["bytes_per_s"]
     return out
 
 
 def _rank_main(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from ..engine import Engine
-    from ..models import load_checkpoint
-    from ..transfer import read_payload, write_payload
-    from ..transfer.handshake import KIND_PAYLOAD, Channel
+    from ..cache.paged import PagedKVCache
+    from ..transfer import read_payload
+    from ..transfer.handshake import Channel
+    from ..transfer.importer import import_handoff
+    from ..transfer.stream import receive_sequence, send_sequence
 
     torch.set_num_threads(1)
     rank = args.rank
-    data = Path(args.payload).read_bytes()
-    handoff = read_payload(data)
-    checkpoint = load_checkpoint(args.model)
+    handoff = read_payload(Path(args.payload).read_bytes())
     c = handoff.contract
-    engine = Engine(checkpoint, c, num_blocks=2 * (-(-handoff.num_tokens // c.block_size)) + 2)
+    cache = PagedKVCache(c, num_blocks=2 * (-(-handoff.num_tokens // c.block_size)) + 2)
     if rank == 0:
-        engine.import_handoff(handoff, seq_id="source")
+        import_handoff(cache, handoff, seq_id="source")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=args.timeout))
     channel = Channel(timeout=args.timeout)
-    bare = torch.zeros(len(data), dtype=torch.uint8)
     seconds: dict[str, list[float]] = {k: [] for k in KINDS}
     phases: dict[str, list[float]] = {}
-
-    def phase(name: str, t0: float) -> float:
-        t = time.perf_counter()
-        phases.setdefault(name, []).append(t - t0)
-        return t
+    facts: dict[str, Any] = {}
 
     try:
         for rep in range(args.repeats):
             dist.barrier()
             t0 = time.perf_counter()
             if rank == 0:
-                h = engine.export_handoff("source", handoff.tokens)
-                t = phase("export", t0)
-                blob = write_payload(h)
-                t = phase("write_payload", t)
-                channel.send(1, KIND_PAYLOAD, blob, "bench payload")
-                phase("send", t)
+                sent = send_sequence(channel, 1, cache, "source", handoff.tokens)
+                chunk_sizes = [int(x) for x in _chunk_bytes(cache, sent.chunks)]
+                facts.update(stream_bytes=sent.tensor_bytes + sent.header_bytes, chunk_sizes=chunk_sizes)
+                record = sent.seconds
             else:
-                blob = channel.recv(0, KIND_PAYLOAD, 2 * len(data) + (1 << 20), "bench payload")
-                t = phase("recv", t0)
-                h = read_payload(blob)
-                t = phase("read_payload", t)
-                engine.import_handoff(h, seq_id=f"imported-{rep}")
-                t = phase("import", t)
-                seconds["handoff"].append(t - t0)
-                engine.free(f"imported-{rep}")
+                got = receive_sequence(channel, 0, cache, seq_id=f"imported-{rep}")
+                seconds["handoff"].append(time.perf_counter() - t0)
+                record = got.seconds
+                if rep == 0:
+                    facts.update(verified=_same(cache, f"imported-{rep}", handoff), chunks=got.chunks,
+                                 in_place_chunks=got.in_place_chunks)
+                cache.free(f"imported-{rep}")
+            for name, value in record.items():
+                phases.setdefault(name, []).append(value)
+            sizes = _exchange_sizes(rank, facts)  # chunk byte counts and stream bytes, from rank 0
 
             dist.barrier()
             t0 = time.perf_counter()
+            buffers = [torch.empty(n, dtype=torch.uint8) for n in sizes["chunk_sizes"]]
             if rank == 0:
-                channel.send(1, KIND_PAYLOAD, data, "bench bytes")
+                works = [dist.isend(b, 1) for b in buffers]
             else:
-                channel.recv(0, KIND_PAYLOAD, 2 * len(data) + (1 << 20), "bench bytes")
-                seconds["channel"].append(time.perf_counter() - t0)
+                works = [dist.irecv(b, 0) for b in buffers]
+            for w in works:
+                w.wait()
+            if rank == 1:
+                seconds["bare_chunks"].append(time.perf_counter() - t0)
 
+            bare = torch.zeros(sizes["stream_bytes"], dtype=torch.uint8)
             dist.barrier()
             t0 = time.perf_counter()
             if rank == 0:
@@ -152,13 +155,39 @@ def _rank_main(args: argparse.Namespace) -> int:
             else:
                 dist.recv(bare, 0)
                 seconds["bare"].append(time.perf_counter() - t0)
+            facts.setdefault("stream_bytes", sizes["stream_bytes"])
         dist.barrier()
     finally:
         dist.destroy_process_group()
     result = {"rank": rank, "seconds": seconds, "phases": phases, "tokens": handoff.num_tokens,
-              "tensor_bytes": handoff.tensor_bytes()}
+              "tensor_bytes": handoff.tensor_bytes(), **facts}
     Path(args.result).write_text(json.dumps(result))
     return 0
+
+
+def _chunk_bytes(cache, count: int) -> list[int]:
+    from ..transfer.stream import DEFAULT_CHUNK_BYTES, chunk_plan
+
+    c = cache.contract
+    row = c.num_kv_heads * c.head_dim * c.torch_dtype.itemsize
+    plan = chunk_plan(c, cache.num_tokens("source"), max(1, DEFAULT_CHUNK_BYTES // row))
+    assert len(plan) == count
+    return [(ch.stop - ch.start) * row for ch in plan]
+
+
+def _exchange_sizes(rank: int, facts: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    box = [facts if rank == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _same(cache, seq_id: str, handoff) -> bool:
+    views = [cache.view(seq_id, layer) for layer in range(handoff.contract.num_layers)]
+    return (torch.equal(cache.positions(seq_id), handoff.positions)
+            and all(torch.equal(v.keys, k) and torch.equal(v.values, x)
+                    for v, k, x in zip(views, handoff.keys, handoff.values)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -167,7 +196,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--payload", required=True)
     p.add_argument("--result", required=True)
-    p.add_argument("--model", default=None)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--timeout", type=float, default=300.0)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")

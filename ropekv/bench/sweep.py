@@ -32,7 +32,8 @@ import torch
 from .machine import peak_rss_bytes
 
 
-def measure_sweep(model: str | None, *, dtype: str = "float32", naive: bool = True) -> dict[str, Any]:
+def measure_sweep(model: str | None, *, dtype: str = "float32", naive: bool = True,
+                  max_tokens: int | None = None) -> dict[str, Any]:
     from ..adapters.native import NativeAdapter
     from ..models import load_checkpoint
     from ..models.reference import ReferenceDecoder
@@ -44,8 +45,11 @@ def measure_sweep(model: str | None, *, dtype: str = "float32", naive: bool = Tr
     load_s = time.perf_counter() - t0
     adapter = NativeAdapter(checkpoint, dtype=dtype)
     cases = default_matrix(checkpoint.config.max_position_embeddings)
+    if max_tokens is not None:
+        cases = [c for c in cases if c.total <= max_tokens]
+    print(f"  checking {len(cases)} cases (longest {max(c.total for c in cases)} tokens)", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    report = check(adapter, cases=cases)
+    report = check(adapter, cases=cases, progress=True)
     check_s = time.perf_counter() - t0
     check_rss = peak_rss_bytes()
 
@@ -59,6 +63,7 @@ def measure_sweep(model: str | None, *, dtype: str = "float32", naive: bool = Tr
 
     components = None
     if naive:  # what the longest case costs inside the sweep, piece by piece (explains the ratio)
+        print(f"  the longest case's parts alone ({longest.label()})", file=sys.stderr, flush=True)
         rows = longest.decode_positions
         window = "model" if longest.window is None else longest.window
         components = {}
@@ -75,6 +80,7 @@ def measure_sweep(model: str | None, *, dtype: str = "float32", naive: bool = Tr
 
     naive_s, per_case = None, []
     if naive:
+        print(f"  naive sweep: check once per case, {len(cases)} cases", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         for case in cases:
             c0 = time.perf_counter()
@@ -110,9 +116,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, required=True)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--no-naive", action="store_true", help="skip the naive sweep (quick mode)")
+    p.add_argument("--max-tokens", type=int, default=None, help="only the default cases up to this many tokens")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    out = measure_sweep(args.model, dtype=args.dtype, naive=not args.no_naive)
+    out = measure_sweep(args.model, dtype=args.dtype, naive=not args.no_naive, max_tokens=args.max_tokens)
     Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
 

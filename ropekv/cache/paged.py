@@ -30,6 +30,7 @@ from ..errors import CacheError, CapacityError, ContractMismatch, UsageError
 from .allocator import BlockAllocator
 
 FULL, SLIDING = "full", "sliding"
+_FUSED_CHECK_ELEMENTS = 1 << 18  # new keys + values of all layers below this: one fused finiteness check
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,19 @@ class _Seq:
     tables: dict[str, list[int]] = field(default_factory=dict)  # group name -> block ids
 
 
+@dataclass(frozen=True, eq=False)
+class Reservation:
+    """Blocks held for a sequence being written straight into the pool (``PagedKVCache.reserve``).
+
+    ``rows[group]``: ``[N]`` int64 rows of the live tokens (position order) in the pools of that
+    group's layers, seen as ``[num_blocks * block_size, KVH * D]``."""
+
+    seq_id: Hashable
+    num_tokens: int
+    tables: dict[str, list[int]]
+    rows: dict[str, torch.Tensor]
+
+
 class PagedKVCache:
     """Key/value storage for several sequences on one pool, under one :class:`CacheContract`.
 
@@ -124,6 +138,7 @@ class PagedKVCache:
         self.keys = [torch.zeros(shape, dtype=c.torch_dtype, device=self.device) for _ in range(c.num_layers)]
         self.values = [torch.zeros(shape, dtype=c.torch_dtype, device=self.device) for _ in range(c.num_layers)]
         self._seqs: dict[Hashable, _Seq] = {}
+        self._reserved: list[Reservation] = []
         # (seq_id, group) -> (flat slot index [N], slots [N], positions [N], first row or -1); see _index.
         self._index_cache: dict[tuple[Hashable, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = {}
 
@@ -246,6 +261,7 @@ class PagedKVCache:
         n = pos.numel()
         self._check_tensors("keys", keys, n)
         self._check_tensors("values", values, n)
+        self._check_finite(keys, values)
 
         plans = self._check_room(seq_id, seq, n)
 
@@ -345,8 +361,20 @@ class PagedKVCache:
                 raise CacheError(f"append: {what}[{layer}] must be a floating-point tensor")
             if tuple(t.shape) != want:
                 raise CacheError(f"append: {what}[{layer}] has shape {tuple(t.shape)}, expected {want}")
+
+    def _check_finite(self, keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+        """Refuse NaN or infinite keys/values. A decode step's new rows (a few KB over all layers) are
+        checked by one reduction over all of them; a large chunk tensor by tensor, never copied."""
+        tensors = list(keys) + list(values)
+        total = sum(t.numel() for t in tensors)
+        if total <= _FUSED_CHECK_ELEMENTS:
+            lo, hi = torch.aminmax(torch.cat([t.reshape(-1).to(torch.float32) for t in tensors]))  # NaN propagates
+            if bool(torch.isfinite(lo) & torch.isfinite(hi)):
+                return
+        for i, t in enumerate(tensors):
             lo, hi = torch.aminmax(t)  # propagates NaN; cheaper than isfinite(t).all() on big chunks
             if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
+                what, layer = ("keys", i) if i < len(keys) else ("values", i - len(keys))
                 raise CacheError(f"append: {what}[{layer}] holds NaN or infinite values")
 
     # ------------------------------------------------------------------ reading
@@ -400,6 +428,75 @@ class PagedKVCache:
             self._index_cache[key] = hit
         return hit
 
+    def flat_rows(self, seq_id: Hashable, layer: int) -> torch.Tensor:
+        """Rows ``[N]`` of the live tokens of ``seq_id`` in ``layer``'s pool seen as
+        ``[num_blocks * block_size, KVH * D]`` (:func:`pool_rows`), in position order. Read-only;
+        valid until the sequence changes. For a transport that reads the pool in place."""
+        seq = self._seq(seq_id)
+        self._check_layer(layer)
+        return self._index(seq_id, seq, self._groups[self._layer_group[layer]])[0]
+
+    # ------------------------------------------------------------------ reserved imports
+
+    def reserve(self, seq_id: Hashable, num_tokens: int) -> "Reservation":
+        """Blocks for a new sequence of ``num_tokens`` whose keys and values a caller writes straight
+        into the pool (a streamed handoff) before :meth:`commit` makes it a sequence. Until then
+        nothing reads those blocks; :meth:`release` gives them back. Raises CacheError for a taken
+        id, CapacityError when the blocks are not free, having allocated nothing."""
+        _check_seq_id(seq_id)
+        if seq_id in self._seqs or any(r.seq_id == seq_id for r in self._reserved):
+            raise CacheError(f"sequence {seq_id!r} already exists")
+        if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 1:
+            raise UsageError(f"reserve needs num_tokens >= 1, got {num_tokens!r}")
+        need = {name: g.blocks_needed(num_tokens) for name, g in self._groups.items()}
+        short = [f"{need[name]} block(s) in the {name} group with {g.allocator.num_free} free"
+                 for name, g in self._groups.items() if need[name] > g.allocator.num_free]
+        if short:
+            raise CapacityError(f"import of {num_tokens} token(s) as {seq_id!r} needs " + "; ".join(short))
+        tables, rows = {}, {}
+        for name, g in self._groups.items():
+            tables[name] = g.allocator.allocate_many(need[name])
+            slots = g.slots(g.live(num_tokens))  # [N]
+            blocks = torch.tensor(tables[name], dtype=torch.int64)
+            rows[name] = (blocks[slots // g.block_size] * g.block_size + slots % g.block_size).to(self.device)
+        res = Reservation(seq_id, num_tokens, tables, rows)
+        self._reserved.append(res)
+        return res
+
+    def reserved_rows(self, res: "Reservation", layer: int) -> torch.Tensor:
+        """Rows ``[N]`` (as :meth:`flat_rows`) the live tokens of a reserved sequence take in ``layer``."""
+        self._check_layer(layer)
+        return res.rows[self._layer_group[layer]]
+
+    def commit(self, res: "Reservation", positions: torch.Tensor) -> None:
+        """Make a reservation a sequence whose ``n``-th token sits at ``positions[n]`` (``[num_tokens]``,
+        non-negative, strictly increasing). On a refusal the reservation stays as it was."""
+        self._check_reservation(res)
+        seq = _Seq()
+        pos = self._check_positions(res.seq_id, seq, positions)
+        if pos.numel() != res.num_tokens or int(pos[0]) < 0:
+            raise CacheError(f"commit of {res.seq_id!r}: {pos.numel()} position(s) from {int(pos[0])}; "
+                             f"the reservation holds {res.num_tokens} tokens from position >= 0")
+        for name, g in self._groups.items():
+            for block in res.tables[name]:
+                g.positions[block] = -1
+            g.positions.view(-1)[res.rows[name]] = pos[g.live(res.num_tokens).to(self.device)]
+        self._reserved.remove(res)
+        self._seqs[res.seq_id] = _Seq(res.num_tokens, int(pos[-1]), {k: list(v) for k, v in res.tables.items()})
+        self._invalidate(res.seq_id)
+
+    def release(self, res: "Reservation") -> None:
+        """Give a reservation's blocks back, unread: the cache is as before :meth:`reserve`."""
+        self._check_reservation(res)
+        for name, g in self._groups.items():
+            for block in res.tables[name]:
+                g.allocator.decref(block)
+        self._reserved.remove(res)
+
+    def _check_reservation(self, res: "Reservation") -> None:
+        if not any(r is res for r in self._reserved):
+            raise UsageError(f"reservation of {getattr(res, 'seq_id', res)!r} is not pending in this cache")
+
     # ------------------------------------------------------------------ accounting
 
     def num_free_blocks(self, group: str = FULL) -> int:
@@ -417,10 +514,17 @@ class PagedKVCache:
         )
 
     def state_digest(self) -> str:
-        """sha256 over every pool, positions tensor, allocator and sequence table (tests: nothing changed)."""
+        """sha256 over the blocks in use of every pool, the positions tensors, allocators and sequence
+        tables (tests: nothing changed). A free block's bytes are not state: no reader ever sees them
+        (its positions are -1 and no table holds it), and a streamed import that fails leaves the bytes
+        it received in blocks it gave back."""
         h = hashlib.sha256()
-        for t in self.keys + self.values + [g.positions for g in self._groups.values()]:
-            h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+        for name, g in self._groups.items():
+            used = torch.tensor([b for b, n in enumerate(g.allocator.refcounts()) if n > 0], dtype=torch.int64)
+            for layer in g.layers:
+                for pool in (self.keys[layer], self.values[layer]):
+                    h.update(pool.index_select(0, used.to(pool.device)).cpu().view(torch.uint8).numpy().tobytes())
+            h.update(g.positions.cpu().view(torch.uint8).numpy().tobytes())
         for name, g in self._groups.items():
             h.update(repr((name, g.allocator.refcounts())).encode())
         for seq_id in sorted(self._seqs, key=repr):
@@ -455,6 +559,12 @@ def _check_seq_id(seq_id: Any) -> None:
         hash(seq_id)
     except TypeError:
         raise UsageError(f"sequence id {seq_id!r} is not hashable") from None
+
+
+def pool_rows(pool: torch.Tensor) -> torch.Tensor:
+    """A layer's pool ``[num_blocks, block_size, KVH, D]`` as the rows ``[num_blocks * block_size,
+    KVH * D]`` that :meth:`PagedKVCache.flat_rows` indexes (a view)."""
+    return _rows2d(pool)
 
 
 def _rows2d(pool: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="write every figure here as JSON")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of tokens/s against context here")
     p.add_argument("--quick", action="store_true",
-                   help="contexts 128 and 1024, fewer steps, no naive sweep (a smoke run; under 2 minutes)")
+                   help="contexts 128 and 1024, fewer steps, the short parity cases, no naive sweep "
+                        "(a smoke run; under a minute on a quiet 2-core machine)")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch threads for every engine (default: torch's default, usually the core count)")
     p.add_argument("--contexts", type=int_list, default=None, help="decode contexts (default 128,1024,4096)")
@@ -34,6 +35,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--bandwidth-mib", type=positive_int, default=None,
                    help="buffer size of the bandwidth measurement (default 1024, --quick 512; keep it well "
                         "above the last-level cache)")
+    p.add_argument("--compile-rotation", action="store_true",
+                   help="rotate_on_read turns cached keys with one torch.compile'd pass (needs a C++ compiler; "
+                        "compiling adds 10-30 s once)")
     p.set_defaults(handler=run)
 
 
@@ -45,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     if args.contexts is not None and min(args.contexts) < 1:
         raise UsageError(f"--contexts must be positive, got {','.join(map(str, args.contexts))}")
     settings = BenchSettings.for_run(args.model, quick=args.quick, threads=args.threads, contexts=args.contexts,
-                                     steps=args.steps, bandwidth_mib=args.bandwidth_mib)
+                                     steps=args.steps, bandwidth_mib=args.bandwidth_mib,
+                                     compile_rotation=args.compile_rotation)
     doc = run_bench(settings, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(format_table(doc))
     if json_path is not None:

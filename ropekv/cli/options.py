@@ -6,18 +6,8 @@ import argparse
 import os
 from pathlib import Path
 
+from ..argtypes import add_model_argument, int_list, positive_int  # noqa: F401 -- re-exported
 from ..errors import UsageError
-
-
-def int_list(text: str) -> list[int]:
-    """``"1,17,513"`` -> ``[1, 17, 513]``; every entry a non-negative integer."""
-    try:
-        values = [int(v) for v in text.split(",") if v.strip() != ""]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or any(v < 0 for v in values):
-        raise argparse.ArgumentTypeError(f"expected comma-separated non-negative integers, got {text!r}")
-    return values
 
 
 def positive_int_list(text: str) -> list[int]:
@@ -39,16 +29,6 @@ def seed(text: str) -> int:
     return value
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
 def writable_path(path: str | None, flag: str) -> Path | None:
     """Check before any heavy work that ``path`` can be written (its folder exists and is writable)."""
     if path is None:
@@ -62,8 +42,3 @@ def writable_path(path: str | None, flag: str) -> Path | None:
     if not os.access(folder, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
         raise UsageError(f"{flag} {path}: not writable")
     return p
-
-
-def add_model_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None,
-                        help="a transformers directory or a .gguf file (default: the embedded SmolLM2-135M)")

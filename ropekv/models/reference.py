@@ -105,10 +105,14 @@ class ReferenceDecoder:
             k_rot = rope.rotate(k, positions, seq_len=T) if rope is not None else k  # [T, KVH, D]
 
             attn = torch.empty(T, cfg.num_heads, cfg.head_dim, dtype=self.dtype)
-            for start in range(0, T, _QUERY_BLOCK):
-                block = slice(start, start + _QUERY_BLOCK)
-                scores = self._attn_logits(q_rot[block], positions[block], k_rot, windows[layer], sink_tokens)
-                attn[block] = self._attend(scores, v)
+            kv_head = torch.arange(cfg.num_heads) // (cfg.num_heads // cfg.num_kv_heads)  # [H]
+            k_heads, v_heads = k_rot[:, kv_head], v[:, kv_head]  # [T, H, D]: query head h reads KV head kv_head[h]
+            block = self._query_block(T)
+            for start in range(0, T, block):
+                stop = min(T, start + block)  # causal: no query of the block sees a key at or past `stop`
+                scores = self._attn_logits(q_rot[start:stop], positions[start:stop], k_heads[:stop],
+                                           windows[layer], sink_tokens)
+                attn[start:stop] = self._attend(scores, v_heads[:stop])
             attn_out = self._norm(self._linear(attn.reshape(T, -1), p + "self_attn.o_proj"), p, fam.attn_out)
             if fam.parallel:  # cohere: attention and MLP both read the one input norm
                 x = x + (attn_out + self._mlp(h, p, layer)) * cfg.residual_scale
@@ -199,25 +203,27 @@ class ReferenceDecoder:
             out = out + torch.sigmoid(h @ self._w[p + "mlp.shared_expert_gate.weight"].T) * shared
         return out
 
+    def _query_block(self, num_keys: int) -> int:
+        """Queries per attention block: their ``[H, block, T]`` scores stay near 16 MiB, so a long
+        context never holds scores for every query at once and each block's temporaries are reused
+        (large fresh tensors are mapped and faulted in afresh on every allocation)."""
+        per_query = self.config.num_heads * num_keys * torch.finfo(self.dtype).bits // 8
+        return max(1, min(_QUERY_BLOCK, (16 << 20) // per_query))
+
     def _attn_logits(
-        self, q_rot: torch.Tensor, rows: torch.Tensor, k_rot: torch.Tensor, window: int | None, sinks: int
+        self, q_rot: torch.Tensor, rows: torch.Tensor, k_heads: torch.Tensor, window: int | None, sinks: int
     ) -> torch.Tensor:
-        """Scaled, masked scores ``[H, R, T]`` of queries ``q_rot [R, H, D]`` at ``rows`` against
-        every key ``k_rot [T, KVH, D]``."""
+        """Scaled, masked scores ``[H, R, T]`` of queries ``q_rot [R, H, D]`` at ``rows`` against the
+        keys ``k_heads [T, H, D]`` at positions ``0..T-1`` (already repeated per query head)."""
         cfg = self.config
-        kv_head = torch.arange(cfg.num_heads) // (cfg.num_heads // cfg.num_kv_heads)  # [H]
-        k_per_head = k_rot[:, kv_head]  # [T, H, D]
-        scores = torch.einsum("rhd,thd->hrt", q_rot, k_per_head) * cfg.attn_scale
+        scores = torch.einsum("rhd,thd->hrt", q_rot, k_heads) * cfg.attn_scale
         if cfg.attn_softcap is not None:  # gemma2: cap * tanh(scores / cap), before the mask
             scores = torch.tanh(scores / cfg.attn_softcap) * cfg.attn_softcap
-        return scores.masked_fill(~visible(rows, k_rot.shape[0], window, sinks), float("-inf"))
+        return scores.masked_fill(~visible(rows, k_heads.shape[0], window, sinks), float("-inf"))
 
-    def _attend(self, scores: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Softmax ``scores [H, R, T]`` over keys and mix ``v [T, KVH, D]`` -> ``[R, H, D]``."""
-        cfg = self.config
-        kv_head = torch.arange(cfg.num_heads) // (cfg.num_heads // cfg.num_kv_heads)
-        probs = torch.softmax(scores, dim=-1)
-        return torch.einsum("hrt,thd->rhd", probs, v[:, kv_head])
+    def _attend(self, scores: torch.Tensor, v_heads: torch.Tensor) -> torch.Tensor:
+        """Softmax ``scores [H, R, T]`` over keys and mix ``v_heads [T, H, D]`` -> ``[R, H, D]``."""
+        return torch.einsum("hrt,thd->rhd", torch.softmax(scores, dim=-1), v_heads)
 
     # ------------------------------------------------------------------ argument checks
 

@@ -126,11 +126,11 @@ class HandoffAdapter:
         seq, n = "prompt", case.prefix + case.length
         prefill_case(prefill, case, tokens, seq)
         t0 = time.perf_counter()
-        handoff = export_handoff(prefill, seq, tokens[:n])
+        handoff = export_handoff(prefill.cache, seq, tokens[:n])
         data = write_payload(handoff)
         t1 = time.perf_counter()
         decode = self.decode_side.make_engine(case)
-        import_handoff(decode, read_payload(data), convert=self.convert, policy=self.policy)
+        import_handoff(decode.cache, read_payload(data), convert=self.convert, policy=self.policy)
         self.transfers.append(TransferFacts(seq, n, len(data), handoff.tensor_bytes(), t1 - t0,
                                             time.perf_counter() - t1))
         return decode, seq, n

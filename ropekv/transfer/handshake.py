@@ -49,13 +49,43 @@ class Channel:
 
     def _op(self, start: Callable[[], Any], peer: int, what: str) -> None:
         """Start one isend/irecv and wait for it, at most ``timeout``; any backend error is a TransportError."""
+        self._wait(self._start(start, peer, what), peer, what)
+
+    def _start(self, start: Callable[[], Any], peer: int, what: str) -> Any:
         try:
-            start().wait(self.timeout)
+            return start()
+        except RuntimeError as exc:
+            raise self._transport_error(exc, peer, what) from None
+
+    def _wait(self, work: Any, peer: int, what: str) -> None:
+        try:
+            work.wait(self.timeout)
         except RuntimeError as exc:  # gloo/NCCL errors (DistBackendError is a RuntimeError)
-            text = str(exc).strip()
-            detail = text.splitlines()[0].split(". This is typically")[0] if text else type(exc).__name__
-            raise TransportError(f"{what}: rank {peer} failed or went silent: {detail[:300]} "
-                                 f"(waits are bounded by {self.timeout.total_seconds():g} s)") from None
+            raise self._transport_error(exc, peer, what) from None
+
+    def _transport_error(self, exc: RuntimeError, peer: int, what: str) -> TransportError:
+        text = str(exc).strip()
+        detail = text.splitlines()[0].split(". This is typically")[0] if text else type(exc).__name__
+        return TransportError(f"{what}: rank {peer} failed or went silent: {detail[:300]} "
+                              f"(waits are bounded by {self.timeout.total_seconds():g} s)")
+
+    # -------------------------------------------------------------- posted tensors (the KV stream)
+
+    def post_send(self, tensor: torch.Tensor, peer: int, what: str) -> "Posted":
+        """Start sending the contiguous ``tensor`` as it lies in memory (no copy on a CPU channel);
+        the caller keeps it unchanged until :meth:`Posted.wait` returns."""
+        import torch.distributed as dist
+
+        buf = tensor.to(self.device)
+        return Posted(self, self._start(lambda: dist.isend(buf, peer), peer, what), buf, None, peer, what)
+
+    def post_recv(self, tensor: torch.Tensor, peer: int, what: str) -> "Posted":
+        """Start receiving into the contiguous CPU ``tensor`` (straight into it on a CPU channel)."""
+        import torch.distributed as dist
+
+        buf = tensor if self.device.type == "cpu" else torch.empty_like(tensor, device=self.device)
+        return Posted(self, self._start(lambda: dist.irecv(buf, peer), peer, what), buf,
+                      None if buf is tensor else tensor, peer, what)
 
     def _send(self, tensor: torch.Tensor, peer: int, what: str) -> None:
         import torch.distributed as dist
@@ -114,6 +144,23 @@ class Channel:
         if not isinstance(message, dict):
             raise TransportError(f"{what}: rank {peer} sent a JSON {type(message).__name__}, expected an object")
         return message
+
+
+@dataclass(frozen=True, eq=False)
+class Posted:
+    """One started isend/irecv of a :class:`Channel`; :meth:`wait` is bounded by the channel's timeout."""
+
+    channel: Channel
+    work: Any
+    buffer: torch.Tensor
+    target: torch.Tensor | None  # the CPU tensor a device buffer is copied back into
+    peer: int
+    what: str
+
+    def wait(self) -> None:
+        self.channel._wait(self.work, self.peer, self.what)
+        if self.target is not None:
+            self.target.copy_(self.buffer)
 
 
 # ---------------------------------------------------------------------- handshake

@@ -13,17 +13,15 @@ overwrite are never stored (``PagedKVCache.append`` writes only a chunk's surviv
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Hashable
+from typing import Hashable
 
 import torch
 
+from ..cache.paged import PagedKVCache
 from ..contract import CacheContract
 from ..errors import CacheError, ContractMismatch, UsageError
 from ..rope import RopeSpec
 from .payload import Handoff
-
-if TYPE_CHECKING:
-    from ..engine import Engine
 
 CONVERT_MODES = ("never", "explicit")
 _KEY_FORM_FIELDS = {"key_form", "kernel_rotates"}  # the two fields a key-form difference shows as
@@ -74,9 +72,9 @@ def plan_import(ours: CacheContract, theirs: CacheContract, convert: str = "neve
     return None  # unreachable: diffs were non-empty
 
 
-def export_handoff(engine: "Engine", seq_id: Hashable, tokens: torch.Tensor) -> Handoff:
-    """The cached state of ``seq_id`` in ``engine``; ``tokens [n]`` are the ids it has consumed."""
-    cache, c = engine.cache, engine.contract
+def export_handoff(cache: PagedKVCache, seq_id: Hashable, tokens: torch.Tensor) -> Handoff:
+    """The cached state of ``seq_id`` in ``cache`` (copies); ``tokens [n]`` are the ids it has consumed."""
+    c = cache.contract
     n = cache.num_tokens(seq_id)  # CacheError for an unknown sequence
     tokens = torch.as_tensor(tokens)
     if tokens.dim() != 1 or tokens.numel() != n or tokens.is_floating_point():
@@ -86,20 +84,18 @@ def export_handoff(engine: "Engine", seq_id: Hashable, tokens: torch.Tensor) -> 
         raise CacheError(f"export of {seq_id!r}: the sequence is empty")
     views = [cache.view(seq_id, layer) for layer in range(c.num_layers)]
     return Handoff(contract=c, seq_id=seq_id, tokens=tokens.to(torch.int64).cpu().clone(),
-                   positions=_all_positions(c, seq_id, n, views),
+                   positions=all_positions(cache, seq_id).cpu().clone(),
                    keys=tuple(v.keys.cpu() for v in views), values=tuple(v.values.cpu() for v in views))
 
 
-def _all_positions(c: CacheContract, seq_id: Hashable, n: int, views: list) -> torch.Tensor:
-    """Logical positions ``[n]`` of every token. A full layer has them all; when every layer slides
-    and the ring has wrapped, the evicted tokens' positions are rebuilt only where strict increase
-    forces them (consecutive positions), never guessed."""
-    full = [i for i in range(c.num_layers) if i not in c.window_layers]
-    if full:
-        return views[full[0]].positions.cpu().clone()
-    kept = views[0].positions.cpu()
-    if kept.numel() == n:
-        return kept.clone()
+def all_positions(cache: PagedKVCache, seq_id: Hashable) -> torch.Tensor:
+    """Logical positions ``[n]`` of every token of ``seq_id``. A full layer has them all; when every
+    layer slides and the ring has wrapped, the evicted tokens' positions are rebuilt only where strict
+    increase forces them (consecutive positions), never guessed."""
+    c, n = cache.contract, cache.num_tokens(seq_id)
+    kept = cache.positions(seq_id)  # the full group's, or the live sliding ones when every layer slides
+    if len(c.window_layers) < c.num_layers or kept.numel() == n:
+        return kept
     s = c.sink_tokens
     low = int(kept[s - 1]) if s else -1
     high = int(kept[s])
@@ -108,12 +104,12 @@ def _all_positions(c: CacheContract, seq_id: Hashable, n: int, views: list) -> t
         raise CacheError(
             f"export of {seq_id!r}: every layer slides and the ring evicted {evicted} token(s) whose positions "
             f"the cache no longer holds; positions {low} and {high} around them do not determine them")
-    return torch.cat((kept[:s], torch.arange(low + 1, high, dtype=torch.int64), kept[s:]))
+    return torch.cat((kept[:s], torch.arange(low + 1, high, dtype=torch.int64, device=kept.device), kept[s:]))
 
 
-def import_handoff(engine: "Engine", handoff: Handoff, *, convert: str = "never", seq_id: Hashable | None = None,
+def import_handoff(cache: PagedKVCache, handoff: Handoff, *, convert: str = "never", seq_id: Hashable | None = None,
                    policy: ImportPolicy | None = None) -> Hashable:
-    """Import ``handoff`` into ``engine`` as ``seq_id`` (default: the handoff's); returns the id.
+    """Import ``handoff`` into ``cache`` as ``seq_id`` (default: the handoff's); returns the id.
 
     All or nothing: the contract check, the conversion and every tensor are done before the cache is
     touched, and the one append either writes everything or raises having changed nothing; on any
@@ -121,12 +117,13 @@ def import_handoff(engine: "Engine", handoff: Handoff, *, convert: str = "never"
     """
     if not isinstance(handoff, Handoff):
         raise UsageError(f"import_handoff needs a Handoff (see read_payload), got {type(handoff).__name__}")
-    ours = engine.contract
+    if not isinstance(cache, PagedKVCache):
+        raise UsageError(f"import_handoff needs a PagedKVCache, got {type(cache).__name__}")
+    ours = cache.contract
     conversion = plan_import(ours, handoff.contract, convert)
     sid = handoff.seq_id if seq_id is None else seq_id
-    cache = engine.cache
     if cache.has(sid):
-        raise CacheError(f"import: sequence {sid!r} already exists in this engine")
+        raise CacheError(f"import: sequence {sid!r} already exists in this cache")
     keys, values = _layer_tensors(ours, handoff, conversion, policy or ImportPolicy())
     cache.create(sid)
     try:
@@ -162,4 +159,4 @@ def _layer_tensors(c: CacheContract, h: Handoff, conversion: str | None,
     return keys, values
 
 
-__all__ = ["CONVERT_MODES", "ImportPolicy", "export_handoff", "import_handoff", "plan_import"]
+__all__ = ["CONVERT_MODES", "ImportPolicy", "all_positions", "export_handoff", "import_handoff", "plan_import"]

@@ -35,21 +35,20 @@ from typing import Any
 import torch
 
 from ..adapters.native import NativeAdapter
-from ..cli.options import add_model_argument, int_list, positive_int
+from ..argtypes import RaisingParser, add_model_argument, int_list, positive_int
 from ..contract import DTYPES, CacheContract
 from ..engine import Engine
-from ..errors import ALL_ERRORS, ContractMismatch, PayloadError, RopeKVError, TransportError, UsageError
+from ..errors import PayloadError, RopeKVError, TransportError, UsageError
 from ..models import Checkpoint, load_checkpoint
 from ..parity.cases import Case, token_stream
 from .adapter import HANDOFF_FAULTS, ServedHandoffAdapter, get_handoff_fault
-from .handshake import KIND_PAYLOAD, Channel, answer, offer
-from .importer import CONVERT_MODES, import_handoff
-from .payload import read_payload, write_payload
+from .handshake import Channel, answer, offer
+from .importer import CONVERT_MODES, export_handoff
+from .payload import write_payload
+from .stream import StreamHeader, rebuild_error, receive_sequence, send_sequence
 
 RESULT_FORMAT = "ropekv.handoff-worker"
-MAX_PAYLOAD_BYTES = 64 << 30
 _TEST_FAULTS = ("kill-decode-mid-transfer", "corrupt-in-flight")
-_ERRORS = {cls.__name__: cls for cls in ALL_ERRORS}
 
 
 # ---------------------------------------------------------------------- arguments
@@ -83,9 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..cli.main import _Parser
-
-    parser = _Parser(prog="python -m ropekv.transfer.workers",
+    parser = RaisingParser(prog="python -m ropekv.transfer.workers",
                      description="One rank of a prefill->decode handoff (rank 0 prefills, the others decode). "
                                  "Run under torchrun, or let `ropekv handoff` start every rank.")
     add_arguments(parser)
@@ -209,15 +206,12 @@ def _run_prefill(args, checkpoint: Checkpoint, channel: Channel, planned: list[P
             n = p.case.length
             t0 = time.perf_counter()
             engine.prefill(p.seq_id, tokens[:n])
-            handoff = engine.export_handoff(p.seq_id, tokens[:n])
-            data = write_payload(handoff)
             prefill_s = time.perf_counter() - t0
             if p.index == 0 and args.save_payload:
-                _save(args.save_payload, data)
+                _save(args.save_payload, write_payload(export_handoff(engine.cache, p.seq_id, tokens[:n])))
             corrupt = test_fault == ("corrupt-in-flight", p.index)
-            facts = _send_sequence(channel, p, data, corrupt)
-            facts.update(prefill_seconds=prefill_s, tensor_bytes=handoff.tensor_bytes(),
-                         overhead_bytes=len(data) - handoff.tensor_bytes())
+            facts = _send_sequence(channel, engine, p, tokens[:n], corrupt)
+            facts.update(prefill_seconds=prefill_s)
             transfers.append(facts)
             engine.free(p.seq_id)
             if not args.quiet:
@@ -231,34 +225,36 @@ def _run_prefill(args, checkpoint: Checkpoint, channel: Channel, planned: list[P
     return 0
 
 
-def _send_sequence(channel: Channel, p: Planned, data: bytes, corrupt: bool) -> dict[str, Any]:
-    """Send one payload and wait for the ack; a payload refused as damaged is sent once more."""
+def _send_sequence(channel: Channel, engine: Engine, p: Planned, tokens: torch.Tensor,
+                   corrupt: bool) -> dict[str, Any]:
+    """Stream one sequence and wait for the ack; a stream refused as damaged is sent once more."""
     what = f"transfer of sequence {p.seq_id!r} to decode rank {p.rank}"
     for attempt in (1, 2):
-        body = data
-        if corrupt and attempt == 1:  # test hook: one bit flipped on the wire
-            body = bytearray(data)
-            body[len(body) // 2] ^= 0x10
-            body = bytes(body)
-        t0 = time.perf_counter()
-        channel.send_json(p.rank, {"step": "payload", "index": p.index, "seq_id": p.seq_id, "nbytes": len(body),
-                                   "attempt": attempt}, what)
-        channel.send(p.rank, KIND_PAYLOAD, body, what)
-        t1 = time.perf_counter()
-        ack = channel.recv_json(p.rank, f"ack of {what}")
-        t2 = time.perf_counter()
-        if ack.get("ok"):
-            return {"seq_id": p.seq_id, "index": p.index, "decode_rank": p.rank, "tokens": p.case.length,
-                    "payload_bytes": len(data), "attempts": attempt, "transfer_seconds": t1 - t0,
-                    "bytes_per_second": len(data) / max(t1 - t0, 1e-9), "acked_seconds": t2 - t0,
-                    "decode_side": ack.get("facts", {})}
-        error = rebuild_error(ack.get("error_class"), f"{what}: decode rank {p.rank} refused it: {ack.get('message')}",
-                              ack.get("fields"))
-        if isinstance(error, PayloadError) and attempt == 1:
-            print(f"{error}; sending it again", file=sys.stderr, flush=True)
-            continue
-        raise error
+        wire = _flip_one_bit if corrupt and attempt == 1 else None  # test hook: one bit flipped on the wire
+        channel.send_json(p.rank, {"step": "payload", "index": p.index, "seq_id": p.seq_id, "attempt": attempt}, what)
+        try:
+            sent = send_sequence(channel, p.rank, engine.cache, p.seq_id, tokens, wire=wire)
+        except PayloadError as exc:
+            if attempt == 1:
+                print(f"{what}: {exc}; sending it again", file=sys.stderr, flush=True)
+                continue
+            raise
+        total = sent.tensor_bytes + sent.header_bytes
+        return {"seq_id": p.seq_id, "index": p.index, "decode_rank": p.rank, "tokens": p.case.length,
+                "payload_bytes": total, "tensor_bytes": sent.tensor_bytes, "overhead_bytes": sent.header_bytes,
+                "chunks": sent.chunks, "attempts": attempt, "transfer_seconds": sent.seconds["send"],
+                "bytes_per_second": total / max(sent.seconds["total"], 1e-9),
+                "acked_seconds": sent.seconds["total"], "phases_seconds": sent.seconds}
     raise AssertionError("unreachable")
+
+
+def _flip_one_bit(index: int, chunk: torch.Tensor) -> torch.Tensor:
+    """Chunk 0 as a damaged copy (one bit of its middle byte flipped): what a bad link would deliver."""
+    if index != 0:
+        return chunk
+    damaged = chunk.clone()
+    damaged.view(torch.uint8).view(-1)[damaged.numel() * damaged.element_size() // 2] ^= 0x10
+    return damaged
 
 
 def _run_decode(args, checkpoint: Checkpoint, channel: Channel, planned: list[Planned], rank: int,
@@ -291,11 +287,10 @@ def _run_decode(args, checkpoint: Checkpoint, channel: Channel, planned: list[Pl
         if step != "payload" or p is None or msg.get("seq_id") != p.seq_id:
             raise TransportError(f"the prefill rank sent {str(msg)[:200]}, not a payload planned for rank {rank}")
         kill = test_fault == ("kill-decode-mid-transfer", p.index)
-        facts, ack = _receive_one(channel, serving, p, tokens[:p.case.length], args.convert, policy, kill)
-        if ack["ok"]:
+        facts, imported = _receive_one(channel, serving, p, tokens[:p.case.length], args.convert, policy, kill)
+        if imported:
             sequences[p.case] = (p.seq_id, p.case.length)
         received.append(facts)
-        channel.send_json(0, {"step": "ack", **ack}, f"ack of {p.seq_id!r}")
     missing = [p.seq_id for p in mine if p.case not in sequences]
     if missing:
         raise TransportError(f"the prefill rank finished without handing off {missing}")
@@ -309,38 +304,30 @@ def _run_decode(args, checkpoint: Checkpoint, channel: Channel, planned: list[Pl
 
 
 def _receive_one(channel: Channel, serving: Engine, p: Planned, tokens: torch.Tensor, convert: str,
-                 policy, kill_mid_transfer: bool) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Receive, validate and import one payload (``tokens [n]``: the ids the plan expects); returns the
-    facts and the ack. A refused payload imports nothing, so the sender may send it again."""
-    def after_header(nbytes: int) -> None:
-        if kill_mid_transfer:  # test hook: die with the header read and the body still on the wire
+                 policy, kill_mid_transfer: bool) -> tuple[dict[str, Any], bool]:
+    """Receive, validate and import one streamed sequence (``tokens [n]``: the ids the plan expects);
+    returns the facts and whether it was imported. A refused stream imports nothing (the sender was
+    told, and may send it again)."""
+    def accept(header: StreamHeader) -> None:
+        if header.seq_id != p.seq_id or not torch.equal(header.tokens, tokens):
+            raise UsageError(f"stream of {p.seq_id!r} holds sequence {header.seq_id!r} with other tokens "
+                             "than the plan (ranks started with different --lengths or --seed?)")
+
+    def after_header(header: StreamHeader) -> None:
+        if kill_mid_transfer:  # test hook: die with the header read and the chunks on the wire
             os.kill(os.getpid(), signal.SIGKILL)
 
-    t0 = time.perf_counter()
-    data = channel.recv(0, KIND_PAYLOAD, MAX_PAYLOAD_BYTES, f"payload of {p.seq_id!r}", after_header)
-    t1 = time.perf_counter()
-    facts: dict[str, Any] = {"seq_id": p.seq_id, "payload_bytes": len(data), "receive_seconds": t1 - t0}
+    facts: dict[str, Any] = {"seq_id": p.seq_id}
     try:
-        handoff = read_payload(data)
-        if handoff.seq_id != p.seq_id or not torch.equal(handoff.tokens, tokens):
-            raise UsageError(f"payload of {p.seq_id!r} holds sequence {handoff.seq_id!r} with other tokens "
-                             "than the plan (ranks started with different --lengths or --seed?)")
-        t2 = time.perf_counter()
-        import_handoff(serving, handoff, convert=convert, policy=policy)
-        facts.update(read_seconds=t2 - t1, import_seconds=time.perf_counter() - t2)
-        return facts, {"ok": True, "facts": facts}
+        got = receive_sequence(channel, 0, serving.cache, convert=convert, policy=policy, accept=accept,
+                               after_header=after_header)
+    except TransportError:
+        raise
     except RopeKVError as exc:
         facts["refused"] = f"{type(exc).__name__}: {exc}"
-        return facts, {"ok": False, "error_class": type(exc).__name__, "message": str(exc),
-                       "fields": list(getattr(exc, "fields", ()))}
-
-
-def rebuild_error(class_name: Any, message: str, fields: Any = ()) -> RopeKVError:
-    """The typed error another rank reported (by class name), with its message and contract fields."""
-    cls = _ERRORS.get(str(class_name), RopeKVError)
-    if issubclass(cls, ContractMismatch):
-        return cls(message, tuple(fields or ()))
-    return cls(message)
+        return facts, False
+    facts.update(got.to_dict())
+    return facts, True
 
 
 def _decode_checkpoint(checkpoint: Checkpoint, args) -> Checkpoint:
