@@ -33,17 +33,14 @@ DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
 }
 FORMAT = "ropekv.cache_contract"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: kernel_rotates is derived from key_form and no longer written; 1 is still read
+READABLE_VERSIONS = (1, 2)
 
 _FREQUENCIES = "keys and queries would turn at different frequencies: the error grows with position"
 _WINDOW = "the reader would see keys the writer dropped, or miss keys"
 # What goes wrong when a differing field is ignored. key_form depends on the direction and is
 # worded in :func:`consequence`; "rope.scaling.*" share the frequency sentence.
 _CONSEQUENCES: dict[str, str] = {
-    "kernel_rotates": (
-        "one side's attention kernel rotates keys on read and the other's does not: keys would be "
-        "rotated twice (at twice their position) or never (every key at position 0)"
-    ),
     "rotation_index": (
         "one side rotates by logical position, the other by index among cached tokens: once tokens are "
         "evicted or a prefix offset exists, keys would turn by the wrong angle (slot used as position)"
@@ -122,8 +119,9 @@ class CacheContract:
       ``"cache"`` needs raw keys: the index of a rotated key is baked in when it is written, and it
       changes every time the window evicts a token, so rotated keys would all have to be rotated
       again on every eviction -- the "rotate all cached keys" change the contract exists to stop.
-    - ``kernel_rotates``: the attention kernel applies RoPE to keys on read. True iff key_form is raw:
-      raw keys need something to rotate them, and rotated keys must not be rotated again.
+    - ``kernel_rotates`` (a property, derived): the attention kernel applies RoPE to keys on read. It
+      is ``key_form == "raw"`` by construction: raw keys need something to rotate them, and rotated
+      keys must not be rotated again, so the two can never disagree.
     - ``window``/``window_layers``: sliding window size (HF semantics, W keys including the query's)
       and the layers it applies to; ``sink_tokens``: first tokens kept forever (needs a window).
     - ``block_size``, ``dtype``, ``num_layers``, ``num_kv_heads``, ``head_dim``: storage layout.
@@ -142,7 +140,6 @@ class CacheContract:
     """
 
     key_form: str
-    kernel_rotates: bool
     rotation_index: str = "logical"
     rope: RopeSpec
     window: int | None = None
@@ -163,18 +160,6 @@ class CacheContract:
             raise ConfigError(f"contract rope must be a RopeSpec, got {type(self.rope).__name__}")
         if self.rotation_index not in ROTATION_INDICES:
             raise ConfigError(f"contract rotation_index must be one of {ROTATION_INDICES}, got {self.rotation_index!r}")
-        if not isinstance(self.kernel_rotates, bool):
-            raise ConfigError(f"contract kernel_rotates must be a bool, got {self.kernel_rotates!r}")
-        if self.kernel_rotates and self.key_form == "rotated":
-            raise ConfigError(
-                "contract: kernel_rotates=True with key_form='rotated' would rotate stored keys a second time "
-                "(keys at twice their position); a rotating kernel needs key_form='raw'"
-            )
-        if self.key_form == "raw" and not self.kernel_rotates:
-            raise ConfigError(
-                "contract: key_form='raw' needs kernel_rotates=True; nothing else would rotate raw keys "
-                "on read (every key at position 0)"
-            )
         if self.rotation_index == "cache" and self.key_form != "raw":
             raise ConfigError(
                 "contract: rotation_index='cache' needs key_form='raw'; a rotated key's index is fixed when it "
@@ -255,7 +240,6 @@ class CacheContract:
             key_form=key_form,
             rope=config.rope,
             layer_ropes=config.layer_ropes,
-            kernel_rotates=key_form == "raw",
             num_layers=config.num_layers,
             num_kv_heads=config.num_kv_heads,
             head_dim=config.head_dim,
@@ -272,8 +256,13 @@ class CacheContract:
         return dataclasses.replace(self, **changes)
 
     def with_key_form(self, key_form: str) -> "CacheContract":
-        """The same contract with ``key_form`` (and ``kernel_rotates`` to match)."""
-        return dataclasses.replace(self, key_form=key_form, kernel_rotates=key_form == "raw")
+        """The same contract with ``key_form`` (``kernel_rotates`` follows it)."""
+        return dataclasses.replace(self, key_form=key_form)
+
+    @property
+    def kernel_rotates(self) -> bool:
+        """The attention kernel applies RoPE to keys on read: exactly when keys are stored raw."""
+        return self.key_form == "raw"
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -337,8 +326,20 @@ class CacheContract:
             raise ConfigError(f"cache contract JSON must be an object, got {type(data).__name__}")
         if data.get("format") != FORMAT:
             raise ConfigError(f"cache contract JSON has format {data.get('format')!r}, expected {FORMAT!r}")
-        if data.get("version") != FORMAT_VERSION:
-            raise ConfigError(f"cache contract JSON version {data.get('version')!r} is not supported (expected {FORMAT_VERSION})")
+        version = data.get("version")
+        if version not in READABLE_VERSIONS or isinstance(version, bool):
+            raise ConfigError(f"cache contract JSON version {version!r} is not supported (readable: "
+                              f"{', '.join(map(str, READABLE_VERSIONS))})")
+        if version == 1:  # version 1 wrote kernel_rotates; it must agree with key_form
+            data = dict(data)
+            kr = data.pop("kernel_rotates", None)
+            if not isinstance(kr, bool):
+                raise ConfigError(f"cache contract JSON (version 1): kernel_rotates must be a bool, got {kr!r}")
+            if kr != (data.get("key_form") == "raw"):
+                raise ConfigError(
+                    f"cache contract JSON (version 1): kernel_rotates={kr} with key_form={data.get('key_form')!r}: "
+                    + ("stored keys would be rotated a second time (keys at twice their position)" if kr else
+                       "nothing would rotate raw keys on read (every key at position 0)"))
         expected = {f.name for f in dataclasses.fields(cls)} | {"format", "version"}
         missing, unexpected = sorted(expected - set(data) - {"layer_ropes"}), sorted(set(data) - expected)
         if missing or unexpected:

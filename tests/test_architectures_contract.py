@@ -16,7 +16,7 @@ GLOBAL = RopeSpec(head_dim=8, rotary_dim=8, theta=1e6, scaling=RopeScaling("line
 
 
 def make(layer_ropes=(LOCAL, GLOBAL, LOCAL), **changes) -> CacheContract:
-    base = dict(key_form="rotated", kernel_rotates=False, rope=LOCAL, num_layers=3, num_kv_heads=2, head_dim=8,
+    base = dict(key_form="rotated", rope=LOCAL, num_layers=3, num_kv_heads=2, head_dim=8,
                 window=5, window_layers=(0, 2), block_size=4, layer_ropes=layer_ropes)
     base.update(changes)
     return CacheContract(**base)

@@ -160,7 +160,7 @@ def test_attend_without_mask_is_attend_with_everything_visible() -> None:
 
 def _cache_contract(window=None, sinks=0) -> CacheContract:
     rope = RopeSpec(head_dim=8, rotary_dim=8, theta=10000.0)
-    return CacheContract(key_form="rotated", rope=rope, kernel_rotates=False, num_layers=2, num_kv_heads=2, head_dim=8,
+    return CacheContract(key_form="rotated", rope=rope, num_layers=2, num_kv_heads=2, head_dim=8,
                          window=window, window_layers=(1,) if window else (), sink_tokens=sinks, block_size=4)
 
 

@@ -17,7 +17,7 @@ ROPE = RopeSpec(head_dim=8, rotary_dim=8, theta=10000.0)
 
 
 def make(**changes) -> CacheContract:
-    base = dict(key_form="rotated", kernel_rotates=False, rope=ROPE, num_layers=3, num_kv_heads=2, head_dim=8,
+    base = dict(key_form="rotated", rope=ROPE, num_layers=3, num_kv_heads=2, head_dim=8,
                 window=5, window_layers=(1,), sink_tokens=0, block_size=4, dtype="float32", model_fingerprint="m1")
     base.update(changes)
     return CacheContract(**base)
@@ -37,7 +37,7 @@ def model_config(layer_types=("full_attention", "sliding_attention", "full_atten
 def test_valid_contracts():
     c = make()
     assert c.torch_dtype == torch.float32
-    raw = make(key_form="raw", kernel_rotates=True, rotation_index="cache", sink_tokens=2)
+    raw = make(key_form="raw", rotation_index="cache", sink_tokens=2)
     assert raw.kernel_rotates and raw.rotation_index == "cache"
     assert make(window=None, window_layers=()).window is None
     assert make(dtype="bfloat16").torch_dtype == torch.bfloat16
@@ -53,8 +53,6 @@ def test_rotated_keys_with_length_dependent_rope_are_a_valid_description():
 @pytest.mark.parametrize(
     "changes, match",
     [
-        (dict(kernel_rotates=True), "kernel_rotates=True with key_form='rotated'"),
-        (dict(key_form="raw", kernel_rotates=False), "key_form='raw' needs kernel_rotates=True"),
         (dict(window=None, window_layers=(), sink_tokens=2), "sink_tokens=2 needs a window"),
         (dict(rotation_index="cache"), "rotation_index='cache' needs key_form='raw'"),
         (dict(head_dim=16), "head_dim 16 != rope.head_dim 8"),
@@ -62,7 +60,6 @@ def test_rotated_keys_with_length_dependent_rope_are_a_valid_description():
         (dict(dtype=torch.float32), "dtype"),
         (dict(key_form="Rotated"), "key_form"),
         (dict(rotation_index="slot"), "rotation_index"),
-        (dict(kernel_rotates=0), "kernel_rotates must be a bool"),
         (dict(window=0), "window must be an integer >= 1"),
         (dict(window=None), "a window needs the layers"),
         (dict(window_layers=()), "a window needs the layers"),
@@ -115,7 +112,7 @@ def test_with_key_form_adjusts_kernel_rotates():
     assert (raw.key_form, raw.kernel_rotates) == ("raw", True)
     assert raw.with_key_form("rotated") == make()
     with pytest.raises(ConfigError):
-        make(key_form="raw", kernel_rotates=True, rotation_index="cache").with_key_form("rotated")
+        make(key_form="raw", rotation_index="cache").with_key_form("rotated")
 
 
 def test_fingerprint_is_stable_and_covers_the_rope():
@@ -129,11 +126,10 @@ def test_fingerprint_is_stable_and_covers_the_rope():
 
 # field -> (their contract, every field that differs from make(), a phrase of the field's consequence)
 VARIANTS = {
-    "key_form": (make().with_key_form("raw"), {"key_form", "kernel_rotates"}, "position 0"),
-    "kernel_rotates": (make().with_key_form("raw"), {"key_form", "kernel_rotates"}, "rotated twice"),
+    "key_form": (make().with_key_form("raw"), {"key_form"}, "position 0"),
     "rotation_index": (
-        make(key_form="raw", kernel_rotates=True, rotation_index="cache"),
-        {"key_form", "kernel_rotates", "rotation_index"},
+        make(key_form="raw", rotation_index="cache"),
+        {"key_form", "rotation_index"},
         "slot used as position",
     ),
     "rope.head_dim": (make(rope=ROPE.replace(head_dim=16), head_dim=16), {"rope.head_dim", "head_dim"}, "size per head"),
@@ -225,19 +221,28 @@ def test_require_compatible_names_all_fields_at_once():
     theirs = make(rope=ROPE.replace(theta=5e5, layout="gptj"), block_size=8, dtype="float16", model_fingerprint="x").with_key_form("raw")
     with pytest.raises(ContractMismatch) as info:
         make().require_compatible(theirs)
-    fields = {"key_form", "kernel_rotates", "rope.theta", "rope.layout", "block_size", "dtype", "model_fingerprint"}
+    fields = {"key_form", "rope.theta", "rope.layout", "block_size", "dtype", "model_fingerprint"}
     assert set(info.value.fields) == fields
-    assert "differ in 7 field(s)" in str(info.value)
+    assert "differ in 6 field(s)" in str(info.value)
     assert "\n" not in str(info.value)  # one line for the CLI
 
 
 # ---------------------------------------------------------------------- JSON
 
 
+def test_version_1_json_is_still_read():
+    """Version 1 wrote kernel_rotates; it is read when it agrees with key_form (it always did)."""
+    for c in (make(), make().with_key_form("raw")):
+        data = json.loads(c.to_json())
+        data.update(version=1, kernel_rotates=c.key_form == "raw")
+        assert CacheContract.from_json(json.dumps(data)) == c
+        assert c.kernel_rotates == (c.key_form == "raw")
+
+
 def test_json_has_format_and_version_and_round_trips():
     c = make(rope=ROPE.replace(scaling=RopeScaling("yarn", factor=4.0, original_max_position_embeddings=512, beta_fast=16.0)))
     data = json.loads(c.to_json())
-    assert data["format"] == "ropekv.cache_contract" and data["version"] == 1
+    assert data["format"] == "ropekv.cache_contract" and data["version"] == 2 and "kernel_rotates" not in data
     assert CacheContract.from_json(c.to_json()) == c
     assert CacheContract.from_json(c.to_json().encode()) == c
 
@@ -290,7 +295,7 @@ def contracts(draw):
     window = draw(st.none() | st.integers(1, 10_000))
     layers = () if window is None else tuple(sorted(draw(st.sets(st.integers(0, num_layers - 1), min_size=1))))
     return CacheContract(
-        key_form=key_form, kernel_rotates=key_form == "raw",
+        key_form=key_form,
         rotation_index=draw(st.sampled_from(["logical", "cache"])) if key_form == "raw" else "logical",
         rope=rope, window=window, window_layers=layers,
         sink_tokens=0 if window is None else draw(st.integers(0, 8)),
@@ -309,6 +314,13 @@ def test_json_round_trip_is_exact(c):
     assert back.to_json() == s
     assert back.fingerprint() == c.fingerprint()
     assert back.diff(c) == []
+
+
+def _v1(**changes):
+    """A version-1 document (which wrote kernel_rotates) with ``changes``."""
+    d = json.loads(make().to_json())
+    d.update(version=1, **changes)
+    return json.dumps(d)
 
 
 def _mutated(**changes):
@@ -334,7 +346,8 @@ _GOOD_ROPE = ROPE.to_dict()
         ("null", "must be an object"),
         ('{"version": 1}', "format"),
         (_mutated(format="ropekv.payload"), "format"),
-        (_mutated(version=2), "version 2"),
+        (_mutated(version=3), "version 3"),
+        (_mutated(version=True), "version True"),
         (_mutated(version="1"), "version"),
         (_mutated(block_size=_DELETE), r"missing field\(s\) \['block_size'\]"),
         (_mutated(colour="blue"), r"unexpected field\(s\) \['colour'\]"),
@@ -350,8 +363,11 @@ _GOOD_ROPE = ROPE.to_dict()
         (_mutated(rope={**_GOOD_ROPE, "scaling": {"rope_type": "longrope", "short_factor": 3,
                                                    "long_factor": [1.0] * 4, "original_max_position_embeddings": 8}}), "wrong type"),
         (_mutated(block_size="16"), "block_size"),
-        (_mutated(kernel_rotates="no"), "kernel_rotates"),
-        (_mutated(key_form="raw"), "kernel_rotates"),
+        (_mutated(kernel_rotates=False), r"unexpected field\(s\) \['kernel_rotates'\]"),  # derived in version 2
+        (_v1(kernel_rotates="no"), "kernel_rotates must be a bool"),
+        (_v1(kernel_rotates=True), "rotated a second time"),
+        (_v1(key_form="raw", kernel_rotates=False), "every key at position 0"),
+        (_v1(), r"missing field\(s\) \['kernel_rotates'\]|kernel_rotates must be a bool"),
         (_mutated(dtype=None), "dtype"),
         (_mutated(window=2.5), "window"),
     ],

@@ -208,8 +208,8 @@ def test_backend_that_contradicts_the_key_form(llama, key_form):
 def test_contracts_that_cannot_exist(llama):
     with pytest.raises(ConfigError, match="rotation_index='cache' needs key_form='raw'"):
         contract_for(llama, "rotated", "window").replace(rotation_index="cache")
-    with pytest.raises(ConfigError, match="kernel_rotates"):
-        contract_for(llama, "raw", "full").replace(kernel_rotates=False)
+    assert contract_for(llama, "raw", "full").kernel_rotates  # derived: it cannot disagree with key_form
+    assert not contract_for(llama, "rotated", "full").kernel_rotates
 
 
 def test_rotated_keys_for_length_dependent_rope_are_refused(make_tiny_checkpoint):

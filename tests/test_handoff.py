@@ -106,7 +106,6 @@ def variants(base: CacheContract) -> dict[str, CacheContract]:
     linear = base.replace(rope=rope.replace(scaling=RopeScaling("linear", factor=2.0)))
     return {
         "key_form": raw,
-        "kernel_rotates": raw,
         "rotation_index": raw.replace(rotation_index="cache"),
         "rope.head_dim": base.replace(rope=small, head_dim=8),
         "head_dim": base.replace(rope=small, head_dim=8),
@@ -153,7 +152,7 @@ def test_each_contract_mismatch_is_refused_with_the_field_named(ckpt, base, conv
     engine = prefilled(ckpt, base, 10, seq="other")
     before = engine.cache.state_digest()
     for field, theirs in variants(base).items():
-        if convert == "explicit" and field in ("key_form", "kernel_rotates"):
+        if convert == "explicit" and field == "key_form":
             continue  # converted: see test_explicit_conversion_passes
         with pytest.raises(ContractMismatch) as e:
             import_handoff(engine.cache, synthetic(theirs), convert=convert)

@@ -19,7 +19,7 @@ def contract(block_size=4, num_layers=2, window=None, window_layers=None, sinks=
     if window is not None and window_layers is None:
         window_layers = tuple(range(num_layers))
     return CacheContract(
-        key_form=key_form, kernel_rotates=key_form == "raw", rope=ROPE, num_layers=num_layers, num_kv_heads=KVH,
+        key_form=key_form, rope=ROPE, num_layers=num_layers, num_kv_heads=KVH,
         head_dim=D, window=window, window_layers=window_layers or (), sink_tokens=sinks, block_size=block_size,
         dtype=dtype,
     )

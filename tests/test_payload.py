@@ -23,7 +23,7 @@ FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 
 
 def contract(**changes) -> CacheContract:
-    base = dict(key_form="rotated", kernel_rotates=False, rope=ROPE, num_layers=2, num_kv_heads=2, head_dim=8,
+    base = dict(key_form="rotated", rope=ROPE, num_layers=2, num_kv_heads=2, head_dim=8,
                 block_size=4, model_fingerprint="m")
     return CacheContract(**{**base, **changes})
 
@@ -79,7 +79,7 @@ def assert_same(a: Handoff, b: Handoff) -> None:
 @pytest.mark.parametrize("c", [
     contract(),
     contract(dtype="bfloat16"),
-    contract(key_form="raw", kernel_rotates=True),
+    contract(key_form="raw"),
     contract(window=3, window_layers=(1,), sink_tokens=1),
     contract(window=2, window_layers=(0, 1)),
 ], ids=["float32", "bfloat16", "raw", "one-windowed-layer-with-sink", "all-windowed"])

@@ -27,7 +27,7 @@ ROPE = RopeSpec(head_dim=8, rotary_dim=8, theta=10000.0)
 
 
 def contract(**changes) -> CacheContract:
-    base = dict(key_form="rotated", kernel_rotates=False, rope=ROPE, num_layers=3, num_kv_heads=2, head_dim=8,
+    base = dict(key_form="rotated", rope=ROPE, num_layers=3, num_kv_heads=2, head_dim=8,
                 block_size=4, model_fingerprint="m")
     return CacheContract(**{**base, **changes})
 
@@ -183,7 +183,7 @@ def test_chunks_land_straight_in_the_pool_rows_the_sequence_owns():
 
 
 def test_explicit_conversion_rotates_raw_keys_once():
-    raw = contract(key_form="raw", kernel_rotates=True)
+    raw = contract(key_form="raw")
     source, target = filled(raw, 9), PagedKVCache(contract(), 16)
     _, got = transfer(source, target, convert="explicit")
     assert got.conversion == "rotate"
@@ -245,7 +245,7 @@ def test_non_finite_values_are_refused_with_their_position():
 
 @pytest.mark.parametrize("theirs, error, match", [
     (contract(rope=ROPE.replace(theta=500000.0)), ContractMismatch, "rope.theta"),
-    (contract(key_form="raw", kernel_rotates=True), ContractMismatch, "key_form"),
+    (contract(key_form="raw"), ContractMismatch, "key_form"),
 ])
 def test_contract_mismatch_is_refused_at_the_header(theirs, error, match):
     source, target = filled(theirs, 5), PagedKVCache(contract(), 8)

@@ -24,7 +24,7 @@ from ..rope import RopeSpec
 from .payload import Handoff
 
 CONVERT_MODES = ("never", "explicit")
-_KEY_FORM_FIELDS = {"key_form", "kernel_rotates"}  # the two fields a key-form difference shows as
+_KEY_FORM_FIELDS = {"key_form"}  # what a key-form difference shows as (kernel_rotates is derived from it)
 
 
 class ImportPolicy:
