@@ -43,3 +43,21 @@ def test_every_operation_passes_in_both_key_forms(llama, key_form):
     assert report.passed, report.table()
     tol = report.tolerances["reference"]["attn_logits"]
     assert max(c.max_attn_error for c in report.cases) < tol / 5, report.table()
+
+
+def _fault_cases(fault) -> list[Case]:
+    """Cases running the fault's operation: one plain, one on a wrapped window (B=5, W=13, 2 sinks)."""
+    op = fault.op
+    wrapped = Case(length=40, block_size=5, window=13, sink_tokens=2, op=op)
+    if fault.needs_window:
+        return [wrapped]
+    return [Case(length=30, block_size=7, op=op), wrapped]
+
+
+@pytest.mark.parametrize("name", sorted(OP_FAULTS))
+def test_each_operation_fault_is_caught_and_named(llama, name):
+    fault = OP_FAULTS[name]
+    report = check(fault.adapter(llama), cases=_fault_cases(fault))
+    assert not report.passed, f"{name} went unnoticed:\n{report.table()}"
+    assert report.diagnosis is not None and report.diagnosis.kind == fault.kind, report.table()
+    print(name, "->", report.diagnosis.evidence)

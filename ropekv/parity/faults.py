@@ -203,6 +203,12 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
 )}
 
 
+# Cache-operation faults (issue 14) join the catalogue; they need a case running their operation.
+from .op_faults import OP_FAULTS  # noqa: E402 -- op_faults does not import this module
+
+FAULTS.update(OP_FAULTS)
+
+
 def get_fault(name: str) -> Fault:
     if name not in FAULTS:
         raise UsageError(f"unknown fault {name!r}; choose one of: {', '.join(FAULTS)}")
