@@ -8,6 +8,7 @@ logical position ``t = prefix + length + s`` and is compared with row ``t`` of a
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import asdict, dataclass
 from typing import Literal, get_args
@@ -202,16 +203,40 @@ def default_matrix(max_positions: int) -> list[Case]:
         Case(length=48, block_size=7, window=37),
         Case(length=40, block_size=5, window=13, sink_tokens=2, chunk=9),
         Case(length=1100, prefix=0, block_size=16, chunk=256),
+        *default_op_cases(),
     ]
-    return [c for c in cases if c.total <= max_positions]
+    return [c for c in cases if c.positions_needed <= max_positions]
+
+
+def default_op_cases() -> list[Case]:
+    """One case per cache operation (docs/ops.md): a rollback whose draft overwrites slots of a wrapped
+    odd-size ring, an eviction after a prefix-cache hit, a shift by 1,000 across blocks, a batch of three
+    lengths, and a restore of a wrapped window with sinks."""
+    return [
+        Case(length=48, block_size=7, window=37, op=CacheOp("rollback", 3)),
+        Case(length=30, prefix=13, block_size=7, op=CacheOp("evict", 5)),
+        Case(length=20, block_size=7, op=CacheOp("shift", 1000)),
+        Case(length=20, block_size=7, op=CacheOp("batch", 3)),
+        Case(length=40, block_size=5, window=13, sink_tokens=2, chunk=9, op=CacheOp("restore")),
+    ]
+
+
+def op_matrix(ops: list[CacheOp], base: list[Case] | None) -> list[Case]:
+    """Cases for ``ops``: each operation on every ``base`` case, or on its own default case
+    (:func:`default_op_cases`, with the given amount) when there is no base."""
+    if base is None:
+        defaults = {c.op.kind: c for c in default_op_cases()}
+        return [dataclasses.replace(defaults[op.kind], op=op) for op in ops]
+    return [dataclasses.replace(c, op=op) for op in ops for c in base]
 
 
 def build_matrix(*, lengths=None, block_sizes=None, prefix_offsets=None, window=None, sink_tokens=0,
-                 chunk=None, decode_steps=None, max_positions: int) -> list[Case]:
+                 chunk=None, decode_steps=None, max_positions: int, ops: list[CacheOp] | None = None) -> list[Case]:
     """The cartesian product of the given values, or the default matrix when nothing is given.
 
     ``window``/``chunk``/``decode_steps`` given alone modify every default case. An empty list is
-    refused (it would otherwise quietly mean the defaults).
+    refused (it would otherwise quietly mean the defaults). ``ops`` (``--ops``): the cases are then the
+    operations, each on every case the other flags give, or on its default case when none are given.
     """
     for flag, values in (("lengths", lengths), ("block_sizes", block_sizes), ("prefix_offsets", prefix_offsets)):
         if values is not None and len(values) == 0:
@@ -230,6 +255,14 @@ def build_matrix(*, lengths=None, block_sizes=None, prefix_offsets=None, window=
                  decode_steps=decode_steps or 3)
             for L, B, P in itertools.product(lengths or [1, 17, 513], block_sizes or [16], prefix_offsets or [0])
         ]
+    if ops:
+        explicit = not (lengths is None and block_sizes is None and prefix_offsets is None)
+        cases = op_matrix(ops, cases if explicit else None)
+        if not explicit and (window is not None or chunk is not None or decode_steps is not None):
+            cases = [dataclasses.replace(c, window=window if window is not None else c.window,
+                                         sink_tokens=sink_tokens if window is not None else c.sink_tokens,
+                                         chunk=chunk if chunk is not None else c.chunk,
+                                         decode_steps=decode_steps or c.decode_steps) for c in cases]
     too_long = [c for c in cases if c.positions_needed > max_positions]
     if too_long:
         c = too_long[0]
