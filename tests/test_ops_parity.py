@@ -61,3 +61,25 @@ def test_each_operation_fault_is_caught_and_named(llama, name):
     assert not report.passed, f"{name} went unnoticed:\n{report.table()}"
     assert report.diagnosis is not None and report.diagnosis.kind == fault.kind, report.table()
     print(name, "->", report.diagnosis.evidence)
+
+
+def test_hf_rollback_via_crop_passes_and_other_ops_are_refused(tiny_llama_dir):
+    """transformers' DynamicCache.crop runs a rollback; an operation the adapter cannot run is refused
+    by the harness (UsageError), never compared as if it had run."""
+    from ropekv.adapters.hf import HFEngine
+
+    hf = HFEngine.load(tiny_llama_dir)
+    report = check(hf, cases=[Case(length=17, op=CacheOp("rollback", 3)),
+                              Case(length=40, window=13, sink_tokens=2, op=CacheOp("rollback", 4))])
+    assert report.passed, report.table()
+    assert any("crop" in n for n in report.cases[0].notes)
+    with pytest.raises(UsageError, match="cannot run the cache operation"):
+        check(hf, cases=[Case(length=17), Case(length=20, op=CacheOp("evict", 3))])
+
+
+def test_operation_faults_do_not_show_without_their_operation(llama):
+    """An operation fault is a different engine only once its operation ran: plain cases pass."""
+    plain = [Case(length=17, block_size=7), Case(length=40, block_size=5, window=13, sink_tokens=2)]
+    for name in ("rollback-offset", "evict-offset", "shift-not-rotated", "restore-without-positions"):
+        report = check(OP_FAULTS[name].adapter(llama), cases=plain)
+        assert report.passed, f"{name} on plain cases:\n{report.table()}"
