@@ -83,3 +83,37 @@ def test_operation_faults_do_not_show_without_their_operation(llama):
     for name in ("rollback-offset", "evict-offset", "shift-not-rotated", "restore-without-positions"):
         report = check(OP_FAULTS[name].adapter(llama), cases=plain)
         assert report.passed, f"{name} on plain cases:\n{report.table()}"
+
+
+@pytest.mark.parametrize("ops,named", [
+    ("rollback", "needs an amount"), ("evict:x", "integer"), ("spin:3", "unknown operation"),
+    ("batch:1", ">= 2"), ("rollback:3,,restore", "empty item"), ("restore:2", "no amount"),
+])
+def test_ops_flag_parse_errors_are_one_line_before_anything_is_read(tiny_llama_dir, capsys, monkeypatch, ops, named):
+    import ropekv.models
+    from ropekv.cli.main import main
+
+    def forbidden(*a, **k):
+        raise AssertionError("the model was read before --ops was refused")
+
+    monkeypatch.setattr(ropekv.models, "load_config", forbidden)
+    monkeypatch.setattr(ropekv.models, "load_checkpoint", forbidden)
+    code = main(["check", str(tiny_llama_dir), "--ops", ops])
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("ropekv: error: ") and named in err and err.count("\n") == 1, err
+
+
+def test_ops_flag_runs_the_operations_and_inject_names_an_operation_fault(tiny_llama_dir, capsys):
+    from ropekv.cli.main import main
+
+    argv = ["check", str(tiny_llama_dir), "--lengths", "17,40", "--block-sizes", "7", "--ops", "evict:3,shift:50",
+            "--no-progress"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count("evict:3") == 2 and out.count("shift:50") == 2 and "parity holds in all 4 cases" in out
+    assert main(argv + ["--inject", "evict-offset"]) == 1
+    out = capsys.readouterr().out
+    assert "diagnosis: evict_offset" in out and "the offset counts kept rows" in out
+    assert main(["check", "--list-faults"]) == 0
+    listed = capsys.readouterr().out
+    assert all(name in listed for name in OP_FAULTS)
