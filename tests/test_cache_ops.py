@@ -179,3 +179,34 @@ def test_batched_decode_matches_one_by_one(llama):
         one = alone.decode(r, tokens[L])
         assert int(out.positions[0]) == L
         torch.testing.assert_close(out.logits, one.logits, atol=1e-4, rtol=0)
+
+
+def test_ring_rollback_copies_a_shared_block_before_restoring_it():
+    """A child forked after the draft shares the parent's ring blocks: the parent's rollback copies
+    them first, so the child still sees the draft and the parent sees exactly its pre-draft state."""
+    cache = make(window=5, sinks=2)
+    cache.create("p")
+    put(cache, "p", 0, 11, seed=1)
+    before = views(cache, "p")
+    put(cache, "p", 11, 3, seed=2)
+    cache.fork("c", "p", 14)
+    child = views(cache, "c")
+    cache.rollback("p", 3)
+    same(views(cache, "p"), before)
+    same(views(cache, "c"), child)
+
+
+def test_batched_decode_refusals_leave_the_cache_unchanged(llama):
+    engine = NativeAdapter(llama).make_engine(Case(length=20, block_size=7))
+    engine.prefill("a", torch.arange(16, 30))
+    engine.prefill("b", torch.arange(16, 22))
+    digest = engine.cache.state_digest()
+    from ropekv.errors import UsageError
+
+    with pytest.raises(UsageError):
+        engine.decode_batch(["a", "a"], torch.tensor([20, 21]))
+    with pytest.raises(CacheError):
+        engine.decode_batch(["a", "zzz"], torch.tensor([20, 21]))
+    with pytest.raises(UsageError):
+        engine.decode_batch(["a", "b"], torch.tensor([20]))
+    assert engine.cache.state_digest() == digest
