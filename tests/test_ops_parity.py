@@ -117,3 +117,27 @@ def test_ops_flag_runs_the_operations_and_inject_names_an_operation_fault(tiny_l
     assert main(["check", "--list-faults"]) == 0
     listed = capsys.readouterr().out
     assert all(name in listed for name in OP_FAULTS)
+
+
+def test_reference_positions_and_key_mask_against_transformers_and_removal(tiny_llama_dir, hf_model, llama):
+    """The two reference keywords the operation cases use. ``positions``: transformers' forward with
+    the same ``position_ids``. ``key_mask``: hiding token j's key from every other row equals the
+    forward over the sequence without token j (positions kept), at every other row."""
+    import torch
+
+    from ropekv.models.reference import ReferenceDecoder
+
+    ref = ReferenceDecoder(llama)
+    tokens = torch.arange(20, 44)
+    shifted = ref.forward(tokens, positions=torch.arange(24) + 137).logits
+    with torch.no_grad():
+        want = hf_model(tiny_llama_dir)(tokens[None], position_ids=(torch.arange(24) + 137)[None]).logits[0]
+    torch.testing.assert_close(shifted.float(), want, atol=2e-4, rtol=0)
+    j, T = 9, 24
+    mask = torch.ones(T, T, dtype=torch.bool)
+    mask[:, j] = False
+    mask[j, j] = True
+    masked = ref.forward(tokens, key_mask=mask).logits
+    keep = [i for i in range(T) if i != j]
+    removed = ref.forward(tokens[keep], positions=torch.tensor(keep)).logits
+    torch.testing.assert_close(masked[keep], removed, atol=1e-9, rtol=0)
