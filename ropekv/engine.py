@@ -16,17 +16,19 @@ under the old frequencies.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from .attention import Backend, attend, attend_segments, backend_for, get_backend, visibility
 from .cache.paged import PagedKVCache
+from .cache.policy import CacheOpPolicy
 from .contract import CacheContract
 from .errors import CacheError, ContractMismatch, UsageError
 from .models.config import Checkpoint
 from .probe import LayerProbe
-from .rotation import RopeTable, RopeTables, RotationPolicy, StepContext
+from .rotation import NO_OPS, OpFacts, RopeTable, RopeTables, RotationPolicy, StepContext
 from .transformer import DecoderWeights, embed, final_logits, finish_layer, project_qkv
 
 
@@ -43,7 +45,7 @@ class Engine:
     def __init__(self, checkpoint: Checkpoint, contract: CacheContract, num_blocks: int = 1024, *,
                  backend: str | Backend | None = None, rotation: RotationPolicy | None = None,
                  device: str | torch.device = "cpu", weights: DecoderWeights | None = None,
-                 compile_rotation: bool = False):
+                 compile_rotation: bool = False, cache_ops: CacheOpPolicy | None = None, rollback_depth: int = 16):
         cfg = checkpoint.config
         self.checkpoint = checkpoint
         self.config = cfg
@@ -59,8 +61,10 @@ class Engine:
         if weights is not None and (weights.config != cfg or weights.embed.dtype != self.dtype):
             raise UsageError("shared weights were built for another config or dtype")
         self.weights = weights or DecoderWeights.from_checkpoint(checkpoint, self.dtype, self.device)
-        self.cache = PagedKVCache(contract, num_blocks, device=self.device)
+        self.cache = PagedKVCache(contract, num_blocks, device=self.device, rollback_depth=rollback_depth,
+                                  policy=cache_ops)
         self._fork_offset: dict[object, int] = {}
+        self._op_facts: dict[object, OpFacts] = {}  # cache operations per sequence, for StepContext.ops
         self._join_buffers: list[torch.Tensor | None] = [None, None]  # keys, values; see _joined
         self._key_scratch: torch.Tensor | None = None  # keys a rotating backend turns; see _scratch
         work = torch.float64 if self.dtype == torch.float64 else torch.float32
@@ -111,9 +115,59 @@ class Engine:
             raise CacheError(f"free: unknown sequence {seq_id!r}")
         self.cache.free(seq_id)
         self._fork_offset.pop(seq_id, None)
+        self._op_facts.pop(seq_id, None)
 
     def num_tokens(self, seq_id) -> int:
         return self.cache.num_tokens(seq_id)
+
+    # ------------------------------------------------------------------ cache operations (docs/ops.md)
+
+    def rollback(self, seq_id, n: int) -> None:
+        """Give back the last ``n`` tokens (a rejected draft); see :meth:`PagedKVCache.rollback`."""
+        self.cache.rollback(seq_id, n)
+        self._note(seq_id, rolled_back=n)
+
+    def evict(self, seq_id, positions) -> None:
+        """Drop the tokens at ``positions``; survivors keep theirs (see :meth:`PagedKVCache.evict`)."""
+        self.cache.evict(seq_id, positions)
+        self._note(seq_id, evicted=len(positions))
+
+    def shift(self, seq_id, delta: int, from_position: int = 0) -> None:
+        """Move the tokens at or after ``from_position`` by ``delta`` (see :meth:`PagedKVCache.shift`)."""
+        last = self.cache.last_position(seq_id) + (delta if self.cache.last_position(seq_id) >= from_position else 0)
+        self._check_positions(last)
+        self.cache.shift(seq_id, delta, from_position)
+
+    def save(self, seq_id, path, tokens: torch.Tensor) -> int:
+        """Write ``seq_id`` (whose consumed ids are ``tokens [n]``) to a safetensors file; returns its size."""
+        from .saved import save_sequence
+
+        return save_sequence(self, seq_id, path, tokens)
+
+    def load(self, path, seq_id=None):
+        """Load a file written by :meth:`save`; returns ``(seq_id, tokens)``. All or nothing."""
+        from .saved import load_sequence
+
+        sid, tokens = load_sequence(self, path, seq_id)
+        self._fork_offset[sid] = 0
+        self._note(sid, restored=int(tokens.numel()))
+        return sid, tokens
+
+    def decode_batch(self, seq_ids: list, tokens: torch.Tensor, *, probe: bool = False) -> list[StepOutput]:
+        """One decode step for several sequences of different lengths at once, in a left-padded
+        batch: every row at its own next position (see :mod:`ropekv.batch`)."""
+        from .batch import decode_batch
+
+        return decode_batch(self, seq_ids, tokens, probe=probe)
+
+    def op_facts(self, seq_id) -> OpFacts:
+        """Cache operations ``seq_id`` went through (what :class:`StepContext` hands rotation policies)."""
+        return self._op_facts.get(seq_id, NO_OPS)
+
+    def _note(self, seq_id, **counts: int) -> None:
+        facts = self.op_facts(seq_id)
+        self._op_facts[seq_id] = dataclasses.replace(
+            facts, **{k: getattr(facts, k) + v for k, v in counts.items()})
 
     def forward_full(self, tokens: torch.Tensor, *, probe_rows: list[int] | None = None) -> StepOutput:
         """The engine's own cache-free forward over ``tokens [T]`` at positions ``0..T-1``."""
@@ -171,7 +225,7 @@ class Engine:
         step_ctx = StepContext(phase=phase, seq_len=int(positions.max()) + 1,
                                fork_offset=self._fork_offset.get(seq_id, 0), block_size=c.block_size,
                                layer_ropes=tuple(c.layer_rope(i) for i in range(c.num_layers)),
-                               window_layers=c.window_layers,
+                               window_layers=c.window_layers, ops=self.op_facts(seq_id),
                                tables=self._step_tables(positions, groups.values()),
                                key_scratch=None if probe_rows is not None else self._scratch(groups.values()))
         h = embed(cfg, self.weights, tokens.to(self.device))  # [n, hidden]

@@ -114,6 +114,25 @@ def neox_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 
 
 @dataclass(frozen=True)
+class OpFacts:
+    """Cache operations a sequence went through before this step (ropekv/cache/paged.py), as counts.
+
+    The correct policy ignores them: stored positions are the truth after every operation. They exist
+    so that a fault policy can model an engine whose rotation offset an operation put out of step with
+    the logical positions (``ropekv.parity.op_faults``). ``padding`` is the row's left padding in a
+    merged batch (``ropekv.batch``).
+    """
+
+    rolled_back: int = 0  # tokens given back by rollbacks
+    evicted: int = 0  # tokens dropped by evictions
+    restored: int = 0  # tokens loaded from a saved cache
+    padding: int = 0  # left padding of this row in a batched step
+
+
+NO_OPS = OpFacts()
+
+
+@dataclass(frozen=True)
 class StepContext:
     """What a policy may know about the step in progress.
 
@@ -130,6 +149,7 @@ class StepContext:
     seq_len: int
     fork_offset: int = 0
     block_size: int = 1
+    ops: OpFacts = NO_OPS
     layer: int = 0
     layer_ropes: tuple[RopeSpec | None, ...] = ()  # the contract's spec per layer (None: NoPE)
     window_layers: tuple[int, ...] = ()  # the contract's sliding ("local") layers

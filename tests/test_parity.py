@@ -43,7 +43,7 @@ def test_clean_engine_passes(llama, key_form, backend, dtype):
     assert max(c.max_attn_error for c in report.cases) < tol / 5
 
 
-@pytest.mark.parametrize("name", sorted(FAULTS))
+@pytest.mark.parametrize("name", sorted(n for n, f in FAULTS.items() if not hasattr(f, "op")))  # op faults: test_ops_parity
 def test_each_fault_is_caught_and_named(llama, name):
     fault = FAULTS[name]
     report = check(fault.adapter(llama), cases=TINY_CASES)

@@ -182,6 +182,9 @@ class HFEngine:
         out = ["block_size"]
         if case.window is not None and self.cache_kind == "static":
             out.append("cache=static (a case window runs on a full DynamicCache)")
+        if case.op is not None and not (case.op.kind == "rollback" and self._croppable(case)):
+            # The harness refuses such a case (UsageError) rather than pass it.
+            out.append(f"op: the transformers adapter runs only rollback (DynamicCache.crop), not {case.op.label()}")
         return tuple(out)
 
     @torch.no_grad()
@@ -203,11 +206,17 @@ class HFEngine:
                     cache.crop(-extra)
                 self._reset_rope()  # the continuation is a new request
             self._prefill(cache, tokens[start: start + case.length], start, case)
+            notes: tuple[str, ...] = ()
+            if case.op is not None and case.op.kind == "rollback":  # a verified draft, all rejected
+                self._prefill(cache, case.draft_tokens(tokens, self.checkpoint.config.vocab_size),
+                              start + case.length, case)
+                cache.crop(-case.op.amount)
+                notes = (f"a {case.op.amount}-token draft was prefilled and rolled back with DynamicCache.crop",)
             steps = []
             for t in case.decode_positions:
                 out, layers, _ = self._forward(tokens[t: t + 1], t, cache, case, rows=[0])
                 steps.append(StepRecord(position=t, logits=out.logits[0, -1], layers=layers))
-            return CaseRun(tuple(steps))
+            return CaseRun(tuple(steps), notes=notes)
 
     @torch.no_grad()
     def full_forward(self, tokens: torch.Tensor, rows: list[int], case: Case) -> FullRun:

@@ -6,6 +6,7 @@ from typing import Any, Hashable
 
 import torch
 
+from ..cache.policy import CacheOpPolicy
 from ..contract import CacheContract
 from ..engine import Engine
 from ..models.config import Checkpoint
@@ -24,13 +25,14 @@ class NativeAdapter:
 
     def __init__(self, checkpoint: Checkpoint, *, key_form: str = "rotated", backend: str | None = None,
                  dtype: str = "float32", rotation: RotationPolicy | None = None, device: str = "cpu",
-                 name: str | None = None):
+                 name: str | None = None, cache_ops: CacheOpPolicy | None = None):
         self.checkpoint = checkpoint
         self.key_form = key_form
         self.backend = backend
         self.dtype_name = dtype
         self.dtype = _DTYPES[dtype]
         self.rotation = rotation
+        self.cache_ops = cache_ops
         self.device = device
         self.name = name or f"ropekv engine ({key_form} keys, {backend or 'default'} backend)"
         self._weights: DecoderWeights | None = None
@@ -46,11 +48,15 @@ class NativeAdapter:
     def make_engine(self, case: Case, num_blocks: int | None = None) -> Engine:
         if num_blocks is None:
             # Room for the parent and the child sequence, plus copy-on-write copies.
-            num_blocks = 2 * (-(-case.total // case.block_size)) + 4
+            # Room for the parent and the child sequence (every row of a batch), plus copy-on-write copies.
+            rows = len(case.batch_lengths) if case.op is not None else 1
+            draft = case.op.amount if case.op is not None and case.op.kind == "rollback" else 0
+            num_blocks = (rows + 1) * (-(-(case.total + draft) // case.block_size)) + 8
         if self._weights is None:
             self._weights = DecoderWeights.from_checkpoint(self.checkpoint, self.dtype, self.device)
         return Engine(self.checkpoint, self.contract(case), num_blocks, backend=self.backend,
-                                 rotation=self.rotation, device=self.device, weights=self._weights)
+                                 rotation=self.rotation, device=self.device, weights=self._weights,
+                                 cache_ops=self.cache_ops)
 
     def describe(self) -> dict[str, Any]:
         engine = self.make_engine(Case(length=1), num_blocks=1)
@@ -63,6 +69,10 @@ class NativeAdapter:
 
     def run_case(self, case: Case, tokens: torch.Tensor) -> CaseRun:
         engine = self.make_engine(case)
+        if case.op is not None:
+            from .native_ops import run_op_case
+
+            return run_op_case(self, engine, case, tokens)
         prefill_case(engine, case, tokens, "prompt")
         return CaseRun(decode_steps(engine, "prompt", case, tokens))
 

@@ -15,6 +15,13 @@ positions keep increasing: positions are *stored* per slot and never derived fro
 
 Every mutating call validates everything first and then writes; a rejected call leaves the cache
 exactly as it was (:meth:`PagedKVCache.state_digest` proves it in the tests).
+
+Operations beyond append (docs/ops.md): :meth:`~PagedKVCache.rollback` (speculative decoding gives
+back rejected tokens; a wrapped ring gets back what they overwrote from an overwrite journal of the
+last ``rollback_depth`` tokens), :meth:`~PagedKVCache.evict` (per-slot holes: a stored position of -1
+is an evicted token, so a slot is live iff the write-index rule says so AND it is not a hole) and
+:meth:`~PagedKVCache.shift` (positions move by ``delta``; rotated keys turn by R(delta) once). What
+they do to key contents is decided by a :class:`~ropekv.cache.policy.CacheOpPolicy`.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import torch
 from ..contract import CacheContract, key_form_consequence
 from ..errors import CacheError, CapacityError, ContractMismatch, UsageError
 from .allocator import BlockAllocator
+from .policy import CORRECT, CacheOpPolicy
 
 FULL, SLIDING = "full", "sliding"
 _FUSED_CHECK_ELEMENTS = 1 << 18  # new keys + values of all layers below this: one fused finiteness check
@@ -90,11 +98,24 @@ class _Group:
         return -(-self.num_slots(num_tokens) // self.block_size)
 
 
+@dataclass(frozen=True, eq=False)
+class _Overwrite:
+    """Journal entry: the ring slot token ``index`` overwrote, and what it held before (all sliding layers)."""
+
+    index: int  # write index of the overwriting token
+    slot: int
+    position: int  # the slot's stored position before (-1: it was a hole)
+    keys: torch.Tensor  # [sliding layers, KVH, D]
+    values: torch.Tensor  # [sliding layers, KVH, D]
+
+
 @dataclass
 class _Seq:
     num_tokens: int = 0
     last_position: int = -1
     tables: dict[str, list[int]] = field(default_factory=dict)  # group name -> block ids
+    history: list[int] = field(default_factory=list)  # logical position of every write index (holes included)
+    journal: list[_Overwrite] = field(default_factory=list)  # ring overwrites of the last rollback_depth tokens
 
 
 @dataclass(frozen=True, eq=False)
@@ -117,7 +138,12 @@ class PagedKVCache:
     contract dtype. Each group (full / sliding) has ``num_blocks`` blocks of its own.
     """
 
-    def __init__(self, contract: CacheContract, num_blocks: int, device: str | torch.device = "cpu"):
+    def __init__(self, contract: CacheContract, num_blocks: int, device: str | torch.device = "cpu", *,
+                 rollback_depth: int = 16, policy: CacheOpPolicy | None = None):
+        if not isinstance(rollback_depth, int) or isinstance(rollback_depth, bool) or rollback_depth < 0:
+            raise UsageError(f"rollback_depth must be an integer >= 0, got {rollback_depth!r}")
+        self.rollback_depth = rollback_depth
+        self.policy = policy or CORRECT
         if not isinstance(contract, CacheContract):
             raise UsageError(f"PagedKVCache needs a CacheContract, got {type(contract).__name__}")
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
@@ -223,16 +249,13 @@ class PagedKVCache:
                     f"(S={g.sinks}, W={g.window}) already overwrote the slot of token {oldest} (by token "
                     f"{oldest + g.window}), which a prefix of {prefix_len} still needs"
                 )
-        child = _Seq(num_tokens=prefix_len)
+        child = _Seq(num_tokens=prefix_len, history=parent.history[:prefix_len])
         for name, grp in self._groups.items():
             shared = parent.tables[name][: grp.blocks_needed(prefix_len)]
             for block in shared:
                 grp.allocator.incref(block)
             child.tables[name] = list(shared)
-        first = self._groups[FULL] if FULL in self._groups else self._groups[SLIDING]
-        slot = int(first.slots(torch.tensor([prefix_len - 1]))[0])
-        block = child.tables[first.name][slot // first.block_size]
-        child.last_position = int(first.positions[block, slot % first.block_size])
+        child.last_position = child.history[-1]
         self._seqs[new_seq_id] = child
 
     # ------------------------------------------------------------------ append
@@ -264,6 +287,7 @@ class PagedKVCache:
         self._check_finite(keys, values)
 
         plans = self._check_room(seq_id, seq, n)
+        journal = self._journal_entries(seq, pos, keys, values, n)
 
         for name, (rows, slots, new, cow) in plans.items():
             g, table = self._groups[name], seq.tables[name]
@@ -285,7 +309,42 @@ class PagedKVCache:
                     _rows2d(pool).index_copy_(0, flat, src if every else src[rows_d])
         seq.num_tokens += n
         seq.last_position = int(pos[-1])
+        seq.history.extend(pos.tolist())
+        if journal or seq.journal:
+            keep = seq.num_tokens - self.rollback_depth
+            seq.journal = [e for e in seq.journal + journal if e.index >= keep]
         self._invalidate(seq_id)
+
+    def _journal_entries(self, seq: _Seq, pos: torch.Tensor, keys, values, n: int) -> list[_Overwrite]:
+        """What the ring slots the last ``rollback_depth`` tokens of this append overwrite hold now
+        (or will hold, from an earlier row of the same chunk), before anything is written."""
+        g = self._groups.get(SLIDING)
+        if g is None or not self.rollback_depth:
+            return []
+        start, end = seq.num_tokens, seq.num_tokens + n
+        first = max(start, end - self.rollback_depth, g.ring)
+        out = []
+        for i in range(first, end):
+            slot = int(g.slots(torch.tensor([i]))[0])
+            old = i - g.window  # the token whose slot this is until i is written
+            if old >= start:
+                r = old - start
+                k = torch.stack([keys[layer][r] for layer in g.layers]).to(self.contract.torch_dtype)
+                v = torch.stack([values[layer][r] for layer in g.layers]).to(self.contract.torch_dtype)
+                p = int(pos[r])
+            else:
+                flat = self._flat(g, seq, torch.tensor([slot]))
+                k = torch.stack([_rows2d(self.keys[layer])[flat].view(self.keys[layer].shape[2:]) for layer in g.layers])
+                v = torch.stack([_rows2d(self.values[layer])[flat].view(self.keys[layer].shape[2:]) for layer in g.layers])
+                p = int(g.positions.view(-1)[flat])
+            out.append(_Overwrite(i, slot, p, k.cpu().clone(), v.cpu().clone()))
+        return out
+
+    def _flat(self, g: _Group, seq: _Seq, slots: torch.Tensor) -> torch.Tensor:
+        """Flat pool rows ``[k]`` of ``slots [k]`` under the sequence's current block table."""
+        bs = g.block_size
+        blocks = torch.tensor(seq.tables[g.name], dtype=torch.int64)
+        return (blocks[slots // bs] * bs + slots % bs).to(self.device)
 
     def check_room(self, seq_id: Hashable, n: int) -> None:
         """Raise :class:`CapacityError` unless ``n`` more tokens of ``seq_id`` fit, copy-on-write included.
@@ -377,6 +436,159 @@ class PagedKVCache:
                 what, layer = ("keys", i) if i < len(keys) else ("values", i - len(keys))
                 raise CacheError(f"append: {what}[{layer}] holds NaN or infinite values")
 
+    # ------------------------------------------------------------------ operations (docs/ops.md)
+
+    def rollback(self, seq_id: Hashable, n: int) -> None:
+        """Give back the last ``n`` tokens of ``seq_id`` (a rejected speculative draft).
+
+        Full group: the sequence shrinks by ``n``; blocks no longer needed are released. Sliding
+        ring: every rejected token that overwrote a slot gets the slot's previous token back (keys,
+        values, position) from the overwrite journal, newest first; beyond the journal's
+        ``rollback_depth`` tokens the rollback is refused. Next position: the last kept token's + 1.
+        """
+        seq = self._seq(seq_id)
+        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= seq.num_tokens:
+            raise CacheError(f"rollback of {seq_id!r}: n must be an integer in [1, {seq.num_tokens}], got {n!r}")
+        new_n = seq.num_tokens - n
+        g = self._groups.get(SLIDING)
+        restores: list[_Overwrite] = []
+        if g is not None:
+            have = {e.index: e for e in seq.journal}
+            need = [i for i in range(new_n, seq.num_tokens) if i >= g.ring]
+            missing = [i for i in need if i not in have]
+            if missing:
+                raise CacheError(
+                    f"rollback of {n} token(s) on {seq_id!r}: tokens {missing[0]}..{missing[-1]} overwrote window ring "
+                    f"slots whose earlier keys are beyond the overwrite journal (rollback_depth={self.rollback_depth}); "
+                    "nothing changed")
+            restores = [have[i] for i in reversed(need)]
+            cow = self._shared(g, seq, {e.slot // g.block_size for e in restores})
+            self._require_free({SLIDING: len(cow)}, f"rollback of {n} token(s) on {seq_id!r}")
+            for i in cow:
+                seq.tables[SLIDING][i] = self._copy_block(g, seq.tables[SLIDING][i])
+            for e in restores:
+                flat = self._flat(g, seq, torch.tensor([e.slot]))
+                g.positions.view(-1)[flat] = e.position
+                for j, layer in enumerate(g.layers):
+                    for pool, saved in ((self.keys[layer], e.keys), (self.values[layer], e.values)):
+                        rows = _rows2d(pool)
+                        now = rows[flat].view(1, *pool.shape[2:])
+                        back = self.policy.ring_restore(saved[j:j + 1].to(pool.device), now)  # [1, KVH, D]
+                        rows[flat] = back.to(pool.dtype).reshape(1, -1)
+        for name, grp in self._groups.items():
+            table = seq.tables[name]
+            for block in table[grp.blocks_needed(new_n):]:
+                if grp.allocator.decref(block) == 0:
+                    grp.positions[block] = -1
+            del table[grp.blocks_needed(new_n):]
+        seq.num_tokens = new_n
+        del seq.history[new_n:]
+        seq.last_position = seq.history[-1] if seq.history else -1
+        seq.journal = [e for e in seq.journal if e.index < new_n]
+        self._invalidate(seq_id)
+
+    def evict(self, seq_id: Hashable, positions: Sequence[int] | torch.Tensor) -> None:
+        """Drop the tokens at logical ``positions`` from every layer (H2O/SnapKV-style compression).
+
+        Their slots become holes (stored position -1); survivors keep their logical positions and the
+        next token still goes to the last position + 1, never to the count of kept rows. A shared
+        block is copied before a hole is punched into it. Refused unless every position is live."""
+        seq = self._seq(seq_id)
+        want = _int_list(positions, f"evict from {seq_id!r}: positions")
+        if len(set(want)) != len(want):
+            raise CacheError(f"evict from {seq_id!r}: positions repeat ({want[:16]})")
+        found, hits = set(), {}
+        for name, g in self._groups.items():
+            flat, slots, pos, _ = self._index(seq_id, seq, g)
+            match = torch.isin(pos, torch.tensor(want, dtype=torch.int64, device=pos.device))
+            hits[name] = slots[match].cpu()
+            found.update(pos[match].tolist())
+        missing = [p for p in want if p not in found]
+        if missing:
+            raise CacheError(f"evict from {seq_id!r}: position(s) {missing[:8]} are not live in the cache "
+                             "(never cached, already evicted, or out of the window); nothing changed")
+        cow = {name: self._shared(self._groups[name], seq, set((s // self._groups[name].block_size).tolist()))
+               for name, s in hits.items()}
+        self._require_free({name: len(c) for name, c in cow.items()}, f"evict from {seq_id!r}")
+        for name, slots in hits.items():
+            g = self._groups[name]
+            for i in cow[name]:
+                seq.tables[name][i] = self._copy_block(g, seq.tables[name][i])
+            if slots.numel():
+                g.positions.view(-1)[self._flat(g, seq, slots)] = -1
+        self._invalidate(seq_id)
+
+    def shift(self, seq_id: Hashable, delta: int, from_position: int = 0) -> None:
+        """Move every cached token at or after ``from_position`` by ``delta`` positions (llama.cpp
+        ``seq_add``, StreamingLLM re-indexing): rotated keys are turned by R(delta) exactly once, in
+        float32 or wider; raw keys only get their new positions. Positions must still strictly
+        increase and stay >= 0. Refused for RoPE that is not shift-invariant (frequencies that depend
+        on the length: dynamic NTK, LongRoPE; position ids per section: M-RoPE). The overwrite journal
+        is cleared (its keys were turned at the old positions): a later rollback past it is refused."""
+        seq = self._seq(seq_id)
+        rope = self.contract.rope
+        if rope.length_dependent or rope.scaling.rope_type in _NOT_SHIFT_INVARIANT:
+            raise ContractMismatch(
+                f"shift of {seq_id!r}: {rope.scaling.rope_type} RoPE is not shift-invariant (R(a) R(b) != R(a + b) "
+                "once frequencies depend on the length or positions come per section); the cache cannot be "
+                "shifted exactly: recompute it at the new positions instead", fields=("rope.scaling",))
+        for what, v in (("delta", delta), ("from_position", from_position)):
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise CacheError(f"shift of {seq_id!r}: {what} must be an integer, got {v!r}")
+        if delta == 0 or from_position < 0:
+            raise CacheError(f"shift of {seq_id!r}: delta must be nonzero and from_position >= 0, "
+                             f"got {delta}, {from_position}")
+        moved = [p for p in seq.history if p >= from_position]
+        kept = [p for p in seq.history if p < from_position]
+        if not moved:
+            raise CacheError(f"shift of {seq_id!r}: no cached token at or after position {from_position}")
+        if moved[0] + delta < 0 or (kept and moved[0] + delta <= kept[-1]):
+            raise CacheError(f"shift of {seq_id!r} by {delta} from {from_position}: position {moved[0]} would become "
+                             f"{moved[0] + delta}, not after {kept[-1] if kept else 'position -1'} (positions must "
+                             "strictly increase and stay >= 0)")
+        hits = {}
+        for name, g in self._groups.items():
+            _, slots, pos, _ = self._index(seq_id, seq, g)
+            hits[name] = slots[pos >= from_position].cpu()
+        cow = {name: self._shared(self._groups[name], seq, set((s // self._groups[name].block_size).tolist()))
+               for name, s in hits.items()}
+        self._require_free({name: len(c) for name, c in cow.items()}, f"shift of {seq_id!r}")
+        c = self.contract
+        for name, slots in hits.items():
+            g = self._groups[name]
+            for i in cow[name]:
+                seq.tables[name][i] = self._copy_block(g, seq.tables[name][i])
+            if not slots.numel():
+                continue
+            flat = self._flat(g, seq, slots)
+            g.positions.view(-1)[flat] += delta
+            for layer in g.layers:
+                rows = _rows2d(self.keys[layer])
+                k = rows.index_select(0, flat).view(-1, c.num_kv_heads, c.head_dim)  # [k, KVH, D]
+                turned = self.policy.shift_keys(c.rope, k, delta, c.key_form)
+                rows.index_copy_(0, flat, turned.to(rows.dtype).reshape(flat.numel(), -1))
+        seq.history = kept + [p + delta for p in moved]
+        seq.last_position = seq.history[-1]
+        seq.journal = []
+        self._invalidate(seq_id)
+
+    def holes(self, seq_id: Hashable) -> int:
+        """Evicted tokens the write-index rule would still keep (in the full group, else the sliding one)."""
+        seq = self._seq(seq_id)
+        g = self._groups[FULL] if FULL in self._groups else self._groups[SLIDING]
+        return g.live(seq.num_tokens).numel() - self._index(seq_id, seq, g)[0].numel()
+
+    def _shared(self, g: _Group, seq: _Seq, table_indices: set[int]) -> list[int]:
+        """Of the sequence's block-table indices, those whose block another sequence shares (to copy first)."""
+        table = seq.tables[g.name]
+        return sorted(i for i in table_indices if i < len(table) and g.allocator.refcount(table[i]) > 1)
+
+    def _require_free(self, per_group: dict[str, int], what: str) -> None:
+        short = [f"{k} block(s) in the {name} group with {self._groups[name].allocator.num_free} free"
+                 for name, k in per_group.items() if k > self._groups[name].allocator.num_free]
+        if short:
+            raise CapacityError(f"{what} needs copy-on-write copies: " + "; ".join(short))
+
     # ------------------------------------------------------------------ reading
 
     def view(self, seq_id: Hashable, layer: int, *, copy: bool = True) -> KVView:
@@ -423,8 +635,12 @@ class PagedKVCache:
             blocks = torch.tensor(seq.tables[g.name], dtype=torch.int64)
             flat = (blocks[slots // bs] * bs + slots % bs).to(self.device)
             consecutive = flat.numel() > 0 and bool((flat[1:] - flat[:-1] == 1).all())
-            hit = (flat, slots.to(self.device), g.positions.view(-1).index_select(0, flat),
-                   int(flat[0]) if consecutive else -1)
+            positions = g.positions.view(-1).index_select(0, flat)
+            live = positions >= 0  # an evicted token is a hole (-1) in a slot the write-index rule keeps
+            if not bool(live.all()):
+                flat, slots, positions = flat[live], slots[live.cpu()], positions[live]
+                consecutive = flat.numel() > 0 and bool((flat[1:] - flat[:-1] == 1).all())
+            hit = (flat, slots.to(self.device), positions, int(flat[0]) if consecutive else -1)
             self._index_cache[key] = hit
         return hit
 
@@ -529,7 +745,11 @@ class PagedKVCache:
             h.update(repr((name, g.allocator.refcounts())).encode())
         for seq_id in sorted(self._seqs, key=repr):
             s = self._seqs[seq_id]
-            h.update(repr((seq_id, s.num_tokens, s.last_position, sorted(s.tables.items()))).encode())
+            h.update(repr((seq_id, s.num_tokens, s.last_position, sorted(s.tables.items()), s.history,
+                           [(e.index, e.slot, e.position) for e in s.journal])).encode())
+            for e in s.journal:
+                h.update(e.keys.contiguous().view(torch.uint8).numpy().tobytes())
+                h.update(e.values.contiguous().view(torch.uint8).numpy().tobytes())
         return h.hexdigest()
 
     # ------------------------------------------------------------------ helpers
@@ -552,6 +772,20 @@ class PagedKVCache:
     def _invalidate(self, seq_id: Hashable) -> None:
         for name in self._groups:
             self._index_cache.pop((seq_id, name), None)
+
+
+_NOT_SHIFT_INVARIANT = ("mrope", "multimodal", "dynamic", "longrope")
+
+
+def _int_list(values: Any, what: str) -> list[int]:
+    if isinstance(values, torch.Tensor):
+        if values.dim() != 1 or values.is_floating_point() or values.dtype == torch.bool:
+            raise CacheError(f"{what} must be a 1-D integer tensor, got {values.dtype} {tuple(values.shape)}")
+        values = values.tolist()
+    if not isinstance(values, (list, tuple)) or not values or not all(
+            isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise CacheError(f"{what} must be a non-empty list of integers, got {values!r}")
+    return list(values)
 
 
 def _check_seq_id(seq_id: Any) -> None:

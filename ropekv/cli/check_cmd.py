@@ -34,6 +34,11 @@ def add_parser(sub) -> None:
     p.add_argument("--sinks", type=int, default=0, help="sink tokens kept forever (with --window)")
     p.add_argument("--chunk", type=positive_int, help="prefill chunk size")
     p.add_argument("--decode-steps", type=positive_int, help="decode steps per case (default 3)")
+    p.add_argument("--ops", metavar="OPS",
+                   help="cache operations to check, e.g. rollback:3,evict:5,shift:1000,batch:3,restore "
+                        "(rollback:N rejected draft tokens, evict:N tokens, shift:DELTA positions, batch:ROWS "
+                        "sequences, restore; see docs/ops.md); each runs on every case the other flags give, "
+                        "or on its own default case")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float64"), default="float32",
                    help="the engine's compute and cache dtype (sets the tolerance; default float32)")
     p.add_argument("--inject", metavar="FAULT", help="run a catalogued fault (see --list-faults)")
@@ -83,15 +88,18 @@ def run(args: argparse.Namespace) -> int:
     # The config alone (config.json / GGUF metadata) decides whether the cases fit the model: refuse
     # them before any weight is read. An engine without case flags runs its own default matrix (the
     # default one less what it cannot honour, e.g. case windows on llama.cpp).
+    from ..parity.cases import parse_ops
+
+    ops = parse_ops(args.ops) if args.ops is not None else None
     no_case_flags = all(v is None for v in (args.lengths, args.block_sizes, args.prefix_offsets, args.window,
-                                            args.chunk, args.decode_steps)) and not args.sinks
+                                            args.chunk, args.decode_steps, ops)) and not args.sinks
     if external and no_case_flags:
         cases = module.default_cases(args)
     else:
         cfg = load_config(args.model)
-        cases = build_matrix(lengths=args.lengths, block_sizes=args.block_sizes, prefix_offsets=args.prefix_offsets,
-                             window=args.window, sink_tokens=args.sinks, chunk=args.chunk,
-                             decode_steps=args.decode_steps, max_positions=cfg.position_limit)
+        cases = build_matrix(ops=ops, lengths=args.lengths, block_sizes=args.block_sizes,
+                             prefix_offsets=args.prefix_offsets, window=args.window, sink_tokens=args.sinks,
+                             chunk=args.chunk, decode_steps=args.decode_steps, max_positions=cfg.position_limit)
     longest = max(c.total for c in cases)
     if args.window is not None and args.window + args.sinks >= longest:
         raise UsageError(f"--window {args.window} is not smaller than the longest context ({longest} tokens): "

@@ -65,6 +65,8 @@ class ReferenceDecoder:
         probe_rows: torch.Tensor | Sequence[int] | None = None,
         window: int | None | str = "model",
         sink_tokens: int = 0,
+        positions: torch.Tensor | Sequence[int] | None = None,
+        key_mask: torch.Tensor | None = None,
     ) -> ReferenceOutput:
         """Logits ``[T, vocab]`` for ``tokens [T]`` at positions ``0..T-1``, plus per-layer probes.
 
@@ -72,6 +74,12 @@ class ReferenceDecoder:
         every layer; None means full causal attention. Key ``j`` is visible to query ``i`` iff
         ``j <= i`` and (no window, or ``i - W < j``, or ``j < sink_tokens``). Length-dependent RoPE
         (dynamic NTK, LongRoPE) uses ``seq_len = T``, as transformers does for a full forward.
+
+        Cache operations (docs/ops.md) need two more things, both optional: ``positions [T]`` (strictly
+        increasing logical positions to rotate at instead of ``0..T-1``, e.g. a shifted sequence; the
+        mask stays by token order, and ``rows`` in the output are then the probed tokens' positions)
+        and ``key_mask [T, T]`` (bool, False hides key ``j`` from query ``i`` on top of the causal and
+        window mask: evicted keys for the rows after an eviction).
         """
         cfg = self.config
         tokens = self._check_tokens(tokens)
@@ -81,7 +89,11 @@ class ReferenceDecoder:
         if not isinstance(sink_tokens, int) or isinstance(sink_tokens, bool) or sink_tokens < 0:
             raise UsageError(f"sink_tokens must be a non-negative integer, got {sink_tokens!r}")
 
-        positions = torch.arange(T)
+        positions = torch.arange(T) if positions is None else self._check_positions(positions, T)
+        if key_mask is not None and (not isinstance(key_mask, torch.Tensor) or key_mask.dtype != torch.bool
+                                     or tuple(key_mask.shape) != (T, T)):
+            raise UsageError(f"key_mask must be a bool tensor [{T}, {T}]")
+        index = torch.arange(T)  # visibility is by index (positions only rotate; they increase with it)
         fam = cfg.family
         x = self._w["model.embed_tokens.weight"][tokens] * cfg.embedding_scale  # [T, hidden]
         probes = []
@@ -110,8 +122,10 @@ class ReferenceDecoder:
             block = self._query_block(T)
             for start in range(0, T, block):
                 stop = min(T, start + block)  # causal: no query of the block sees a key at or past `stop`
-                scores = self._attn_logits(q_rot[start:stop], positions[start:stop], k_heads[:stop],
+                scores = self._attn_logits(q_rot[start:stop], index[start:stop], k_heads[:stop],
                                            windows[layer], sink_tokens)
+                if key_mask is not None:  # [block, stop] extra visibility (evicted keys)
+                    scores = scores.masked_fill(~key_mask[start:stop, :stop][None], float("-inf"))
                 attn[start:stop] = self._attend(scores, v_heads[:stop])
             attn_out = self._norm(self._linear(attn.reshape(T, -1), p + "self_attn.o_proj"), p, fam.attn_out)
             if fam.parallel:  # cohere: attention and MLP both read the one input norm
@@ -131,7 +145,7 @@ class ReferenceDecoder:
         logits = (x @ self._w[head].T) * cfg.logits_scale  # [T, vocab]
         if cfg.final_softcap is not None:
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
-        return ReferenceOutput(logits=logits, rows=rows, layers=tuple(probes))
+        return ReferenceOutput(logits=logits, rows=None if rows is None else positions[rows], layers=tuple(probes))
 
     def next_token(self, tokens: torch.Tensor | Sequence[int]) -> int:
         """Greedy next token after ``tokens`` (argmax of the last row of the logits)."""
@@ -235,6 +249,16 @@ class ReferenceDecoder:
         if int(t.min()) < 0 or int(t.max()) >= self.config.vocab_size:
             raise UsageError(f"token ids must be in [0, {self.config.vocab_size}), got {int(t.min())}..{int(t.max())}")
         return t
+
+    @staticmethod
+    def _check_positions(positions: torch.Tensor | Sequence[int], T: int) -> torch.Tensor:
+        p = torch.as_tensor(positions)
+        if p.dim() != 1 or p.numel() != T or p.is_floating_point() or p.dtype == torch.bool:
+            raise UsageError(f"positions must be a 1-D integer tensor [{T}], got shape {tuple(p.shape)} {p.dtype}")
+        p = p.to(torch.int64).cpu()
+        if int(p.min()) < 0 or (T > 1 and not bool((p[1:] > p[:-1]).all())):
+            raise UsageError("positions must be >= 0 and strictly increasing")
+        return p
 
     @staticmethod
     def _check_rows(probe_rows: torch.Tensor | Sequence[int], T: int) -> torch.Tensor:

@@ -325,6 +325,12 @@ ARCH_FAULTS: dict[str, ArchFault] = {f.name: f for f in (
 )}
 
 
+# Cache-operation faults (issue 14) join the catalogue; they need a case running their operation.
+from .op_faults import OP_FAULTS  # noqa: E402 -- op_faults does not import this module
+
+FAULTS.update(OP_FAULTS)
+
+
 def get_fault(name: str) -> Fault:
     if name in ARCH_FAULTS:
         return ARCH_FAULTS[name]

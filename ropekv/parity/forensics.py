@@ -42,7 +42,10 @@ from ..rope import RopeSpec, pair_channels
 
 KINDS = ("double_rotation", "missing_rotation", "slot_as_position", "ignored_prefix_offset", "block_local_position",
          "query_position_offset", "key_position_offset", "frequency_mismatch", "layout_mismatch",
-         "low_precision_angles", "stale_dynamic_scaling", "rotate_on_transfer", "unknown")
+         "low_precision_angles", "stale_dynamic_scaling", "rotate_on_transfer",
+         # cache operations (docs/ops.md), tried first when the case ran one (ForensicInput.op_hypotheses)
+         "rollback_offset", "rollback_stale_keys", "evict_offset", "shift_not_rotated", "shift_rotated_raw",
+         "shift_applied_twice", "padding_offset", "restore_offset_lost", "unknown")
 
 FIT_OK = 0.98      # a token "fits" an explanation at this weighted fit (bf16 storage costs ~1e-5)
 MOST = 0.9         # share of the examined keys a vote needs (robust to a few noisy keys)
@@ -50,6 +53,23 @@ MAG_TOL = 0.02     # mean relative deviation of |c_m| from A |r_m| that still co
 RES_TOL = 3e-3     # rad: residual phase at the newest keys that counts as an angle error (bf16 storage ~5e-4, flat)
 MAX_KEYS = 256     # keys examined by the full integer search; the others are checked against hypotheses
 _TINY = 1e-300
+
+
+@dataclass(frozen=True)
+class OpHypothesis:
+    """What a cache operation's bug would look like at the divergent row (``ropekv.parity.ops``).
+
+    ``target``: ``"query"`` (the query sits at ``t + o`` for one ``o`` in ``offsets`` while the keys it
+    reads are right or moved alike), ``"keys"`` (the keys at ``positions`` sit at ``j + offsets[0]``
+    while the query is right) or ``"misfit"`` (the keys that are no rotation of their token's key at
+    all are exactly among ``positions``). ``text`` is the explanation that goes into the evidence.
+    """
+
+    kind: str
+    target: str
+    text: str
+    offsets: tuple[int, ...] = ()
+    positions: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, eq=False)
@@ -69,6 +89,7 @@ class ForensicInput:
     handoff_len: int = 0           # tokens (positions < this) that arrived through a handoff
     self_parity_passed: bool | None = None
     seq_len: int | None = None     # length the correct frequencies are for; default query_position + 1
+    op_hypotheses: tuple[OpHypothesis, ...] = ()  # the case's cache operation, if any
 
     def __post_init__(self) -> None:
         d, n = self.rope.head_dim, self.key_positions.shape[0] if self.key_positions.dim() == 1 else -1
@@ -246,10 +267,44 @@ def diagnose(inp: ForensicInput) -> Diagnosis:
         return dict(qx=qx, qn=qn, kx=kx, kn=kn, qp=int(qp[0]), qf=float(qf[0]), kp=kp, kf=kf)
 
     a = analyse(rope.layout)
+    if inp.op_hypotheses:
+        found = _diagnose_op(inp, a)
+        if found is not None:
+            return found
     misfit = a["kf"][sel] < FIT_OK
     if a["qf"] < FIT_OK or float(misfit.double().mean()) > 1 - MOST:
         return _diagnose_misfit(inp, a, analyse, w, seq_len, sel)
     return _diagnose_pattern(inp, a, sel)
+
+
+def _diagnose_op(inp: ForensicInput, a: dict) -> Diagnosis | None:
+    """The case's cache-operation hypotheses, over every key (each was tried at its named offsets)."""
+    t, kp, kf = inp.query_position, a["kp"], a["kf"]
+    j = inp.key_positions.long()
+    ok = kf >= FIT_OK
+    d, d_q = kp - j, a["qp"] - t
+    q_ok = a["qf"] >= FIT_OK
+    everything = torch.arange(j.numel())
+    for h in inp.op_hypotheses:
+        at = torch.isin(j, torch.tensor(h.positions, dtype=torch.int64)) if h.positions else torch.zeros_like(ok)
+        if h.target == "query" and q_ok and d_q != 0 and d_q in h.offsets and _most(ok, (d == 0) | (d == d_q)):
+            show = torch.nonzero(ok & (j >= t - 2)).flatten()
+            text = f"logical {t}, effective {t + d_q}: {h.text}"
+        elif h.target == "keys" and q_ok and d_q == 0 and h.offsets and bool((at & ok).any()) \
+                and _most(at & ok, d == h.offsets[0]) and _most(ok & ~at, d == 0):
+            show = torch.nonzero(at & ok).flatten()
+            text = f"keys logical j, effective j {h.offsets[0]:+d} (the {int(at.sum())} shifted keys): {h.text}"
+        elif h.target == "misfit" and bool((~ok).any()) and bool((~ok & ~at).sum() == 0) and _most(at, ~ok):
+            show = torch.nonzero(~ok).flatten()
+            text = (f"{int((~ok).sum())} key(s) at positions {j[~ok].tolist()[:8]} are no rotation of those tokens' "
+                    f"keys (fit {float(kf[~ok].max()):.2f} at best): {h.text}")
+        else:
+            continue
+        keys = [_tok(inp, int(i), int(kp[i]) if ok[i] else None, float(kf[i])) for i in _spread(show)]
+        fit = _wfit(a["qf"], a["qn"], kf[ok], a["kn"][ok]) if ok.any() else a["qf"]
+        return _diagnosis(h.kind, text, (t, a["qp"] if q_ok else None, a["qf"]), keys, kp, kf, fit,
+                          query_offset=d_q, examined_keys=int(everything.numel()), fitting_keys=int(ok.sum()))
+    return None
 
 
 def _tok(inp: ForensicInput, i: int, p: int | None, f: float | None = None) -> str:

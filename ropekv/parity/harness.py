@@ -20,11 +20,11 @@ import torch
 from ..errors import UsageError
 from ..models.config import Checkpoint
 from ..models.reference import ReferenceDecoder, ReferenceOutput
-from . import forensics
+from . import forensics, ops
 from .cases import Case, build_matrix, token_stream
-from .layer_forensics import diagnose_layer
 from .compare import (LogitsOf, NextToken, RefRow, StepErrors, Tolerance, compare_step, first_failure, logits_error,
                       scaled_error, tolerance_for, worst_entry)
+from .layer_forensics import diagnose_layer
 from .progress import Progress
 from .protocol import CaseRun, EngineAdapter, FullRun, Tier
 from .provenance import provenance
@@ -64,6 +64,12 @@ def check(engine: EngineAdapter | Checkpoint, *, lengths: list[int] | None = Non
                              max_positions=cfg.position_limit)
     if not cases:
         raise UsageError("no parity cases to run")
+    for case in cases:
+        if case.op is not None:
+            why = [x for x in check_ignored(adapter, case, adapter.ignored(case)) if x.split(":")[0].strip() == "op"]
+            if why:
+                raise UsageError(f"engine {adapter.name!r} cannot run the cache operation of case {case.label()} "
+                                 f"({why[0]}); leave {case.op.kind} out of --ops for it")
     started = time.perf_counter()
     tokens = token_stream(cfg.vocab_size, max(c.total for c in cases), seed)
     refs = _References(adapter, tier, ReferenceDecoder(adapter.checkpoint, dtype=_REFERENCE_DTYPES[reference]),
@@ -99,7 +105,7 @@ def check(engine: EngineAdapter | Checkpoint, *, lengths: list[int] | None = Non
                 positions=tuple(s.position for s in run.steps),
                 attn_errors=tuple(e.attn for e in err_ref), self_attn_errors=tuple(e.attn for e in err_self),
                 logit_errors=tuple(e.logits for e in err_ref), self_logit_errors=tuple(e.logits for e in err_self),
-                ignored=ignored, notes=run.notes, full_forward_error=full_err,
+                ignored=ignored, notes=run.notes + ops.notes(case), full_forward_error=full_err,
                 seconds=time.perf_counter() - t0)
             results.append(result)
             bar.case_done(f"case {n + 1}/{len(cases)} {case.label()}: {'PASS' if result.passed else 'FAIL'} "
@@ -204,14 +210,19 @@ class _References:
         self._rows: dict[tuple, list[int]] = {}
         self._cases: dict[tuple, Case] = {}
         for c in cases:
-            self._rows.setdefault(self._group(c), []).extend(c.decode_positions)
-            self._cases.setdefault(self._group(c), c)
+            # A cache operation's case reads the plain forwards at ops.self_rows (and, for evict and
+            # shift, a float64 forward of its own, see ropekv.parity.ops).
+            rows = c.decode_positions if c.op is None else ops.self_rows(c)
+            if rows:
+                self._rows.setdefault(self._group(c), []).extend(rows)
+                self._cases.setdefault(self._group(c), dataclasses.replace(c, op=None))
         self._ref: dict[tuple, ReferenceOutput] = {}
         self._self: dict[tuple, FullRun] = {}
         if self.per_position:
             self.work = 2 * sum(t + 1 for rows in self._rows.values() for t in set(rows))
         else:
             self.work = 2 * sum(max(rows) + 1 for rows in self._rows.values())
+        self.work += sum(max(c.decode_positions) + 1 - c.shift for c in cases if ops.needs_own_reference(c))
 
     @staticmethod
     def _group(case: Case) -> tuple:
@@ -224,6 +235,16 @@ class _References:
         return [key[-1]] if self.per_position else sorted(set(self._rows[key]))
 
     def reference_output(self, case: Case, t: int) -> tuple[ReferenceOutput, int]:
+        if ops.needs_own_reference(case):
+            key = ("op", case)
+            if key not in self._ref:
+                if self.bar:
+                    self.bar.describe(f"float64 reference forward for {case.op.label()}")
+                self._ref[key] = ops.own_reference(self.decoder, case, self.tokens)
+                if self.bar:
+                    self.bar.advance(max(case.decode_positions) + 1 - case.shift)
+            out = self._ref[key]
+            return out, int((out.rows == t).nonzero()[0, 0])
         key = self._key(case, t)
         if key not in self._ref:
             rows = self._rows_for(key)
@@ -240,9 +261,18 @@ class _References:
 
     def reference_row(self, case: Case, t: int) -> RefRow:
         out, i = self.reference_output(case, t)
-        return _row(out.layers, out.rows, i, NextToken(out.logits[t]), case, self.cfg)
+        return ops.hide_evicted(case, _row(out.layers, out.rows, i, NextToken(out.logits[t - case.shift]), case,
+                                           self.cfg))
 
     def self_row(self, case: Case, t: int) -> RefRow:
+        if ops.self_from_reference(case):
+            return self.reference_row(case, t)
+        if case.shift:  # the unshifted forward, relabelled (scores depend on i - j only)
+            row = self._plain_self_row(case, t - case.shift, case.shift)
+            return row
+        return self._plain_self_row(case, t, 0)
+
+    def _plain_self_row(self, case: Case, t: int, relabel: int) -> RefRow:
         key = self._key(case, t)
         if key not in self._self:
             rows = self._rows_for(key)
@@ -258,7 +288,9 @@ class _References:
         i = int((run.rows == t).nonzero()[0, 0])
         ids = None if run.token_ids is None else run.token_ids[i]
         layers = run.layers if self.tier >= Tier.ATTENTION else ()
-        return _row(layers, run.rows, i, NextToken(run.logits[i], ids), case, self.cfg)
+        if relabel:
+            layers = tuple(dataclasses.replace(p, key_positions=p.key_positions + relabel) for p in layers)
+        return _row(layers, run.rows + relabel, i, NextToken(run.logits[i], ids), case, self.cfg)
 
 
 def _row(layers, rows: torch.Tensor, i: int, logits: NextToken, case: Case, cfg) -> RefRow:
@@ -317,7 +349,7 @@ def _diagnose(adapter: EngineAdapter, refs: _References, result: CaseResult, run
     case = result.case
     slots = view.key_slots if view.key_slots is not None else torch.full_like(view.key_positions, -1)
     cfg = adapter.checkpoint.config
-    k_raw = probe.k_raw[view.key_positions]
+    k_raw = probe.k_raw[view.key_positions - case.shift]  # the reference's rows are indices (a shift moves positions)
     # Per-layer RoPE features first (NoPE layers, partial rotary, local/global RoPE): bug classes one
     # spec alone cannot name. Then the general forensics under the diverging layer's own spec.
     arch = diagnose_layer(cfg, fd.layer, q_raw=probe.q_raw[i], q_eff=view.q[0], k_raw=k_raw, k_eff=view.k,
@@ -338,7 +370,8 @@ def _diagnose(adapter: EngineAdapter, refs: _References, result: CaseResult, run
         # Even where the adapter ignores block sizes, the case's block size is the hypothesis to test:
         # an engine with its own blocks may still rotate keys by their offset inside one.
         block_size=case.block_size,
-        handoff_len=run.handoff_len, self_parity_passed=result.self_passed, seq_len=fd.query_position + 1)
+        handoff_len=run.handoff_len, self_parity_passed=result.self_passed, seq_len=fd.query_position + 1,
+        op_hypotheses=ops.hypotheses(case, adapter.describe().get("key_form")))
     d = forensics.diagnose(inp)
     kind, evidence = d.kind, d.evidence
     if kind == "unknown" and inp.rope.length_dependent and fd.layer > 0:

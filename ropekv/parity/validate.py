@@ -52,9 +52,10 @@ def check_case_run(adapter: object, tier: Tier, cfg: ModelConfig, case: Case, ru
     where = f"run_case({case.label()})"
     if not isinstance(run, CaseRun):
         raise AdapterError(name, where, "a CaseRun", type(run).__name__)
-    if not isinstance(run.steps, tuple) or len(run.steps) != case.decode_steps:
+    want_steps = len(case.decode_positions)  # decode_steps, times the rows of a batch case
+    if not isinstance(run.steps, tuple) or len(run.steps) != want_steps:
         got = len(run.steps) if isinstance(run.steps, (tuple, list)) else type(run.steps).__name__
-        raise AdapterError(name, f"{where}.steps", f"{case.decode_steps} decode steps", f"{got}")
+        raise AdapterError(name, f"{where}.steps", f"{want_steps} decode steps", f"{got}")
     if not isinstance(run.handoff_len, int) or not 0 <= run.handoff_len <= case.total:
         raise AdapterError(name, f"{where}.handoff_len", f"an int in [0, {case.total}]", repr(run.handoff_len))
     if not isinstance(run.notes, tuple) or not all(isinstance(n, str) for n in run.notes):

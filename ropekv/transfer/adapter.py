@@ -111,7 +111,7 @@ class HandoffAdapter:
                 "prefill_contract": self.prefill_contract.to_dict(), "decode": self.decode_side.describe()}
 
     def ignored(self, case: Case) -> tuple[str, ...]:
-        return ()
+        return ("op: a handed-off case runs no cache operation",) if case.op is not None else ()
 
     def run_case(self, case: Case, tokens: torch.Tensor) -> CaseRun:
         engine, seq_id, n = self.handed_off(case, tokens)

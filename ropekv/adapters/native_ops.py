@@ -1,0 +1,62 @@
+"""How ropekv's own engine runs a case's cache operation (``Case.op``), for :class:`NativeAdapter`.
+
+Each runner does the prefix hit and prefill of the plain case, then the operation, then the decode
+steps the harness compares (positions from ``case.decode_positions``, as the engine reports them).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..engine import Engine
+from ..parity.cases import Case
+from ..parity.protocol import CaseRun, StepRecord
+
+
+def run_op_case(adapter, engine: Engine, case: Case, tokens: torch.Tensor) -> CaseRun:
+    from .native import decode_steps, prefill_case
+
+    kind, amount = case.op.kind, case.op.amount
+    if kind == "batch":
+        return _batch(engine, case, tokens)
+    prefill_case(engine, case, tokens, "prompt")
+    notes: tuple[str, ...] = ()
+    if kind == "rollback":
+        draft = case.draft_tokens(tokens, engine.config.vocab_size)
+        engine.prefill("prompt", draft)  # a speculative verify step over the draft, then all of it rejected
+        engine.rollback("prompt", amount)
+        notes = (f"a {amount}-token draft was prefilled after the prompt and rolled back",)
+    elif kind == "evict":
+        engine.evict("prompt", case.evicted_positions)
+        notes = (f"evicted positions {case.evicted_positions} after prefill",)
+    elif kind == "shift":
+        engine.shift("prompt", amount, 0)
+        notes = (f"the whole cached sequence was shifted by {amount:+d} positions",)
+    elif kind == "restore":
+        n = case.prefix + case.length
+        with tempfile.TemporaryDirectory(prefix="ropekv-restore-") as tmp:
+            path = Path(tmp) / "prompt.safetensors"
+            size = engine.save("prompt", path, tokens[:n])
+            engine = adapter.make_engine(case)  # a fresh engine: nothing survives but the file
+            engine.load(path)
+        notes = (f"saved to a {size}-byte safetensors file and restored into a fresh engine",)
+    steps = []
+    for t in case.decode_positions:
+        out = engine.decode("prompt", tokens[t - case.shift], probe=True)
+        steps.append(StepRecord(position=int(out.positions[0]), logits=out.logits[0], layers=out.layers))
+    return CaseRun(tuple(steps), notes=notes)
+
+
+def _batch(engine: Engine, case: Case, tokens: torch.Tensor) -> CaseRun:
+    lengths = case.batch_lengths
+    ids = [f"row{r}" for r in range(len(lengths))]
+    for sid, L in zip(ids, lengths):
+        engine.prefill(sid, tokens[:L], chunk_size=case.chunk)
+    steps = []
+    for s in range(case.decode_steps):
+        outs = engine.decode_batch(ids, torch.stack([tokens[L + s] for L in lengths]), probe=True)
+        steps.extend(StepRecord(position=int(o.positions[0]), logits=o.logits[0], layers=o.layers) for o in outs)
+    return CaseRun(tuple(steps), notes=(f"{len(lengths)} sequences of lengths {lengths} decoded in left-padded batches",))

@@ -1,0 +1,44 @@
+"""What a cache operation does to stored keys: the correct behaviour, as a policy object.
+
+:class:`CacheOpPolicy` decides the two places where an operation touches key *contents* (everything
+else an operation does is bookkeeping of positions and slots): what a rolled-back ring slot gets back,
+and how a shift turns stored keys. Faults (``ropekv.parity.op_faults``) are small subclasses handed
+to the cache, the way rotation faults subclass :class:`~ropekv.rotation.RotationPolicy`, so the cache
+itself has no fault switches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..rope import RopeSpec, apply_rotation
+
+
+class CacheOpPolicy:
+    """Correct: a ring gets back what the rejected tokens overwrote; rotated keys turn by R(delta) once
+    (in float32 or wider), raw keys are only relabelled."""
+
+    name = "correct"
+
+    def ring_restore(self, journal: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+        """Content ``[k, KVH, D]`` a rolled-back ring slot holds afterwards: the journal's copy of the
+        token the rejected one overwrote (``current`` is the rejected token's own key or value)."""
+        return journal
+
+    def shift_keys(self, rope: RopeSpec, keys: torch.Tensor, delta: int, key_form: str) -> torch.Tensor:
+        """Stored keys ``[N, KVH, D]`` after their positions moved by ``delta``."""
+        if key_form == "raw":
+            return keys
+        return turn(rope, keys, delta)
+
+
+def turn(rope: RopeSpec, keys: torch.Tensor, delta: int) -> torch.Tensor:
+    """``R(delta) keys`` for keys ``[N, KVH, D]`` already rotated: angles ``delta * inv_freq`` from
+    float64, the product in float32 (float64 for float64 keys), the attention factor not applied
+    again (it was applied once when the keys were first rotated). Result in ``keys``' dtype."""
+    n = keys.shape[0]
+    ang = rope.angles(torch.full((n,), int(delta), dtype=torch.int64))  # [N, rotary_dim / 2] float64
+    return apply_rotation(keys, torch.cos(ang), torch.sin(ang), rope.layout)
+
+
+CORRECT = CacheOpPolicy()

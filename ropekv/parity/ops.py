@@ -1,0 +1,123 @@
+"""The references of cache-operation cases (``Case.op``), and what their bugs would look like.
+
+Each operation has its own full-forward reference (float64, :class:`ReferenceDecoder`), never the
+engine's own output:
+
+- ``rollback``: the sequence without the rejected draft, i.e. the plain reference (the draft must
+  leave no trace);
+- ``evict``: the full forward with the evicted keys hidden at their true positions from every row
+  after the eviction (``key_mask``); rows before it saw them, as the cached prefill did;
+- ``shift``: the full forward at the shifted positions (``positions = delta..delta + T - 1``);
+- ``batch``: each row against its own unpadded forward; all rows are prefixes of one token stream,
+  so by causality one plain forward serves every row;
+- ``restore``: the uninterrupted run, i.e. the plain reference.
+
+Self-parity (against the engine's own cache-free forward): plain for rollback, batch and restore; for
+a shift the engine's unshifted forward relabelled by ``delta`` (RoPE scores depend on ``i - j`` only);
+for an eviction the engine has no masked full forward, so only the float64 reference judges it (said
+in the case's notes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..models.reference import ReferenceDecoder, ReferenceOutput
+from .cases import Case
+from .compare import RefRow
+from .forensics import OpHypothesis
+
+OWN_REFERENCE = ("evict", "shift")
+
+
+def needs_own_reference(case: Case) -> bool:
+    return case.op is not None and case.op.kind in OWN_REFERENCE
+
+
+def own_reference(decoder: ReferenceDecoder, case: Case, tokens: torch.Tensor) -> ReferenceOutput:
+    """The float64 reference of an ``evict`` or ``shift`` case, probed at its decode positions."""
+    d = case.shift
+    rows = [t - d for t in case.decode_positions]  # token indices
+    T = max(rows) + 1
+    window = "model" if case.window is None else case.window
+    if case.op.kind == "shift":
+        return decoder.forward(tokens[:T], probe_rows=rows, window=window, sink_tokens=case.sink_tokens,
+                               positions=torch.arange(T) + d)
+    mask = torch.ones(T, T, dtype=torch.bool)
+    mask[case.prefix + case.length:, case.evicted_positions] = False  # rows after the eviction
+    return decoder.forward(tokens[:T], probe_rows=rows, window=window, sink_tokens=case.sink_tokens, key_mask=mask)
+
+
+def hide_evicted(case: Case, row: RefRow) -> RefRow:
+    """A decode row of an ``evict`` case with the evicted keys' attention logits at -inf: the forward
+    hid them (``key_mask``), and the comparison must not expect the engine to read them."""
+    if case.op is None or case.op.kind != "evict":
+        return row
+    gone = torch.tensor(case.evicted_positions)
+    attn = []
+    for logits in row.attn_logits:  # [H, T] by position
+        logits = logits.clone()
+        logits[:, gone[gone < logits.shape[1]]] = float("-inf")
+        attn.append(logits)
+    return dataclasses.replace(row, attn_logits=tuple(attn))
+
+
+def self_rows(case: Case) -> list[int]:
+    """Rows of the engine's own plain full forward that self-parity of ``case`` reads (none for evict)."""
+    if case.op is not None and case.op.kind == "evict":
+        return []
+    return [t - case.shift for t in case.decode_positions]
+
+
+def self_from_reference(case: Case) -> bool:
+    """Whether self-parity of ``case`` can only use the float64 reference (no engine path for it)."""
+    return case.op is not None and case.op.kind == "evict"
+
+
+def notes(case: Case) -> tuple[str, ...]:
+    if self_from_reference(case):
+        return ("self-parity: the engine's full forward cannot hide evicted keys; judged against the float64 "
+                "reference (with the evicted keys masked) only",)
+    if case.shift:
+        return (f"self-parity: the engine's unshifted full forward, relabelled by {case.shift:+d} positions",)
+    return ()
+
+
+def hypotheses(case: Case, key_form: str | None) -> tuple[OpHypothesis, ...]:
+    """What each catalogued bug of the case's operation would look like at a decode row."""
+    if case.op is None:
+        return ()
+    kind, n = case.op.kind, case.op.amount
+    end = case.prefix + case.length  # tokens cached before the operation
+    if kind == "rollback":
+        out = [OpHypothesis("rollback_offset", "query", f"the offset kept the rejected {n}-token draft "
+                            f"(advanced by the draft length, not the accepted count)", offsets=(n,))]
+        if case.window is not None:
+            ring = case.window + case.sink_tokens
+            overwritten = tuple(i - case.window for i in range(end, end + n) if i >= ring)
+            if overwritten:
+                out.append(OpHypothesis("rollback_stale_keys", "misfit", f"they are the ring slots the rolled-back "
+                                        f"{n}-token draft overwrote, left holding the rejected tokens' keys",
+                                        positions=overwritten))
+        return tuple(out)
+    if kind == "evict":
+        return (OpHypothesis("evict_offset", "query", f"the offset counts kept rows ({n} evicted tokens "
+                             "subtracted from every later position)", offsets=(-n,)),)
+    if kind == "shift":
+        moved = tuple(range(n, n + end))
+        if key_form == "raw":
+            return (OpHypothesis("shift_rotated_raw", "keys", f"raw keys were turned by R({n}) although the reader "
+                                 "rotates them at their new positions", offsets=(n,), positions=moved),)
+        return (OpHypothesis("shift_not_rotated", "keys", f"rotated keys were relabelled by {n:+d} but not turned "
+                             f"by R({n})", offsets=(-n,), positions=moved),
+                OpHypothesis("shift_applied_twice", "keys", f"rotated keys were turned by R({n}) twice for one "
+                             "relabelling", offsets=(n,), positions=moved))
+    if kind == "batch":
+        lengths = case.batch_lengths
+        pads = tuple(sorted({max(lengths) - L for L in lengths} - {0}))
+        return (OpHypothesis("padding_offset", "query", "a shared cursor over the left-padded batch: the row's "
+                             f"query is off by its padding (paddings {list(pads)})", offsets=pads),)
+    return (OpHypothesis("restore_offset_lost", "query", f"the restored sequence's offset restarted at 0 "
+                         f"(its {end} positions were not restored with the keys)", offsets=(-end,)),)

@@ -1,0 +1,61 @@
+"""Save and restore one cached sequence as a file: the handoff payload, written to disk.
+
+A saved cache is exactly a :mod:`ropekv.transfer.payload` (safetensors: token ids, the logical
+position of every token, per-layer keys and values; the contract JSON and a sha256 checksum over
+everything in its header). Loading reuses the handoff import, so a file written under another
+contract is refused with :class:`~ropekv.errors.ContractMismatch` (exit 3), a corrupted or truncated
+one with :class:`~ropekv.errors.PayloadError`, and in both cases nothing is imported. Restoring the
+positions with the keys is the point: a restore that loads keys but restarts the offset at 0 rotates
+the next token at position 0 (vllm-metal #144).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Hashable
+
+import torch
+
+from .errors import CacheError, UsageError
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+def save_sequence(engine: "Engine", seq_id: Hashable, path: str | os.PathLike, tokens: torch.Tensor) -> int:
+    """Write ``seq_id`` to ``path`` (atomically: a temporary file, then a rename); returns bytes written.
+    ``tokens [n]`` are the ids the sequence consumed. A sequence with evicted tokens is refused (the
+    payload holds every token of a full-attention layer)."""
+    from .transfer.importer import export_handoff
+    from .transfer.payload import write_payload
+
+    holes = engine.cache.holes(seq_id)  # CacheError for an unknown sequence
+    if holes:
+        raise CacheError(f"save of {seq_id!r}: {holes} token(s) were evicted; the payload format stores every "
+                         "token of a full-attention layer, so a sequence with holes cannot be saved")
+    data = write_payload(export_handoff(engine.cache, seq_id, tokens))
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        raise UsageError(f"cannot write the saved cache to {path}: {exc.strerror or exc}") from None
+    return len(data)
+
+
+def load_sequence(engine: "Engine", path: str | os.PathLike, seq_id: Hashable | None = None
+                  ) -> tuple[Hashable, torch.Tensor]:
+    """Import the sequence saved at ``path`` into ``engine``; returns ``(seq_id, tokens [n])``."""
+    from .transfer.importer import import_handoff
+    from .transfer.payload import read_payload
+
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise UsageError(f"cannot read the saved cache {path}: {exc.strerror or exc}") from None
+    handoff = read_payload(data)  # PayloadError on any corruption, before anything is allocated
+    sid = import_handoff(engine.cache, handoff, seq_id=seq_id)  # ContractMismatch / CacheError, all or nothing
+    return sid, handoff.tokens.clone()
