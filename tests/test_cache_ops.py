@@ -21,7 +21,7 @@ ROPE = RopeSpec(head_dim=D, rotary_dim=D, theta=10000.0)
 
 
 def make(window=None, sinks=0, block_size=3, key_form="rotated", depth=16, rope=ROPE, num_blocks=64):
-    c = CacheContract(key_form=key_form, kernel_rotates=key_form == "raw", rope=rope, num_layers=2,
+    c = CacheContract(key_form=key_form, rope=rope, num_layers=2,
                       num_kv_heads=KVH, head_dim=D, window=window,
                       window_layers=(1,) if window else (), sink_tokens=sinks, block_size=block_size,
                       dtype="float32")

@@ -173,6 +173,7 @@ class HFEngine:
                 "model_class": type(self.model).__name__, "attn_implementation": self.attn_implementation,
                 "cache": {"dynamic": "DynamicCache", "static": "StaticCache"}[self.cache_kind],
                 "dtype": self.dtype_name, "key_form": self.key_form, "rope_parameters": rope,
+                "ops": ["rollback"],  # DynamicCache.crop
                 "windows": "the model's own when case.window is None; a case window (and sinks) as a custom 4D "
                            "attention mask over a full DynamicCache",
                 "rope_state": "reset to a fresh model's before each request"}

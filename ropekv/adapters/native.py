@@ -10,7 +10,7 @@ from ..cache.policy import CacheOpPolicy
 from ..contract import CacheContract
 from ..engine import Engine
 from ..models.config import Checkpoint
-from ..parity.cases import Case
+from ..parity.cases import OP_KINDS, Case
 from ..rotation import RotationPolicy
 from ..transformer import DecoderWeights
 from ..parity.protocol import CaseRun, FullRun, StepRecord, Tier
@@ -62,7 +62,7 @@ class NativeAdapter:
         engine = self.make_engine(Case(length=1), num_blocks=1)
         return {"name": self.name, "key_form": self.key_form, "backend": engine.backend.name,
                 "dtype": self.dtype_name, "rotation_policy": engine.rotation.name,
-                "contract": engine.contract.to_dict()}
+                "contract": engine.contract.to_dict(), "ops": list(OP_KINDS)}
 
     def ignored(self, case: Case) -> tuple[str, ...]:
         return ()

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ..errors import UsageError
+from ..errors import AdapterError, UsageError
 from ..models.config import Checkpoint
 from ..models.reference import ReferenceDecoder, ReferenceOutput
 from . import forensics, ops
@@ -64,12 +64,7 @@ def check(engine: EngineAdapter | Checkpoint, *, lengths: list[int] | None = Non
                              max_positions=cfg.position_limit)
     if not cases:
         raise UsageError("no parity cases to run")
-    for case in cases:
-        if case.op is not None:
-            why = [x for x in check_ignored(adapter, case, adapter.ignored(case)) if x.split(":")[0].strip() == "op"]
-            if why:
-                raise UsageError(f"engine {adapter.name!r} cannot run the cache operation of case {case.label()} "
-                                 f"({why[0]}); leave {case.op.kind} out of --ops for it")
+    _check_ops(adapter, cases)
     started = time.perf_counter()
     tokens = token_stream(cfg.vocab_size, max(c.total for c in cases), seed)
     refs = _References(adapter, tier, ReferenceDecoder(adapter.checkpoint, dtype=_REFERENCE_DTYPES[reference]),
@@ -138,6 +133,24 @@ def check(engine: EngineAdapter | Checkpoint, *, lengths: list[int] | None = Non
         tolerances={"reference": tol_ref.to_dict(), "self": tol_self.to_dict()},
         cases=tuple(results), diagnosis=diagnosis, seconds=time.perf_counter() - started, seed=seed,
         provenance=provenance(f"ropekv.check({adapter.name!r}, {len(cases)} cases, seed={seed}, reference={reference!r})"))
+
+
+def _check_ops(adapter: EngineAdapter, cases: list[Case]) -> None:
+    """A case with a cache operation runs only on an engine that declares it (``describe()["ops"]``):
+    an adapter that knows nothing of operations would run the case as a plain one and be judged
+    against the operation's reference. Refused loudly, with the adapter's own reason where it gives one."""
+    wanted = [c for c in cases if c.op is not None]
+    if not wanted:
+        return
+    declared = adapter.describe().get("ops", ())
+    if not isinstance(declared, (list, tuple)) or not all(isinstance(k, str) for k in declared):
+        raise AdapterError(adapter.name, 'describe()["ops"]', "a list of cache operation names", repr(declared))
+    for case in wanted:
+        why = [x for x in check_ignored(adapter, case, adapter.ignored(case)) if x.split(":")[0].strip() == "op"]
+        if case.op.kind not in declared or why:
+            reason = why[0] if why else f"it declares {', '.join(declared) or 'no cache operations'}"
+            raise UsageError(f"engine {adapter.name!r} cannot run the cache operation of case {case.label()} "
+                             f"({reason}); leave {case.op.kind} out of --ops for it")
 
 
 def tier_limits(tier: Tier, results: list[CaseResult]) -> str:
@@ -347,6 +360,9 @@ def _diagnose(adapter: EngineAdapter, refs: _References, result: CaseResult, run
     out, i = refs.reference_output(result.case, fd.query_position)
     probe = out.layers[fd.layer]
     case = result.case
+    window = _window_diagnosis(refs.reference_row(case, fd.query_position).attn_logits[fd.layer], view, case, fd)
+    if window is not None:
+        return window
     slots = view.key_slots if view.key_slots is not None else torch.full_like(view.key_positions, -1)
     cfg = adapter.checkpoint.config
     k_raw = probe.k_raw[view.key_positions - case.shift]  # the reference's rows are indices (a shift moves positions)
@@ -387,6 +403,34 @@ def _diagnose(adapter: EngineAdapter, refs: _References, result: CaseResult, run
     details.update({"case": case.label(), "layer": fd.layer, "query_position": fd.query_position,
                     "query_effective": d.query_effective, "fit": _finite(d.fit)})
     return Diagnosis(kind, evidence, details)
+
+
+def _window_diagnosis(ref_row: torch.Tensor, view, case: Case, fd) -> Diagnosis | None:
+    """The kernel read keys the reference's window hides, or missed keys it shows: a mask or window
+    bug (a cache that ignores its size, sinks kept where none are configured), not a rotation."""
+    visible = torch.isfinite(ref_row[0])  # [T] by position
+    pos = view.key_positions
+    extra = pos[~visible[pos]]
+    read = torch.zeros_like(visible)
+    read[pos] = True
+    missed = torch.nonzero(visible & ~read).flatten()
+    if extra.numel() == 0 and missed.numel() == 0:
+        return None
+    parts = []
+    if extra.numel():
+        parts.append(f"it read {extra.numel()} key(s) the window hides (positions {_span(extra)})")
+    if missed.numel():
+        parts.append(f"it missed {missed.numel()} visible key(s) (positions {_span(missed)})")
+    return Diagnosis("window_mismatch", f"layer {fd.layer}, query at {fd.query_position}: the reference attends to "
+                     f"{int(visible.sum())} keys, the kernel to {pos.numel()}; " + "; ".join(parts),
+                     {"case": case.label(), "layer": fd.layer, "query_position": fd.query_position,
+                      "extra_keys": int(extra.numel()), "missed_keys": int(missed.numel()),
+                      "keys_read": int(pos.numel())})
+
+
+def _span(positions: torch.Tensor) -> str:
+    p = sorted(positions.tolist())
+    return ", ".join(map(str, p)) if len(p) <= 6 else f"{p[0]}..{p[-1]}"
 
 
 def _finite(x: float) -> float | None:
