@@ -1,4 +1,4 @@
-.PHONY: setup check test bench
+.PHONY: setup check test test-core bench setup-engines test-engines
 setup:
 	@bash scripts/setup.sh
 
@@ -6,16 +6,37 @@ setup:
 check: setup
 	.venv/bin/ropekv check
 
-test: setup
+# The whole suite: ropekv's own tests in .venv, then each real engine's tests in its own venv
+# (vLLM, mlx-lm, llama.cpp: their pins conflict with ropekv's). An engine that cannot be installed
+# fails its set-up, and with it `make test`: nothing is skipped.
+test: test-core test-engines
+
+test-core: setup
 	.venv/bin/python -m pytest
 
 bench: setup
 	.venv/bin/ropekv bench
 
-# vLLM (CPU build) in its own venv: its torch/transformers pins conflict with .venv's.
+setup-engines: setup-vllm setup-mlx setup-llamacpp
+test-engines: test-vllm test-mlx test-llamacpp
+
 .PHONY: setup-vllm test-vllm
 setup-vllm:
 	@bash scripts/setup-vllm.sh
 
 test-vllm: setup-vllm
 	@bash scripts/test-vllm.sh
+
+.PHONY: setup-mlx test-mlx
+setup-mlx:
+	@bash scripts/setup-mlx.sh
+
+test-mlx: setup-mlx
+	@bash scripts/test-mlx.sh
+
+.PHONY: setup-llamacpp test-llamacpp
+setup-llamacpp:
+	@bash scripts/setup-llamacpp.sh
+
+test-llamacpp: setup-llamacpp
+	@bash scripts/test-llamacpp.sh

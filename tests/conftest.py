@@ -24,6 +24,8 @@ from typing import Any, Callable
 import pytest
 import torch
 
+from ropekv.testing.tiny import randomize
+
 TINY_BASE: dict[str, Any] = dict(
     vocab_size=96,
     hidden_size=64,
@@ -56,24 +58,6 @@ def _config_class(arch: str) -> type:
     }[arch]
 
 
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Unit-scale random weights: embeddings N(0,1), linears N(0, 1/fan_in), norms 1 + N(0, 0.2^2),
-    biases N(0, 0.3^2). Deterministic in ``seed`` whatever transformers' own init did."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in sorted(model.named_parameters()):
-            noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
-            if name.endswith("norm.weight"):
-                value = 1.0 + 0.2 * noise
-            elif name.endswith(".bias"):
-                value = 0.3 * noise
-            elif "embed_tokens" in name:
-                value = noise
-            else:
-                value = noise / param.shape[-1] ** 0.5
-            param.copy_(value)
-
-
 def _make(root: Path, arch: str, overrides: dict[str, Any]) -> Path:
     from transformers import AutoModelForCausalLM
 
@@ -83,7 +67,7 @@ def _make(root: Path, arch: str, overrides: dict[str, Any]) -> Path:
     config = _config_class(arch)(**kwargs)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
-    _randomize(model, seed)
+    randomize(model, seed)
     path = root / f"{arch}-{seed:08x}"
     model.save_pretrained(path)
     return path

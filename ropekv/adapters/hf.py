@@ -141,6 +141,9 @@ class HFEngine:
         if not folder.is_dir() or not (folder / "config.json").is_file():
             raise CheckpointError(f"{folder}: the HF engine needs a transformers directory with config.json "
                                   "(GGUF files and single weight files are for the ropekv engine)")
+        # ropekv shows its own progress; transformers' loading bars and warnings would interleave with it.
+        transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.set_verbosity_error()
         try:
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 folder, dtype=_DTYPES[dtype], local_files_only=True, trust_remote_code=False, use_safetensors=True,

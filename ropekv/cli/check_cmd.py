@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
+import shlex
 import sys
 
 from ..adapters.registry import ENGINES, engine_module
@@ -16,7 +18,8 @@ def add_parser(sub) -> None:
     p = sub.add_parser("check", help="prove cached decoding matches a full forward, layer by layer",
                        description="Cached prefill + decode against the engine's own full forward and an "
                                    "independent float64 reference, layer by layer; names the bug on divergence. "
-                                   "Exit 0: parity holds; 1: divergence; 2: bad input; 3: contract refused.")
+                                   "Exit 0: parity holds; 1: divergence; 2: bad input or a broken adapter; 3: contract refused; "
+                                   "130: interrupted.")
     add_model_argument(p)
     p.add_argument("--engine", choices=tuple(ENGINES), default="ropekv",
                    help="the engine to check: " + "; ".join(f"{e.name}: {e.summary}" + (f" (from {e.venv})" if e.venv else "")
@@ -31,12 +34,13 @@ def add_parser(sub) -> None:
     p.add_argument("--sinks", type=int, default=0, help="sink tokens kept forever (with --window)")
     p.add_argument("--chunk", type=positive_int, help="prefill chunk size")
     p.add_argument("--decode-steps", type=positive_int, help="decode steps per case (default 3)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float64"), default="float32")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float64"), default="float32",
+                   help="the engine's compute and cache dtype (sets the tolerance; default float32)")
     p.add_argument("--inject", metavar="FAULT", help="run a catalogued fault (see --list-faults)")
     p.add_argument("--list-faults", action="store_true", help="list the fault catalogue and exit")
     p.add_argument("--json", metavar="PATH", help="write the whole report as JSON")
     p.add_argument("--plot", metavar="PATH", help="write a PNG of divergence per layer against position")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device of ropekv's engine (default cpu)")
     p.add_argument("--seed", type=seed, default=0, help="seed of the token sequence")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     for entry in ENGINES.values():
@@ -108,12 +112,14 @@ def run(args: argparse.Namespace) -> int:
     progress = "off" if args.no_progress else ("bar" if sys.stderr.isatty() else "lines")
     report = check(adapter, cases=cases, seed=args.seed, progress=progress)
     print(report.table())
+    code = 0 if report.passed else 1
     if json_path is not None:
-        json_path.write_text(report.to_json())
+        facts = {**report.provenance, "command": shlex.join(["ropekv", *sys.argv[1:]]), "exit_code": code}
+        json_path.write_text(dataclasses.replace(report, provenance=facts).to_json())
         print(f"report written to {json_path}", file=sys.stderr)
     if plot_path is not None:
         from ..parity.plot import plot_report
 
         plot_report(report, plot_path)
         print(f"plot written to {plot_path}", file=sys.stderr)
-    return 0 if report.passed else 1
+    return code

@@ -2,8 +2,8 @@
 
 Each subcommand lives in its own module with ``add_parser(subparsers)`` and ``run(args) -> int``.
 Every :class:`ropekv.errors.RopeKVError` becomes one line on stderr and its exit code (docs/errors.md);
-a traceback is printed only with ``--debug``. Exit codes: 0 ok, 1 parity does not hold, 2 bad input or
-usage, 3 a contract refused at a boundary, 4 a transport failure.
+a traceback is printed only with ``--debug``. Exit codes: 0 ok, 1 parity does not hold, 2 bad input,
+usage or a broken adapter, 3 a contract refused at a boundary, 4 a transport failure, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -27,14 +27,28 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ropekv", description="Make a KV cache's RoPE convention explicit and prove cached "
-                                                "decoding matches a full forward pass.")
+                                                "decoding matches a full forward pass.",
+                     epilog="exit codes: 0 ok; 1 parity does not hold; 2 bad input, usage or a broken adapter; "
+                            "3 a contract refused at a boundary; 4 a transport failure; 130 interrupted (Ctrl-C). "
+                            "See docs/errors.md.")
     parser.add_argument("--debug", action="store_true", help="print a traceback on errors")
+    parser.add_argument("--version", action="version", version=f"ropekv {_version()}",
+                        help="print ropekv's version and exit")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in SUBCOMMANDS:
         module = _module(name)
         if module is not None:
             module.add_parser(sub)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ropekv")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def _module(name: str):

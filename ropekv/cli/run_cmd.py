@@ -18,8 +18,9 @@ def add_parser(sub) -> None:
     add_model_argument(p)
     p.add_argument("--prompt", help="prompt text (needs a tokenizer: the default model or a tokenizer.json)")
     p.add_argument("--token-ids", help="comma-separated prompt token ids instead of text")
-    p.add_argument("--max-new-tokens", type=positive_int, default=8)
-    p.add_argument("--key-form", choices=("raw", "rotated"), default="rotated")
+    p.add_argument("--max-new-tokens", type=positive_int, default=8, help="tokens to generate greedily (default 8)")
+    p.add_argument("--key-form", choices=("raw", "rotated"), default="rotated",
+                   help="cache key form of ropekv's engine (default rotated)")
     p.set_defaults(handler=run)
 
 

@@ -164,14 +164,15 @@ class Fault:
     key_form: str
     shows_when: str  # what a case needs for the fault to show
     policy: Callable[[], RotationPolicy]
+    # The model the fault needs, from the one given (stale dynamic scaling needs length-dependent RoPE).
+    model: Callable[[Checkpoint], Checkpoint] | None = None
+    fixed_key_form: bool = False  # the fault only exists in its own key form
 
     def adapter(self, checkpoint: Checkpoint, *, dtype: str = "float32", key_form: str | None = None) -> NativeAdapter:
-        form = key_form or self.key_form
-        if self.name == "stale-dynamic-scaling":
-            if not checkpoint.config.rope.length_dependent:
-                checkpoint = dynamic_variant(checkpoint)
-            return NativeAdapter(checkpoint, key_form="rotated", dtype=dtype, rotation=StaleDynamicRotation(),
-                                name=f"ropekv engine with fault {self.name}")
+        """ropekv's engine with this fault's policy handed in (the engine itself has no fault switches)."""
+        if self.model is not None:
+            checkpoint = self.model(checkpoint)
+        form = self.key_form if self.fixed_key_form else (key_form or self.key_form)
         return NativeAdapter(checkpoint, key_form=form, dtype=dtype, rotation=self.policy(),
                              name=f"ropekv engine with fault {self.name}")
 
@@ -197,7 +198,8 @@ FAULTS: dict[str, Fault] = {f.name: f for f in (
           "rotated", "positions past a few hundred; only the float64 reference sees it", LowPrecisionAngles),
     Fault("stale-dynamic-scaling", "stale_dynamic_scaling",
           "rotated keys under dynamic NTK (original length 64, factor 2 unless the model has its own)", "rotated",
-          "decoding past the original length", StaleDynamicRotation),
+          "decoding past the original length", StaleDynamicRotation,
+          model=lambda c: c if c.config.rope.length_dependent else dynamic_variant(c), fixed_key_form=True),
 )}
 
 

@@ -26,6 +26,7 @@ from .compare import (LogitsOf, NextToken, RefRow, StepErrors, Tolerance, compar
                       scaled_error, tolerance_for, worst_entry)
 from .progress import Progress
 from .protocol import CaseRun, EngineAdapter, FullRun, Tier
+from .provenance import provenance
 from .report import CaseResult, Diagnosis, Divergence, ParityReport
 from .validate import check_adapter, check_case_run, check_full_run, check_ignored
 
@@ -124,7 +125,8 @@ def check(engine: EngineAdapter | Checkpoint, *, lengths: list[int] | None = Non
                "rope_fingerprint": cfg.rope.fingerprint()},
         engine=adapter.describe(), reference=reference, tier=tier.value, limits=tier_limits(tier, results),
         tolerances={"reference": tol_ref.to_dict(), "self": tol_self.to_dict()},
-        cases=tuple(results), diagnosis=diagnosis, seconds=time.perf_counter() - started, seed=seed)
+        cases=tuple(results), diagnosis=diagnosis, seconds=time.perf_counter() - started, seed=seed,
+        provenance=provenance(f"ropekv.check({adapter.name!r}, {len(cases)} cases, seed={seed}, reference={reference!r})"))
 
 
 def tier_limits(tier: Tier, results: list[CaseResult]) -> str:

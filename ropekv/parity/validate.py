@@ -18,6 +18,9 @@ from .cases import Case
 from .protocol import REQUIRED_MEMBERS, CaseRun, FullRun, StepRecord, Tier
 
 
+MIN_TOP_K = 5  # fewest top-k log-probabilities per row an engine must expose for the logits comparison
+
+
 def check_adapter(adapter: object) -> Tier:
     """The adapter's declared tier, after checking that every protocol member is there."""
     name = _name(adapter)
@@ -99,9 +102,14 @@ def _check_scores(name: str, field: str, cfg: ModelConfig, values, token_ids, ro
         if not torch.is_tensor(token_ids) or token_ids.dtype.is_floating_point or token_ids.dim() != len(lead) + 1:
             raise AdapterError(name, field.replace("logits", "token_ids"), f"an integer tensor of {len(lead) + 1} dims",
                                _describe(token_ids))
-        if tuple(values.shape) != tuple(token_ids.shape) or values.shape[-1] < 1:
+        if tuple(values.shape) != tuple(token_ids.shape):
             raise AdapterError(name, field, f"one log-probability per token id (shape {list(token_ids.shape)})",
                                f"shape {list(values.shape)}")
+        need = min(MIN_TOP_K, cfg.vocab_size)
+        if token_ids.shape[-1] < need:
+            raise AdapterError(name, field.replace("logits", "token_ids"),
+                               f"at least {need} token ids per row (a top-{token_ids.shape[-1]} comparison proves "
+                               "too little)", f"{token_ids.shape[-1]}")
         if int(token_ids.min()) < 0 or int(token_ids.max()) >= cfg.vocab_size:
             raise AdapterError(name, field.replace("logits", "token_ids"), f"ids in [0, {cfg.vocab_size})",
                                f"{int(token_ids.min())}..{int(token_ids.max())}")

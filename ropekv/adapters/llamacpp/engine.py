@@ -1,0 +1,228 @@
+"""``LlamaCppEngine``: llama.cpp (through llama-cpp-python) as a ropekv engine adapter.
+
+Three contexts on one loaded model:
+
+- the ``Llama`` object's own (public API, ``logits_all=True``): the logits tier's cached path, with
+  llama-cpp-python's own prefix reuse (``n_tokens`` set back to ``P``; ``eval`` then drops the cached
+  tokens past it, as ``Llama.generate`` does on a prompt-prefix match);
+- a tapped context with the same ``n_batch`` (attention tier and above): the same cached path through
+  ``llama_batch_init`` with explicit positions, the eval callback recording what each decode step's
+  kernels saw (:mod:`.tap`);
+- a tapped context whose batch holds the whole sequence: the engine's own cache-free full forward
+  (one ubatch, every row computed from fresh keys).
+
+Keys are rotated before they are cached (llama.cpp's convention), with llama.cpp's interleaved
+("NORM") pairing for the llama arch: :attr:`checkpoint` is the GGUF read with ``layout="gptj"``, the
+rows as stored, so ropekv's reference computes the same channel order as the engine's tensors.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from ...errors import AdapterError, CheckpointError, EngineUnavailable, UsageError
+from ...models.gguf_file import load_gguf, open_gguf
+from ...parity.cases import Case
+from ...parity.protocol import CaseRun, FullRun, StepRecord, Tier
+from ...probe import LayerProbe
+from .context import ContextSpec, TappedContext
+from .tap import GraphTap, visible_cells
+from .tolerance import KV_TYPES, tolerance_for_run, weight_kind
+
+_GGML_TYPE = {"f32": 0, "f16": 1, "q8_0": 8}
+
+
+def _llama_cpp():
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise EngineUnavailable(f"llama-cpp-python is not installed here (make setup-llamacpp; run from "
+                                f".venv-llamacpp): {exc}") from None
+    return llama_cpp
+
+
+class LlamaCppEngine:
+    """llama.cpp on a GGUF file; ``gguf_path=None`` is the embedded default model as an all-float32 GGUF.
+
+    ``type_k``/``type_v``: KV cache types (``"f32"``, ``"f16"``); ``n_batch``: llama.cpp's batch (logical
+    and physical), so a prompt longer than it is prefilled in several ubatches; ``n_ctx``: KV cells.
+    """
+
+    name: str
+    tier: Tier
+
+    def __init__(self, gguf_path: str | os.PathLike | None = None, *, type_k: str = "f32", type_v: str = "f32",
+                 n_batch: int = 512, n_ctx: int = 2048, n_threads: int | None = None,
+                 tier: Tier | str = Tier.FORENSICS, name: str | None = None):
+        for what, value in (("type_k", type_k), ("type_v", type_v)):
+            if value not in KV_TYPES:
+                raise UsageError(f"llama.cpp {what} must be one of {', '.join(KV_TYPES)}, got {value!r}")
+        if n_batch < 1 or n_ctx < 16:
+            raise UsageError(f"llama.cpp needs n_batch >= 1 and n_ctx >= 16, got {n_batch}, {n_ctx}")
+        llama_cpp = _llama_cpp()
+        from .f32_gguf import default_f32_gguf
+        from .ggml import Ggml
+
+        self.gguf_path = Path(gguf_path) if gguf_path is not None else default_f32_gguf()
+        self.tier = Tier(tier)
+        self.type_k, self.type_v, self.n_batch, self.n_ctx = type_k, type_v, n_batch, n_ctx
+        # One thread by default: ggml's workers spin at barriers, and on a shared 2-core machine two
+        # spinning threads ran the same case 10x slower than one (docs/engines/llamacpp.md).
+        self.n_threads = n_threads or 1
+        # ropekv's own loader first: a bad file is a one-line CheckpointError before llama.cpp sees it.
+        self.weights = weight_kind(open_gguf(self.gguf_path))
+        self.checkpoint = load_gguf(self.gguf_path, layout="gptj")
+        self.dtype = torch.float32 if type_k == "f32" else torch.float16
+        self.tolerance = tolerance_for_run(self.weights, type_k, type_v)
+        self.name = name or f"llama.cpp ({self.weights} weights, {type_k}/{type_v} KV, n_batch {n_batch})"
+        self.config = self.checkpoint.config
+        try:
+            self._llm = llama_cpp.Llama(
+                model_path=str(self.gguf_path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, logits_all=True,
+                type_k=_GGML_TYPE[type_k], type_v=_GGML_TYPE[type_v], flash_attn=False, n_threads=self.n_threads,
+                n_threads_batch=self.n_threads, verbose=False)
+        except (ValueError, RuntimeError) as exc:
+            raise CheckpointError(f"{self.gguf_path}: llama.cpp cannot load it: {exc}") from None
+        self._lib = Ggml(Path(llama_cpp.__file__).parent / "lib")
+        self._lib.check_layout()
+        layers = self.config.num_layers
+        self.tap = GraphTap(self._lib, layers)          # the cached path's context
+        self.full_tap = GraphTap(self._lib, layers)     # the full forward's context
+        self._cached = self._context(n_batch, self.tap) if self.tier >= Tier.ATTENTION else None
+        self._full: TappedContext | None = None  # made at the first full forward (its buffers fit n_ctx tokens)
+
+    def _context(self, n_batch: int, tap: GraphTap) -> TappedContext:
+        spec = ContextSpec(n_ctx=self.n_ctx, n_batch=n_batch, type_k=_GGML_TYPE[self.type_k],
+                           type_v=_GGML_TYPE[self.type_v], n_threads=self.n_threads)
+        return TappedContext(self._llm._model, spec, tap, self.name)
+
+    # ------------------------------------------------------------------ protocol
+
+    def describe(self) -> dict[str, Any]:
+        import llama_cpp
+
+        return {
+            "engine": "llama.cpp", "llama_cpp_python": llama_cpp.__version__, "gguf": str(self.gguf_path),
+            "weights": self.weights, "type_k": self.type_k, "type_v": self.type_v, "n_batch": self.n_batch,
+            "n_ubatch": self.n_batch, "n_ctx": self.n_ctx, "flash_attn": False, "n_threads": self.n_threads,
+            "key_form": "rotated", "rope_pairing": "interleaved (llama.cpp NORM = ropekv 'gptj')",
+            "rope_theta": self.config.rope.theta, "tier": str(self.tier), "tolerance": self.tolerance.to_dict(),
+            "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
+        }
+
+    def ignored(self, case: Case) -> tuple[str, ...]:
+        out = ["block_size"]  # llama.cpp allocates single cells, not blocks
+        if case.window is not None:
+            out.append("window")  # llama.cpp applies only the model's own sliding window (none for llama)
+        if case.sink_tokens:
+            out.append("sink_tokens")
+        return tuple(out)
+
+    def run_case(self, case: Case, tokens: torch.Tensor) -> CaseRun:
+        tokens = [int(t) for t in tokens.tolist()]
+        self._check_fits(case.total)
+        if self.tier >= Tier.ATTENTION:
+            return self._run_tapped(case, tokens)
+        return self._run_public(case, tokens)
+
+    def full_forward(self, tokens: torch.Tensor, rows: list[int], case: Case) -> FullRun:
+        tokens = [int(t) for t in tokens.tolist()]
+        T = len(tokens)
+        self._check_fits(T)
+        if self._full is None:
+            self._full = self._context(self.n_ctx, self.full_tap)
+        ctx, tap = self._full, self.full_tap
+        ctx.clear()
+        outputs = [False] * T
+        for r in rows:
+            outputs[r] = True
+        tap.start(rows=list(rows))
+        ctx.decode(tokens, list(range(T)), outputs)
+        cap = tap.stop()
+        logits = torch.from_numpy(np.stack([ctx.logits(r) for r in rows]))
+        layers: tuple[LayerProbe, ...] = ()
+        if self.tier >= Tier.ATTENTION:
+            cells = visible_cells(cap.mask[T - 1])  # the last row sees every key of the sequence
+            positions = np.array([tap.cells[c] for c in cells], dtype=np.int64)
+            order = np.argsort(positions, kind="stable")
+            cells, positions = cells[order], positions[order]
+            layers = tuple(LayerProbe(
+                q=torch.from_numpy(cap.q[i]), k=torch.from_numpy(cap.k_cache[i][cells]),
+                key_positions=torch.from_numpy(positions), key_slots=torch.from_numpy(cells),
+                hidden_in=torch.from_numpy(cap.hidden[i]), q_raw=torch.from_numpy(cap.q_raw[i]))
+                for i in range(self.config.num_layers))
+        return FullRun(rows=torch.as_tensor(rows, dtype=torch.int64), logits=logits, layers=layers)
+
+    # ------------------------------------------------------------------ the cached path
+
+    def _parent(self, case: Case, tokens: list[int]) -> list[int]:
+        """An earlier request: the case's prefix, then a different continuation that must not leak."""
+        vocab = self.config.vocab_size
+        return tokens[:case.prefix] + [(t + 1) % vocab for t in tokens[:3]]
+
+    def _chunks(self, case: Case, tokens: list[int]) -> list[list[int]]:
+        prompt = tokens[case.prefix:case.prefix + case.length]
+        size = case.chunk or len(prompt)
+        return [prompt[i:i + size] for i in range(0, len(prompt), size)]
+
+    def _run_public(self, case: Case, tokens: list[int]) -> CaseRun:
+        llm = self._llm
+        llm.reset()
+        notes = []
+        if case.prefix:
+            llm.eval(self._parent(case, tokens))
+            llm.n_tokens = case.prefix  # llama-cpp-python's prefix reuse: eval drops cached tokens past it
+            notes.append(f"llama.cpp kept {case.prefix} cached prompt tokens of an earlier request (seq_rm past them)")
+        for chunk in self._chunks(case, tokens):
+            llm.eval(chunk)
+        steps = []
+        for t in case.decode_positions:
+            llm.eval([tokens[t]])
+            steps.append(StepRecord(position=t, logits=torch.from_numpy(np.array(llm.scores[llm.n_tokens - 1]))))
+        return CaseRun(steps=tuple(steps), notes=tuple(notes))
+
+    def _run_tapped(self, case: Case, tokens: list[int]) -> CaseRun:
+        ctx, tap = self._cached, self.tap
+        ctx.clear()
+        notes = []
+        if case.prefix:
+            ctx.prefill(self._parent(case, tokens), 0)
+            ctx.remove_from(case.prefix)
+            notes.append(f"llama.cpp kept {case.prefix} cached prompt tokens of an earlier request "
+                         "(llama_memory_seq_rm past them)")
+        start = case.prefix
+        for chunk in self._chunks(case, tokens):
+            ctx.prefill(chunk, start)
+            start += len(chunk)
+        steps = [self.decode_step(ctx, tokens[t], t) for t in case.decode_positions]
+        return CaseRun(steps=tuple(steps), notes=tuple(notes))
+
+    def decode_step(self, ctx: TappedContext, token: int, position: int, *, keep_scores: bool = False) -> StepRecord:
+        """Decode one token at ``position`` on ``ctx`` and return what each layer's kernel saw."""
+        tap = ctx.tap
+        tap.start(keep_scores=keep_scores)
+        ctx.decode([token], [position], [True])
+        cap = tap.stop()
+        self.last_capture = cap
+        if cap.positions is None or int(cap.positions[0]) != position:
+            raise AdapterError(self.name, "decode position", str(position), str(cap.positions))
+        cells = visible_cells(cap.mask[0])
+        missing = [int(c) for c in cells if int(c) not in tap.cells]
+        if missing:
+            raise AdapterError(self.name, "attended cells", "cells a batch wrote", f"unwritten cells {missing[:5]}")
+        positions = torch.tensor([tap.cells[int(c)] for c in cells], dtype=torch.int64)
+        slots = torch.from_numpy(cells.astype(np.int64))
+        layers = tuple(LayerProbe(
+            q=torch.from_numpy(cap.q[i]), k=torch.from_numpy(cap.k_cache[i][cells]), key_positions=positions,
+            key_slots=slots, hidden_in=torch.from_numpy(cap.hidden[i]), q_raw=torch.from_numpy(cap.q_raw[i]))
+            for i in range(self.config.num_layers))
+        return StepRecord(position=position, logits=torch.from_numpy(ctx.logits(0)), layers=layers)
+
+    def _check_fits(self, total: int) -> None:
+        if total > self.n_ctx:
+            raise UsageError(f"a case of {total} tokens needs n_ctx >= {total} (llama.cpp n_ctx is {self.n_ctx})")

@@ -1,0 +1,240 @@
+"""``MLXEngine``: mlx-lm's own model and cache classes, driven through a parity case.
+
+What is exercised is mlx-lm's real cached path: ``model(tokens, cache=caches)`` with the cache objects
+mlx-lm makes (``make_prompt_cache``, ``RotatingKVCache``), its prefix reuse (``copy.deepcopy`` +
+``trim_prompt_cache``, as its server's prompt cache does), ``save_prompt_cache``/``load_prompt_cache``
+and ``trim_prompt_cache`` for rollback. Probes (:mod:`.probes`) only observe. See docs/engines/mlx.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from ...errors import CheckpointError, ConfigError, UsageError
+from ...models.config import Checkpoint, ModelConfig, fingerprint_of
+from ...models.safetensors_dir import read_dir_config, weights_digest
+from ...parity.cases import Case
+from ...parity.protocol import CaseRun, FullRun, StepRecord, Tier
+from ...parity.recorder import visible_keys
+from .probes import ForwardProbe, installed
+from .runtime import BlasChoice, import_mlx
+
+DType = Literal["float32", "bfloat16", "float16"]
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PARENT_EXTRA = 3  # tokens of another continuation the prefix's parent request cached (then trimmed)
+
+
+class MLXEngine:
+    """mlx-lm on MLX (CPU backend on Linux), at the forensics tier.
+
+    ``max_kv_size``/``keep`` choose the caches the way an mlx-lm user does: ``max_kv_size`` alone is
+    ``make_prompt_cache(model, max_kv_size)`` (what ``mlx_lm.generate --max-kv-size`` calls; llama
+    models return their own unbounded ``KVCache`` from it), ``keep`` with it builds
+    ``RotatingKVCache(max_kv_size, keep)`` per layer. Without them each case gets the model's own caches,
+    or for a case window ``W`` with ``s`` sinks ``RotatingKVCache(max_size=W + s, keep=s)``: the decode
+    semantics of that cache is ropekv's window with sinks (its prefill semantics is not: docs/engines/mlx.md).
+
+    ``rollback=n`` feeds ``n`` rejected draft tokens in one call after the prefill and removes them with
+    ``trim_prompt_cache`` (speculative decoding); ``restore=True`` saves the cache with
+    ``save_prompt_cache`` and decodes from ``load_prompt_cache``'s copy. The reference is the
+    uninterrupted run either way.
+    """
+
+    name = "mlx"
+    tier = Tier.FORENSICS
+
+    def __init__(self, model_dir: str | Path | None = None, *, max_kv_size: int | None = None,
+                 keep: int | None = None, dtype: DType = "float32", rollback: int = 0, restore: bool = False,
+                 blas: BlasChoice = "openblas"):
+        _check_options(max_kv_size, keep, rollback)
+        if dtype not in _TORCH_DTYPES:
+            raise UsageError(f"mlx: dtype must be one of {', '.join(_TORCH_DTYPES)}, got {dtype!r}")
+        self.rt = import_mlx(blas)
+        self.max_kv_size, self.keep, self.dtype_name = max_kv_size, keep, dtype
+        self.rollback, self.restore = rollback, bool(restore)
+        self.dtype = _TORCH_DTYPES[dtype]
+        self.path = _model_dir(model_dir)
+        self.config: ModelConfig = read_dir_config(self.path)  # ConfigError / CheckpointError, one line
+        try:
+            self.model, self.mlx_config = self.rt.utils.load_model(self.path, trust_remote_code=False)
+        except (ValueError, FileNotFoundError, KeyError, OSError) as exc:
+            raise CheckpointError(f"{self.path}: mlx-lm cannot load it: {str(exc).splitlines()[0]}") from None
+        if len(self.model.layers) != self.config.num_layers:
+            raise ConfigError(f"{self.path}: mlx-lm built {len(self.model.layers)} layers, config says "
+                              f"{self.config.num_layers}")
+        if dtype != "float32":
+            self.model.set_dtype(getattr(self.rt.mx, dtype))
+        self._checkpoint: Checkpoint | None = None
+
+    def with_options(self, **changes: Any) -> "MLXEngine":
+        """The same loaded model under other cache options (``max_kv_size``, ``keep``, ``rollback``,
+        ``restore``): no second load."""
+        unknown = set(changes) - {"max_kv_size", "keep", "rollback", "restore"}
+        if unknown:
+            raise UsageError(f"mlx: with_options cannot change {', '.join(sorted(unknown))}")
+        other = copy.copy(self)
+        for name, value in changes.items():
+            setattr(other, name, value)
+        _check_options(other.max_kv_size, other.keep, other.rollback)
+        return other
+
+    # ------------------------------------------------------------------ the model as ropekv sees it
+
+    @property
+    def checkpoint(self) -> Checkpoint:
+        """The weights mlx runs (its parameters, widened to float32) under the directory's config."""
+        if self._checkpoint is None:
+            from mlx.utils import tree_flatten
+
+            params = dict(tree_flatten(self.model.parameters()))
+            expected = self.config.expected_shapes()
+            mx = self.rt.mx
+            weights = {k: torch.from_numpy(np.array(v.astype(mx.float32), copy=True))
+                       for k, v in params.items() if k in expected}
+            self._checkpoint = Checkpoint(self.config, weights, f"mlx-lm {self.path}",
+                                          fingerprint_of(self.config, weights_digest(weights)))
+        return self._checkpoint
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "engine": "mlx-lm", "versions": self.rt.versions,
+                "device": str(self.rt.mx.default_device()), "blas": self.rt.blas, "dtype": self.dtype_name,
+                "model_class": f"{type(self.model).__module__}.{type(self.model).__name__}",
+                "key_form": "rotated (mlx-lm applies RoPE at cache.offset before update_and_fetch)",
+                "caches": self._cache_text(), "rollback": self.rollback, "restore": self.restore,
+                "prefix_hit": f"parent request of P + {PARENT_EXTRA} tokens, copy.deepcopy, trim_prompt_cache "
+                              f"({PARENT_EXTRA}); a parent of exactly P tokens where the cache cannot trim",
+                "key_positions": "from each cache's offset and ring write index (_idx, keep)"}
+
+    def ignored(self, case: Case) -> tuple[str, ...]:
+        out = ["block_size"]
+        if self.max_kv_size is not None and (case.window is not None or case.sink_tokens):
+            out.append(f"window/sink_tokens (the engine's caches are fixed: {self._cache_text()})")
+        return tuple(out)
+
+    # ------------------------------------------------------------------ the protocol
+
+    def run_case(self, case: Case, tokens: torch.Tensor) -> CaseRun:
+        caches = self.new_caches(case)
+        notes: list[str] = []
+        if case.prefix:
+            caches = self._prefix_hit(caches, tokens, case, notes)
+        self.prefill(caches, tokens[case.prefix: case.prefix + case.length], case.chunk)
+        if self.rollback:
+            draft = (tokens[: self.rollback] + 7) % self.config.vocab_size  # rejected drafts
+            self.forward(draft, caches)
+            trimmed = self.rt.cache.trim_prompt_cache(caches, self.rollback)
+            notes.append(f"rollback: trim_prompt_cache removed {trimmed} of {self.rollback} draft tokens")
+        if self.restore:
+            caches = self.save_and_load(caches)
+            notes.append(f"restore: decoded from load_prompt_cache ({', '.join(sorted({type(c).__name__ for c in caches}))})")
+        steps = []
+        for t in case.decode_positions:
+            probe = ForwardProbe(self.config.num_layers, self.name)
+            logits = self.forward(tokens[t: t + 1], caches, probe)
+            steps.append(StepRecord(position=t, logits=logits[-1], layers=probe.layers()))
+        return CaseRun(tuple(steps), notes=tuple(notes))
+
+    def full_forward(self, tokens: torch.Tensor, rows: list[int], case: Case) -> FullRun:
+        """mlx-lm's uncached math (``ConcatenateKVCache`` from empty: rope at offset 0, the "causal" mask a
+        cache-free call uses); a case window is given to the kernel as ropekv's window-with-sinks mask."""
+        T = int(tokens.shape[0])
+        mask = None
+        if case.window is not None:
+            positions = torch.arange(T)
+            visible = visible_keys(positions, positions, case.window, case.sink_tokens)  # [T, T]
+            mask = self.rt.mx.array(visible.numpy())
+        probe = ForwardProbe(self.config.num_layers, self.name)
+        caches = [self.rt.cache.ConcatenateKVCache() for _ in range(self.config.num_layers)]
+        logits = self.forward(tokens, caches, probe, mask=mask)
+        return FullRun(rows=torch.as_tensor(rows, dtype=torch.int64), logits=logits[rows], layers=probe.layers(rows))
+
+    # ------------------------------------------------------------------ mlx-lm operations
+
+    def new_caches(self, case: Case) -> list[Any]:
+        c = self.rt.cache
+        if self.max_kv_size is not None:
+            if self.keep is None:
+                return c.make_prompt_cache(self.model, max_kv_size=self.max_kv_size)
+            return [c.RotatingKVCache(max_size=self.max_kv_size, keep=self.keep) for _ in self.model.layers]
+        if case.window is not None:
+            return [c.RotatingKVCache(max_size=case.window + case.sink_tokens, keep=case.sink_tokens)
+                    for _ in self.model.layers]
+        return c.make_prompt_cache(self.model)
+
+    def forward(self, tokens: torch.Tensor, caches: list[Any], probe: ForwardProbe | None = None,
+                mask: Any = None) -> torch.Tensor:
+        """``model(tokens [S], cache=caches)``; logits ``[S, vocab]`` float32. With ``probe`` the caches are
+        seen through :class:`~.probes.CacheProbe` and the layers' rope/norm are wrapped for this call only."""
+        mx = self.rt.mx
+        x = mx.array(tokens.to(torch.int64).numpy().astype(np.int32))[None]  # [1, S]
+        arg = caches if probe is None else probe.caches(caches, mask)
+        with installed(self.model, probe, self.rt.nn):
+            out = self.model(x, cache=arg)
+        out = out[0].astype(mx.float32)
+        mx.eval(out)
+        return torch.from_numpy(np.array(out, copy=True))
+
+    def prefill(self, caches: list[Any], tokens: torch.Tensor, chunk: int | None) -> None:
+        step = chunk or int(tokens.shape[0])
+        for start in range(0, int(tokens.shape[0]), step):
+            self.forward(tokens[start: start + step], caches)
+
+    def save_and_load(self, caches: list[Any]) -> list[Any]:
+        c = self.rt.cache
+        with tempfile.TemporaryDirectory(prefix="ropekv-mlx-") as tmp:
+            file = str(Path(tmp) / "prompt_cache.safetensors")
+            c.save_prompt_cache(file, caches, {"ropekv": "parity restore"})
+            return c.load_prompt_cache(file)
+
+    def _prefix_hit(self, caches: list[Any], tokens: torch.Tensor, case: Case, notes: list[str]) -> list[Any]:
+        """An earlier request cached ``tokens[:P]`` plus another continuation; this one reuses a copy
+        trimmed back to ``P`` (a parent of exactly ``P`` tokens where the cache could not trim)."""
+        other = (tokens[:PARENT_EXTRA] + 1) % self.config.vocab_size
+        trimmable_after = all(type(c).__name__ != "RotatingKVCache" or case.prefix + PARENT_EXTRA < c.max_size
+                              for c in caches)
+        extra = PARENT_EXTRA if trimmable_after else 0
+        parent = torch.cat([tokens[: case.prefix], other[:extra]])
+        self.prefill(caches, parent, None)
+        child = copy.deepcopy(caches)
+        if extra:
+            trimmed = self.rt.cache.trim_prompt_cache(child, extra)
+            if trimmed != extra:
+                notes.append(f"prefix hit: trim_prompt_cache removed {trimmed} of {extra} tokens")
+        return child
+
+    def _cache_text(self) -> str:
+        if self.max_kv_size is not None:
+            return (f"make_prompt_cache(model, max_kv_size={self.max_kv_size})" if self.keep is None
+                    else f"RotatingKVCache(max_size={self.max_kv_size}, keep={self.keep}) per layer")
+        return ("make_prompt_cache(model) (the model's make_cache); a case window W with s sinks: "
+                "RotatingKVCache(max_size=W+s, keep=s) per layer")
+
+
+def _check_options(max_kv_size: Any, keep: Any, rollback: Any) -> None:
+    if max_kv_size is not None and (isinstance(max_kv_size, bool) or not isinstance(max_kv_size, int) or max_kv_size < 1):
+        raise UsageError(f"mlx: max_kv_size must be a positive integer, got {max_kv_size!r}")
+    if keep is not None and (max_kv_size is None or not isinstance(keep, int) or not 0 <= keep < max_kv_size):
+        raise UsageError(f"mlx: keep needs max_kv_size and 0 <= keep < max_kv_size, got keep={keep!r}")
+    if isinstance(rollback, bool) or not isinstance(rollback, int) or rollback < 0:
+        raise UsageError(f"mlx: rollback must be a non-negative integer, got {rollback!r}")
+
+
+def _model_dir(model_dir: str | Path | None) -> Path:
+    """The directory mlx-lm loads: the given one, or ropekv's converted embedded model (config.json,
+    model.safetensors, tokenizer.json, tokenizer_config.json: all ``mlx_lm.load`` needs, offline)."""
+    if model_dir is None:
+        from ...models.default import default_checkpoint_dir
+
+        return default_checkpoint_dir()
+    path = Path(model_dir)
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such file or directory")
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: mlx-lm needs a directory with config.json and *.safetensors")
+    return path

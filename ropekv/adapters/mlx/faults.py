@@ -1,0 +1,82 @@
+"""Bugs injected into mlx-lm's decode path in the running process, to prove ropekv catches them.
+
+Each is a context manager that patches the model's attention class (``type(layer.self_attn)``, e.g.
+``mlx_lm.models.llama.Attention``) for one-token calls only and restores it on exit. The attention code
+itself is untouched: the patch hands it a view of its cache that behaves like a buggy cache would.
+
+- :func:`decode_keys_rotated_again`: a decode fast path that rotates the new key once more before
+  writing it (by ``R(delta)``, or by ``R(offset)`` = double rotation when ``delta`` is None), so decoded
+  keys sit at ``t + delta`` (or ``2t``) while prefill keys are right.
+- :func:`offset_counts_kept_rows`: the offset the attention rotates with is the number of rows the cache
+  keeps (``cache.size()``, ``min(offset, max_size)`` for a ``RotatingKVCache``) instead of the tokens
+  seen: the eviction bug of issue 14. Invisible until a rotating cache has wrapped.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator
+
+
+class _CacheView:
+    """Delegates everything to ``cache``; subclasses change one thing."""
+
+    def __init__(self, cache: Any):
+        object.__setattr__(self, "_cache", cache)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cache, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._cache, name, value)
+
+
+class _RotateOnWrite(_CacheView):
+    def __init__(self, cache: Any, rope: Any, delta: int | None):
+        super().__init__(cache)
+        object.__setattr__(self, "_rope", rope)
+        object.__setattr__(self, "_delta", delta)
+
+    @property
+    def offset(self) -> int:
+        return self._cache.offset
+
+    def update_and_fetch(self, keys, values):
+        delta = self._cache.offset if self._delta is None else self._delta
+        return self._cache.update_and_fetch(self._rope(keys, offset=delta), values)
+
+
+class _KeptRowsOffset(_CacheView):
+    @property
+    def offset(self) -> int:
+        return self._cache.size()
+
+
+@contextmanager
+def _patched_decode(model: Any, view: Callable[[Any, Any], Any]) -> Iterator[None]:
+    cls = type(model.layers[0].self_attn)
+    original = cls.__call__
+
+    def call(self, x, mask=None, cache=None):
+        if cache is not None and x.shape[1] == 1:
+            cache = view(self, cache)
+        return original(self, x, mask, cache)
+
+    cls.__call__ = call
+    try:
+        yield
+    finally:
+        cls.__call__ = original
+
+
+def decode_keys_rotated_again(model: Any, delta: int | None = None):
+    """Decoded keys rotated once more before they are cached: at ``t + delta``, or ``2t`` (None)."""
+    return _patched_decode(model, lambda attn, cache: _RotateOnWrite(cache, attn.rope, delta))
+
+
+def offset_counts_kept_rows(model: Any):
+    """Decode queries and keys rotated at the cache's kept-row count instead of its logical offset."""
+    return _patched_decode(model, lambda attn, cache: _KeptRowsOffset(cache))
+
+
+FAULTS = {"decode-keys-rotated-again": decode_keys_rotated_again, "offset-counts-kept-rows": offset_counts_kept_rows}
