@@ -10,7 +10,7 @@ from vllm import _custom_ops as ops
 from ropekv.adapters.vllm import kv_layout
 from ropekv.errors import AdapterError
 
-LAYOUTS = [("vec", torch.float32), ("vec", torch.bfloat16), ("amx", torch.bfloat16)]
+LAYOUTS = [("vec", torch.float32), ("vec", torch.bfloat16), ("vec16", torch.float32), ("amx", torch.bfloat16)]
 
 
 def _written_by_vllm(isa, dtype, block_size, head_dim, slots, keys, num_blocks=6):

@@ -17,7 +17,7 @@ if __name__ == "__main__":
     from ropekv.adapters.vllm import VLLMEngine
 
     for dtype in ("float32", "bfloat16"):
-        engine = VLLMEngine(None, dtype=dtype, block_size=32, num_gpu_blocks_override=16, max_model_len=512)
+        engine = VLLMEngine(None, dtype=dtype, block_size=32, num_gpu_blocks_override=32, max_model_len=512)
         table = engine.contract.cos_sin_table.double()  # [positions, rotary_dim]
         cos, sin = engine.checkpoint.config.rope.cos_sin(torch.arange(table.shape[0]))
         err = (table - torch.cat((cos, sin), dim=-1)).abs().max(dim=-1).values  # [positions]

@@ -48,6 +48,8 @@ ENVIRONMENT = {
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
     "VLLM_NO_USAGE_STATS": "1",
+    "VLLM_LOGGING_LEVEL": "WARNING",  # vLLM logs every prefix-cache reset at INFO
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",  # stdout is the report's
 }
 
 
@@ -226,7 +228,12 @@ class VLLMEngine:
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs,
                                 prompt_logprobs=prompt_logprobs, detokenize=False, ignore_eos=True,
                                 extra_args={forced.EXTRA_ARG: list(forced_ids)} if forced_ids else None)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+        try:
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+        except RopeKVError:  # the probes' own verdicts (AdapterError) pass through vLLM unchanged
+            raise
+        except Exception as exc:  # vLLM started but cannot run this model (e.g. no kernel for its head size)
+            raise CheckpointError(f"{self.model_dir}: vLLM failed running it: {_one_line(exc)}") from None
         return outputs[0]
 
     def _refuse_window(self, case: Case) -> None:
