@@ -12,8 +12,8 @@ from ropekv.adapters.native import NativeAdapter
 from ropekv.errors import AdapterError, UsageError
 from ropekv.models import load_checkpoint
 from ropekv.parity.cases import Case
-from ropekv.parity.faults import FAULTS
-from ropekv.parity.harness import check
+from ropekv.adapters.faults import FAULTS
+from ropekv import check
 from ropekv.parity.protocol import CaseRun, FullRun, Tier
 from ropekv.testing import assert_parity
 

@@ -24,7 +24,7 @@ from ropekv.models import ReferenceDecoder, load_checkpoint
 from ropekv.models.families import FAMILIES, REFUSED
 from ropekv.parity.cases import Case
 from ropekv.parity.cross_engine import cross_engine_parity
-from ropekv.parity.harness import check
+from ropekv import check
 
 TOL = 1e-5
 LENGTH, PREFILL, CHUNK, BLOCK = 30, 20, 6, 7

@@ -8,8 +8,8 @@ import pytest
 from ropekv.errors import UsageError
 from ropekv.models import ReferenceDecoder, load_checkpoint
 from ropekv.parity.cases import Case, token_stream
-from ropekv.parity.faults import ARCH_FAULTS, FAULTS, get_fault
-from ropekv.parity.harness import check
+from ropekv.adapters.faults import ARCH_FAULTS, FAULTS, get_fault
+from ropekv import check
 from ropekv.parity.layer_forensics import diagnose_layer
 
 CASES = [Case(length=17, block_size=7, decode_steps=3), Case(length=12, chunk=5, block_size=3, decode_steps=2)]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ropekv.parity.cases import Case
-from ropekv.parity.harness import check
+from ropekv import check
 from ropekv.testing.tiny import tiny_model
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "adapters"

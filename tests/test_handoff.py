@@ -20,7 +20,7 @@ from ropekv.engine import Engine
 from ropekv.errors import CacheError, CapacityError, ContractMismatch, PayloadError, RopeKVError, UsageError
 from ropekv.models import load_checkpoint
 from ropekv.parity.cases import Case
-from ropekv.parity.harness import check
+from ropekv import check
 from ropekv.rope import RopeScaling, RopeSpec
 from ropekv.transfer import Handoff, read_payload, write_payload
 from ropekv.transfer.adapter import HandoffAdapter, get_handoff_fault

@@ -26,7 +26,7 @@ from ropekv.errors import CheckpointError, UsageError  # noqa: E402
 from ropekv.models import load_checkpoint  # noqa: E402
 from ropekv.models.reference import ReferenceDecoder  # noqa: E402
 from ropekv.parity.cases import Case, token_stream  # noqa: E402
-from ropekv.parity.harness import check  # noqa: E402
+from ropekv import check  # noqa: E402
 from ropekv.rope import RopeSpec  # noqa: E402
 
 SHORT = [Case(length=1), Case(length=17), Case(length=40, prefix=13, chunk=9)]

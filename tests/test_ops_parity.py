@@ -14,8 +14,8 @@ from ropekv.adapters.native import NativeAdapter
 from ropekv.errors import UsageError
 from ropekv.models import load_checkpoint
 from ropekv.parity.cases import Case, CacheOp
-from ropekv.parity.harness import check
-from ropekv.parity.op_faults import OP_FAULTS
+from ropekv import check
+from ropekv.adapters.op_faults import OP_FAULTS
 
 # Lengths cross a block (B=7) and the W=13 window wraps (40 + draft/decode tokens > 13 + 2 sinks).
 OP_CASES = [

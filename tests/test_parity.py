@@ -14,8 +14,8 @@ from ropekv.adapters.native import NativeAdapter
 from ropekv.models import load_checkpoint
 from ropekv.parity import harness
 from ropekv.parity.cases import Case, build_matrix, default_matrix
-from ropekv.parity.faults import FAULTS, dynamic_variant
-from ropekv.parity.harness import check
+from ropekv.adapters.faults import FAULTS, dynamic_variant
+from ropekv import check
 
 # A small matrix that exercises every bug class on the tiny models (256 positions).
 TINY_CASES = [

@@ -56,7 +56,7 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..parity.faults import ARCH_FAULTS, FAULTS, get_fault
+    from ..adapters.faults import ARCH_FAULTS, FAULTS, get_fault
 
     if args.list_faults:
         for f in [*FAULTS.values(), *ARCH_FAULTS.values()]:

@@ -37,7 +37,7 @@ _ENGINE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16
                   "float64": torch.float64}
 
 
-def check(engine: EngineAdapter | Checkpoint, *, lengths: list[int] | None = None,
+def check(engine: EngineAdapter, *, lengths: list[int] | None = None,
           block_sizes: list[int] | None = None, prefix_offsets: list[int] | None = None, window: int | None = None,
           sink_tokens: int = 0, chunk: int | None = None, decode_steps: int | None = None, dtype: str | None = None,
           reference: str = "float64", key_form: str | None = None, backend: str | None = None, seed: int = 0,
@@ -45,8 +45,9 @@ def check(engine: EngineAdapter | Checkpoint, *, lengths: list[int] | None = Non
           tolerance: Tolerance | None = None) -> ParityReport:
     """Run the parity matrix on ``engine`` and return a :class:`ParityReport`.
 
-    ``engine`` is an adapter (see :class:`ropekv.parity.protocol.EngineAdapter`) or a checkpoint, for
-    which ropekv's own engine is used with ``key_form``/``backend``/``dtype``. The other keywords mean
+    ``engine`` is an adapter (see :class:`ropekv.parity.protocol.EngineAdapter`; ``ropekv.check`` also
+    takes a checkpoint, for ropekv's own engine). ``key_form``/``backend``/``dtype`` given with an adapter
+    must be what it runs (else UsageError: the harness cannot change an engine). The other keywords mean
     what the CLI flags of the same name mean; None means the default matrix. ``progress``: False, True
     or ``"bar"`` (a live bar on stderr), ``"lines"`` (one plain line per case, for CI logs).
     ``tolerance`` replaces the per-dtype tolerance for both comparisons, for an engine whose noise is
@@ -176,11 +177,10 @@ def _next(step) -> NextToken:
 
 def _as_adapter(engine: Any, *, dtype, key_form, backend) -> EngineAdapter:
     if isinstance(engine, Checkpoint):
-        from ..adapters.native import NativeAdapter
-
-        return NativeAdapter(engine, key_form=key_form or "rotated", backend=backend, dtype=dtype or "float32")
+        raise UsageError("ropekv.parity.harness.check takes an engine adapter; ropekv.check(checkpoint) runs a "
+                         "checkpoint on ropekv's own engine")
     if engine is None or isinstance(engine, (str, bytes)):
-        raise UsageError(f"check() needs an engine adapter or a checkpoint, got {type(engine).__name__}")
+        raise UsageError(f"check() needs an engine adapter, got {type(engine).__name__}")
     check_adapter(engine)
     name = engine.name
     if dtype is not None:

@@ -10,7 +10,7 @@ fixtures ``ropekv_default_checkpoint`` and ``tiny_checkpoint``.
 
 from __future__ import annotations
 
-from ..parity.harness import check
+from ..api import check
 from ..parity.report import ParityReport
 from .tiny import tiny_checkpoint
 

@@ -12,7 +12,7 @@ import dataclasses
 
 from ropekv.models import load_checkpoint
 from ropekv.parity.cases import Case
-from ropekv.parity.faults import FAULTS
+from ropekv.adapters.faults import FAULTS
 from ropekv.parity.harness import check
 from ropekv.parity.protocol import Tier
 from ropekv.testing.tiny import tiny_checkpoint

@@ -3,7 +3,7 @@
 Two kinds of policy, as for the other faults: a :class:`~ropekv.rotation.RotationPolicy` subclass
 for engines whose rotation offset an operation put out of step with the logical positions (it reads
 the counts in ``StepContext.ops``), and a :class:`~ropekv.cache.policy.CacheOpPolicy` subclass for
-what an operation does to stored keys. Registered into ``ropekv.parity.faults.FAULTS`` (``--inject``,
+what an operation does to stored keys. Registered into ``ropekv.adapters.faults.FAULTS`` (``--inject``,
 ``--list-faults``); each needs a case running its operation (``op``) to show.
 """
 
@@ -12,11 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from ..adapters.native import NativeAdapter
+from .native import NativeAdapter
 from ..cache.policy import CacheOpPolicy, turn
 from ..models.config import Checkpoint
 from ..rotation import RotationPolicy
-from .cases import CacheOp
+from ..parity.cases import CacheOp
 
 CACHED = ("prefill", "decode")
 
@@ -110,7 +110,7 @@ class ShiftTwice(CacheOpPolicy):
 
 @dataclass(frozen=True)
 class OpFault:
-    """A catalogued operation fault; same reading as :class:`ropekv.parity.faults.Fault`, plus ``op``."""
+    """A catalogued operation fault; same reading as :class:`ropekv.adapters.faults.Fault`, plus ``op``."""
 
     name: str
     kind: str

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-from ..adapters.native import NativeAdapter
+from .native import NativeAdapter
 from ..errors import UsageError
 from ..models.config import Checkpoint
 from ..rope import RopeScaling, RopeSpec, apply_rotation
