@@ -27,6 +27,14 @@ def int_list(text: str) -> list[int]:
     return values
 
 
+def positive_int_list(text: str) -> list[int]:
+    """``"1,17,513"`` -> ``[1, 17, 513]``; every entry a positive integer (lengths, block sizes)."""
+    values = int_list(text)
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return values
+
+
 def positive_int(text: str) -> int:
     try:
         value = int(text)

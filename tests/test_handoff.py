@@ -307,10 +307,10 @@ def test_cli_passes_with_conversion_and_two_decode_workers(tiny_llama_dir, tmp_p
     assert code == 0, err
     assert out.count("parity holds") == 2 and "key form converted at import (unrotate)" in out
     doc = json.loads(report.read_text())
-    assert doc["passed"] and doc["exit_code"] == 0 and len(doc["parity"]["cases"]) == 2
-    assert [a["conversion"] for a in doc["handoff"]["handshake"]["answers"]] == ["unrotate", "unrotate"]
-    assert [t["decode_rank"] for t in doc["handoff"]["transfers"]] == [1, 2]
-    assert doc["handoff"]["bytes_per_second"] > 0
+    assert doc["passed"] and doc["exit_code"] == 0 and len(doc["runs"][0]["parity"]["cases"]) == 2
+    assert [a["conversion"] for a in doc["runs"][0]["handoff"]["handshake"]["answers"]] == ["unrotate", "unrotate"]
+    assert [t["decode_rank"] for t in doc["runs"][0]["handoff"]["transfers"]] == [1, 2]
+    assert doc["runs"][0]["handoff"]["bytes_per_second"] > 0
     first = read_payload(saved.read_bytes())
     assert first.num_tokens == 5 and first.contract.key_form == "rotated"
 
@@ -325,8 +325,8 @@ def test_cli_refuses_a_mismatch_with_exit_3(tiny_llama_dir, tmp_path, capsys, fl
     assert code == 3
     assert "refused the prefill contract" in err and field in err
     doc = json.loads(report.read_text())
-    assert doc["parity"] is None and not doc["handoff"]["handshake"]["accepted"]
-    assert field in doc["handoff"]["handshake"]["fields"] and doc["handoff"]["transfers"] == []
+    assert doc["runs"][0]["parity"] is None and not doc["runs"][0]["handoff"]["handshake"]["accepted"]
+    assert field in doc["runs"][0]["handoff"]["handshake"]["fields"] and doc["runs"][0]["handoff"]["transfers"] == []
 
 
 def test_cli_catches_rotate_on_transfer(tiny_llama_dir, tmp_path, capsys):
@@ -335,7 +335,7 @@ def test_cli_catches_rotate_on_transfer(tiny_llama_dir, tmp_path, capsys):
                               "--json", str(report))
     assert code == 1, err
     assert "diagnosis: rotate_on_transfer" in out
-    assert json.loads(report.read_text())["parity"]["diagnosis"]["kind"] == "rotate_on_transfer"
+    assert json.loads(report.read_text())["runs"][0]["parity"]["diagnosis"]["kind"] == "rotate_on_transfer"
 
 
 def test_cli_checks_paths_and_flags_before_starting_workers(tiny_llama_dir, tmp_path, capsys):
@@ -357,3 +357,20 @@ def test_worker_outside_a_launcher_says_how_to_run(monkeypatch, capsys):
 
 def test_errors_are_typed():
     assert issubclass(PayloadError, RopeKVError) and ContractMismatch.exit_code == 3
+
+
+def test_cli_block_sizes_run_one_handoff_each_and_faults_are_listed(tiny_llama_dir, tmp_path, capsys):
+    report = tmp_path / "report.json"
+    args = [a for a in _worker_args(tiny_llama_dir)]
+    if "--block-sizes" in args:
+        i = args.index("--block-sizes")
+        del args[i:i + 2]
+    code, out, err = _run_cli(capsys, *args, "--block-sizes", "3,5", "--json", str(report))
+    assert code == 0, err
+    assert "block size 3:" in out and "block size 5:" in out and out.count("parity holds") == 2
+    doc = json.loads(report.read_text())
+    assert [r["block_size"] for r in doc["runs"]] == [3, 5] and doc["passed"]
+    assert {r["handoff"]["transfers"][0]["contract"]["block_size"] if "contract" in r["handoff"]["transfers"][0]
+            else r["block_size"] for r in doc["runs"]} == {3, 5}
+    assert main(["handoff", "--list-faults"]) == 0
+    assert "rotate-on-transfer" in capsys.readouterr().out

@@ -30,7 +30,8 @@ def add_parser(subparsers) -> None:
         description="Prefill on a prefill worker, hand each sequence's KV cache to a decode worker over "
                     "torch.distributed (after a contract handshake), decode there, and compare with full "
                     "forwards layer by layer. See docs/handoff.md.")
-    add_arguments(p)
+    add_arguments(p, cli=True)
+    p.add_argument("--list-faults", action="store_true", help="list the handoff fault catalogue and exit")
     p.add_argument("--decode-workers", type=positive_int, default=1, help="decode worker processes (default 1)")
     p.add_argument("--json", default=None, metavar="PATH", help="write the parity report and handoff facts here")
     p.set_defaults(handler=run)
@@ -39,31 +40,46 @@ def add_parser(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..transfer.workers import launch, worker_argv
 
+    if args.list_faults:
+        from ..transfer.adapter import HANDOFF_FAULTS
+
+        for f in HANDOFF_FAULTS.values():
+            print(f"{f.name:28s} -> {f.kind:22s} {f.description}")
+        return 0
     json_path = writable_path(args.json, "--json")
     save_path = writable_path(args.save_payload, "--save-payload")
     if save_path is not None:
         args.save_payload = str(save_path.resolve())
     _check(args)
-    with tempfile.TemporaryDirectory(prefix="ropekv-handoff-") as tmp:
-        outcomes = launch(worker_argv(args), args.decode_workers + 1, timeout=args.timeout, workdir=Path(tmp))
-    error = _error(outcomes)
-    parity = _merge([o.result["report"] for o in outcomes[1:] if o.result and o.result.get("report")])
-    passed = error is None and parity is not None and bool(parity["passed"])
-    code = error.exit_code if error is not None else (0 if passed else 1)
-    tables = [(o.rank, o.result["table"]) for o in outcomes[1:] if o.result and o.result.get("table")]
-    for rank, table in tables:
-        if len(tables) > 1:
-            print(f"decode worker (rank {rank}):")
-        print(table)
-    facts = _facts(outcomes)
-    if facts["transfers"]:
-        print(_summary(facts))
+    runs, code, first_error = [], 0, None
+    for block_size in args.block_sizes:  # one handoff run per block size, as ropekv check's cases
+        args.block_size = block_size
+        if len(args.block_sizes) > 1:
+            print(f"block size {block_size}:")
+        with tempfile.TemporaryDirectory(prefix="ropekv-handoff-") as tmp:
+            outcomes = launch(worker_argv(args), args.decode_workers + 1, timeout=args.timeout, workdir=Path(tmp))
+        error = _error(outcomes)
+        parity = _merge([o.result["report"] for o in outcomes[1:] if o.result and o.result.get("report")])
+        passed = error is None and parity is not None and bool(parity["passed"])
+        run_code = error.exit_code if error is not None else (0 if passed else 1)
+        tables = [(o.rank, o.result["table"]) for o in outcomes[1:] if o.result and o.result.get("table")]
+        for rank, table in tables:
+            if len(tables) > 1:
+                print(f"decode worker (rank {rank}):")
+            print(table)
+        facts = _facts(outcomes)
+        if facts["transfers"]:
+            print(_summary(facts))
+        runs.append({"block_size": block_size, "passed": passed, "exit_code": run_code, "handoff": facts,
+                     "parity": parity})
+        code = max(code, run_code)
+        first_error = first_error or error
     if json_path is not None:
-        doc = {"format": REPORT_FORMAT, "version": 1, "passed": passed, "exit_code": code, "handoff": facts,
-               "parity": parity}
+        doc = {"format": REPORT_FORMAT, "version": 2, "passed": all(r["passed"] for r in runs), "exit_code": code,
+               "runs": runs}
         json_path.write_text(json.dumps(doc, indent=2, allow_nan=False))
-    if error is not None:
-        raise error
+    if first_error is not None:
+        raise first_error
     return code
 
 

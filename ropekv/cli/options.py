@@ -6,16 +6,8 @@ import argparse
 import os
 from pathlib import Path
 
-from ..argtypes import add_model_argument, int_list, positive_int  # noqa: F401 -- re-exported
+from ..argtypes import add_model_argument, int_list, positive_int, positive_int_list  # noqa: F401 -- re-exported
 from ..errors import UsageError
-
-
-def positive_int_list(text: str) -> list[int]:
-    """``"1,17,513"`` -> ``[1, 17, 513]``; every entry a positive integer (lengths, block sizes)."""
-    values = int_list(text)
-    if any(v < 1 for v in values):
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return values
 
 
 def seed(text: str) -> int:

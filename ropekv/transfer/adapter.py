@@ -103,7 +103,9 @@ class HandoffAdapter:
         self.name = name or f"handoff {prefill_contract.key_form} -> {self.key_form} (convert={convert}{fault})"
         self.transfers: list[TransferFacts] = []
         # Refuse now, not mid-sweep: the contracts must be equal or differ only by a convertible key form.
-        self.conversion = plan_import(decode.contract(Case(length=1)), prefill_contract, convert)
+        # (at the prefill side's block size: the block size is a per-case storage choice both sides share)
+        self.conversion = plan_import(decode.contract(Case(length=1, block_size=prefill_contract.block_size)),
+                                      prefill_contract, convert)
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.name, "key_form": self.key_form, "dtype": self.dtype_name, "convert": self.convert,

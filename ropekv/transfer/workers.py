@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from ..adapters.native import NativeAdapter
-from ..argtypes import RaisingParser, add_model_argument, int_list, positive_int
+from ..argtypes import RaisingParser, add_model_argument, int_list, positive_int, positive_int_list
 from ..contract import DTYPES, CacheContract
 from ..engine import Engine
 from ..errors import PayloadError, RopeKVError, TransportError, UsageError
@@ -54,13 +54,20 @@ _TEST_FAULTS = ("kill-decode-mid-transfer", "corrupt-in-flight")
 # ---------------------------------------------------------------------- arguments
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags every rank and ``ropekv handoff`` share (each rank reads the ones for its role)."""
+def add_arguments(parser: argparse.ArgumentParser, *, cli: bool = False) -> None:
+    """The flags every rank and ``ropekv handoff`` share (each rank reads the ones for its role).
+
+    ``cli``: the ``ropekv handoff`` spelling, consistent with ``ropekv check``: ``--block-sizes`` (one
+    handoff run per block size) and ``--dist-backend``; a rank takes one ``--block-size`` and ``--backend``."""
     add_model_argument(parser)
     parser.add_argument("--lengths", type=int_list, default=[1, 17, 300],
                         help="prompt lengths, one handed-off sequence each (default 1,17,300)")
     parser.add_argument("--decode-steps", type=positive_int, default=3, help="tokens decoded after the handoff")
-    parser.add_argument("--block-size", type=positive_int, default=16, help="cache block size on both sides")
+    if cli:
+        parser.add_argument("--block-sizes", type=positive_int_list, default=[16],
+                            help="cache block sizes on both sides, one handoff run each (default 16)")
+    else:
+        parser.add_argument("--block-size", type=positive_int, default=16, help="cache block size on both sides")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="cache dtype on both sides")
     parser.add_argument("--key-form-prefill", choices=("rotated", "raw"), default="rotated",
                         help="key form of the prefill worker's cache")
@@ -77,7 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="seconds any wait on a peer may take before it counts as failed (default 60)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the token stream")
-    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+    parser.add_argument("--dist-backend" if cli else "--backend", dest="dist_backend", choices=("auto", "gloo", "nccl"),
+                        default="auto",
                         help="torch.distributed backend; auto: NCCL when every local rank has a GPU, else gloo")
 
 
@@ -100,7 +108,7 @@ def worker_argv(args: argparse.Namespace) -> list[str]:
     argv += ["--lengths", ",".join(map(str, args.lengths)), "--decode-steps", str(args.decode_steps),
              "--block-size", str(args.block_size), "--dtype", args.dtype, "--key-form-prefill", args.key_form_prefill,
              "--convert", args.convert, "--timeout", repr(args.timeout), "--seed", str(args.seed),
-             "--backend", args.backend]
+             "--backend", args.dist_backend]
     for flag, value in (("--key-form-decode", args.key_form_decode), ("--inject", args.inject),
                         ("--save-payload", args.save_payload)):
         if value is not None:
@@ -174,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         out.update(status=status, error=str(exc), error_class=type(exc).__name__,
                    fields=list(getattr(exc, "fields", ())))
         print(f"ropekv handoff rank {rank}: error: {exc}", file=sys.stderr)
+    except KeyboardInterrupt:  # Ctrl-C reaches every rank: the launcher prints the one line
+        code = 130
+        out.update(status="interrupted", error="interrupted")
     except Exception as exc:  # noqa: BLE001 -- a bug: report it as an error, with the traceback in the result
         code = 2
         out.update(status="crash", error=f"{type(exc).__name__}: {exc}", error_class="RopeKVError",
@@ -343,7 +354,7 @@ def _decode_checkpoint(checkpoint: Checkpoint, args) -> Checkpoint:
 def _init_process_group(args) -> Channel:
     import torch.distributed as dist
 
-    backend, device = args.backend, "cpu"
+    backend, device = args.dist_backend, "cpu"
     local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= local_world else "gloo"
