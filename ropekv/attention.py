@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
-from .contract import CacheContract
+from .contract import CacheContract, KeyForm
 from .errors import ContractMismatch, UsageError
 
-BACKENDS = ("rotated", "rotate_on_read")
+BackendName = Literal["rotated", "rotate_on_read"]
+BACKENDS: tuple[str, ...] = get_args(BackendName)
 
 
 @dataclass(frozen=True)
@@ -27,7 +29,7 @@ class Backend:
     """An attention backend. ``key_form`` is the form it consumes; ``rotates`` whether it turns keys."""
 
     name: str
-    key_form: str
+    key_form: KeyForm
     rotates: bool
 
     def check(self, contract: CacheContract) -> None:

@@ -14,7 +14,7 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 
@@ -24,8 +24,10 @@ from .rope import RopeSpec
 if TYPE_CHECKING:  # only attributes are read; avoids importing the model loaders
     from .models.config import ModelConfig
 
-KEY_FORMS = ("raw", "rotated")
-ROTATION_INDICES = ("logical", "cache")
+KeyForm = Literal["raw", "rotated"]  # closed sets are types; the tuples follow from them
+RotationIndex = Literal["logical", "cache"]
+KEY_FORMS: tuple[str, ...] = get_args(KeyForm)
+ROTATION_INDICES: tuple[str, ...] = get_args(RotationIndex)
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -139,8 +141,8 @@ class CacheContract:
     forward; refusing it is the engine's decision, not the contract's.
     """
 
-    key_form: str
-    rotation_index: str = "logical"
+    key_form: KeyForm
+    rotation_index: RotationIndex = "logical"
     rope: RopeSpec
     window: int | None = None
     window_layers: tuple[int, ...] = ()
@@ -217,7 +219,7 @@ class CacheContract:
         cls,
         config: ModelConfig,
         *,
-        key_form: str,
+        key_form: KeyForm,
         block_size: int = 16,
         dtype: str = "float32",
         window: int | str | None = "model",
@@ -255,7 +257,7 @@ class CacheContract:
     def replace(self, **changes: Any) -> "CacheContract":
         return dataclasses.replace(self, **changes)
 
-    def with_key_form(self, key_form: str) -> "CacheContract":
+    def with_key_form(self, key_form: KeyForm) -> "CacheContract":
         """The same contract with ``key_form`` (``kernel_rotates`` follows it)."""
         return dataclasses.replace(self, key_form=key_form)
 

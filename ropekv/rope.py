@@ -21,13 +21,14 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Literal, Mapping, get_args
 
 import torch
 
 from .errors import ConfigError
 
-LAYOUTS = ("neox", "gptj")
+Layout = Literal["neox", "gptj"]  # NeoX/HF rotate_half pairs m with m + d/2; GPT-J/llama.cpp pairs 2m, 2m+1
+LAYOUTS: tuple[str, ...] = get_args(Layout)
 SCALING_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
 # Parameters each scaling type requires (after defaults are filled in) and may take.

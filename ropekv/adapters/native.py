@@ -7,7 +7,8 @@ from typing import Any, Hashable
 import torch
 
 from ..cache.policy import CacheOpPolicy
-from ..contract import CacheContract
+from ..attention import BackendName
+from ..contract import CacheContract, KeyForm
 from ..engine import Engine
 from ..models.config import Checkpoint
 from ..parity.cases import OP_KINDS, Case
@@ -23,7 +24,7 @@ class NativeAdapter:
 
     tier = Tier.FORENSICS
 
-    def __init__(self, checkpoint: Checkpoint, *, key_form: str = "rotated", backend: str | None = None,
+    def __init__(self, checkpoint: Checkpoint, *, key_form: KeyForm = "rotated", backend: BackendName | None = None,
                  dtype: str = "float32", rotation: RotationPolicy | None = None, device: str = "cpu",
                  name: str | None = None, cache_ops: CacheOpPolicy | None = None):
         self.checkpoint = checkpoint
@@ -36,6 +37,8 @@ class NativeAdapter:
         self.device = device
         self.name = name or f"ropekv engine ({key_form} keys, {backend or 'default'} backend)"
         self._weights: DecoderWeights | None = None
+        self._last_case: Case | None = None  # for describe(): the contract as the cases ran it
+        self._block_sizes: set[int] = set()
         # Fail now, not in the middle of a sweep, if the contract and backend cannot work together.
         self.make_engine(Case(length=1), num_blocks=1)
 
@@ -59,16 +62,21 @@ class NativeAdapter:
                                  cache_ops=self.cache_ops)
 
     def describe(self) -> dict[str, Any]:
-        engine = self.make_engine(Case(length=1), num_blocks=1)
+        """Facts for the report; ``contract`` is the one of the last case run (its block size and window
+        are the case's), ``block_sizes`` every block size the cases used."""
+        engine = self.make_engine(self._last_case or Case(length=1), num_blocks=1)
         return {"name": self.name, "key_form": self.key_form, "backend": engine.backend.name,
                 "dtype": self.dtype_name, "rotation_policy": engine.rotation.name,
-                "contract": engine.contract.to_dict(), "ops": list(OP_KINDS)}
+                "contract": engine.contract.to_dict(), "block_sizes": sorted(self._block_sizes),
+                "ops": list(OP_KINDS)}
 
     def ignored(self, case: Case) -> tuple[str, ...]:
         return ()
 
     def run_case(self, case: Case, tokens: torch.Tensor) -> CaseRun:
         engine = self.make_engine(case)
+        self._last_case = case
+        self._block_sizes.add(case.block_size)
         if case.op is not None:
             from .native_ops import run_op_case
 

@@ -13,7 +13,7 @@ overwrite are never stored (``PagedKVCache.append`` writes only a chunk's surviv
 
 from __future__ import annotations
 
-from typing import Hashable
+from typing import Hashable, Literal, get_args
 
 import torch
 
@@ -23,7 +23,8 @@ from ..errors import CacheError, ContractMismatch, UsageError
 from ..rope import RopeSpec
 from .payload import Handoff
 
-CONVERT_MODES = ("never", "explicit")
+ConvertMode = Literal["never", "explicit"]
+CONVERT_MODES: tuple[str, ...] = get_args(ConvertMode)
 _KEY_FORM_FIELDS = {"key_form"}  # what a key-form difference shows as (kernel_rotates is derived from it)
 
 

@@ -13,6 +13,7 @@ import dataclasses
 from ropekv.models import load_checkpoint
 from ropekv.parity.cases import Case
 from ropekv.adapters.faults import FAULTS
+from ropekv.adapters.op_faults import OP_FAULTS
 from ropekv.parity.harness import check
 from ropekv.parity.protocol import Tier
 from ropekv.testing.tiny import tiny_checkpoint
@@ -60,7 +61,7 @@ def main() -> None:
     args = ap.parse_args()
     ckpt = load_checkpoint(args.model) if args.model else tiny_checkpoint("llama", max_position_embeddings=1024)
     print(f"{'fault':<28} {'logits tier':<30} {'attention tier':<30} forensics tier")
-    for fault in FAULTS.values():
+    for fault in (f for name, f in FAULTS.items() if name not in OP_FAULTS):  # op faults need op cases
         adapter = fault.adapter(ckpt)
         cells = []
         for tier in (Tier.LOGITS, Tier.ATTENTION, Tier.FORENSICS):
