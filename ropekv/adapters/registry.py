@@ -4,7 +4,7 @@ An engine module defines ``add_arguments(group)`` (its own CLI flags, added to `
 a group named after the engine; it must not import the engine's package), ``from_args(args) ->
 EngineAdapter`` (which may), ``default_cases(args) -> list[Case]`` (what ``ropekv check --engine NAME``
 runs when no case flag is given: the default matrix less what the engine cannot honour) and
-``tolerance(adapter) -> Tolerance | None`` (None: the per-dtype default; else the engine's own,
+``engine_tolerance(adapter) -> Tolerance | None`` (None: the per-dtype default; else the engine's own,
 justified in its docs). Engines whose package conflicts with ropekv's own
 pins run from their own virtual environment (``venv``); the error says which one.
 """

@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     for warning in cfg.warnings:  # fields the architecture's reference implementation ignores
         print(f"ropekv: warning: {warning}", file=sys.stderr)
     progress = "off" if args.no_progress else ("bar" if sys.stderr.isatty() else "lines")
-    tolerance = module.tolerance(adapter) if external else None
+    tolerance = module.engine_tolerance(adapter) if external else None
     report = check(adapter, cases=cases, seed=args.seed, progress=progress, tolerance=tolerance)
     print(report.table())
     code = 0 if report.passed else 1

@@ -69,7 +69,8 @@ def llamacpp_cases(max_positions: int):
     window (none for llama), so a case window cannot be honoured (``ignored`` says so)."""
     from ...parity.cases import default_matrix
 
-    return [c for c in default_matrix(max_positions) if c.window is None]
+    # (cache operations are not run through llama.cpp: its shift has its own check, shift.py)
+    return [c for c in default_matrix(max_positions) if c.window is None and c.op is None]
 
 
 def default_cases(args: argparse.Namespace):
@@ -78,6 +79,6 @@ def default_cases(args: argparse.Namespace):
     return llamacpp_cases(args.llamacpp_n_ctx)
 
 
-def tolerance(adapter):
+def engine_tolerance(adapter):
     """The run's own tolerance, per weight type and KV type (:mod:`.tolerance`)."""
     return adapter.tolerance

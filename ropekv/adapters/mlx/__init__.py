@@ -58,7 +58,9 @@ def mlx_cases(max_positions: int) -> list:
 
     from ...parity.cases import default_matrix
 
-    return [dataclasses.replace(c, sink_tokens=0) if c.sink_tokens else c for c in default_matrix(max_positions)]
+    # (cache operations run through the engine's own options, not --ops: docs/engines/mlx.md)
+    return [dataclasses.replace(c, sink_tokens=0) if c.sink_tokens else c for c in default_matrix(max_positions)
+            if c.op is None]
 
 
 def default_cases(args: argparse.Namespace) -> list:
@@ -68,7 +70,7 @@ def default_cases(args: argparse.Namespace) -> list:
     return mlx_cases(load_config(getattr(args, "model", None)).position_limit)
 
 
-def tolerance(adapter) -> None:
+def engine_tolerance(adapter) -> None:
     """ropekv's per-dtype default: float32 mlx-lm stays 15x or more below it (1.25e-4 worst measured
     against 2e-3, docs/engines/mlx.md); no engine-specific tolerance is needed."""
     return None

@@ -75,7 +75,7 @@ def default_cases(args: argparse.Namespace) -> list[Case]:
                       decode_steps=getattr(args, "decode_steps", None) or 3)
 
 
-def tolerance(adapter) -> None:
+def engine_tolerance(adapter) -> None:
     """None: ropekv's per-dtype default. float32 runs stay 50x below it (log-probabilities 1.9e-5 to
     3.5e-5 against the float64 reference); bfloat16 runs sit at 0.10-0.15, from bfloat16 activations
     through 30 layers, while vLLM's cached decode equals its own cache-free forward exactly (docs/engines/vllm.md)."""
