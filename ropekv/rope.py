@@ -11,7 +11,9 @@ Layouts (vLLM calls the first ``is_neox_style``):
 - ``"neox"`` (HF ``rotate_half``): channel ``m`` pairs with ``m + rotary_dim // 2``.
 - ``"gptj"`` (llama.cpp NORM, interleaved): channel ``2m`` pairs with ``2m + 1``.
 
-Channels ``rotary_dim:head_dim`` (partial rotary) pass through unchanged.
+Channels outside the rotated slice pass through unchanged: ``rotary_dim:head_dim`` for partial rotary
+(the rotated channels lead), and ``0:rotary_offset`` for multi-head latent attention (DeepSeek V2/V3:
+the key is ``[k_nope, k_pe]`` and only the trailing decoupled rope part ``k_pe`` rotates).
 """
 
 from __future__ import annotations
@@ -170,7 +172,9 @@ class RopeSpec:
 
     ``attention_factor`` multiplies cos and sin (YaRN, LongRoPE), so it scales both q and k;
     ``max_position_embeddings`` is the config's value, which dynamic NTK and LongRoPE compare
-    the sequence length against.
+    the sequence length against. ``rotary_offset``: the first rotated channel; channels
+    ``rotary_offset .. rotary_offset + rotary_dim - 1`` rotate (0 for every architecture but MLA,
+    whose rope part trails the per-head no-position part: offset ``qk_nope_head_dim``).
     """
 
     head_dim: int
@@ -180,12 +184,17 @@ class RopeSpec:
     scaling: RopeScaling = field(default_factory=RopeScaling)
     attention_factor: float = 1.0
     max_position_embeddings: int = 2048
+    rotary_offset: int = 0
 
     def __post_init__(self) -> None:
         if not _is_int(self.head_dim) or not 2 <= self.head_dim <= MAX_HEAD_DIM or self.head_dim % 2:
             raise ConfigError(f"RoPE head_dim must be an even integer in [2, {MAX_HEAD_DIM}], got {self.head_dim!r}")
         if not _is_int(self.rotary_dim) or not (2 <= self.rotary_dim <= self.head_dim) or self.rotary_dim % 2:
             raise ConfigError(f"RoPE rotary_dim must be even and in [2, head_dim={self.head_dim}], got {self.rotary_dim!r}")
+        if not _is_int(self.rotary_offset) or self.rotary_offset < 0 \
+                or self.rotary_offset + self.rotary_dim > self.head_dim:
+            raise ConfigError(f"RoPE rotary_offset must be an integer >= 0 with rotary_offset + rotary_dim <= head_dim "
+                              f"({self.head_dim}), got {self.rotary_offset!r} (rotary_dim {self.rotary_dim})")
         _check_number("RoPE theta", self.theta, 1, strict=True)
         if not isinstance(self.layout, str) or self.layout not in LAYOUTS:
             raise ConfigError(f"unknown RoPE layout {self.layout!r}; supported: {', '.join(LAYOUTS)}")
@@ -358,7 +367,9 @@ class RopeSpec:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        """Every field; ``rotary_offset`` only where it is not 0 (specs without it keep their
+        serialized form and fingerprints)."""
+        out = {
             "head_dim": self.head_dim,
             "rotary_dim": self.rotary_dim,
             "theta": self.theta,
@@ -367,10 +378,15 @@ class RopeSpec:
             "attention_factor": self.attention_factor,
             "max_position_embeddings": self.max_position_embeddings,
         }
+        if self.rotary_offset:
+            out["rotary_offset"] = self.rotary_offset
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "RopeSpec":
         expected = {"head_dim", "rotary_dim", "theta", "layout", "scaling", "attention_factor", "max_position_embeddings"}
+        if isinstance(data, Mapping) and "rotary_offset" in data:
+            expected = expected | {"rotary_offset"}
         if not isinstance(data, Mapping) or set(data) != expected:
             got = set(data) if isinstance(data, Mapping) else set()
             raise ConfigError(
@@ -423,26 +439,31 @@ class RopeSpec:
     def rotate(self, x: torch.Tensor, positions: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         """Rotate ``x`` of shape ``[..., num_tokens, num_heads, head_dim]`` to ``positions [num_tokens]``."""
         cos, sin = self.cos_sin(positions, seq_len)
-        return apply_rotation(x, cos, sin, self.layout)
+        return apply_rotation(x, cos, sin, self.layout, self.rotary_offset)
 
     def unrotate(self, x: torch.Tensor, positions: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
         """Inverse of :meth:`rotate` (rotation by ``-p``, attention factor divided out)."""
         ang = self.angles(positions, seq_len)
         a = self.attention_factor
-        return apply_rotation(x, torch.cos(ang) / a, -torch.sin(ang) / a, self.layout)
+        return apply_rotation(x, torch.cos(ang) / a, -torch.sin(ang) / a, self.layout, self.rotary_offset)
 
 
 # ---------------------------------------------------------------------- pure functions
 
 
-def apply_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> torch.Tensor:
+def apply_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str,
+                   offset: int = 0) -> torch.Tensor:
     """Rotate channel pairs of ``x [..., num_tokens, num_heads, head_dim]`` by ``cos/sin [num_tokens, n]``.
 
-    ``2 * n`` leading channels rotate (partial rotary leaves the rest). The arithmetic runs in float64
-    for float64 input and float32 otherwise; the result has ``x``'s dtype.
+    Channels ``offset .. offset + 2n - 1`` rotate (``offset`` 0: the leading channels; partial rotary
+    leaves the rest; MLA rotates its trailing rope part). The arithmetic runs in float64 for float64
+    input and float32 otherwise; the result has ``x``'s dtype.
     """
     if x.shape[-3] != cos.shape[0] or cos.shape != sin.shape:
         raise ValueError(f"rotation: x has {x.shape[-3]} tokens, cos/sin {tuple(cos.shape)}/{tuple(sin.shape)}")
+    if offset:
+        head, rotated = x[..., :offset], apply_rotation(x[..., offset:], cos, sin, layout)
+        return torch.cat((head.to(rotated.dtype), rotated), dim=-1)
     work = torch.float64 if x.dtype == torch.float64 else torch.float32
     n = cos.shape[-1]
     rot, rest = x[..., : 2 * n].to(work), x[..., 2 * n :]

@@ -51,7 +51,7 @@ class RopeTable:
         n = self.cos.shape[-1]
         work = self.cos.dtype
         if self.rope.layout != "neox" or x.shape[-1] != 2 * n:
-            result = apply_rotation(x, self.cos[:, 0], self.sin[:, 0], self.rope.layout)
+            result = apply_rotation(x, self.cos[:, 0], self.sin[:, 0], self.rope.layout, self.rope.rotary_offset)
             return result if out is None else out.copy_(result)
         if x.dtype != work:
             x = x.to(work)

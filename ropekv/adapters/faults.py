@@ -124,7 +124,7 @@ def _bf16_rotate(rope: RopeSpec | None, x: torch.Tensor, positions: torch.Tensor
         return x
     ang = (positions.to(torch.bfloat16)[:, None] * rope.inv_freq(seq_len).to(torch.bfloat16)[None, :]).double()
     return apply_rotation(x, torch.cos(ang) * rope.attention_factor, torch.sin(ang) * rope.attention_factor,
-                          rope.layout)
+                          rope.layout, rope.rotary_offset)
 
 
 class LowPrecisionAngles(RotationPolicy):

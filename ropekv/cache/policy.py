@@ -38,7 +38,7 @@ def turn(rope: RopeSpec, keys: torch.Tensor, delta: int) -> torch.Tensor:
     again (it was applied once when the keys were first rotated). Result in ``keys``' dtype."""
     n = keys.shape[0]
     ang = rope.angles(torch.full((n,), int(delta), dtype=torch.int64))  # [N, rotary_dim / 2] float64
-    return apply_rotation(keys, torch.cos(ang), torch.sin(ang), rope.layout)
+    return apply_rotation(keys, torch.cos(ang), torch.sin(ang), rope.layout, rope.rotary_offset)
 
 
 CORRECT = CacheOpPolicy()

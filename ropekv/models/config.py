@@ -16,6 +16,7 @@ import torch
 
 from ..errors import CheckpointError, ConfigError
 from ..rope import MAX_POSITIONS, RopeSpec, _finite, _is_real
+from .mla import MlaSpec
 from .moe import MoeSpec
 from .families import FAMILIES, REFUSED, Family, canonical_weights, family_of
 
@@ -32,7 +33,7 @@ _HF_FIELD_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attentio
 # their defaults, so configs of the original four families keep their fingerprints.
 _LATER_FIELDS = {"hidden_act": "silu", "layer_ropes": None, "query_scale": None, "attn_softcap": None,
                  "final_softcap": None, "embedding_scale": 1.0, "residual_scale": 1.0, "logits_scale": 1.0,
-                 "moe": None}
+                 "moe": None, "mla": None}
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class ModelConfig:
     residual_scale: float = 1.0  # multiplies attention and MLP outputs before the residual add
     logits_scale: float = 1.0
     moe: MoeSpec | None = None  # mixture-of-experts MLP on moe.sparse_layers (models/moe.py)
+    mla: MlaSpec | None = None  # multi-head latent attention (models/mla.py): head_dim is the key's, nope + rope
     warnings: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -136,6 +138,23 @@ class ModelConfig:
             value = getattr(self, name)
             if not (_is_real(value) and _finite(value)):
                 raise ConfigError(f"config field {name!r} must be a finite number, got {value!r}")
+        if self.mla is not None:
+            self._check_mla()
+
+    def _check_mla(self) -> None:
+        """An MLA config's key is ``[k_nope, k_pe]`` per head, one head per query head, and every
+        layer's RoPE turns exactly the trailing rope part."""
+        m = self.mla
+        if not isinstance(m, MlaSpec):
+            raise ConfigError(f"config field 'mla' must be an MlaSpec or None, got {type(m).__name__}")
+        if self.head_dim != m.qk_head_dim or self.num_kv_heads != self.num_heads:
+            raise ConfigError(f"MLA config needs head_dim = qk_nope_head_dim + qk_rope_head_dim = {m.qk_head_dim} and "
+                              f"num_kv_heads = num_heads, got {self.head_dim} and {self.num_kv_heads}/{self.num_heads}")
+        for i in range(self.num_layers):
+            r = self.layer_rope(i)
+            if r is None or r.rotary_offset != m.qk_nope_head_dim or r.rotary_dim != m.qk_rope_head_dim:
+                raise ConfigError(f"MLA layer {i} must rotate exactly its rope part (channels {m.qk_nope_head_dim}.."
+                                  f"{m.qk_head_dim - 1}), got {r!r}")
 
     @property
     def family(self) -> Family:
@@ -184,6 +203,8 @@ class ModelConfig:
             d["layer_ropes"] = [None if s is None else s.to_dict() for s in self.layer_ropes]
         if self.moe is not None:
             d["moe"] = self.moe.to_dict()
+        if self.mla is not None:
+            d["mla"] = self.mla.to_dict()
         for name, default in _LATER_FIELDS.items():
             if d[name] == default:
                 del d[name]
@@ -217,12 +238,15 @@ class ModelConfig:
                     shapes[p + norm + ".weight"] = (h,)
                     if fam.norm_bias:
                         shapes[p + norm + ".bias"] = (h,)
-            shapes.update({
-                p + "self_attn.q_proj.weight": (q, h),
-                p + "self_attn.k_proj.weight": (kv, h),
-                p + "self_attn.v_proj.weight": (kv, h),
-                p + "self_attn.o_proj.weight": (h, q),
-            })
+            if self.mla is not None:
+                shapes.update(self._mla_shapes(p))
+            else:
+                shapes.update({
+                    p + "self_attn.q_proj.weight": (q, h),
+                    p + "self_attn.k_proj.weight": (kv, h),
+                    p + "self_attn.v_proj.weight": (kv, h),
+                    p + "self_attn.o_proj.weight": (h, q),
+                })
             moe = self.layer_moe(n)
             if moe is not None:
                 e, m = moe.num_experts, moe.expert_size
@@ -234,15 +258,23 @@ class ModelConfig:
                                    p + "mlp.shared_expert.up_proj.weight": (s, h),
                                    p + "mlp.shared_expert.down_proj.weight": (h, s),
                                    p + "mlp.shared_expert_gate.weight": (1, h)})
+                if moe.shared_experts_size is not None:
+                    s = moe.shared_experts_size
+                    for part, shape in (("gate_proj", (s, h)), ("up_proj", (s, h)), ("down_proj", (h, s))):
+                        shapes[p + f"mlp.shared_experts.{part}.weight"] = shape
+                        if self.mlp_bias:
+                            shapes[p + f"mlp.shared_experts.{part}.bias"] = shape[:1]
+                if moe.correction_bias:
+                    shapes[p + "mlp.gate.e_score_correction_bias"] = (e,)
             else:
                 shapes.update({p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i)})
             if fam.mlp == "gated" and moe is None:
                 shapes[p + "mlp.gate_proj.weight"] = (i, h)
-            if self.attention_bias:
+            if self.attention_bias and self.mla is None:
                 shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                                p + "self_attn.v_proj.bias": (kv,)})
             if self.o_bias:
-                shapes[p + "self_attn.o_proj.bias"] = (h,)
+                shapes[p + "self_attn.o_proj.bias"] = (h,)  # MLA: attention_bias too
             if self.mlp_bias and moe is None:
                 shapes.update({p + "mlp.up_proj.bias": (i,), p + "mlp.down_proj.bias": (h,)})
                 if fam.mlp == "gated":
@@ -250,6 +282,28 @@ class ModelConfig:
             if self.qk_norm:
                 qn, kn = (d, d) if fam.qk_norm == "head" else (q, kv)
                 shapes.update({p + "self_attn.q_norm.weight": (qn,), p + "self_attn.k_norm.weight": (kn,)})
+        return shapes
+
+    def _mla_shapes(self, p: str) -> dict[str, tuple[int, ...]]:
+        """MLA's attention tensors under ``p`` (models/mla.py); ``attention_bias`` biases q_a_proj,
+        kv_a_proj_with_mqa and o_proj."""
+        m, h, a = self.mla, self.hidden_size, p + "self_attn."
+        heads = self.num_heads
+        shapes: dict[str, tuple[int, ...]] = {
+            a + "kv_a_proj_with_mqa.weight": (m.kv_lora_rank + m.qk_rope_head_dim, h),
+            a + "kv_a_layernorm.weight": (m.kv_lora_rank,),
+            a + "kv_b_proj.weight": (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank),
+            a + "o_proj.weight": (h, heads * m.v_head_dim),
+        }
+        if m.q_lora_rank is None:
+            shapes[a + "q_proj.weight"] = (heads * m.qk_head_dim, h)
+        else:
+            shapes.update({a + "q_a_proj.weight": (m.q_lora_rank, h), a + "q_a_layernorm.weight": (m.q_lora_rank,),
+                           a + "q_b_proj.weight": (heads * m.qk_head_dim, m.q_lora_rank)})
+        if self.attention_bias:
+            shapes[a + "kv_a_proj_with_mqa.bias"] = (m.kv_lora_rank + m.qk_rope_head_dim,)
+            if m.q_lora_rank is not None:
+                shapes[a + "q_a_proj.bias"] = (m.q_lora_rank,)
         return shapes
 
     def split_sizes(self) -> dict[str, tuple[int, ...]]:

@@ -64,7 +64,9 @@ class Family:
     partial_rotary: bool = False  # does the architecture honour partial_rotary_factor?
     rope_layers: RopeLayers = "all"
     windows: Literal["none", "mistral", "qwen2", "qwen3_moe", "layer_types"] = "layer_types"
-    moe: Literal["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe"] | None = None  # models/moe.py
+    moe: Literal["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "deepseek_v2", "deepseek_v3",
+                 "glm4_moe"] | None = None  # models/moe.py
+    attention: Literal["standard", "mla"] = "standard"  # "mla": multi-head latent attention (models/mla.py)
     embedding_scale: Literal["none", "sqrt_hidden", "embedding_multiplier"] = "none"
     residual_scale_key: str | None = None  # granite: residual_multiplier
     attn_scale_key: str | None = None  # granite: attention_multiplier (the scale itself)
@@ -207,6 +209,22 @@ FAMILIES.update({f.name: f for f in (
                     "block_sparse_moe.experts.down_proj": "mlp.experts.down_proj",
                     "block_sparse_moe.input_linear.weight": "mlp.experts.gate_up_proj",
                     "block_sparse_moe.output_linear.weight": "mlp.experts.down_proj"}),
+    # DeepSeek V2/V3: multi-head latent attention (models/mla.py); MoE from first_k_dense_replace on, with
+    # shared experts and (grouped) routing. V2 rotates the rope part as complex pairs (interleaved); V3
+    # interleaved iff rope_interleave (its default), else rotate_half. Defaults: the config classes'.
+    Family("deepseek_v2", ("DeepseekV2ForCausalLM",), attention="mla", moe="deepseek_v2", layout="gptj",
+           qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias", windows="none",
+           experts=("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
+           defaults={"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                     "v_head_dim": 128, "n_routed_experts": 64, "n_shared_experts": 2, "routed_scaling_factor": 1.0,
+                     "topk_method": "greedy", "first_k_dense_replace": 0, "moe_intermediate_size": 1407}),
+    Family("deepseek_v3", ("DeepseekV3ForCausalLM",), attention="mla", moe="deepseek_v3", windows="none",
+           qkv_bias="attention_bias", o_bias="attention_bias",
+           experts=("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
+           defaults={"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
+                     "v_head_dim": 128, "n_routed_experts": 256, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
+                     "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+                     "norm_topk_prob": True, "rope_interleave": True, "moe_intermediate_size": 2048}),
 )})
 
 # Architectures ropekv refuses, with the feature that is not modelled yet (docs/architectures.md).
@@ -222,8 +240,6 @@ REFUSED: dict[str, str] = {
     "apertus": "xIELU activation with learned parameters",
     "llama4_text": "chunked attention, mixture of experts, L2 q/k norm and attention temperature tuning",
     "gpt_oss": "attention sinks and mixture of experts",
-    "deepseek_v2": "multi-head latent attention (MLA): RoPE on a decoupled qk_rope_head_dim part",
-    "deepseek_v3": "multi-head latent attention (MLA): RoPE on a decoupled qk_rope_head_dim part",
     "qwen2_vl": "multimodal RoPE (mrope_section position streams)",
 }
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 from ..errors import ConfigError
 from ..rope import RopeSpec, _finite, _is_real
 from .families import Family
+from .mla import read_mla
 from .moe import read_moe
 
 if TYPE_CHECKING:
@@ -111,7 +112,16 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
                         "is a sliding_attention layer")
 
     rope_layout = fam.layout if fam.layout != "neox" else layout
+    mla = None
+    if fam.attention == "mla":  # models/mla.py: the key per head is [k_nope, k_pe]; only k_pe rotates
+        mla = read_mla(config, num_heads, source)
+        head_dim, num_kv_heads = mla.qk_head_dim, num_heads
+        if fam.name == "deepseek_v3":
+            rope_layout = "gptj" if flag("rope_interleave") else "neox"
+        config = {**config, "head_dim": mla.qk_rope_head_dim}  # what transformers sizes the frequencies by
     ropes = _layer_ropes(fam, config, layer_types, rope_layout, source)
+    if mla is not None:
+        ropes = [r.replace(head_dim=head_dim, rotary_offset=mla.qk_nope_head_dim) for r in ropes]
     partial = _partial_factor(config)
     if partial not in (None, 1, 1.0) and not fam.partial_rotary:
         warnings.append(f"partial_rotary_factor={partial!r} is ignored: transformers' {arch} rotates the whole head")
@@ -120,7 +130,9 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
         main_rope = _rope(config, None, rope_layout, fam, source)
 
     query_scale = None
-    if fam.attn_scale_key:
+    if mla is not None:
+        query_scale = _mla_scale(config, mla.qk_head_dim, source)
+    elif fam.attn_scale_key:
         query_scale = number(fam.attn_scale_key, None)
     elif fam.query_pre_attn_scalar:
         scalar = number("query_pre_attn_scalar", None)
@@ -140,6 +152,8 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
         logits_scale = number(fam.logits_multiply_key, 1.0)
     qk_norm = fam.qk_norm != "none"
     moe = read_moe(fam.moe, config, num_layers, source) if fam.moe else None
+    if fam.name == "deepseek_v2" and flag("norm_topk_prob"):
+        warnings.append("norm_topk_prob=True is ignored: transformers' deepseek_v2 router never renormalizes")
     if fam.name == "cohere" and flag("use_qk_norm"):
         raise ConfigError(f"{source}: cohere use_qk_norm (per-head LayerNorm weights [heads, head_dim]) "
                           "is not supported yet")
@@ -175,11 +189,29 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
             embedding_scale=embedding_scale,
             logits_scale=logits_scale,
             moe=moe,
+            mla=mla,
             warnings=tuple(warnings),
             **fields,
         )
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
+
+
+def _mla_scale(config: Mapping[str, Any], qk_head_dim: int, source: str) -> float:
+    """DeepSeek's softmax scale: ``qk_head_dim ** -0.5``, times ``mscale(factor, mscale_all_dim) ** 2``
+    for any non-default RoPE type whose parameters set ``mscale_all_dim`` (transformers' ``yarn_apply_mscale``)."""
+    params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    scale = qk_head_dim**-0.5
+    if not isinstance(params, Mapping):
+        return scale
+    all_dim = params.get("mscale_all_dim") or 0
+    if params.get("rope_type", params.get("type", "default")) == "default" or not all_dim:
+        return scale
+    factor = params.get("factor")
+    if not (_is_real(factor) and _finite(factor) and factor > 0) or not (_is_real(all_dim) and _finite(all_dim)):
+        raise ConfigError(f"{source}: mscale_all_dim {all_dim!r} needs a finite RoPE 'factor' > 0, got {factor!r}")
+    mscale = 1.0 if factor <= 1 else 0.1 * all_dim * math.log(factor) + 1.0
+    return scale * mscale * mscale
 
 
 def _with_defaults(fam: Family, config: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Mixture-of-experts MLPs as data: the router and the experts of mixtral, qwen2_moe, qwen3_moe, granitemoe.
+"""Mixture-of-experts MLPs as data: the router and the experts of mixtral, qwen2_moe, qwen3_moe, granitemoe,
+deepseek_v2, deepseek_v3 and glm4_moe.
 
 MoE changes nothing about RoPE or the cache, but a decoder that cannot run its MLP cannot be checked.
 :class:`MoeSpec` holds every number the MLP uses; both the float64 reference and the engine compute
@@ -11,17 +12,33 @@ Routers (transformers' ``*TopKRouter``):
 
 - ``softmax_topk`` (mixtral, qwen2_moe, qwen3_moe): softmax over all experts, keep the top k,
   renormalize them to sum 1 iff ``normalize``;
-- ``topk_softmax`` (granitemoe): top k router logits, softmax over those k.
+- ``topk_softmax`` (granitemoe): top k router logits, softmax over those k;
+- ``sigmoid_group`` (deepseek_v3, glm4_moe): ``s = sigmoid(logits)``; choice scores ``s + bias``
+  (``mlp.gate.e_score_correction_bias [E]``); the ``n_group`` groups ranked by the sum of their two
+  best choice scores, the best ``topk_group`` kept; top k experts by choice score among those; weights
+  are ``s`` (not the biased scores) of the chosen, renormalized (``/ (sum + 1e-20)``) iff
+  ``normalize``, times ``routed_scaling_factor``;
+- ``softmax_greedy`` (deepseek_v2 ``greedy``): top k of the softmax, times ``routed_scaling_factor``,
+  never renormalized (deepseek_v2's router ignores ``norm_topk_prob``);
+- ``softmax_group_limited`` (deepseek_v2 ``group_limited_greedy``): groups ranked by their best
+  softmax score, the best ``topk_group`` kept, the others' scores set to 0, then top k, times
+  ``routed_scaling_factor``.
+
+``shared_experts_size`` (deepseek, glm4_moe): an ungated shared MLP ``mlp.shared_experts.{gate,up,down}_proj``
+of intermediate size ``n_shared_experts * moe_intermediate_size``, added to the routed output.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Mapping, get_args
 
 from ..errors import ConfigError
 
-Router = Literal["softmax_topk", "topk_softmax"]
+Router = Literal["softmax_topk", "topk_softmax", "sigmoid_group", "softmax_greedy", "softmax_group_limited"]
+ROUTERS: tuple[str, ...] = get_args(Router)
+GROUPED = ("sigmoid_group", "softmax_group_limited")
 
 
 @dataclass(frozen=True)
@@ -33,9 +50,14 @@ class MoeSpec:
     normalize: bool  # renormalize the top-k probabilities (softmax_topk)
     shared_expert_size: int | None = None  # qwen2_moe: a gated shared expert of this intermediate size
     sparse_layers: tuple[int, ...] = ()  # layers whose MLP is the MoE; the others are dense
+    num_groups: int = 1  # n_group (grouped routers)
+    top_groups: int = 1  # topk_group (grouped routers)
+    routed_scale: float = 1.0  # routed_scaling_factor
+    shared_experts_size: int | None = None  # deepseek / glm4_moe: ungated shared experts of this size
+    correction_bias: bool = False  # sigmoid_group: the router has e_score_correction_bias
 
     def __post_init__(self) -> None:
-        if self.router not in ("softmax_topk", "topk_softmax"):
+        if self.router not in ROUTERS:
             raise ConfigError(f"unknown MoE router {self.router!r}")
         for name in ("num_experts", "top_k", "expert_size"):
             v = getattr(self, name)
@@ -46,11 +68,31 @@ class MoeSpec:
         if self.shared_expert_size is not None and (not isinstance(self.shared_expert_size, int)
                                                     or self.shared_expert_size < 1):
             raise ConfigError(f"MoE shared_expert_size must be a positive integer, got {self.shared_expert_size!r}")
+        if self.shared_experts_size is not None and (not isinstance(self.shared_experts_size, int)
+                                                     or self.shared_experts_size < 1):
+            raise ConfigError(f"MoE shared_experts_size must be a positive integer, got {self.shared_experts_size!r}")
+        if self.router in GROUPED:
+            g, k = self.num_groups, self.top_groups
+            if not (isinstance(g, int) and isinstance(k, int)) or g < 1 or not 1 <= k <= g or self.num_experts % g:
+                raise ConfigError(f"MoE grouped routing needs n_group dividing the {self.num_experts} experts and "
+                                  f"1 <= topk_group <= n_group, got n_group={g!r}, topk_group={k!r}")
+            if self.router == "sigmoid_group" and self.num_experts // g < 2:
+                raise ConfigError(f"MoE sigmoid group routing ranks groups by their two best experts: n_group {g} "
+                                  f"leaves {self.num_experts // g} expert(s) per group")
+            if self.top_k > k * (self.num_experts // g):
+                raise ConfigError(f"MoE top_k {self.top_k} exceeds the {k * (self.num_experts // g)} experts of the "
+                                  f"{k} groups kept")
+        if isinstance(self.routed_scale, bool) or not isinstance(self.routed_scale, (int, float)) \
+                or not math.isfinite(self.routed_scale):
+            raise ConfigError(f"MoE routed_scaling_factor must be a finite number, got {self.routed_scale!r}")
 
     def to_dict(self) -> dict[str, Any]:
         return {"router": self.router, "num_experts": self.num_experts, "top_k": self.top_k,
                 "expert_size": self.expert_size, "normalize": self.normalize,
-                "shared_expert_size": self.shared_expert_size, "sparse_layers": list(self.sparse_layers)}
+                "shared_expert_size": self.shared_expert_size, "sparse_layers": list(self.sparse_layers),
+                **({"num_groups": self.num_groups, "top_groups": self.top_groups, "routed_scale": self.routed_scale,
+                    "shared_experts_size": self.shared_experts_size, "correction_bias": self.correction_bias}
+                   if self.router not in ("softmax_topk", "topk_softmax") else {})}
 
 
 def read_moe(kind: str, config: Mapping[str, Any], num_layers: int, source: str) -> MoeSpec:
@@ -64,7 +106,7 @@ def read_moe(kind: str, config: Mapping[str, Any], num_layers: int, source: str)
                 return value
         raise ConfigError(f"{source}: missing field {names[0]!r}")
 
-    experts = integer("num_local_experts", "num_experts")
+    experts = integer("num_local_experts", "num_experts", "n_routed_experts")
     top_k = integer("num_experts_per_tok")
     layers = tuple(range(num_layers))
     if kind in ("qwen2_moe", "qwen3_moe"):
@@ -80,7 +122,44 @@ def read_moe(kind: str, config: Mapping[str, Any], num_layers: int, source: str)
     if kind == "mixtral":
         return MoeSpec("softmax_topk", experts, top_k, integer("intermediate_size"), normalize=True,
                        sparse_layers=layers)
+    if kind in ("deepseek_v3", "glm4_moe", "deepseek_v2"):
+        return _read_deepseek(kind, config, num_layers, source, experts, top_k, integer)
     if kind == "granitemoe":
         return MoeSpec("topk_softmax", experts, top_k, integer("intermediate_size"), normalize=False,
                        sparse_layers=layers)
     raise ConfigError(f"{source}: unknown MoE kind {kind!r}")
+
+
+def _read_deepseek(kind: str, config: Mapping[str, Any], num_layers: int, source: str, experts: int, top_k: int,
+                   integer) -> MoeSpec:
+    """deepseek_v2/v3 and glm4_moe: MoE on layers ``first_k_dense_replace..``, shared experts, grouped routing."""
+    first = config.get("first_k_dense_replace") or 0
+    if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+        raise ConfigError(f"{source}: field 'first_k_dense_replace' must be an integer >= 0, got {first!r}")
+    scale = config.get("routed_scaling_factor", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise ConfigError(f"{source}: field 'routed_scaling_factor' must be a number, got {scale!r}")
+    shared = config.get("n_shared_experts")
+    if shared is not None and (not isinstance(shared, int) or isinstance(shared, bool) or shared < 0):
+        raise ConfigError(f"{source}: field 'n_shared_experts' must be an integer >= 0, got {shared!r}")
+    size = integer("moe_intermediate_size")
+    if not shared:  # transformers builds the shared MLP whatever n_shared_experts is; 0 would be an empty MLP
+        raise ConfigError(f"{source}: {kind} with n_shared_experts={shared!r}: transformers always builds the shared "
+                          "experts, of intermediate size n_shared_experts * moe_intermediate_size")
+    common = dict(num_experts=experts, top_k=top_k, expert_size=size, sparse_layers=tuple(range(first, num_layers)),
+                  routed_scale=float(scale), shared_experts_size=shared * size)
+    try:
+        if kind == "deepseek_v2":
+            method = config.get("topk_method", "greedy")
+            if method == "greedy":
+                return MoeSpec("softmax_greedy", normalize=False, **common)
+            if method == "group_limited_greedy":
+                return MoeSpec("softmax_group_limited", normalize=False, num_groups=config.get("n_group"),
+                               top_groups=config.get("topk_group"), **common)
+            raise ConfigError(f"deepseek_v2 topk_method {method!r} is not one transformers' DeepseekV2TopkRouter "
+                              "runs (greedy, group_limited_greedy)")
+        return MoeSpec("sigmoid_group", normalize=bool(config.get("norm_topk_prob", False)),
+                       num_groups=config.get("n_group"), top_groups=config.get("topk_group"), correction_bias=True,
+                       **common)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from None

@@ -32,6 +32,7 @@ import torch
 
 from ..errors import UsageError
 from ..probe import LayerProbe
+from .mla import LATENT_NORM_EPS
 from .config import Checkpoint, ModelConfig
 
 _QUERY_BLOCK = 256  # queries per attention block: bounds memory at [H, block, T] scores
@@ -101,22 +102,15 @@ class ReferenceDecoder:
             p = f"model.layers.{layer}."
             hidden_in = x
             h = self._norm(x, p, fam.attn_in)
-            q = self._linear(h, p + "self_attn.q_proj")  # [T, H * D]
-            k = self._linear(h, p + "self_attn.k_proj")  # [T, KVH * D]
-            v = self._linear(h, p + "self_attn.v_proj").view(T, cfg.num_kv_heads, cfg.head_dim)
-            if cfg.qk_norm and fam.qk_norm == "projection":  # olmo2: over the whole projection
-                q = self._norm(q, p, "self_attn.q_norm")
-                k = self._norm(k, p, "self_attn.k_norm")
-            q = q.view(T, cfg.num_heads, cfg.head_dim)
-            k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
-            if cfg.qk_norm and fam.qk_norm == "head":
-                q = self._norm(q, p, "self_attn.q_norm")
-                k = self._norm(k, p, "self_attn.k_norm")
+            if cfg.mla is not None:
+                q, k, v = self._mla_qkv(h, p)  # [T, H, D], [T, H, D], [T, H, v_head_dim]
+            else:
+                q, k, v = self._qkv(h, p)  # [T, H, D], [T, KVH, D], [T, KVH, D]
             rope = cfg.layer_rope(layer)  # None: a NoPE layer
             q_rot = rope.rotate(q, positions, seq_len=T) if rope is not None else q  # [T, H, D]
             k_rot = rope.rotate(k, positions, seq_len=T) if rope is not None else k  # [T, KVH, D]
 
-            attn = torch.empty(T, cfg.num_heads, cfg.head_dim, dtype=self.dtype)
+            attn = torch.empty(T, cfg.num_heads, v.shape[-1], dtype=self.dtype)
             kv_head = torch.arange(cfg.num_heads) // (cfg.num_heads // cfg.num_kv_heads)  # [H]
             k_heads, v_heads = k_rot[:, kv_head], v[:, kv_head]  # [T, H, D]: query head h reads KV head kv_head[h]
             block = self._query_block(T)
@@ -160,6 +154,43 @@ class ReferenceDecoder:
         bias = self._w.get(name + ".bias")
         return out + bias if bias is not None else out
 
+    def _qkv(self, h: torch.Tensor, p: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Raw q ``[T, H, D]``, k ``[T, KVH, D]``, v ``[T, KVH, D]`` of separate q/k/v projections, with the
+        family's q/k norms (over the whole projection, or per head)."""
+        cfg, fam, T = self.config, self.config.family, h.shape[0]
+        q = self._linear(h, p + "self_attn.q_proj")  # [T, H * D]
+        k = self._linear(h, p + "self_attn.k_proj")  # [T, KVH * D]
+        v = self._linear(h, p + "self_attn.v_proj").view(T, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm and fam.qk_norm == "projection":  # olmo2: over the whole projection
+            q = self._norm(q, p, "self_attn.q_norm")
+            k = self._norm(k, p, "self_attn.k_norm")
+        q = q.view(T, cfg.num_heads, cfg.head_dim)
+        k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm and fam.qk_norm == "head":
+            q = self._norm(q, p, "self_attn.q_norm")
+            k = self._norm(k, p, "self_attn.k_norm")
+        return q, k, v
+
+    def _mla_qkv(self, h: torch.Tensor, p: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Multi-head latent attention (models/mla.py): raw q ``[T, H, nope + rope]``, the expanded raw
+        key ``[T, H, nope + rope]`` (per-head ``k_nope``, then the one shared ``k_pe``, not yet rotated)
+        and v ``[T, H, v_head_dim]``, from the compressed latent as transformers computes them."""
+        m, T, H, a = self.config.mla, h.shape[0], self.config.num_heads, p + "self_attn."
+        if m.q_lora_rank is None:
+            q = self._linear(h, a + "q_proj")
+        else:
+            q = self._linear(self._rms(self._linear(h, a + "q_a_proj"), a + "q_a_layernorm.weight"), a + "q_b_proj")
+        q = q.view(T, H, m.qk_head_dim)
+        latent, k_pe = self._linear(h, a + "kv_a_proj_with_mqa").split([m.kv_lora_rank, m.qk_rope_head_dim], dim=-1)
+        kv = self._linear(self._rms(latent, a + "kv_a_layernorm.weight"), a + "kv_b_proj")  # [T, H * (nope + v)]
+        k_nope, v = kv.view(T, H, m.qk_nope_head_dim + m.v_head_dim).split([m.qk_nope_head_dim, m.v_head_dim], dim=-1)
+        k = torch.cat((k_nope, k_pe[:, None, :].expand(T, H, m.qk_rope_head_dim)), dim=-1)
+        return q, k, v
+
+    def _rms(self, x: torch.Tensor, weight: str) -> torch.Tensor:
+        """MLA's latent RMSNorms: ``x / sqrt(mean(x^2) + 1e-6) * w`` (their eps is the class default)."""
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + LATENT_NORM_EPS) * self._w[weight]
+
     def _norm(self, x: torch.Tensor, prefix: str, name: str | None) -> torch.Tensor:
         """The family's norm over the last dim with the tensors ``prefix + name`` (.weight, .bias);
         ``name`` None: no norm in this slot (identity).
@@ -199,13 +230,7 @@ class ReferenceDecoder:
         """Route each token ``h [T, hidden]`` to its top-k experts and sum their gated MLPs by weight
         (models/moe.py); token by token, expert by expert."""
         router_logits = h @ self._w[p + "mlp.gate.weight"].T  # [T, E]
-        if moe.router == "softmax_topk":
-            weights, experts = torch.softmax(router_logits, dim=-1).topk(moe.top_k, dim=-1)
-            if moe.normalize:
-                weights = weights / weights.sum(-1, keepdim=True)
-        else:
-            top, experts = router_logits.topk(moe.top_k, dim=-1)
-            weights = torch.softmax(top, dim=-1)
+        weights, experts = self._route(router_logits, p, moe)  # [T, k] each
         gate_up, down = self._w[p + "mlp.experts.gate_up_proj"], self._w[p + "mlp.experts.down_proj"]
         out = torch.zeros_like(h)
         for t in range(h.shape[0]):
@@ -215,7 +240,38 @@ class ReferenceDecoder:
         if moe.shared_expert_size is not None:
             shared = self._dense_mlp(h, p + "mlp.shared_expert.")
             out = out + torch.sigmoid(h @ self._w[p + "mlp.shared_expert_gate.weight"].T) * shared
+        if moe.shared_experts_size is not None:  # deepseek / glm4_moe: ungated shared experts
+            out = out + self._dense_mlp(h, p + "mlp.shared_experts.")
         return out
+
+    def _route(self, logits: torch.Tensor, p: str, moe) -> tuple[torch.Tensor, torch.Tensor]:
+        """The routing weights and experts ``[T, k]`` of router ``logits [T, E]`` (models/moe.py)."""
+        if moe.router == "topk_softmax":
+            top, experts = logits.topk(moe.top_k, dim=-1)
+            return torch.softmax(top, dim=-1), experts
+        T, E, G = logits.shape[0], logits.shape[1], moe.num_groups
+        if moe.router == "sigmoid_group":
+            scores = torch.sigmoid(logits)
+            choice = scores + self._w[p + "mlp.gate.e_score_correction_bias"]
+            group_rank = choice.view(T, G, E // G).topk(2, dim=-1).values.sum(-1)  # [T, G]
+        else:
+            scores = choice = torch.softmax(logits, dim=-1)
+            group_rank = choice.view(T, G, E // G).max(-1).values
+        if moe.router in ("sigmoid_group", "softmax_group_limited"):
+            kept = torch.zeros(T, G, dtype=torch.bool)
+            kept.scatter_(1, group_rank.topk(moe.top_groups, dim=-1).indices, True)
+            hidden = ~kept[:, :, None].expand(T, G, E // G).reshape(T, E)
+            fill = float("-inf") if moe.router == "sigmoid_group" else 0.0
+            choice = choice.masked_fill(hidden, fill)
+        experts = choice.topk(moe.top_k, dim=-1).indices
+        weights = scores.gather(1, experts)
+        if moe.router == "softmax_topk":
+            if moe.normalize:
+                weights = weights / weights.sum(-1, keepdim=True)
+            return weights, experts
+        if moe.router == "sigmoid_group" and moe.normalize:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return weights * moe.routed_scale, experts
 
     def _query_block(self, num_keys: int) -> int:
         """Queries per attention block: their ``[H, block, T]`` scores stay near 16 MiB, so a long
