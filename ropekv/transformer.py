@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .models.config import Checkpoint, ModelConfig
+from .models.mla import LATENT_NORM_EPS
 
 
 @dataclass(frozen=True, eq=False)
@@ -27,6 +28,22 @@ class Norm:
 
 
 @dataclass(frozen=True, eq=False)
+class MlaWeights:
+    """Multi-head latent attention (models/mla.py): the query path (``q`` alone, or ``q_a`` + norm +
+    ``q_b``) and the latent path (``kv_a`` -> latent + shared rope part, norm, ``kv_b``)."""
+
+    q: torch.Tensor | None  # [H * (nope + rope), hidden] (q_lora_rank None)
+    q_a: torch.Tensor | None  # [q_lora_rank, hidden]
+    q_a_bias: torch.Tensor | None
+    q_a_norm: torch.Tensor | None  # [q_lora_rank]
+    q_b: torch.Tensor | None  # [H * (nope + rope), q_lora_rank]
+    kv_a: torch.Tensor  # [kv_lora_rank + rope, hidden]
+    kv_a_bias: torch.Tensor | None
+    kv_a_norm: torch.Tensor  # [kv_lora_rank]
+    kv_b: torch.Tensor  # [H * (nope + v_head_dim), kv_lora_rank]
+
+
+@dataclass(frozen=True, eq=False)
 class MoeWeights:
     router: torch.Tensor  # [E, hidden]
     gate_up: torch.Tensor  # [E, 2 * I, hidden]
@@ -34,6 +51,11 @@ class MoeWeights:
     shared_gate_up: torch.Tensor | None  # [2 * S, hidden]
     shared_down: torch.Tensor | None  # [hidden, S]
     shared_gate: torch.Tensor | None  # [1, hidden]
+    correction_bias: torch.Tensor | None = None  # [E] (sigmoid_group routers)
+    experts_gate_up: torch.Tensor | None = None  # [2 * S, hidden]: ungated shared experts (deepseek, glm4_moe)
+    experts_gate_up_bias: torch.Tensor | None = None
+    experts_down: torch.Tensor | None = None  # [hidden, S]
+    experts_down_bias: torch.Tensor | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,7 +64,7 @@ class LayerWeights:
     attn_out: Norm | None
     mlp_in: Norm | None
     mlp_out: Norm | None
-    qkv: torch.Tensor  # [(H + 2 * KVH) * D, hidden]
+    qkv: torch.Tensor | None  # [(H + 2 * KVH) * D, hidden]; None for MLA
     qkv_bias: torch.Tensor | None  # [(H + 2 * KVH) * D]
     q_norm: Norm | None  # [D] per head, or [H * D] over the projection (family.qk_norm)
     k_norm: Norm | None
@@ -53,6 +75,7 @@ class LayerWeights:
     down: torch.Tensor  # [hidden, intermediate]
     down_bias: torch.Tensor | None
     moe: MoeWeights | None = None
+    mla: MlaWeights | None = None
 
 
 @dataclass(frozen=True, eq=False)
@@ -95,20 +118,32 @@ class DecoderWeights:
             moe = None
             if spec is not None:
                 shared = spec.shared_expert_size is not None
+                s = p + "mlp.shared_experts."
                 moe = MoeWeights(
                     router=w[p + "mlp.gate.weight"], gate_up=w[p + "mlp.experts.gate_up_proj"],
                     down=w[p + "mlp.experts.down_proj"],
                     shared_gate_up=cat([p + "mlp.shared_expert.gate_proj.weight", p + "mlp.shared_expert.up_proj.weight"])
                     if shared else None,
                     shared_down=w[p + "mlp.shared_expert.down_proj.weight"] if shared else None,
-                    shared_gate=w[p + "mlp.shared_expert_gate.weight"] if shared else None)
+                    shared_gate=w[p + "mlp.shared_expert_gate.weight"] if shared else None,
+                    correction_bias=opt(p + "mlp.gate.e_score_correction_bias"),
+                    experts_gate_up=cat([s + "gate_proj.weight", s + "up_proj.weight"]),
+                    experts_gate_up_bias=cat([s + "gate_proj.bias", s + "up_proj.bias"]),
+                    experts_down=opt(s + "down_proj.weight"), experts_down_bias=opt(s + "down_proj.bias"))
+            mla = None
+            if cfg.mla is not None:
+                mla = MlaWeights(q=opt(a + "q_proj.weight"), q_a=opt(a + "q_a_proj.weight"), q_a_bias=opt(a + "q_a_proj.bias"),
+                                 q_a_norm=opt(a + "q_a_layernorm.weight"), q_b=opt(a + "q_b_proj.weight"),
+                                 kv_a=w[a + "kv_a_proj_with_mqa.weight"], kv_a_bias=opt(a + "kv_a_proj_with_mqa.bias"),
+                                 kv_a_norm=w[a + "kv_a_layernorm.weight"], kv_b=w[a + "kv_b_proj.weight"])
             layers.append(LayerWeights(
                 attn_in=norm(p + fam.attn_in if fam.attn_in else None),
                 attn_out=norm(p + fam.attn_out if fam.attn_out else None),
                 mlp_in=norm(p + fam.mlp_in if fam.mlp_in else None),
                 mlp_out=norm(p + fam.mlp_out if fam.mlp_out else None),
-                qkv=torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]),
-                qkv_bias=cat([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]) if cfg.attention_bias else None,
+                qkv=None if mla else torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]),
+                qkv_bias=cat([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"])
+                if cfg.attention_bias and not mla else None,
                 q_norm=norm(a + "q_norm") if cfg.qk_norm else None,
                 k_norm=norm(a + "k_norm") if cfg.qk_norm else None,
                 o=w[a + "o_proj.weight"],
@@ -118,6 +153,7 @@ class DecoderWeights:
                 down=moe.down.reshape(cfg.hidden_size, -1) if moe else w[p + "mlp.down_proj.weight"],
                 down_bias=opt(p + "mlp.down_proj.bias") if moe is None else None,
                 moe=moe,
+                mla=mla,
             ))
         embed = w["model.embed_tokens.weight"]
         lm_head = embed if cfg.tie_word_embeddings else w["lm_head.weight"]
@@ -131,7 +167,7 @@ class DecoderWeights:
             for t in vars(lw).values():
                 if isinstance(t, Norm):
                     tensors += [x for x in (t.weight, t.bias) if x is not None]
-                elif isinstance(t, MoeWeights):
+                elif isinstance(t, (MoeWeights, MlaWeights)):
                     tensors += [x for x in vars(t).values() if x is not None]
                 elif isinstance(t, torch.Tensor):
                     tensors.append(t)
@@ -192,6 +228,8 @@ def embed(cfg: ModelConfig, weights: DecoderWeights, tokens: torch.Tensor) -> to
 def project_qkv(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Raw (pre-RoPE) q ``[n, H, D]``, k ``[n, KVH, D]``, v ``[n, KVH, D]`` from hidden ``h [n, hidden]``."""
     x = apply_norm(h, lw.attn_in, cfg.rms_norm_eps)
+    if lw.mla is not None:
+        return _mla_qkv(cfg, lw.mla, x)
     qkv = F.linear(x, lw.qkv, lw.qkv_bias)
     n, d = h.shape[0], cfg.head_dim
     q_end = cfg.num_heads * d
@@ -209,9 +247,29 @@ def project_qkv(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor) -> tuple[to
     return q, k, v
 
 
+def _mla_qkv(cfg: ModelConfig, mw: MlaWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MLA's raw q ``[n, H, D]``, expanded raw key ``[n, H, D]`` (per-head ``k_nope``, then the shared
+    unrotated ``k_pe``: the contract's rope part, the last ``qk_rope_head_dim`` channels) and v
+    ``[n, H, D]``: ``v_head_dim`` channels, zero-padded to ``D`` so that values share the keys' cache
+    rows (the padding's attention output is zero and :func:`finish_layer` drops it)."""
+    m, n, H = cfg.mla, x.shape[0], cfg.num_heads
+    if mw.q is not None:
+        q = F.linear(x, mw.q)
+    else:
+        q = F.linear(rms_norm(F.linear(x, mw.q_a, mw.q_a_bias), mw.q_a_norm, LATENT_NORM_EPS), mw.q_b)
+    kv_a = F.linear(x, mw.kv_a, mw.kv_a_bias)  # [n, kv_lora_rank + rope]
+    latent, k_pe = kv_a[:, :m.kv_lora_rank], kv_a[:, m.kv_lora_rank:]
+    kv = F.linear(rms_norm(latent, mw.kv_a_norm, LATENT_NORM_EPS), mw.kv_b).view(n, H, -1)  # [n, H, nope + v]
+    k = torch.cat((kv[..., :m.qk_nope_head_dim], k_pe[:, None, :].expand(n, H, m.qk_rope_head_dim)), dim=-1)
+    v = F.pad(kv[..., m.qk_nope_head_dim:], (0, m.qk_head_dim - m.v_head_dim))
+    return q.view(n, H, m.qk_head_dim), k, v
+
+
 def finish_layer(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
     """Residual around attention (``attn_out [n, H, D]``) and the MLP; returns the next hidden state."""
     fam, eps, scale = cfg.family, cfg.rms_norm_eps, cfg.residual_scale
+    if cfg.mla is not None:  # the values' zero padding (see _mla_qkv)
+        attn_out = attn_out[..., :cfg.mla.v_head_dim]
     a = apply_norm(F.linear(attn_out.reshape(h.shape[0], -1), lw.o, lw.o_bias), lw.attn_out, eps)
     if fam.parallel:  # attention and MLP both read the block's input norm
         m = _mlp(cfg, lw, apply_norm(h, lw.attn_in, eps))
@@ -234,13 +292,7 @@ def _moe(cfg: ModelConfig, mw: MoeWeights, x: torch.Tensor) -> torch.Tensor:
     """Top-k routing of ``x [n, hidden]``; each expert runs once on the tokens routed to it."""
     spec = cfg.moe
     logits = F.linear(x, mw.router).float()  # [n, E]
-    if spec.router == "softmax_topk":
-        weights, experts = torch.softmax(logits, dim=-1).topk(spec.top_k, dim=-1)
-        if spec.normalize:
-            weights = weights / weights.sum(-1, keepdim=True)
-    else:
-        top, experts = logits.topk(spec.top_k, dim=-1)
-        weights = torch.softmax(top, dim=-1)
+    weights, experts = _route(spec, mw, logits)
     out = torch.zeros_like(x)
     for e in torch.unique(experts).tolist():
         token, slot = torch.where(experts == e)
@@ -251,7 +303,40 @@ def _moe(cfg: ModelConfig, mw: MoeWeights, x: torch.Tensor) -> torch.Tensor:
         gate, up = F.linear(x, mw.shared_gate_up).chunk(2, dim=-1)
         shared = F.linear(activation(gate, cfg.hidden_act) * up, mw.shared_down)
         out = out + torch.sigmoid(F.linear(x, mw.shared_gate)) * shared
+    if mw.experts_gate_up is not None:  # ungated shared experts
+        gate, up = F.linear(x, mw.experts_gate_up, mw.experts_gate_up_bias).chunk(2, dim=-1)
+        out = out + F.linear(activation(gate, cfg.hidden_act) * up, mw.experts_down, mw.experts_down_bias)
     return out
+
+
+def _route(spec, mw: MoeWeights, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routing weights and experts ``[n, k]`` from float32 router ``logits [n, E]`` (models/moe.py)."""
+    if spec.router == "topk_softmax":
+        top, experts = logits.topk(spec.top_k, dim=-1)
+        return torch.softmax(top, dim=-1), experts
+    if spec.router == "softmax_topk":
+        weights, experts = torch.softmax(logits, dim=-1).topk(spec.top_k, dim=-1)
+        return (weights / weights.sum(-1, keepdim=True) if spec.normalize else weights), experts
+    n, E = logits.shape
+    groups = (n, spec.num_groups, E // spec.num_groups)
+    if spec.router == "softmax_greedy":
+        weights, experts = torch.softmax(logits, dim=-1).topk(spec.top_k, dim=-1)
+        return weights * spec.routed_scale, experts
+    if spec.router == "softmax_group_limited":
+        scores = torch.softmax(logits, dim=-1)
+        best = scores.view(groups).amax(-1).topk(spec.top_groups, dim=-1).indices  # [n, topk_group]
+        keep = torch.zeros(groups[:2], dtype=torch.bool, device=logits.device).scatter_(1, best, True)
+        weights, experts = scores.masked_fill(~keep.repeat_interleave(groups[2], dim=1), 0.0).topk(spec.top_k, dim=-1)
+        return weights * spec.routed_scale, experts
+    scores = torch.sigmoid(logits)  # sigmoid_group
+    choice = scores + mw.correction_bias.float()
+    best = choice.view(groups).topk(2, dim=-1).values.sum(-1).topk(spec.top_groups, dim=-1).indices
+    keep = torch.zeros(groups[:2], dtype=torch.bool, device=logits.device).scatter_(1, best, True)
+    experts = choice.masked_fill(~keep.repeat_interleave(groups[2], dim=1), float("-inf")).topk(spec.top_k, dim=-1).indices
+    weights = scores.gather(1, experts)
+    if spec.normalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * spec.routed_scale, experts
 
 
 def final_logits(cfg: ModelConfig, weights: DecoderWeights, h: torch.Tensor) -> torch.Tensor:
