@@ -26,6 +26,8 @@ if TYPE_CHECKING:  # only attributes are read; avoids importing the model loader
 
 KeyForm = Literal["raw", "rotated"]  # closed sets are types; the tuples follow from them
 RotationIndex = Literal["logical", "cache"]
+MlaForm = Literal["expanded", "latent"]
+MLA_FORMS: tuple[str, ...] = get_args(MlaForm)
 KEY_FORMS: tuple[str, ...] = get_args(KeyForm)
 ROTATION_INDICES: tuple[str, ...] = get_args(RotationIndex)
 DTYPES: dict[str, torch.dtype] = {
@@ -71,7 +73,69 @@ _CONSEQUENCES: dict[str, str] = {
     "head_dim": "head sizes differ: tensors would not fit, channels would be misread",
     "model_fingerprint": "keys come from another model: attention would read keys this model never produced",
     "layer_ropes": "some layers would turn their keys with another RoPE spec, or with none (NoPE)",
+    "rope.rotary_offset": (
+        "another slice of each key would rotate (MLA's rope part is the trailing qk_rope_head_dim channels): "
+        "position-free channels would turn, or the rope part would not"
+    ),
+    "mla": (
+        "one side is multi-head latent attention and the other is not: cache rows would be read as another "
+        "kind of key"
+    ),
+    "mla.cached": (
+        "one side caches MLA's compressed latent plus the rope part, the other expanded per-head keys and "
+        "values: every cache row would be read as the wrong thing"
+    ),
+    "mla.qk_nope_head_dim": "MLA's position-free and rope parts would be cut at other channels",
+    "mla.qk_rope_head_dim": "MLA's position-free and rope parts would be cut at other channels",
+    "mla.v_head_dim": "values would be read with another size per head",
+    "mla.kv_lora_rank": "the compressed latent would have another size: latent and rope part would be misread",
 }
+
+
+@dataclass(frozen=True)
+class MlaCache:
+    """What the cache of a multi-head latent attention model (DeepSeek V2/V3) holds per token and layer.
+
+    - ``"expanded"`` (ropekv's engine): per head, the key ``[k_nope, k_pe]`` (``num_kv_heads =
+      num_heads``, ``head_dim = qk_nope_head_dim + qk_rope_head_dim``), where the rope part ``k_pe`` is
+      the last ``qk_rope_head_dim`` channels (``rope.rotary_offset = qk_nope_head_dim``), identical in
+      every head, and rotated or raw as ``key_form`` says; the value row holds ``v_head_dim`` channels
+      zero-padded to ``head_dim``.
+    - ``"latent"`` (transformers' ``DynamicCache``, vLLM, SGLang): one row ``[latent, k_pe]``
+      (``num_kv_heads = 1``, ``head_dim = kv_lora_rank + qk_rope_head_dim``, ``rope.rotary_offset =
+      kv_lora_rank``): the normed compressed latent that ``kv_b_proj`` expands into keys and values,
+      then the rope part; no value rows.
+
+    The two hold the same information but are not interchangeable bytes: a handoff between them must be
+    refused or converted at the boundary (:meth:`CacheContract.require_compatible` names ``mla.cached``).
+    """
+
+    cached: MlaForm
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    kv_lora_rank: int
+
+    def __post_init__(self) -> None:
+        if self.cached not in MLA_FORMS:
+            raise ConfigError(f"contract mla.cached must be one of {MLA_FORMS}, got {self.cached!r}")
+        for name in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "kv_lora_rank"):
+            _check_int(f"mla.{name}", getattr(self, name), 1)
+
+    def row(self) -> tuple[int, int]:
+        """``(rotary_offset, head_dim)`` of one cache row in this form."""
+        first = self.qk_nope_head_dim if self.cached == "expanded" else self.kv_lora_rank
+        return first, first + self.qk_rope_head_dim
+
+    def to_dict(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> "MlaCache":
+        names = {f.name for f in dataclasses.fields(cls)}
+        if not isinstance(data, dict) or set(data) != names:
+            raise ConfigError(f"cache contract JSON: mla must be an object with exactly {sorted(names)}")
+        return cls(**data)
 
 
 @dataclass(frozen=True)
@@ -135,6 +199,9 @@ class CacheContract:
       specs; a reader that mixed them up would rotate one kind of layer at the other's frequencies.
       :meth:`require_compatible` compares it layer by layer and names the layer
       (``layers.5.rope.theta``).
+    - ``mla``: for multi-head latent attention, what a cache row holds (:class:`MlaCache`: expanded
+      per-head keys or the compressed latent, and where the rope part sits); None otherwise. The rotated
+      slice itself is the RoPE spec's (``rope.rotary_offset`` .. ``+ rope.rotary_dim``).
 
     Rotated keys with a length-dependent RoPE (``rope.length_dependent``) are a valid contract to
     describe -- HF transformers caches exactly that -- even though cached decode then drifts from a full
@@ -154,6 +221,7 @@ class CacheContract:
     head_dim: int
     model_fingerprint: str = ""
     layer_ropes: tuple[RopeSpec | None, ...] | None = None
+    mla: MlaCache | None = None
 
     def __post_init__(self) -> None:
         if self.key_form not in KEY_FORMS:
@@ -207,6 +275,24 @@ class CacheContract:
                     raise ConfigError(f"contract layer_ropes[{i}].head_dim {spec.head_dim} != head_dim {self.head_dim}")
             if all(spec == self.rope for spec in self.layer_ropes):
                 object.__setattr__(self, "layer_ropes", None)  # one RoPE for every layer
+        if self.mla is not None:
+            self._check_mla()
+
+    def _check_mla(self) -> None:
+        """The rows an MLA cache form implies: their size, head count and the rotated slice (the rope part)."""
+        m = self.mla
+        if not isinstance(m, MlaCache):
+            raise ConfigError(f"contract mla must be an MlaCache or None, got {type(m).__name__}")
+        offset, row = m.row()
+        if self.head_dim != row or (m.cached == "latent" and self.num_kv_heads != 1):
+            raise ConfigError(f"contract mla.cached={m.cached!r} holds rows of {row} channels"
+                              f"{' in one head' if m.cached == 'latent' else ''}, got head_dim {self.head_dim}, "
+                              f"num_kv_heads {self.num_kv_heads}")
+        for i in range(self.num_layers):
+            spec = self.layer_rope(i)
+            if spec is None or spec.rotary_offset != offset or spec.rotary_dim != m.qk_rope_head_dim:
+                raise ConfigError(f"contract mla.cached={m.cached!r}: layer {i} must rotate exactly the rope part, "
+                                  f"channels {offset}..{row - 1}")
 
     def layer_rope(self, layer: int) -> RopeSpec | None:
         """The spec layer ``layer``'s keys turn with, or None for a NoPE layer."""
@@ -226,9 +312,12 @@ class CacheContract:
         sink_tokens: int = 0,
         rotation_index: str = "logical",
         model_fingerprint: str = "",
+        mla_form: MlaForm = "expanded",
     ) -> "CacheContract":
         """The contract for ``config``. ``window="model"``: the config's sliding layers and window;
-        an int: that window on every layer; None: no window. The kernel rotates iff keys are raw."""
+        an int: that window on every layer; None: no window. The kernel rotates iff keys are raw.
+        ``mla_form`` (MLA models only): the rows the cache holds, :class:`MlaCache` (ropekv's engine
+        caches ``"expanded"``; ``"latent"`` describes transformers' and vLLM's caches)."""
         if window == "model":
             layers = tuple(i for i, t in enumerate(config.layer_types) if t == "sliding_attention")
             size = config.sliding_window if layers else None
@@ -238,13 +327,26 @@ class CacheContract:
             layers, size = tuple(range(config.num_layers)), window
         else:
             raise ConfigError(f"window must be 'model', an int or None, got {window!r}")
+        rope, layer_ropes, kv_heads, head_dim, mla = (config.rope, config.layer_ropes, config.num_kv_heads,
+                                                      config.head_dim, None)
+        m = getattr(config, "mla", None)
+        if m is not None:
+            mla = MlaCache(mla_form, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank)
+            offset, head_dim = mla.row()
+            kv_heads = kv_heads if mla_form == "expanded" else 1
+
+            def row(spec: RopeSpec | None) -> RopeSpec | None:
+                return None if spec is None else spec.replace(head_dim=head_dim, rotary_offset=offset)
+            rope = row(rope)
+            layer_ropes = None if layer_ropes is None else tuple(row(r) for r in layer_ropes)
         return cls(
             key_form=key_form,
-            rope=config.rope,
-            layer_ropes=config.layer_ropes,
+            rope=rope,
+            layer_ropes=layer_ropes,
+            mla=mla,
             num_layers=config.num_layers,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
             rotation_index=rotation_index,
             window=size,
             window_layers=layers,
@@ -283,6 +385,7 @@ class CacheContract:
         diffs = [FieldDiff(k, ours.get(k), theirs.get(k)) for k in _union(ours, theirs) if ours.get(k) != theirs.get(k)]
         # A layer that is NoPE on one side differs as a whole ("layers.3.rope"), not field by field.
         whole = {d.field for d in diffs if d.field.startswith("layers.") and d.field.endswith(".rope")}
+        whole |= {d.field for d in diffs if d.field == "mla"}  # MLA on one side only: one difference
         return [d for d in diffs if not any(d.field.startswith(w + ".") for w in whole)]
 
     def require_compatible(self, other: "CacheContract", *, ours: str = "cache", theirs: str = "writer") -> None:
@@ -311,6 +414,10 @@ class CacheContract:
             del d["layer_ropes"]  # one RoPE for all layers: the format (and fingerprints) of version 1
         else:
             d["layer_ropes"] = [None if spec is None else spec.to_dict() for spec in self.layer_ropes]
+        if self.mla is None:
+            del d["mla"]  # not MLA: the format (and fingerprints) of contracts before MLA
+        else:
+            d["mla"] = self.mla.to_dict()
         return d
 
     def to_json(self) -> str:
@@ -343,7 +450,7 @@ class CacheContract:
                     + ("stored keys would be rotated a second time (keys at twice their position)" if kr else
                        "nothing would rotate raw keys on read (every key at position 0)"))
         expected = {f.name for f in dataclasses.fields(cls)} | {"format", "version"}
-        missing, unexpected = sorted(expected - set(data) - {"layer_ropes"}), sorted(set(data) - expected)
+        missing, unexpected = sorted(expected - set(data) - {"layer_ropes", "mla"}), sorted(set(data) - expected)
         if missing or unexpected:
             raise ConfigError(f"cache contract JSON: missing field(s) {missing}, unexpected field(s) {unexpected}")
         kwargs = {k: v for k, v in data.items() if k not in ("format", "version")}
@@ -365,6 +472,8 @@ class CacheContract:
             kwargs["rope"] = RopeSpec.from_dict(rope)
             if ropes is not None:
                 kwargs["layer_ropes"] = tuple(None if r is None else RopeSpec.from_dict(r) for r in ropes)
+            if kwargs.get("mla") is not None:
+                kwargs["mla"] = MlaCache.from_dict(kwargs["mla"])
             return cls(**kwargs)
         except (TypeError, ValueError, AttributeError, ArithmeticError) as exc:
             raise ConfigError(f"cache contract JSON has a value of the wrong type: {exc}") from None
@@ -393,6 +502,13 @@ def _flat(c: CacheContract, per_layer: bool = False) -> dict[str, Any]:
                     else:
                         out[f"layers.{i}.rope"] = "RoPE"
                         _flat_rope(out, f"layers.{i}.rope", spec)
+            continue
+        if f.name == "mla":  # "mla" = None where the model has no MLA, else its fields one by one
+            if value is None:
+                out["mla"] = None
+            else:
+                out["mla"] = "MLA"
+                out.update({f"mla.{k}": v for k, v in value.to_dict().items()})
             continue
         if f.name != "rope":
             out[f.name] = value

@@ -184,6 +184,12 @@ class Engine:
                                     ("head_dim", c.head_dim, cfg.head_dim)):
             if ours != theirs:
                 problems.append((field, f"{field}: contract {ours}, model {theirs}"))
+        if cfg.mla is not None and (c.mla is None or c.mla.cached != "expanded"):
+            problems.append(("mla.cached", f"mla.cached: contract {None if c.mla is None else c.mla.cached!r}, "
+                                           "ropekv's engine caches MLA keys 'expanded' (per-head keys and values, "
+                                           "the rope part last)"))
+        elif c.mla is not None and cfg.mla is None:
+            problems.append(("mla", "mla: the contract describes multi-head latent attention, the model has none"))
         if c.rope != cfg.rope:
             problems.append(("rope", f"rope: contract {c.rope.fingerprint()}, model {cfg.rope.fingerprint()} "
                                      "(keys and queries would turn differently from what the model was trained with)"))

@@ -17,7 +17,12 @@ How it sees inside without changing the model's code:
   the update, read by a pre-hook on each attention module; unwritten static slots are dropped after
   checking they are masked. ``key_slots`` is that index (the physical slot for a ``StaticCache``);
 - layer inputs: forward pre-hooks on the decoder layers; raw keys (:meth:`HFEngine.raw_keys`): forward
-  hooks on ``k_norm`` where present, else ``k_proj``.
+  hooks on ``k_norm`` where present, else ``k_proj``; for multi-head latent attention (DeepSeek) on
+  ``kv_a_proj_with_mqa`` (the unrotated rope part) and ``kv_b_proj`` (the per-head position-free part).
+  transformers' DeepSeek caches the compressed latent and rotated rope part, and its attention function
+  receives the expanded per-head keys: those are what is recorded. DeepSeek V3's interleaved rotation
+  leaves the rope part de-interleaved (pairs ``2m, 2m+1`` written to ``m, m + n``): the same channel
+  permutation of q and k, so every logit is the interleaved rotation's.
 
 Everything is installed for the duration of one adapter call and removed in ``finally``: the attention
 implementation is set back, the registrations and hooks are removed, and the rotary embedding's state
@@ -277,7 +282,9 @@ class HFEngine:
                 k_mod = getattr(attn, "k_norm", None) or getattr(attn, "k_proj", None)
                 undo.append(layer.register_forward_pre_hook(self._hidden_hook(i), with_kwargs=True).remove)
                 undo.append(attn.register_forward_pre_hook(self._offset_hook(i), with_kwargs=True).remove)
-                if k_mod is not None:  # fused qkv_proj (phi3) has no separate raw-key module
+                if hasattr(attn, "kv_a_proj_with_mqa"):  # MLA: raw key = [k_nope from kv_b_proj, shared k_pe]
+                    undo += [h.remove for h in self._mla_raw_key_hooks(i, attn)]
+                elif k_mod is not None:  # fused qkv_proj (phi3) has no separate raw-key module
                     undo.append(k_mod.register_forward_hook(self._raw_key_hook(i, attn.head_dim)).remove)
         except BaseException:
             self._uninstall()
@@ -321,6 +328,28 @@ class HFEngine:
             if call is not None and call.raw:
                 call.raw_keys[layer] = output[0].reshape(output.shape[1], -1, head_dim).detach().clone()
         return hook
+
+    def _mla_raw_key_hooks(self, layer: int, attn: torch.nn.Module) -> list:
+        """Multi-head latent attention (DeepSeek V2/V3): the raw key of head ``h`` is ``[k_nope_h, k_pe]``,
+        ``k_nope`` from ``kv_b_proj``'s output, ``k_pe`` (one head, not rotated) the last
+        ``qk_rope_head_dim`` channels of ``kv_a_proj_with_mqa``'s; both seen on the cache-free forward."""
+        rope, nope = attn.qk_rope_head_dim, attn.qk_nope_head_dim
+        parts: dict[str, torch.Tensor] = {}
+
+        def pe_hook(module, args, output):
+            if self._call is not None and self._call.raw:
+                parts["k_pe"] = output.reshape(-1, output.shape[-1])[:, -rope:].detach()  # [T, rope]
+
+        def nope_hook(module, args, output):
+            call = self._call
+            if call is not None and call.raw and "k_pe" in parts:
+                flat = output.reshape(-1, output.shape[-1])  # [T, H * (nope + v)] (called on the [1, 1, T, r] latent)
+                n = flat.shape[0]
+                k_nope = flat.reshape(n, -1, nope + attn.v_head_dim)[..., :nope]  # [T, H, nope]
+                k_pe = parts.pop("k_pe")[:, None, :].expand(n, k_nope.shape[1], rope)
+                call.raw_keys[layer] = torch.cat((k_nope, k_pe), dim=-1).detach().clone()
+        return [attn.kv_a_proj_with_mqa.register_forward_hook(pe_hook),
+                attn.kv_b_proj.register_forward_hook(nope_hook)]
 
     def _delegate(self, module: torch.nn.Module):
         impl = self.attn_implementation
