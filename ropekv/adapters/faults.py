@@ -16,7 +16,7 @@ from .native import NativeAdapter
 from ..errors import UsageError
 from ..models.config import Checkpoint
 from ..rope import RopeScaling, RopeSpec, apply_rotation
-from ..rotation import RotationPolicy
+from ..rotation import RotationPolicy, rotate
 
 CACHED = ("prefill", "decode")  # phases that go through the cache (not the engine's full forward)
 
@@ -240,7 +240,7 @@ class PartialRotaryAllChannels(_DecodeLayerSpec):
     def spec(self, rope, ctx):
         if rope is None or rope.rotary_dim == rope.head_dim:
             return rope
-        return rope.replace(rotary_dim=rope.head_dim)
+        return rope.replace(rotary_dim=rope.head_dim, rotary_offset=0)  # MLA: the position-free part turns too
 
 
 def _kind_specs(ctx) -> tuple[RopeSpec | None, RopeSpec | None]:
@@ -276,6 +276,22 @@ class NopeLayerRotated(_DecodeLayerSpec):
 
     def spec(self, rope, ctx):
         return next((r for r in ctx.layer_ropes if r is not None), None) if rope is None else rope
+
+
+class MlaRopeRotatedTwice(RotationPolicy):
+    """Multi-head latent attention: the shared rope part ``k_pe`` is rotated when the latent row is
+    written and again after the per-head expansion, so the cached keys' rope part sits at ``2j`` (their
+    position-free part is untouched; the query is right)."""
+
+    name = "mla-rope-rotated-twice"
+
+    def write_key(self, rope, k, positions, slots, ctx):
+        once = super().write_key(rope, k, positions, slots, ctx)
+        return rotate(rope, once, positions, ctx) if ctx.phase in CACHED and rope is not None else once
+
+
+def _has_mla(cfg) -> bool:
+    return cfg.mla is not None
 
 
 def _has_partial(cfg) -> bool:
@@ -322,6 +338,10 @@ ARCH_FAULTS: dict[str, ArchFault] = {f.name: f for f in (
     ArchFault("nope-layer-rotated", "nope_rotated", "a NoPE layer turns its queries and keys", "rotated",
               "any decode past position 0", NopeLayerRotated, needs="NoPE layers (cohere2, smollm3, exaone4)",
               applies=_has_nope),
+    ArchFault("mla-rope-rotated-twice", "mla_rope_rotated_twice",
+              "MLA's shared rope part rotated in the latent and again after expansion", "rotated",
+              "any decode past position 0", MlaRopeRotatedTwice,
+              needs="multi-head latent attention (deepseek_v2, deepseek_v3)", applies=_has_mla, fixed_key_form=True),
 )}
 
 

@@ -381,9 +381,14 @@ def _diagnose(adapter: EngineAdapter, refs: _References, result: CaseResult, run
         return Diagnosis("unknown", f"layer {fd.layer} has no position embedding and its query and keys are not "
                          "turned; the divergence is not a RoPE error of this layer",
                          {"case": case.label(), "layer": fd.layer, "query_position": fd.query_position})
+    q_raw, q_eff, k_eff = probe.q_raw[i], view.q[0], view.k
+    if rope.rotary_offset:  # MLA: only the rope part turns; the forensics read that slice as a head of its own
+        part = slice(rope.rotary_offset, rope.rotary_offset + rope.rotary_dim)
+        q_raw, q_eff, k_raw, k_eff = q_raw[..., part], q_eff[..., part], k_raw[..., part], k_eff[..., part]
+        rope = rope.replace(head_dim=rope.rotary_dim, rotary_offset=0)
     inp = forensics.ForensicInput(
-        rope=rope, q_raw=probe.q_raw[i], q_eff=view.q[0],
-        k_raw=k_raw, k_eff=view.k, query_position=fd.query_position,
+        rope=rope, q_raw=q_raw, q_eff=q_eff,
+        k_raw=k_raw, k_eff=k_eff, query_position=fd.query_position,
         key_positions=view.key_positions, key_slots=slots, fork_offset=case.prefix,
         # Even where the adapter ignores block sizes, the case's block size is the hypothesis to test:
         # an engine with its own blocks may still rotate keys by their offset inside one.

@@ -8,7 +8,12 @@ the layer has no position embedding, or turned on channels that must pass throug
 those hypotheses directly, from the raw query/keys the reference recomputes and the ones the kernel
 used, and returns a :class:`~ropekv.parity.report.Diagnosis` or None (then the general forensics run).
 
-Kinds: ``nope_rotated``, ``partial_rotary_mismatch``, ``layer_rope_mismatch``.
+Multi-head latent attention (DeepSeek V2/V3) rotates only the trailing rope part of each key
+(``rope.rotary_offset``); its own bug class is that part rotated twice (the shared ``k_pe`` turned once
+in the latent and again after the per-head expansion, or turned on write and again on read): the
+position-free channels are intact and the rope part sits at twice its position.
+
+Kinds: ``nope_rotated``, ``partial_rotary_mismatch``, ``layer_rope_mismatch``, ``mla_rope_rotated_twice``.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from ..models.config import ModelConfig
 from ..rope import RopeSpec
 from .report import Diagnosis
 
-ARCH_KINDS = ("nope_rotated", "partial_rotary_mismatch", "layer_rope_mismatch")
+ARCH_KINDS = ("nope_rotated", "partial_rotary_mismatch", "layer_rope_mismatch", "mla_rope_rotated_twice")
 _MATCH = 1e-3  # scale-aware: float32 rotations agree to ~1e-6; a wrong spec is off by O(1)
 
 
@@ -30,6 +35,18 @@ def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _rotated(spec: RopeSpec | None, x: torch.Tensor, positions: torch.Tensor, seq_len: int) -> torch.Tensor:
     return x.double() if spec is None else spec.rotate(x.double(), positions, seq_len)
+
+
+def _ranges(mask: torch.Tensor) -> str:
+    """``"0..7"`` / ``"8..15"`` / ``"0..3, 12..15"``: the channels set in ``mask``, as ranges."""
+    idx, out, start = mask.nonzero().flatten().tolist(), [], None
+    for i, c in enumerate(idx):
+        if start is None:
+            start = c
+        if i + 1 == len(idx) or idx[i + 1] != c + 1:
+            out.append(f"{start}..{c}")
+            start = None
+    return ", ".join(out)
 
 
 def diagnose_layer(cfg: ModelConfig, layer: int, *, q_raw: torch.Tensor, q_eff: torch.Tensor, k_raw: torch.Tensor,
@@ -67,16 +84,32 @@ def diagnose_layer(cfg: ModelConfig, layer: int, *, q_raw: torch.Tensor, q_eff: 
         return Diagnosis("nope_rotated", f"layer {layer} has no position embedding (NoPE), but the kernel's query "
                          "or keys differ from the raw ones: they were turned", {"layer": layer})
     if spec.rotary_dim < spec.head_dim:
-        tail = slice(spec.rotary_dim, spec.head_dim)
-        if not _close(q_eff[..., tail], q_raw[..., tail]) or not _close(k_eff[..., tail], k_raw[..., tail]):
-            full = spec.replace(rotary_dim=spec.head_dim) if spec.scaling.short_factor is None else None
+        rotated = torch.zeros(spec.head_dim, dtype=torch.bool)
+        rotated[spec.rotary_offset: spec.rotary_offset + spec.rotary_dim] = True
+        keep = ~rotated  # the channels that pass through
+        if not _close(q_eff[..., keep], q_raw[..., keep]) or not _close(k_eff[..., keep], k_raw[..., keep]):
+            full = (spec.replace(rotary_dim=spec.head_dim, rotary_offset=0) if spec.scaling.short_factor is None
+                    else None)
             how = ""
             if full is not None and any(fits(full)):
                 how = f": they fit a rotation of all {spec.head_dim} channels at the whole head's frequencies"
             return Diagnosis("partial_rotary_mismatch", (
                 f"layer {layer} rotates only {spec.rotary_dim} of {spec.head_dim} channels, but the kernel's "
-                f"pass-through channels {spec.rotary_dim}..{spec.head_dim - 1} changed (partial rotary applied to "
+                f"pass-through channels {_ranges(keep)} changed (partial rotary applied to "
                 f"every channel){how}"), {"layer": layer, "rotary_dim": spec.rotary_dim})
+    if cfg.mla is not None:
+        q_fit, k_fit = fits(spec)
+        q_twice = _close(q_eff, _rotated(spec, _rotated(spec, q_raw, qpos, seq_len), qpos, seq_len))
+        k_twice = _close(k_eff, _rotated(spec, _rotated(spec, k_raw, key_positions, seq_len), key_positions, seq_len))
+        if (q_twice or k_twice) and (q_fit or q_twice) and (k_fit or k_twice):
+            what = " and ".join(n for n, f in (("query", q_twice and not q_fit), ("keys", k_twice and not k_fit)) if f)
+            return Diagnosis("mla_rope_rotated_twice", (
+                f"layer {layer} is multi-head latent attention: its position-free channels 0.."
+                f"{spec.rotary_offset - 1} are intact, but the rope part (channels {spec.rotary_offset}.."
+                f"{spec.rotary_offset + spec.rotary_dim - 1}) of the {what} was rotated twice: it sits at twice "
+                "its position (the shared k_pe turned in the latent and again after expansion, or on write and "
+                "again on read)"), {"layer": layer, "rope_channels": [spec.rotary_offset,
+                                                                       spec.rotary_offset + spec.rotary_dim]})
     for candidate in others:
         if candidate is None:
             continue
