@@ -32,6 +32,12 @@ W = 5  # sliding window of the windowed variants: wraps many times in 30 tokens
 SW = {"sliding_window": W, "layer_types": ["sliding_attention", "full_attention"]}
 PARTIAL = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
 MOE = {"num_experts_per_tok": 2}
+# Multi-head latent attention: heads of 8 + 8 (position-free + rope part), values of 12, one rope head
+# shared by all four; head_dim is the rope part's (what transformers sizes the frequencies by).
+MLA = {"num_key_value_heads": 4, "head_dim": 8, "kv_lora_rank": 20, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+       "v_head_dim": 12, "n_routed_experts": 4, "moe_intermediate_size": 32, "first_k_dense_replace": 1, **MOE}
+YARN_MSCALE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 1e4,
+               "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
 
 # (id, model_type, config overrides)
 VARIANTS = [
@@ -87,6 +93,18 @@ VARIANTS = [
     ("qwen3_moe", "qwen3_moe", {"num_experts": 4, "moe_intermediate_size": 32, "norm_topk_prob": True, **MOE}),
     ("granitemoe", "granitemoe", {"num_local_experts": 4, "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
                                   **MOE}),
+    # v3: q through q_a_proj / q_a_layernorm / q_b_proj, interleaved rope part, sigmoid routing with the
+    # correction bias over 2 groups (1 kept), renormalized, times 2.5 (the class default).
+    ("deepseek_v3", "deepseek_v3", {**MLA, "q_lora_rank": 24, "n_group": 2, "topk_group": 1}),
+    # v3 with q_proj, rotate_half rope part, attention biases, yarn whose mscale_all_dim changes the softmax scale.
+    ("deepseek_v3-yarn-neox", "deepseek_v3", {**MLA, "q_lora_rank": None, "rope_interleave": False,
+                                              "attention_bias": True, "n_group": 1, "topk_group": 1,
+                                              "norm_topk_prob": False, "rope_parameters": YARN_MSCALE}),
+    # v2: complex-pair (interleaved) rope part, softmax greedy routing, two shared experts, MLP biases.
+    ("deepseek_v2", "deepseek_v2", {**MLA, "q_lora_rank": None, "mlp_bias": True, "routed_scaling_factor": 1.5}),
+    ("deepseek_v2-group-limited", "deepseek_v2", {**MLA, "q_lora_rank": 24, "attention_bias": True,
+                                                  "topk_method": "group_limited_greedy", "n_group": 2,
+                                                  "topk_group": 1}),
 ]
 
 BY_ID = {v[0]: v[1:] for v in VARIANTS}
@@ -267,7 +285,11 @@ def test_omitted_fields_read_as_the_architectures_own_defaults(arch):
     from conftest import ARCH_BASE
     from ropekv.models.config import ModelConfig
 
-    full = AutoConfig.for_model(arch, **{k: v for k, v in ARCH_BASE.items() if k != "tie_word_embeddings"}).to_dict()
+    base = {k: v for k, v in ARCH_BASE.items() if k != "tie_word_embeddings"}
+    if FAMILIES[arch].attention == "mla":  # one KV head per query head; head_dim: the config class sets the rope part's
+        base.update(num_key_value_heads=base["num_attention_heads"], num_experts_per_tok=2)
+        del base["head_dim"]
+    full = AutoConfig.for_model(arch, **base).to_dict()
     full["architectures"] = []
     minimal = {k: v for k, v in full.items() if k in _STRUCTURE}
     assert ModelConfig.from_hf_config(minimal) == ModelConfig.from_hf_config(full)

@@ -24,7 +24,7 @@ TINY_BASE: dict[str, Any] = dict(
 
 def randomize(model: torch.nn.Module, seed: int) -> None:
     """Unit-scale random weights: embeddings N(0,1), linears N(0, 1/fan_in), norms 1 + N(0, 0.2^2),
-    biases N(0, 0.3^2). Deterministic in ``seed`` whatever transformers' own init did."""
+    biases N(0, 0.3^2), router correction biases N(0, 0.1^2). Deterministic in ``seed`` whatever transformers' own init did."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in sorted(model.named_parameters()):
@@ -38,6 +38,11 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
             else:
                 value = noise / param.shape[-1] ** 0.5
             param.copy_(value)
+        # Routers' score-correction biases (deepseek_v3, glm4_moe) are buffers: N(0, 0.1^2) so routing
+        # depends on them (drawn after every parameter: other models' weights stay as they were).
+        for name, buf in sorted(model.named_buffers()):
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(0.1 * torch.randn(buf.shape, generator=gen, dtype=torch.float32))
 
 
 def tiny_model(arch: str = "llama", **overrides: Any) -> torch.nn.Module:
