@@ -87,3 +87,76 @@ def test_for_model_carries_the_models_layer_ropes(make_arch_checkpoint):
     with pytest.raises(ContractMismatch, match="layer_ropes") as info:
         Engine(ckpt, wrong)
     assert "layer_ropes" in info.value.fields
+
+
+# ---------------------------------------------------------------------- multi-head latent attention
+
+MLA_V3 = {"num_key_value_heads": 4, "head_dim": 8, "kv_lora_rank": 20, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
+          "v_head_dim": 12, "n_routed_experts": 4, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+          "num_experts_per_tok": 2, "q_lora_rank": 24, "n_group": 2, "topk_group": 1}
+
+
+@pytest.fixture(scope="module")
+def mla_config(make_arch_checkpoint):
+    from ropekv.models import load_checkpoint
+
+    return load_checkpoint(make_arch_checkpoint("deepseek_v3", **MLA_V3)).config
+
+
+def test_mla_contract_says_which_part_is_rotated_and_what_is_cached(mla_config):
+    c = CacheContract.for_model(mla_config, key_form="rotated")
+    assert (c.head_dim, c.num_kv_heads) == (16, 4)  # expanded per-head keys [k_nope 8, k_pe 8]
+    assert (c.rope.rotary_offset, c.rope.rotary_dim, c.rope.layout) == (8, 8, "gptj")  # the last 8, interleaved
+    assert c.mla.cached == "expanded" and c.mla.v_head_dim == 12 and c.mla.kv_lora_rank == 20
+    latent = CacheContract.for_model(mla_config, key_form="rotated", mla_form="latent")
+    assert (latent.head_dim, latent.num_kv_heads, latent.rope.rotary_offset) == (28, 1, 20)  # [latent 20, k_pe 8]
+    for contract in (c, latent):
+        data = json.loads(contract.to_json())
+        assert data["mla"]["cached"] == contract.mla.cached and data["rope"]["rotary_offset"] == contract.rope.rotary_offset
+        assert CacheContract.from_json(contract.to_json()) == contract
+
+
+def test_mla_mismatches_are_named(mla_config):
+    expanded = CacheContract.for_model(mla_config, key_form="rotated")
+    latent = CacheContract.for_model(mla_config, key_form="rotated", mla_form="latent")
+    with pytest.raises(ContractMismatch) as info:
+        expanded.require_compatible(latent)
+    assert {"mla.cached", "rope.rotary_offset", "head_dim", "num_kv_heads"} <= set(info.value.fields)
+    assert "compressed latent" in str(info.value)
+    # The rotated slice alone: a writer that rotated the leading channels instead of the trailing ones.
+    trailing = CacheContract(key_form="rotated", rope=RopeSpec(16, 8, 1e4, rotary_offset=8), num_layers=2,
+                             num_kv_heads=4, head_dim=16)
+    with pytest.raises(ContractMismatch) as info:
+        trailing.require_compatible(trailing.replace(rope=trailing.rope.replace(rotary_offset=0)))
+    assert info.value.fields == ("rope.rotary_offset",) and "another slice of each key" in str(info.value)
+    # MLA on one side only is one difference, not one per field.
+    plain = expanded.replace(mla=None)
+    assert [d.field for d in expanded.diff(plain)] == ["mla"]
+
+
+def test_mla_contract_is_validated(mla_config):
+    c = CacheContract.for_model(mla_config, key_form="rotated")
+    with pytest.raises(ConfigError, match="must rotate exactly the rope part"):
+        c.replace(rope=c.rope.replace(rotary_offset=0))
+    with pytest.raises(ConfigError, match="rows of 28 channels in one head"):
+        c.replace(mla=CacheContract.for_model(mla_config, key_form="rotated", mla_form="latent").mla)
+    with pytest.raises(ConfigError, match="rotary_offset"):
+        RopeSpec(head_dim=16, rotary_dim=8, theta=1e4, rotary_offset=9)
+
+
+def test_engine_refuses_a_latent_cache_contract(make_arch_checkpoint):
+    from ropekv.models import load_checkpoint
+
+    ckpt = load_checkpoint(make_arch_checkpoint("deepseek_v3", **MLA_V3))
+    latent = CacheContract.for_model(ckpt.config, key_form="rotated", mla_form="latent")
+    with pytest.raises(ContractMismatch, match="caches MLA keys 'expanded'") as info:
+        Engine(ckpt, latent, num_blocks=8)
+    assert "mla.cached" in info.value.fields
+
+
+def test_rope_specs_without_offset_keep_their_serialized_form():
+    spec = RopeSpec(head_dim=16, rotary_dim=8, theta=1e4)
+    assert "rotary_offset" not in spec.to_dict() and RopeSpec.from_dict(spec.to_dict()) == spec
+    shifted = spec.replace(rotary_offset=8)
+    assert shifted.to_dict()["rotary_offset"] == 8 and RopeSpec.from_dict(shifted.to_dict()) == shifted
+    assert shifted.fingerprint() != spec.fingerprint()

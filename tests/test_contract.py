@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ropekv.contract import CacheContract, FieldDiff, consequence
+from ropekv.contract import MlaCache, CacheContract, FieldDiff, consequence
 from ropekv.errors import ConfigError, ContractMismatch
 from ropekv.models.config import ModelConfig
 from ropekv.rope import RopeScaling, RopeSpec
@@ -163,6 +163,11 @@ VARIANTS = {
     "model_fingerprint": (make(model_fingerprint="m2"), {"model_fingerprint"}, "keys come from another model"),
     # per layer: the summary plus the layer's own fields (tests/test_architectures_contract.py)
     "layer_ropes": (make(layer_ropes=(ROPE, None, ROPE)), {"layer_ropes", "layers.1.rope"}, "other RoPE spec"),
+    "rope.rotary_offset": (make(rope=ROPE.replace(rotary_dim=4, rotary_offset=4)),
+                           {"rope.rotary_dim", "rope.rotary_offset"}, "another slice of each key would rotate"),
+    # multi-head latent attention on one side only (tests/test_architectures_contract.py compares two MLA forms)
+    "mla": (make(rope=ROPE.replace(rotary_dim=4, rotary_offset=4), mla=MlaCache("expanded", 4, 4, 4, 16)),
+            {"rope.rotary_dim", "rope.rotary_offset", "mla"}, "multi-head latent attention and the other is not"),
 }
 
 
