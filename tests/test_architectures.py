@@ -105,6 +105,11 @@ VARIANTS = [
     ("deepseek_v2-group-limited", "deepseek_v2", {**MLA, "q_lora_rank": 24, "attention_bias": True,
                                                   "topk_method": "group_limited_greedy", "n_group": 2,
                                                   "topk_group": 1}),
+    # GLM-4.5 MoE: rotate_half partial rotary 0.5 (its default), deepseek_v3's sigmoid grouped routing.
+    ("glm4_moe", "glm4_moe", {"n_routed_experts": 4, "moe_intermediate_size": 32, "n_group": 2, "topk_group": 1,
+                              "routed_scaling_factor": 1.5, "attention_bias": True, **MOE}),
+    ("glm4_moe-qk-norm", "glm4_moe", {"n_routed_experts": 4, "moe_intermediate_size": 32, "use_qk_norm": True,
+                                      "norm_topk_prob": False, "first_k_dense_replace": 0, **MOE}),
 ]
 
 BY_ID = {v[0]: v[1:] for v in VARIANTS}

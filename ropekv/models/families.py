@@ -60,6 +60,7 @@ class Family:
     o_bias: Flag = False
     mlp_bias: Flag = False
     qk_norm: QkNorm = "none"
+    qk_norm_key: str | None = None  # the config flag that switches qk_norm on (glm4_moe: use_qk_norm); None: always
     layout: Layout = "neox"
     partial_rotary: bool = False  # does the architecture honour partial_rotary_factor?
     rope_layers: RopeLayers = "all"
@@ -225,11 +226,18 @@ FAMILIES.update({f.name: f for f in (
                      "v_head_dim": 128, "n_routed_experts": 256, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
                      "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
                      "norm_topk_prob": True, "rope_interleave": True, "moe_intermediate_size": 2048}),
+    # GLM-4.5 MoE: llama attention with q/k/v biases (attention_bias, none on o_proj), rotate_half partial
+    # rotary (0.5 by default), per-head q/k RMSNorm iff use_qk_norm; deepseek_v3's sigmoid grouped routing.
+    Family("glm4_moe", ("Glm4MoeForCausalLM",), moe="glm4_moe", partial_rotary=True, qkv_bias="attention_bias",
+           qk_norm="head", qk_norm_key="use_qk_norm", windows="none",
+           experts=("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
+           defaults={"partial_rotary_factor": 0.5, "n_routed_experts": 128, "n_shared_experts": 1,
+                     "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 8,
+                     "first_k_dense_replace": 1, "norm_topk_prob": True, "moe_intermediate_size": 1408}),
 )})
 
 # Architectures ropekv refuses, with the feature that is not modelled yet (docs/architectures.md).
 REFUSED: dict[str, str] = {
-    "glm4_moe": "mixture-of-experts MLP with grouped routing",
     "olmo": "non-parametric LayerNorm and clip_qkv",
     "gpt_neox": "fused per-head interleaved query_key_value and parallel residual",
     "phi": "parallel attention/MLP with a dense output and biased lm_head",

@@ -150,7 +150,7 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
         logits_scale = 1.0 / divisor
     if fam.logits_multiply_key:
         logits_scale = number(fam.logits_multiply_key, 1.0)
-    qk_norm = fam.qk_norm != "none"
+    qk_norm = fam.qk_norm != "none" and (fam.qk_norm_key is None or flag(fam.qk_norm_key))
     moe = read_moe(fam.moe, config, num_layers, source) if fam.moe else None
     if fam.name == "deepseek_v2" and flag("norm_topk_prob"):
         warnings.append("norm_topk_prob=True is ignored: transformers' deepseek_v2 router never renormalizes")
