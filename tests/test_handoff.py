@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ropekv.cli.main import main
-from ropekv.contract import CacheContract
+from ropekv.contract import CacheContract, MlaCache
 from ropekv.engine import Engine
 from ropekv.errors import CacheError, CapacityError, ContractMismatch, PayloadError, RopeKVError, UsageError
 from ropekv.models import load_checkpoint
@@ -126,6 +126,11 @@ def variants(base: CacheContract) -> dict[str, CacheContract]:
         "model_fingerprint": base.replace(model_fingerprint="another-model"),
         # a writer whose layer 1 has no position embedding (NoPE)
         "layer_ropes": base.replace(layer_ropes=(rope, None) + (rope,) * (base.num_layers - 2)),
+        # a writer rotating the trailing half of each key, and one that is multi-head latent attention
+        "rope.rotary_offset": base.replace(rope=rope.replace(rotary_dim=rope.head_dim // 2,
+                                                             rotary_offset=rope.head_dim // 2)),
+        "mla": base.replace(rope=rope.replace(rotary_dim=rope.head_dim // 2, rotary_offset=rope.head_dim // 2),
+                            mla=MlaCache("expanded", rope.head_dim // 2, rope.head_dim // 2, 8, 16)),
     }
 
 

@@ -162,7 +162,12 @@ def transformers_driver(model, tokens: torch.Tensor) -> Driver:
 
 def floor_driver(weights: DecoderWeights) -> Driver:
     """The matvec floor as a pseudo-engine: a "step" is every weight matrix times a zero row."""
-    mats = [m for lw in weights.layers for m in (lw.qkv, lw.o, lw.gate_up, lw.down)] + [weights.lm_head]
+    def attention(lw) -> tuple:  # MLA has no fused qkv: its latent path's matrices instead
+        if lw.mla is None:
+            return (lw.qkv,)
+        m = lw.mla
+        return tuple(t for t in (m.q, m.q_a, m.q_b, m.kv_a, m.kv_b) if t is not None)
+    mats = [m for lw in weights.layers for m in (*attention(lw), lw.o, lw.gate_up, lw.down)] + [weights.lm_head]
     inputs = {m.shape[1]: torch.zeros(1, m.shape[1], dtype=m.dtype) for m in mats}
 
     def step(position: int) -> None:

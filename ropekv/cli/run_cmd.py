@@ -73,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
           f"{cfg.num_heads} heads / {cfg.num_kv_heads} kv heads x {cfg.head_dim}, vocab {cfg.vocab_size}, "
           f"{cfg.max_position_embeddings} positions")
     r = cfg.rope
-    print(f"  RoPE: theta {r.theta:g}, rotary_dim {r.rotary_dim}, layout {r.layout}, scaling "
+    where = f" from channel {r.rotary_offset}" if r.rotary_offset else ""  # MLA: the trailing rope part
+    print(f"  RoPE: theta {r.theta:g}, rotary_dim {r.rotary_dim}{where}, layout {r.layout}, scaling "
           f"{r.scaling.rope_type}, attention factor {r.attention_factor:g} (fingerprint {r.fingerprint()})")
     print(f"  model fingerprint {ckpt.fingerprint}")
     prompt = torch.tensor(ids)
