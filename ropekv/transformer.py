@@ -64,6 +64,7 @@ class DecoderWeights:
     final_norm: Norm
     lm_head: torch.Tensor  # [vocab, hidden]
     layers: tuple[LayerWeights, ...]
+    lm_head_bias: torch.Tensor | None = None  # [vocab] (phi, gptj)
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype, device: str | torch.device = "cpu") -> "DecoderWeights":
@@ -86,6 +87,7 @@ class DecoderWeights:
             parts = [w.get(n) for n in names]
             return None if any(t is None for t in parts) else torch.cat(parts)
 
+        attn_in, attn_out, mlp_in, mlp_out = cfg.norm_slots
         layers = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
@@ -103,10 +105,10 @@ class DecoderWeights:
                     shared_down=w[p + "mlp.shared_expert.down_proj.weight"] if shared else None,
                     shared_gate=w[p + "mlp.shared_expert_gate.weight"] if shared else None)
             layers.append(LayerWeights(
-                attn_in=norm(p + fam.attn_in if fam.attn_in else None),
-                attn_out=norm(p + fam.attn_out if fam.attn_out else None),
-                mlp_in=norm(p + fam.mlp_in if fam.mlp_in else None),
-                mlp_out=norm(p + fam.mlp_out if fam.mlp_out else None),
+                attn_in=norm(p + attn_in if attn_in else None),
+                attn_out=norm(p + attn_out if attn_out else None),
+                mlp_in=norm(p + mlp_in if mlp_in else None),
+                mlp_out=norm(p + mlp_out if mlp_out else None),
                 qkv=torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]),
                 qkv_bias=cat([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]) if cfg.attention_bias else None,
                 q_norm=norm(a + "q_norm") if cfg.qk_norm else None,
@@ -121,12 +123,14 @@ class DecoderWeights:
             ))
         embed = w["model.embed_tokens.weight"]
         lm_head = embed if cfg.tie_word_embeddings else w["lm_head.weight"]
-        return cls(cfg, embed, norm(fam.final_norm), lm_head, tuple(layers))
+        return cls(cfg, embed, norm(fam.final_norm), lm_head, tuple(layers), opt("lm_head.bias"))
 
     def nbytes(self) -> int:
         seen: set[int] = set()
         total = 0
         tensors = [self.embed, self.final_norm.weight, self.lm_head]
+        if self.lm_head_bias is not None:
+            tensors.append(self.lm_head_bias)
         for lw in self.layers:
             for t in vars(lw).values():
                 if isinstance(t, Norm):
@@ -156,9 +160,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def apply_norm(x: torch.Tensor, norm: Norm | None, eps: float) -> torch.Tensor:
-    """``norm`` over the last dim of ``x`` (identity for None), computed in float32 or wider."""
+    """``norm`` over the last dim of ``x`` (identity for None), computed in float32 or wider. A weight
+    of more than one dim (``[H, D]``: a norm weight per head) multiplies after normalizing."""
     if norm is None:
         return x
+    if norm.weight.dim() > 1:
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32
+        xf = x.to(work)
+        if norm.kind == "layer":
+            xf = F.layer_norm(xf, (x.shape[-1],), None, None, eps)
+        else:
+            xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        out = xf * norm.weight.to(work)
+        return (out + norm.bias.to(work) if norm.bias is not None else out).to(x.dtype)
     if norm.kind == "rms":
         out = rms_norm(x, norm.weight, eps)
         return out + norm.bias if norm.bias is not None else out
@@ -203,7 +217,7 @@ def project_qkv(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor) -> tuple[to
     q = q.reshape(n, cfg.num_heads, d)
     k = k.reshape(n, cfg.num_kv_heads, d)
     v = v.reshape(n, cfg.num_kv_heads, d)
-    if lw.q_norm is not None and cfg.family.qk_norm == "head":
+    if lw.q_norm is not None and cfg.family.qk_norm in ("head", "per_head"):
         q = apply_norm(q, lw.q_norm, cfg.rms_norm_eps)
         k = apply_norm(k, lw.k_norm, cfg.rms_norm_eps)
     return q, k, v
@@ -213,8 +227,8 @@ def finish_layer(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor, attn_out: 
     """Residual around attention (``attn_out [n, H, D]``) and the MLP; returns the next hidden state."""
     fam, eps, scale = cfg.family, cfg.rms_norm_eps, cfg.residual_scale
     a = apply_norm(F.linear(attn_out.reshape(h.shape[0], -1), lw.o, lw.o_bias), lw.attn_out, eps)
-    if fam.parallel:  # attention and MLP both read the block's input norm
-        m = _mlp(cfg, lw, apply_norm(h, lw.attn_in, eps))
+    if cfg.parallel:  # attention and MLP both read the block input: through attn_in, or the MLP's own norm
+        m = _mlp(cfg, lw, apply_norm(h, lw.mlp_in if lw.mlp_in is not None else lw.attn_in, eps))
         return h + (a + m) * scale if scale != 1.0 else h + a + m
     h = h + a * scale if scale != 1.0 else h + a
     m = apply_norm(_mlp(cfg, lw, apply_norm(h, lw.mlp_in, eps)), lw.mlp_out, eps)
@@ -256,7 +270,7 @@ def _moe(cfg: ModelConfig, mw: MoeWeights, x: torch.Tensor) -> torch.Tensor:
 
 def final_logits(cfg: ModelConfig, weights: DecoderWeights, h: torch.Tensor) -> torch.Tensor:
     """Logits ``[n, vocab]`` in float32 from the last hidden state ``h [n, hidden]``."""
-    logits = F.linear(apply_norm(h, weights.final_norm, cfg.rms_norm_eps), weights.lm_head).float()
+    logits = F.linear(apply_norm(h, weights.final_norm, cfg.rms_norm_eps), weights.lm_head, weights.lm_head_bias).float()
     if cfg.logits_scale != 1.0:
         logits = logits * cfg.logits_scale
     if cfg.final_softcap is not None:

@@ -81,6 +81,10 @@ VARIANTS = [
     ("phi3-longrope", "phi3", {"original_max_position_embeddings": 16, "rope_parameters": {
         "rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
         "short_factor": [1.0, 1.1, 1.2, 1.3], "long_factor": [2.0, 2.1, 2.2, 2.3]}}),
+    ("gpt_neox", "gpt_neox", {}),
+    ("gpt_neox-sequential", "gpt_neox", {"use_parallel_residual": False, "attention_bias": False,
+                                         "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                             "partial_rotary_factor": 0.5}}),
     ("mixtral", "mixtral", {"num_local_experts": 4, **MOE}),
     ("qwen2_moe", "qwen2_moe", {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
                                 "mlp_only_layers": [0], **MOE}),
@@ -271,3 +275,25 @@ def test_omitted_fields_read_as_the_architectures_own_defaults(arch):
     full["architectures"] = []
     minimal = {k: v for k, v in full.items() if k in _STRUCTURE}
     assert ModelConfig.from_hf_config(minimal) == ModelConfig.from_hf_config(full)
+
+
+def test_gpt_neox_legacy_fields_read_as_its_config_class_reads_them(make_arch_checkpoint, tmp_path):
+    """Checkpoints saved before transformers 5 name the RoPE rotary_pct / rotary_emb_base and the head
+    embed_out; the config class renames the first two (rotary_pct defaulting to 0.25), the loader the
+    third. The fused query_key_value rows are [heads, 3, head_dim]: read as [3, heads, head_dim] the
+    reference would not match transformers' forward (tested above)."""
+    import json
+
+    from transformers import GPTNeoXConfig
+
+    config = json.loads((make_arch_checkpoint("gpt_neox") / "config.json").read_text())
+    del config["rope_parameters"]
+    legacy = {**config, "rotary_pct": 0.5, "rotary_emb_base": 500.0}
+    (tmp_path / "config.json").write_text(json.dumps(legacy))
+    from ropekv.models.safetensors_dir import read_dir_config
+
+    rope = read_dir_config(tmp_path).rope
+    theirs = GPTNeoXConfig(**{k: v for k, v in legacy.items() if k != "model_type"}).rope_parameters
+    assert (rope.rotary_dim, rope.theta) == (16 * theirs["partial_rotary_factor"], theirs["rope_theta"]) == (8, 500.0)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert read_dir_config(tmp_path).rope.rotary_dim == 16 * GPTNeoXConfig().rope_parameters["partial_rotary_factor"]

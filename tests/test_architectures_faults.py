@@ -20,6 +20,7 @@ GEMMA3 = {**SW, "rope_parameters": {"sliding_attention": {"rope_type": "default"
 RUNS = [
     ("partial-rotary-all-channels", "stablelm", {}, 0),
     ("partial-rotary-all-channels", "glm", {}, 0),
+    ("partial-rotary-all-channels", "gpt_neox", {}, 0),
     ("local-rope-on-global-layers", "gemma3_text", GEMMA3, 1),
     ("global-rope-on-local-layers", "gemma3_text", GEMMA3, 0),
     ("nope-layer-rotated", "cohere2", SW, 1),

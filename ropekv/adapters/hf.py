@@ -44,6 +44,7 @@ import torch
 
 from ..errors import CheckpointError, RopeKVError, UsageError
 from ..models.config import Checkpoint
+from ..models.families import FAMILIES, family_of
 from ..parity.cases import Case
 from ..parity.protocol import CaseRun, FullRun, StepRecord, Tier
 from ..parity.recorder import AttentionRecorder
@@ -101,7 +102,7 @@ class HFEngine:
         self.cache_kind = cache or default
         if self.cache_kind not in CACHE_KINDS:
             raise UsageError(f"cache must be one of {', '.join(CACHE_KINDS)}, got {cache!r}")
-        self.layers = self._decoder_layers()
+        self.layers, self.attentions = self._decoder_layers()
         impl = model.config._attn_implementation
         if not isinstance(impl, str):
             raise UsageError(f"HFEngine needs one attention implementation for the model, got {impl!r}")
@@ -272,8 +273,7 @@ class HFEngine:
                 undo.append(lambda: AttentionMaskInterface._global_mapping.pop(name, None))
             model.set_attn_implementation(name)
             undo.append(lambda: model.set_attn_implementation(impl))
-            for i, layer in enumerate(self.layers):
-                attn = layer.self_attn
+            for i, (layer, attn) in enumerate(zip(self.layers, self.attentions)):
                 k_mod = getattr(attn, "k_norm", None) or getattr(attn, "k_proj", None)
                 undo.append(layer.register_forward_pre_hook(self._hidden_hook(i), with_kwargs=True).remove)
                 undo.append(attn.register_forward_pre_hook(self._offset_hook(i), with_kwargs=True).remove)
@@ -309,7 +309,8 @@ class HFEngine:
 
     def _offset_hook(self, layer: int):
         def hook(module, args, kwargs):
-            call, cache = self._call, kwargs.get("past_key_values")
+            call = self._call
+            cache = kwargs.get("past_key_values", kwargs.get("layer_past"))  # gpt_neox: layer_past
             if call is not None and cache is not None:
                 hidden = args[0] if args else kwargs["hidden_states"]
                 call.kv_offset[layer] = int(cache.get_mask_sizes(hidden.shape[1], layer)[1])
@@ -409,12 +410,20 @@ class HFEngine:
     def _reset_rope(self) -> None:
         _apply_rope(self._fresh_rope)
 
-    def _decoder_layers(self) -> list[torch.nn.Module]:
-        base = getattr(self.model, getattr(self.model, "base_model_prefix", "model"), None)
-        layers = getattr(base, "layers", None)
-        if layers is None or not all(hasattr(l, "self_attn") for l in layers):
-            raise UsageError(f"{type(self.model).__name__}: expected decoder layers with a self_attn module")
-        return list(layers)
+    def _decoder_layers(self) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
+        """The decoder layers and their attention modules, where the architecture's description says
+        they are (``Family.layers_prefix`` / ``attn_module``; llama's names for an undescribed one)."""
+        config = self.model.config
+        name = family_of(list(getattr(config, "architectures", None) or []), getattr(config, "model_type", None))
+        fam = FAMILIES.get(name) if name is not None else None
+        where, attn_name = (fam.layers_prefix, fam.attn_module) if fam else ("model.layers", "self_attn")
+        try:
+            layers = self.model.get_submodule(where)
+        except AttributeError:
+            layers = None
+        if layers is None or not all(hasattr(l, attn_name) for l in layers):
+            raise UsageError(f"{type(self.model).__name__}: expected decoder layers {where} with a {attn_name} module")
+        return list(layers), [getattr(l, attn_name) for l in layers]
 
 
 # ---------------------------------------------------------------------- helpers

@@ -32,7 +32,7 @@ _HF_FIELD_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attentio
 # their defaults, so configs of the original four families keep their fingerprints.
 _LATER_FIELDS = {"hidden_act": "silu", "layer_ropes": None, "query_scale": None, "attn_softcap": None,
                  "final_softcap": None, "embedding_scale": 1.0, "residual_scale": 1.0, "logits_scale": 1.0,
-                 "moe": None}
+                 "moe": None, "parallel": False}
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,7 @@ class ModelConfig:
     residual_scale: float = 1.0  # multiplies attention and MLP outputs before the residual add
     logits_scale: float = 1.0
     moe: MoeSpec | None = None  # mixture-of-experts MLP on moe.sparse_layers (models/moe.py)
+    parallel: bool = False  # attention and MLP both read the block input (family.parallel)
     warnings: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -143,6 +144,14 @@ class ModelConfig:
         return FAMILIES[self.architecture]
 
     @property
+    def norm_slots(self) -> tuple[str | None, str | None, str | None, str | None]:
+        """The norms around attention and MLP, ``(attn_in, attn_out, mlp_in, mlp_out)`` (tensor names
+        under ``model.layers.{i}.``; None: no norm there). In a parallel block ``mlp_in`` is the
+        MLP's own norm of the block input (``family.parallel_mlp_in``), None where it shares ``attn_in``."""
+        fam = self.family
+        return fam.attn_in, fam.attn_out, fam.parallel_mlp_in if self.parallel else fam.mlp_in, fam.mlp_out
+
+    @property
     def attn_scale(self) -> float:
         """The factor on ``q . k`` before softmax: ``query_scale``, else ``head_dim ** -0.5``."""
         return self.query_scale if self.query_scale is not None else self.head_dim**-0.5
@@ -210,9 +219,11 @@ class ModelConfig:
             shapes[final + ".bias"] = (h,)
         if not self.tie_word_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, h)
+        if fam.lm_head_bias:
+            shapes["lm_head.bias"] = (self.vocab_size,)
         for n in range(self.num_layers):
             p = f"model.layers.{n}."
-            for norm in (fam.attn_in, fam.attn_out, fam.mlp_in, fam.mlp_out):
+            for norm in self.norm_slots:
                 if norm is not None:
                     shapes[p + norm + ".weight"] = (h,)
                     if fam.norm_bias:
@@ -248,15 +259,18 @@ class ModelConfig:
                 if fam.mlp == "gated":
                     shapes[p + "mlp.gate_proj.bias"] = (i,)
             if self.qk_norm:
-                qn, kn = (d, d) if fam.qk_norm == "head" else (q, kv)
-                shapes.update({p + "self_attn.q_norm.weight": (qn,), p + "self_attn.k_norm.weight": (kn,)})
+                qn, kn = {"head": ((d,), (d,)), "per_head": ((self.num_heads, d), (self.num_kv_heads, d)),
+                          "projection": ((q,), (kv,))}[fam.qk_norm]
+                shapes.update({p + "self_attn.q_norm.weight": qn, p + "self_attn.k_norm.weight": kn})
+                if fam.qk_norm_bias:
+                    shapes.update({p + "self_attn.q_norm.bias": qn, p + "self_attn.k_norm.bias": kn})
         return shapes
 
     def split_sizes(self) -> dict[str, tuple[int, ...]]:
         """Rows of each part of the family's fused tensors (``self_attn.qkv_proj`` -> q, k, v rows)."""
         q, kv, i = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.intermediate_size
-        sizes = {"self_attn.qkv_proj": (q, kv, kv), "mlp.gate_up_proj": (i, i)}
-        return {name: sizes[name] for name in self.family.fused}
+        return {name: (q, kv, kv) if parts[0] == "self_attn.q_proj" else (i, i)
+                for name, parts in self.family.fused.items()}
 
 
 @dataclass(frozen=True, eq=False)
@@ -282,7 +296,7 @@ class Checkpoint:
         copied, where they already are); the fingerprint hashes the config and every weight byte."""
         cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_hf_config(dict(config), source=source)
         expected = cfg.expected_shapes()
-        state_dict = canonical_weights(cfg.family, cfg.num_layers, state_dict, cfg.split_sizes(), source)
+        state_dict = canonical_weights(cfg, state_dict, source)
         weights = {k: v.detach().to(torch.float32) for k, v in state_dict.items() if k in expected}
         digest = hashlib.sha256()
         for k in sorted(weights):

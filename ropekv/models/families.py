@@ -25,7 +25,13 @@ from ..errors import CheckpointError
 
 NormKind = Literal["rms", "rms_offset", "layer", "layer_offset"]
 MlpKind = Literal["gated", "plain"]
-QkNorm = Literal["none", "head", "projection"]
+# q/k norms: one weight [D] applied to every head, a weight per head [heads, D], or one weight over
+# the whole projection [heads * D].
+QkNorm = Literal["none", "head", "per_head", "projection"]
+# Rows of a fused query_key_value: q, then k, then v ("concat": phi3); or grouped by KV head,
+# [KVH, heads / KVH + 2, D]: each group's query heads, its key head, its value head ("grouped":
+# GPT-NeoX and Persimmon with one query head per group, [heads, 3, D]; Falcon).
+FusedQkv = Literal["concat", "grouped"]
 RopeLayers = Literal["all", "no_rope_layers", "sliding_only", "sliding_only_if_window"]
 Layout = Literal["neox", "gptj"]
 Flag = bool | str  # a constant, or the config.json field that decides it
@@ -38,7 +44,15 @@ class Family:
     Norm slots name the tensors (under ``model.layers.{i}.``) of the norms around attention and MLP:
     ``attn_in`` normalizes the block input before attention, ``attn_out`` the attention output before
     the residual add (gemma2, olmo2), ``mlp_in``/``mlp_out`` likewise for the MLP. ``parallel``: one
-    input norm feeds attention and MLP, both added to the residual (cohere).
+    input norm feeds attention and MLP, both added to the residual (cohere); a config field where
+    the architecture reads one (GPT-NeoX's ``use_parallel_residual``). ``parallel_mlp_in``: the MLP's
+    own input norm of a parallel block (GPT-NeoX), None where it shares ``attn_in``.
+
+    Names: ``layers_prefix`` is where the checkpoint keeps its decoder layers (canonical:
+    ``model.layers``), ``top_names`` maps canonical names of tensors outside the layers to the
+    checkpoint's (``model.embed_tokens`` -> ``gpt_neox.embed_in``), ``names`` per-layer modules,
+    ``attn_module`` the attention module of a layer (for the transformers adapter's hooks),
+    ``stacked`` per-head modules ``{module}.{h}.weight`` stacked into one canonical ``[heads, D]``.
     """
 
     name: str
@@ -52,7 +66,8 @@ class Family:
     mlp_in: str | None = "post_attention_layernorm"
     mlp_out: str | None = None
     final_norm: str = "model.norm"
-    parallel: bool = False
+    parallel: Flag = False
+    parallel_mlp_in: str | None = None
     mlp: MlpKind = "gated"
     act_key: str = "hidden_act"
     act_default: str = "silu"
@@ -60,6 +75,11 @@ class Family:
     o_bias: Flag = False
     mlp_bias: Flag = False
     qk_norm: QkNorm = "none"
+    qk_norm_flag: Flag = True  # the config field that switches the q/k norms on (stablelm's qk_layernorm)
+    qk_norm_bias: bool = False
+    head_dim_key: str | None = "head_dim"  # None: head_dim is hidden_size // num_attention_heads, always
+    kv_heads_key: str | None = "num_key_value_heads"  # None: one KV head per query head, always
+    lm_head_bias: bool = False
     layout: Layout = "neox"
     partial_rotary: bool = False  # does the architecture honour partial_rotary_factor?
     rope_layers: RopeLayers = "all"
@@ -80,9 +100,17 @@ class Family:
     # cohere scales its logits by 0.0625, ...). Keys: config.json fields; "rope_theta",
     # "partial_rotary_factor" and "rope_parameters" apply only when the config names no RoPE at all.
     defaults: Mapping[str, object] = field(default_factory=dict)
+    # config.json field -> the field ropekv reads, where the config class renames it on load
+    # (GPT-NeoX's rotary_pct -> partial_rotary_factor); the new name wins when both are given
+    renamed: Mapping[str, str] = field(default_factory=dict)
+    layers_prefix: str = "model.layers"
+    attn_module: str = "self_attn"
+    top_names: Mapping[str, str] = field(default_factory=dict)  # canonical -> checkpoint module, outside layers
     names: Mapping[str, str] = field(default_factory=dict)  # canonical -> checkpoint module name, per layer
     aliases: Mapping[str, str] = field(default_factory=dict)  # checkpoint tensor name -> canonical, per layer
     fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # fused tensor -> canonical parts
+    fused_qkv: FusedQkv = "concat"
+    stacked: Mapping[str, str] = field(default_factory=dict)  # per-head checkpoint module -> canonical
     # Per-expert tensors as saved on disk: (module holding experts 0..E-1, (gate, up, down) names),
     # stacked into the canonical experts.gate_up_proj / experts.down_proj (models/moe.py).
     experts: tuple[str, tuple[str, str, str]] | None = None
@@ -179,6 +207,22 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            attn_out="post_self_attn_layernorm", mlp_out="post_mlp_layernorm",
            fused={"mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")},
            defaults={"attention_bias": True, "partial_rotary_factor": 0.5}),
+    # GPT-NeoX (Pythia): fused query_key_value with rows [heads, 3, head_dim], no GQA, head_dim from
+    # the hidden size; partial rotary (rotary_pct, 0.25 by default); parallel residual by default,
+    # its MLP with its own input norm; LayerNorm with bias; biased plain GELU MLP.
+    Family("gpt_neox", ("GPTNeoXForCausalLM",), norm="layer", norm_bias=True, eps_key="layer_norm_eps",
+           parallel="use_parallel_residual", parallel_mlp_in="post_attention_layernorm", mlp="plain",
+           act_default="gelu", qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=True,
+           partial_rotary=True, head_dim_key=None, kv_heads_key=None,
+           renamed={"rotary_pct": "partial_rotary_factor", "rotary_emb_base": "rope_theta"},
+           layers_prefix="gpt_neox.layers", attn_module="attention",
+           top_names={"model.embed_tokens": "gpt_neox.embed_in", "model.norm": "gpt_neox.final_layer_norm",
+                      "lm_head": "embed_out"},  # embed_out: checkpoints saved before transformers 5
+           names={"self_attn.o_proj": "attention.dense", "mlp.up_proj": "mlp.dense_h_to_4h",
+                  "mlp.down_proj": "mlp.dense_4h_to_h"},
+           fused={"attention.query_key_value": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")},
+           fused_qkv="grouped",
+           defaults={"partial_rotary_factor": 0.25, "use_parallel_residual": True, "attention_bias": True}),
     # Phi-3: fused qkv_proj and gate_up_proj, partial rotary, LongRoPE.
     Family("phi3", ("Phi3ForCausalLM",), partial_rotary=True, windows="mistral",
            fused={"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -213,7 +257,6 @@ FAMILIES.update({f.name: f for f in (
 REFUSED: dict[str, str] = {
     "glm4_moe": "mixture-of-experts MLP with grouped routing",
     "olmo": "non-parametric LayerNorm and clip_qkv",
-    "gpt_neox": "fused per-head interleaved query_key_value and parallel residual",
     "phi": "parallel attention/MLP with a dense output and biased lm_head",
     "persimmon": "fused per-head query_key_value and per-head LayerNorm q/k norms",
     "gptj": "parallel block with interleaved partial rotary over fused-free GPT-J names (not described)",
@@ -239,27 +282,33 @@ def family_of(architectures: list, model_type: str | None) -> str | None:
 
 
 def layer_tensor_names(family: Family, canonical: str) -> str:
-    """The checkpoint name (under ``model.layers.{i}.``) of a canonical per-layer tensor name."""
+    """The checkpoint name (under the family's ``layers_prefix.{i}.``) of a canonical per-layer tensor name."""
     stem, _, suffix = canonical.rpartition(".")
     return family.names.get(stem, stem) + "." + suffix
 
 
-def canonical_weights(family: Family, num_layers: int, weights: Mapping[str, torch.Tensor],
-                      split_sizes: Mapping[str, tuple[int, ...]], source: str) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors under ropekv's canonical (llama-style) names: renamed per ``family.names``
-    and ``family.aliases``, fused tensors split into their parts (``split_sizes[fused]`` rows each, in
-    order), per-expert tensors stacked. Works on a saved checkpoint and on a live transformers
-    ``state_dict`` (which may already hold the stacked expert layout).
+def canonical_weights(config, weights: Mapping[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors of ``config`` (a :class:`~ropekv.models.config.ModelConfig`) under ropekv's
+    canonical (llama-style) names: the family's ``layers_prefix`` read as ``model.layers``, renamed
+    per ``top_names``, ``names`` and ``aliases``, fused tensors split into their parts
+    (``config.split_sizes()`` rows each, in order; a ``grouped`` qkv regrouped by KV head first),
+    per-head tensors and per-expert tensors stacked. Works on a saved checkpoint and on a live
+    transformers ``state_dict`` (which may already hold the stacked expert layout).
 
     Unknown names pass through unchanged, so :func:`~ropekv.models.config.validate_weights` still
     names them as unexpected."""
+    family = config.family
+    split_sizes = config.split_sizes()
     renamed = {family.names[stem]: stem for stem in family.names}
+    top = {checkpoint: canonical for canonical, checkpoint in family.top_names.items()}
     out: dict[str, torch.Tensor] = {}
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}  # (layer prefix, part) -> expert -> tensor
+    heads: dict[tuple[str, str], dict[int, torch.Tensor]] = {}  # (layer prefix, canonical) -> head -> tensor
     for name, tensor in weights.items():
-        prefix, rest = _split_layer(name)
+        prefix, rest = _split_layer(name, family.layers_prefix)
         if prefix is None:
-            out[name] = tensor
+            stem, _, suffix = name.rpartition(".")
+            out[f"{top[stem]}.{suffix}" if stem in top else name] = tensor
             continue
         if rest in family.aliases:
             out[prefix + family.aliases[rest]] = tensor
@@ -269,19 +318,43 @@ def canonical_weights(family: Family, num_layers: int, weights: Mapping[str, tor
             if index.isdigit() and part.endswith(".weight") and part[:-7] in family.experts[1]:
                 experts.setdefault((prefix, part[:-7]), {})[int(index)] = tensor
                 continue
+        module, _, last = rest.rpartition(".")
+        group, _, index = module.rpartition(".")
+        if group in family.stacked and index.isdigit():
+            heads.setdefault((prefix, f"{family.stacked[group]}.{last}"), {})[int(index)] = tensor
+            continue
         stem, _, suffix = rest.rpartition(".")
         if stem in family.fused:
             parts, sizes = family.fused[stem], split_sizes[stem]
             if tensor.shape[0] != sum(sizes):
                 raise CheckpointError(f"{source}: tensor {name} has {tensor.shape[0]} rows, "
                                       f"{' + '.join(map(str, sizes))} needed for {', '.join(parts)}")
+            if family.fused_qkv == "grouped" and parts[0] == "self_attn.q_proj":
+                tensor = _ungroup_qkv(tensor, config.num_heads, config.num_kv_heads, config.head_dim)
             for part, piece in zip(parts, torch.split(tensor, list(sizes), dim=0)):
                 out[f"{prefix}{part}.{suffix}"] = piece
             continue
         out[f"{prefix}{renamed.get(stem, stem)}.{suffix}"] = tensor
+    for (prefix, canonical), by_head in heads.items():
+        if sorted(by_head) != list(range(len(by_head))):
+            raise CheckpointError(f"{source}: {prefix}{canonical}: per-head tensors 0..{len(by_head) - 1} needed, "
+                                  f"got heads {sorted(by_head)}")
+        out[prefix + canonical] = torch.stack([by_head[h] for h in range(len(by_head))])  # [heads, D]
     if experts:
         out.update(_stack_experts(family, experts, source))
     return out
+
+
+def _ungroup_qkv(tensor: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Rows ``[KVH, G + 2, D]`` (per KV head: its ``G = heads / KVH`` query heads, its key, its value)
+    to ``[q (heads * D), k (KVH * D), v (KVH * D)]``. With one query head per group this is GPT-NeoX's
+    ``view(..., heads, 3 * D)`` then ``chunk(3)``."""
+    group = num_heads // num_kv_heads
+    grouped = tensor.reshape(num_kv_heads, group + 2, head_dim, *tensor.shape[1:])
+    q = grouped[:, :group].reshape(num_heads * head_dim, *tensor.shape[1:])
+    k = grouped[:, group].reshape(num_kv_heads * head_dim, *tensor.shape[1:])
+    v = grouped[:, group + 1].reshape(num_kv_heads * head_dim, *tensor.shape[1:])
+    return torch.cat([q, k, v])
 
 
 def _stack_experts(family: Family, experts: dict, source: str) -> dict[str, torch.Tensor]:
@@ -303,9 +376,11 @@ def _stack_experts(family: Family, experts: dict, source: str) -> dict[str, torc
     return out
 
 
-def _split_layer(name: str) -> tuple[str | None, str]:
-    """``("model.layers.3.", "self_attn.q_proj.weight")`` for a per-layer name, else ``(None, name)``."""
-    parts = name.split(".")
-    if len(parts) > 3 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
-        return ".".join(parts[:3]) + ".", ".".join(parts[3:])
+def _split_layer(name: str, layers_prefix: str) -> tuple[str | None, str]:
+    """``("model.layers.3.", "self_attn.q_proj.weight")`` for a per-layer name under ``layers_prefix``
+    (``gpt_neox.layers.3.attention.dense.weight`` -> ``model.layers.3.``), else ``(None, name)``."""
+    if name.startswith(layers_prefix + "."):
+        index, _, rest = name[len(layers_prefix) + 1:].partition(".")
+        if index.isdigit() and rest:
+            return f"model.layers.{index}.", rest
     return None, name

@@ -36,7 +36,7 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
     from .families import FAMILIES
 
     fam = FAMILIES[arch]
-    config = _with_defaults(fam, config)
+    config = _with_defaults(fam, _renamed(fam, config))
     warnings: list[str] = []
 
     def need(name: str, kind: type = int) -> Any:
@@ -90,10 +90,15 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
     num_layers = need("num_hidden_layers")
     if not 1 <= num_layers <= MAX_LAYERS:
         raise ConfigError(f"{source}: field 'num_hidden_layers' must be in [1, {MAX_LAYERS}], got {num_layers}")
-    head_dim = config.get("head_dim") or (hidden // num_heads if num_heads else 0)
-    num_kv_heads = config.get("num_key_value_heads")
+    derived_dim = hidden // num_heads if num_heads else 0
+    head_dim = (config.get(fam.head_dim_key) if fam.head_dim_key else None) or derived_dim
+    num_kv_heads = config.get(fam.kv_heads_key) if fam.kv_heads_key else None
     if num_kv_heads is None:
         num_kv_heads = num_heads
+    for key, used, why in (("head_dim", head_dim, "hidden_size // num_attention_heads"),
+                           ("num_key_value_heads", num_kv_heads, "one KV head per query head")):
+        if config.get(key) not in (None, used):
+            warnings.append(f"{key}={config[key]!r} is ignored: transformers' {arch} uses {used} ({why})")
     sizes = {name: need(name) for name in ("vocab_size", "intermediate_size", "max_position_embeddings")}
     if fam.eps_default is None:
         eps = float(need(fam.eps_key, float))
@@ -138,19 +143,15 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
         logits_scale = 1.0 / divisor
     if fam.logits_multiply_key:
         logits_scale = number(fam.logits_multiply_key, 1.0)
-    qk_norm = fam.qk_norm != "none"
+    qk_norm = fam.qk_norm != "none" and rule(fam.qk_norm_flag)
     moe = read_moe(fam.moe, config, num_layers, source) if fam.moe else None
-    if fam.name == "cohere" and flag("use_qk_norm"):
-        raise ConfigError(f"{source}: cohere use_qk_norm (per-head LayerNorm weights [heads, head_dim]) "
-                          "is not supported yet")
-    if fam.name == "stablelm" and (flag("qk_layernorm") or flag("use_parallel_residual")):
-        raise ConfigError(f"{source}: stablelm qk_layernorm / use_parallel_residual are not supported yet")
     fields = dict(
         tie_word_embeddings=flag("tie_word_embeddings"), attention_bias=rule(fam.qkv_bias), o_bias=rule(fam.o_bias),
         mlp_bias=rule(fam.mlp_bias),
         attn_softcap=number(fam.attn_softcap_key, None) if fam.attn_softcap_key else None,
         final_softcap=number(fam.final_softcap_key, None) if fam.final_softcap_key else None,
         residual_scale=number(fam.residual_scale_key, 1.0) if fam.residual_scale_key else 1.0,
+        parallel=rule(fam.parallel),
     )
     try:
         return cls(
@@ -180,6 +181,22 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
         )
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
+
+
+def _renamed(fam: Family, config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` with the fields the architecture's config class renames on load under their new
+    names (``Family.renamed``); a field given under its new name wins, as in the config class."""
+    out = dict(config)
+    for old, new in fam.renamed.items():
+        if old in out:
+            value = out.pop(old)
+            if new == "partial_rotary_factor" or new == "rope_theta":
+                params = out.get("rope_parameters")
+                if isinstance(params, Mapping) and params and not any(isinstance(v, Mapping) for v in params.values()):
+                    out["rope_parameters"] = {new: value, **params}  # setdefault into the flat RoPE dict
+                    continue
+            out.setdefault(new, value)
+    return out
 
 
 def _with_defaults(fam: Family, config: Mapping[str, Any]) -> dict[str, Any]:

@@ -95,12 +95,13 @@ class ReferenceDecoder:
             raise UsageError(f"key_mask must be a bool tensor [{T}, {T}]")
         index = torch.arange(T)  # visibility is by index (positions only rotate; they increase with it)
         fam = cfg.family
+        attn_in, attn_out_norm, mlp_in, mlp_out_norm = cfg.norm_slots
         x = self._w["model.embed_tokens.weight"][tokens] * cfg.embedding_scale  # [T, hidden]
         probes = []
         for layer in range(cfg.num_layers):
             p = f"model.layers.{layer}."
             hidden_in = x
-            h = self._norm(x, p, fam.attn_in)
+            h = self._norm(x, p, attn_in)
             q = self._linear(h, p + "self_attn.q_proj")  # [T, H * D]
             k = self._linear(h, p + "self_attn.k_proj")  # [T, KVH * D]
             v = self._linear(h, p + "self_attn.v_proj").view(T, cfg.num_kv_heads, cfg.head_dim)
@@ -109,7 +110,7 @@ class ReferenceDecoder:
                 k = self._norm(k, p, "self_attn.k_norm")
             q = q.view(T, cfg.num_heads, cfg.head_dim)
             k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
-            if cfg.qk_norm and fam.qk_norm == "head":
+            if cfg.qk_norm and fam.qk_norm in ("head", "per_head"):  # per_head: weights [H, D] / [KVH, D]
                 q = self._norm(q, p, "self_attn.q_norm")
                 k = self._norm(k, p, "self_attn.k_norm")
             rope = cfg.layer_rope(layer)  # None: a NoPE layer
@@ -127,13 +128,14 @@ class ReferenceDecoder:
                 if key_mask is not None:  # [block, stop] extra visibility (evicted keys)
                     scores = scores.masked_fill(~key_mask[start:stop, :stop][None], float("-inf"))
                 attn[start:stop] = self._attend(scores, v_heads[:stop])
-            attn_out = self._norm(self._linear(attn.reshape(T, -1), p + "self_attn.o_proj"), p, fam.attn_out)
-            if fam.parallel:  # cohere: attention and MLP both read the one input norm
-                x = x + (attn_out + self._mlp(h, p, layer)) * cfg.residual_scale
+            attn_out = self._norm(self._linear(attn.reshape(T, -1), p + "self_attn.o_proj"), p, attn_out_norm)
+            if cfg.parallel:  # attention and MLP both read the block input (through one norm, or each its own)
+                mlp_h = self._norm(hidden_in, p, mlp_in) if mlp_in is not None else h
+                x = x + (attn_out + self._mlp(mlp_h, p, layer)) * cfg.residual_scale
             else:
                 x = x + attn_out * cfg.residual_scale
-                mlp_out = self._mlp(self._norm(x, p, fam.mlp_in), p, layer)
-                x = x + self._norm(mlp_out, p, fam.mlp_out) * cfg.residual_scale
+                mlp_out = self._mlp(self._norm(x, p, mlp_in), p, layer)
+                x = x + self._norm(mlp_out, p, mlp_out_norm) * cfg.residual_scale
 
             if rows is not None:
                 probes.append(LayerProbe(
@@ -142,7 +144,10 @@ class ReferenceDecoder:
 
         x = self._norm(x, "", fam.final_norm)
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        logits = (x @ self._w[head].T) * cfg.logits_scale  # [T, vocab]
+        logits = x @ self._w[head].T  # [T, vocab]
+        if "lm_head.bias" in self._w:  # phi, gptj
+            logits = logits + self._w["lm_head.bias"]
+        logits = logits * cfg.logits_scale
         if cfg.final_softcap is not None:
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return ReferenceOutput(logits=logits, rows=None if rows is None else positions[rows], layers=tuple(probes))
