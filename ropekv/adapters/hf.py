@@ -235,6 +235,9 @@ class HFEngine:
         with self._session():
             self._reset_rope()
             call = self._forward(tokens, 0, None, Case(length=1), rows=None, raw=True)[2]
+            if len(call.raw_keys) != len(self.layers):
+                raise UsageError(f"{type(self.model).__name__}: its raw keys have no module of their own to hook "
+                                 "(fused query_key_value, or a per-head k norm)")
             return tuple(call.raw_keys[i] for i in range(len(self.layers)))
 
     # ------------------------------------------------------------------ install / restore
@@ -275,9 +278,11 @@ class HFEngine:
             undo.append(lambda: model.set_attn_implementation(impl))
             for i, (layer, attn) in enumerate(zip(self.layers, self.attentions)):
                 k_mod = getattr(attn, "k_norm", None) or getattr(attn, "k_proj", None)
+                if getattr(attn, "k_layernorm", None) is not None:  # a k norm whose output layout varies
+                    k_mod = None
                 undo.append(layer.register_forward_pre_hook(self._hidden_hook(i), with_kwargs=True).remove)
                 undo.append(attn.register_forward_pre_hook(self._offset_hook(i), with_kwargs=True).remove)
-                if k_mod is not None:  # fused qkv_proj (phi3) has no separate raw-key module
+                if k_mod is not None:  # fused qkv_proj (phi3, gpt_neox) has no separate raw-key module
                     undo.append(k_mod.register_forward_hook(self._raw_key_hook(i, attn.head_dim)).remove)
         except BaseException:
             self._uninstall()

@@ -178,8 +178,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            defaults={"sliding_window": 4096}),
     # Cohere: mean-centred LayerNorm without bias, parallel attention + MLP, interleaved RoPE,
     # logits times logit_scale.
+    # use_qk_norm: LayerNorms with a weight per head ([heads, head_dim]), no bias.
     Family("cohere", ("CohereForCausalLM",), norm="layer", eps_key="layer_norm_eps", mlp_in=None, parallel=True,
            layout="gptj", qkv_bias="attention_bias", o_bias="attention_bias", logits_multiply_key="logit_scale",
+           qk_norm="per_head", qk_norm_flag="use_qk_norm",
            defaults={"tie_word_embeddings": True, "logit_scale": 0.0625, "rope_theta": 500000.0}),
     Family("cohere2", ("Cohere2ForCausalLM",), norm="layer", eps_key="layer_norm_eps", mlp_in=None, parallel=True,
            layout="gptj", qkv_bias="attention_bias", o_bias="attention_bias", logits_multiply_key="logit_scale",
@@ -191,8 +193,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            mlp_bias="use_bias", windows="mistral",
            names={"mlp.up_proj": "mlp.c_fc", "mlp.down_proj": "mlp.c_proj"},
            defaults={"tie_word_embeddings": True, "use_bias": True}),
+    # StableLM: head_dim from the hidden size; qk_layernorm: one bias-free LayerNorm per head
+    # (q_layernorm.norms.{h}), stacked into [heads, head_dim]; use_parallel_residual: attention and MLP
+    # share input_layernorm (there is no post_attention_layernorm then).
     Family("stablelm", ("StableLmForCausalLM",), norm="layer", norm_bias=True, eps_key="layer_norm_eps",
-           qkv_bias="use_qkv_bias", partial_rotary=True,
+           qkv_bias="use_qkv_bias", partial_rotary=True, head_dim_key=None, qk_norm="per_head",
+           qk_norm_flag="qk_layernorm", parallel="use_parallel_residual",
+           stacked={"self_attn.q_layernorm.norms": "self_attn.q_norm", "self_attn.k_layernorm.norms": "self_attn.k_norm"},
            defaults={"partial_rotary_factor": 0.25}),
     # Nemotron: LayerNorm with (1 + weight) and bias, ReLU^2 up/down MLP, partial rotary.
     Family("nemotron", ("NemotronForCausalLM",), norm="layer_offset", norm_bias=True, eps_key="norm_eps",
