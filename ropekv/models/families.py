@@ -230,6 +230,28 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            fused={"attention.query_key_value": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")},
            fused_qkv="grouped",
            defaults={"partial_rotary_factor": 0.25, "use_parallel_residual": True, "attention_bias": True}),
+    # Persimmon: GPT-NeoX's fused query_key_value ([heads, 3, head_dim], no GQA); qk_layernorm (on by
+    # default): one LayerNorm with bias over head_dim, applied to every head; biased ReLU^2 MLP.
+    Family("persimmon", ("PersimmonForCausalLM",), norm="layer", norm_bias=True, eps_key="layer_norm_eps",
+           mlp="plain", act_default="relu2", qkv_bias=True, o_bias=True, mlp_bias=True, partial_rotary=True,
+           head_dim_key=None, kv_heads_key=None, qk_norm="head", qk_norm_flag="qk_layernorm", qk_norm_bias=True,
+           top_names={"model.norm": "model.final_layernorm"},
+           names={"self_attn.o_proj": "self_attn.dense", "self_attn.q_norm": "self_attn.q_layernorm",
+                  "self_attn.k_norm": "self_attn.k_layernorm", "mlp.up_proj": "mlp.dense_h_to_4h",
+                  "mlp.down_proj": "mlp.dense_4h_to_h"},
+           fused={"self_attn.query_key_value": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")},
+           fused_qkv="grouped",
+           defaults={"partial_rotary_factor": 0.5, "qk_layernorm": True}),
+    # Phi (1, 1.5, 2): attention and MLP in parallel on one input LayerNorm, biased q/k/v and `dense`
+    # output, biased plain fc1/fc2 MLP (GELU), biased lm_head, partial rotary; qk_layernorm: one
+    # LayerNorm with bias over head_dim for every head.
+    Family("phi", ("PhiForCausalLM",), norm="layer", norm_bias=True, eps_key="layer_norm_eps", mlp_in=None,
+           parallel=True, mlp="plain", act_default="gelu_new", qkv_bias=True, o_bias=True, mlp_bias=True,
+           lm_head_bias=True, partial_rotary=True, qk_norm="head", qk_norm_flag="qk_layernorm", qk_norm_bias=True,
+           top_names={"model.norm": "model.final_layernorm"},
+           names={"self_attn.o_proj": "self_attn.dense", "self_attn.q_norm": "self_attn.q_layernorm",
+                  "self_attn.k_norm": "self_attn.k_layernorm", "mlp.up_proj": "mlp.fc1", "mlp.down_proj": "mlp.fc2"},
+           defaults={"partial_rotary_factor": 0.5}),
     # Phi-3: fused qkv_proj and gate_up_proj, partial rotary, LongRoPE.
     Family("phi3", ("Phi3ForCausalLM",), partial_rotary=True, windows="mistral",
            fused={"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -264,8 +286,6 @@ FAMILIES.update({f.name: f for f in (
 REFUSED: dict[str, str] = {
     "glm4_moe": "mixture-of-experts MLP with grouped routing",
     "olmo": "non-parametric LayerNorm and clip_qkv",
-    "phi": "parallel attention/MLP with a dense output and biased lm_head",
-    "persimmon": "fused per-head query_key_value and per-head LayerNorm q/k norms",
     "gptj": "parallel block with interleaved partial rotary over fused-free GPT-J names (not described)",
     "falcon": "fused multi-query query_key_value and alibi/rotary switch",
     "hunyuan_v1_dense": "q/k norm applied after RoPE (the cached key is not a rotation of a raw key)",
