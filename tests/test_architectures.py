@@ -91,6 +91,8 @@ VARIANTS = [
     ("persimmon-no-qk-layernorm", "persimmon", {"qk_layernorm": False}),
     ("phi", "phi", {}),
     ("phi-qk-layernorm", "phi", {"qk_layernorm": True, "partial_rotary_factor": 0.25}),
+    ("gptj", "gptj", {"rotary_dim": 8}),
+    ("gptj-whole-head", "gptj", {"rotary_dim": 16, "n_inner": 80}),
     ("mixtral", "mixtral", {"num_local_experts": 4, **MOE}),
     ("qwen2_moe", "qwen2_moe", {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
                                 "mlp_only_layers": [0], **MOE}),
@@ -265,7 +267,9 @@ _STRUCTURE = {"model_type", "architectures", "vocab_size", "hidden_size", "inter
               "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "layer_types",
               "num_local_experts", "num_experts", "moe_intermediate_size", "shared_expert_intermediate_size",
               "num_experts_per_tok", "original_max_position_embeddings", "rms_norm_eps", "layer_norm_eps",
-              "norm_epsilon", "norm_eps"}
+              "norm_epsilon", "norm_eps", "n_embd", "n_head", "n_layer", "n_positions", "n_inner", "layer_norm_epsilon",
+              "rotary_dim"}
+_STRUCTURE_OVERRIDES = {"gptj": {"rotary_dim": 8}}  # its default 64 exceeds the tiny head
 
 
 @pytest.mark.parametrize("arch", sorted(FAMILIES))
@@ -277,7 +281,8 @@ def test_omitted_fields_read_as_the_architectures_own_defaults(arch):
     from conftest import ARCH_BASE
     from ropekv.models.config import ModelConfig
 
-    full = AutoConfig.for_model(arch, **{k: v for k, v in ARCH_BASE.items() if k != "tie_word_embeddings"}).to_dict()
+    full = AutoConfig.for_model(arch, **{k: v for k, v in ARCH_BASE.items() if k != "tie_word_embeddings"},
+                                **_STRUCTURE_OVERRIDES.get(arch, {})).to_dict()
     full["architectures"] = []
     minimal = {k: v for k, v in full.items() if k in _STRUCTURE}
     assert ModelConfig.from_hf_config(minimal) == ModelConfig.from_hf_config(full)
@@ -303,3 +308,15 @@ def test_gpt_neox_legacy_fields_read_as_its_config_class_reads_them(make_arch_ch
     assert (rope.rotary_dim, rope.theta) == (16 * theirs["partial_rotary_factor"], theirs["rope_theta"]) == (8, 500.0)
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert read_dir_config(tmp_path).rope.rotary_dim == 16 * GPTNeoXConfig().rope_parameters["partial_rotary_factor"]
+
+
+def test_gptj_reads_no_rope_field(make_arch_checkpoint, hf_model, tokens):
+    """GPT-J's sin/cos table is theta 10000 over rotary_dim channels whatever the config's RoPE fields
+    say: ropekv warns and reads them as it does, and its reference still matches transformers."""
+    path = make_arch_checkpoint("gptj", rotary_dim=8, rope_theta=500.0)
+    ckpt = load_checkpoint(path)
+    assert (ckpt.config.rope.theta, ckpt.config.rope.rotary_dim, ckpt.config.rope.layout) == (1e4, 8, "gptj")
+    assert any("rope_theta=500.0 is ignored" in w for w in ckpt.config.warnings)
+    with torch.no_grad():
+        hf = hf_model(path)(tokens[None]).logits[0]
+    assert scaled(hf, ReferenceDecoder(ckpt).forward(tokens).logits) < TOL

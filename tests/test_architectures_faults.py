@@ -72,9 +72,9 @@ def test_clean_records_name_nothing(arch, overrides, make_arch_checkpoint):
                                   seq_len=step.position + 1) is None
 
 
-@pytest.mark.parametrize("arch", ["cohere", "glm"])
-def test_layout_mismatch_on_an_interleaved_model_is_named_by_the_harness(arch, make_arch_checkpoint):
-    ckpt = load_checkpoint(make_arch_checkpoint(arch))
+@pytest.mark.parametrize("arch,overrides", [("cohere", {}), ("glm", {}), ("gptj", {"rotary_dim": 8})])
+def test_layout_mismatch_on_an_interleaved_model_is_named_by_the_harness(arch, overrides, make_arch_checkpoint):
+    ckpt = load_checkpoint(make_arch_checkpoint(arch, **overrides))
     assert ckpt.config.rope.layout == "gptj"
     report = check(FAULTS["layout-mismatch"].adapter(ckpt), cases=CASES)
     assert not report.passed and report.diagnosis.kind == "layout_mismatch", report.table()

@@ -269,13 +269,18 @@ class HFEngine:
             was_training = model.training
             undo.append(lambda: model.train(was_training))
             model.eval()
-            AttentionInterface.register(name, self._probe)
-            undo.append(lambda: AttentionInterface._global_mapping.pop(name, None))
-            if impl in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
-                AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[impl])
-                undo.append(lambda: AttentionMaskInterface._global_mapping.pop(name, None))
-            model.set_attn_implementation(name)
-            undo.append(lambda: model.set_attn_implementation(impl))
+            if self._attention_method is None:
+                AttentionInterface.register(name, self._probe)
+                undo.append(lambda: AttentionInterface._global_mapping.pop(name, None))
+                if impl in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+                    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[impl])
+                    undo.append(lambda: AttentionMaskInterface._global_mapping.pop(name, None))
+                model.set_attn_implementation(name)
+                undo.append(lambda: model.set_attn_implementation(impl))
+            else:  # an architecture with its own attention method (GPT-J's _attn): wrap it per module
+                for attn in self.attentions:
+                    setattr(attn, self._attention_method, self._method_probe(attn))
+                    undo.append(lambda attn=attn: delattr(attn, self._attention_method))
             for i, (layer, attn) in enumerate(zip(self.layers, self.attentions)):
                 k_mod = getattr(attn, "k_norm", None) or getattr(attn, "k_proj", None)
                 if getattr(attn, "k_layernorm", None) is not None:  # a k norm whose output layout varies
@@ -327,6 +332,17 @@ class HFEngine:
             if call is not None and call.raw:
                 call.raw_keys[layer] = output[0].reshape(output.shape[1], -1, head_dim).detach().clone()
         return hook
+
+    def _method_probe(self, module: torch.nn.Module):
+        """``module``'s own attention method (``Family.hf_attention_method``), recording first."""
+        original = getattr(module, self._attention_method)  # the bound class method
+
+        def probe(query, key, value, attention_mask=None, *args, **kwargs):
+            call = self._call
+            if call is not None and call.rows is not None:
+                self._record(call, module, query, key, attention_mask, {})
+            return original(query, key, value, attention_mask, *args, **kwargs)
+        return probe
 
     def _delegate(self, module: torch.nn.Module):
         impl = self.attn_implementation
@@ -422,6 +438,7 @@ class HFEngine:
         name = family_of(list(getattr(config, "architectures", None) or []), getattr(config, "model_type", None))
         fam = FAMILIES.get(name) if name is not None else None
         where, attn_name = (fam.layers_prefix, fam.attn_module) if fam else ("model.layers", "self_attn")
+        self._attention_method = fam.hf_attention_method if fam else None
         try:
             layers = self.model.get_submodule(where)
         except AttributeError:

@@ -80,6 +80,13 @@ class Family:
     head_dim_key: str | None = "head_dim"  # None: head_dim is hidden_size // num_attention_heads, always
     kv_heads_key: str | None = "num_key_value_heads"  # None: one KV head per query head, always
     lm_head_bias: bool = False
+    intermediate_multiple: int | None = None  # intermediate_size null: this many times hidden_size (gptj)
+    # "config": RoPE from the config's RoPE fields; "rotary_dim": theta 10000, no scaling, over the
+    # config's rotary_dim channels -- GPT-J's fixed sinusoidal table
+    rope_from: Literal["config", "rotary_dim"] = "config"
+    # a method of the attention module taking (query, key, value, mask) where the architecture does
+    # not call transformers' attention interface (GPT-J's _attn); the transformers adapter hooks it
+    hf_attention_method: str | None = None
     layout: Layout = "neox"
     partial_rotary: bool = False  # does the architecture honour partial_rotary_factor?
     rope_layers: RopeLayers = "all"
@@ -252,6 +259,24 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            names={"self_attn.o_proj": "self_attn.dense", "self_attn.q_norm": "self_attn.q_layernorm",
                   "self_attn.k_norm": "self_attn.k_layernorm", "mlp.up_proj": "mlp.fc1", "mlp.down_proj": "mlp.fc2"},
            defaults={"partial_rotary_factor": 0.5}),
+    # GPT-J: parallel block on ln_1, interleaved rotary over rotary_dim channels only (theta 10000
+    # fixed: its sin/cos table ignores every RoPE field), biased fc_in/fc_out MLP (4 x hidden when
+    # n_inner is null), biased lm_head, no q/k/v/out bias; its attention does not go through
+    # transformers' attention interface (GPTJAttention._attn is hooked instead).
+    Family("gptj", ("GPTJForCausalLM",), norm="layer", norm_bias=True, eps_key="layer_norm_epsilon", mlp_in=None,
+           parallel=True, mlp="plain", act_key="activation_function", act_default="gelu_new", mlp_bias=True,
+           lm_head_bias=True, layout="gptj", partial_rotary=True, head_dim_key=None, kv_heads_key=None,
+           rope_from="rotary_dim", intermediate_multiple=4, hf_attention_method="_attn",
+           ignored_fields=("intermediate_size", "rope_parameters", "rope_scaling", "rope_theta",
+                           "partial_rotary_factor"),
+           renamed={"n_embd": "hidden_size", "n_head": "num_attention_heads", "n_layer": "num_hidden_layers",
+                    "n_positions": "max_position_embeddings", "n_inner": "intermediate_size"},
+           layers_prefix="transformer.h", attn_module="attn",
+           top_names={"model.embed_tokens": "transformer.wte", "model.norm": "transformer.ln_f"},
+           names={"input_layernorm": "ln_1", "self_attn.q_proj": "attn.q_proj", "self_attn.k_proj": "attn.k_proj",
+                  "self_attn.v_proj": "attn.v_proj", "self_attn.o_proj": "attn.out_proj", "mlp.up_proj": "mlp.fc_in",
+                  "mlp.down_proj": "mlp.fc_out"},
+           defaults={"rotary_dim": 64}),
     # Phi-3: fused qkv_proj and gate_up_proj, partial rotary, LongRoPE.
     Family("phi3", ("Phi3ForCausalLM",), partial_rotary=True, windows="mistral",
            fused={"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -286,7 +311,6 @@ FAMILIES.update({f.name: f for f in (
 REFUSED: dict[str, str] = {
     "glm4_moe": "mixture-of-experts MLP with grouped routing",
     "olmo": "non-parametric LayerNorm and clip_qkv",
-    "gptj": "parallel block with interleaved partial rotary over fused-free GPT-J names (not described)",
     "falcon": "fused multi-query query_key_value and alibi/rotary switch",
     "hunyuan_v1_dense": "q/k norm applied after RoPE (the cached key is not a rotation of a raw key)",
     "apertus": "xIELU activation with learned parameters",

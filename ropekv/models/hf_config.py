@@ -36,8 +36,13 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
     from .families import FAMILIES
 
     fam = FAMILIES[arch]
-    config = _with_defaults(fam, _renamed(fam, config))
     warnings: list[str] = []
+    config = dict(config)
+    for name in fam.ignored_fields:  # removed, so that nothing below reads them
+        value = config.pop(name, None)
+        if value is not None and value is not False:
+            warnings.append(f"{name}={value!r} is ignored: transformers' {arch} implementation never reads it")
+    config = _with_defaults(fam, _renamed(fam, config))
 
     def need(name: str, kind: type = int) -> Any:
         if name not in config or config[name] is None:
@@ -74,9 +79,6 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
             raise ConfigError(f"{source}: field {name!r} must be an integer >= {low}, got {value!r}")
         return value
 
-    for name in fam.ignored_fields:
-        if flag(name) if isinstance(config.get(name), bool) else config.get(name):
-            warnings.append(f"{name}={config[name]!r} is ignored: transformers' {arch} implementation never reads it")
 
     act = config.get(fam.act_key) or fam.act_default
     if act == "swish":
@@ -99,6 +101,10 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
                            ("num_key_value_heads", num_kv_heads, "one KV head per query head")):
         if config.get(key) not in (None, used):
             warnings.append(f"{key}={config[key]!r} is ignored: transformers' {arch} uses {used} ({why})")
+    if fam.intermediate_multiple and config.get("intermediate_size") is None:
+        config["intermediate_size"] = fam.intermediate_multiple * hidden
+    if fam.rope_from == "rotary_dim":
+        config["rope_parameters"] = _rotary_dim_rope(config, head_dim, source)
     sizes = {name: need(name) for name in ("vocab_size", "intermediate_size", "max_position_embeddings")}
     if fam.eps_default is None:
         eps = float(need(fam.eps_key, float))
@@ -181,6 +187,18 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
         )
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
+
+
+def _rotary_dim_rope(config: Mapping[str, Any], head_dim: int, source: str) -> dict[str, Any]:
+    """GPT-J's RoPE: theta 10000, no scaling, the first ``rotary_dim`` channels (its config class
+    requires an integer there)."""
+    rotary = config.get("rotary_dim")
+    if not isinstance(rotary, int) or isinstance(rotary, bool) or not 0 < rotary <= head_dim or rotary % 2:
+        raise ConfigError(f"{source}: field 'rotary_dim' must be an even integer in [2, {head_dim}], got {rotary!r}")
+    factor = rotary / head_dim
+    if int(head_dim * factor) != rotary:
+        raise ConfigError(f"{source}: rotary_dim {rotary} of head_dim {head_dim} is not representable as a factor")
+    return {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": factor}
 
 
 def _renamed(fam: Family, config: Mapping[str, Any]) -> dict[str, Any]:
