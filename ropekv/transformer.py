@@ -78,6 +78,8 @@ class DecoderWeights:
         def norm(name: str | None) -> Norm | None:
             if name is None:
                 return None
+            if fam.norm == "layer_plain":  # no tensors: weight one, no bias
+                return Norm("layer", torch.ones(cfg.hidden_size, device=device, dtype=dtype), None)
             weight = w[name + ".weight"]
             if fam.norm in ("rms_offset", "layer_offset"):
                 weight = (weight.float() + 1.0).to(dtype)
@@ -207,6 +209,8 @@ def project_qkv(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor) -> tuple[to
     """Raw (pre-RoPE) q ``[n, H, D]``, k ``[n, KVH, D]``, v ``[n, KVH, D]`` from hidden ``h [n, hidden]``."""
     x = apply_norm(h, lw.attn_in, cfg.rms_norm_eps)
     qkv = F.linear(x, lw.qkv, lw.qkv_bias)
+    if cfg.clip_qkv is not None:
+        qkv = qkv.clamp(-cfg.clip_qkv, cfg.clip_qkv)
     n, d = h.shape[0], cfg.head_dim
     q_end = cfg.num_heads * d
     k_end = q_end + cfg.num_kv_heads * d

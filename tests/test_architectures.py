@@ -67,6 +67,8 @@ VARIANTS = [
     ("gemma3_text", "gemma3_text", {**SW, "query_pre_attn_scalar": 16, "rope_parameters": {
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}}),
+    ("olmo", "olmo", {}),
+    ("olmo-clip-qkv", "olmo", {"clip_qkv": 0.5, "attention_bias": True}),
     ("olmo2", "olmo2", {}),
     ("olmo3", "olmo3", SW),
     ("exaone4", "exaone4", SW),

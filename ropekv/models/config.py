@@ -32,7 +32,7 @@ _HF_FIELD_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attentio
 # their defaults, so configs of the original four families keep their fingerprints.
 _LATER_FIELDS = {"hidden_act": "silu", "layer_ropes": None, "query_scale": None, "attn_softcap": None,
                  "final_softcap": None, "embedding_scale": 1.0, "residual_scale": 1.0, "logits_scale": 1.0,
-                 "moe": None, "parallel": False}
+                 "moe": None, "parallel": False, "clip_qkv": None}
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,7 @@ class ModelConfig:
     logits_scale: float = 1.0
     moe: MoeSpec | None = None  # mixture-of-experts MLP on moe.sparse_layers (models/moe.py)
     parallel: bool = False  # attention and MLP both read the block input (family.parallel)
+    clip_qkv: float | None = None  # q, k, v clamped to [-clip_qkv, clip_qkv] after their projections
     warnings: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -127,7 +128,7 @@ class ModelConfig:
                     raise ConfigError(f"layer_ropes entries must be RopeSpecs over head_dim {self.head_dim}, got {spec!r}")
             if all(spec == self.rope for spec in self.layer_ropes):
                 object.__setattr__(self, "layer_ropes", None)  # normalize: one RoPE for every layer
-        for name in ("query_scale", "attn_softcap", "final_softcap"):
+        for name in ("query_scale", "attn_softcap", "final_softcap", "clip_qkv"):
             value = getattr(self, name)
             if value is not None and not (_is_real(value) and _finite(value) and value > 0):
                 raise ConfigError(f"config field {name!r} must be a finite number > 0 or null, got {value!r}")
@@ -214,9 +215,11 @@ class ModelConfig:
         h, d, i = self.hidden_size, self.head_dim, self.intermediate_size
         q, kv = self.num_heads * d, self.num_kv_heads * d
         final = fam.final_norm
-        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h), final + ".weight": (h,)}
-        if fam.norm_bias:
-            shapes[final + ".bias"] = (h,)
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h)}
+        norm_tensors = (".weight", ".bias") if fam.norm_bias else (".weight",)
+        if fam.norm == "layer_plain":  # no tensors
+            norm_tensors = ()
+        shapes.update({final + t: (h,) for t in norm_tensors})
         if not self.tie_word_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, h)
         if fam.lm_head_bias:
@@ -225,9 +228,7 @@ class ModelConfig:
             p = f"model.layers.{n}."
             for norm in self.norm_slots:
                 if norm is not None:
-                    shapes[p + norm + ".weight"] = (h,)
-                    if fam.norm_bias:
-                        shapes[p + norm + ".bias"] = (h,)
+                    shapes.update({p + norm + t: (h,) for t in norm_tensors})
             shapes.update({
                 p + "self_attn.q_proj.weight": (q, h),
                 p + "self_attn.k_proj.weight": (kv, h),

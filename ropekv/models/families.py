@@ -23,7 +23,8 @@ import torch
 
 from ..errors import CheckpointError
 
-NormKind = Literal["rms", "rms_offset", "layer", "layer_offset"]
+# "layer_plain": mean-centred LayerNorm with neither weight nor bias (OLMo), no tensors at all.
+NormKind = Literal["rms", "rms_offset", "layer", "layer_offset", "layer_plain"]
 MlpKind = Literal["gated", "plain"]
 # q/k norms: one weight [D] applied to every head, a weight per head [heads, D], or one weight over
 # the whole projection [heads * D].
@@ -59,7 +60,7 @@ class Family:
     classes: tuple[str, ...]
     norm: NormKind = "rms"
     norm_bias: bool = False
-    eps_key: str = "rms_norm_eps"
+    eps_key: str | None = "rms_norm_eps"  # None: eps_default, whatever the config says (OLMo's 1e-5)
     eps_default: float | None = None  # None: the field is required
     attn_in: str | None = "input_layernorm"
     attn_out: str | None = None
@@ -80,6 +81,7 @@ class Family:
     head_dim_key: str | None = "head_dim"  # None: head_dim is hidden_size // num_attention_heads, always
     kv_heads_key: str | None = "num_key_value_heads"  # None: one KV head per query head, always
     lm_head_bias: bool = False
+    clip_qkv_key: str | None = None  # OLMo: q, k, v clamped to [-clip, clip] right after their projections
     intermediate_multiple: int | None = None  # intermediate_size null: this many times hidden_size (gptj)
     # "config": RoPE from the config's RoPE fields; "rotary_dim": theta 10000, no scaling, over the
     # config's rotary_dim channels -- GPT-J's fixed sinusoidal table
@@ -171,6 +173,9 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            defaults={"tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
                      "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                          "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}}),
+    # OLMo (1): LayerNorm without weight or bias (eps 1e-5, fixed), q/k/v clamped to +-clip_qkv.
+    Family("olmo", ("OlmoForCausalLM",), norm="layer_plain", eps_key=None, eps_default=1e-5,
+           qkv_bias="attention_bias", o_bias="attention_bias", clip_qkv_key="clip_qkv"),
     # OLMo 2/3: post-norm only (on attention and MLP outputs); q/k norms over the whole projection.
     Family("olmo2", ("Olmo2ForCausalLM",), attn_in=None, attn_out="post_attention_layernorm", mlp_in=None,
            mlp_out="post_feedforward_layernorm", qk_norm="projection", qkv_bias="attention_bias",
@@ -310,7 +315,6 @@ FAMILIES.update({f.name: f for f in (
 # Architectures ropekv refuses, with the feature that is not modelled yet (docs/architectures.md).
 REFUSED: dict[str, str] = {
     "glm4_moe": "mixture-of-experts MLP with grouped routing",
-    "olmo": "non-parametric LayerNorm and clip_qkv",
     "falcon": "fused multi-query query_key_value and alibi/rotary switch",
     "hunyuan_v1_dense": "q/k norm applied after RoPE (the cached key is not a rotation of a raw key)",
     "apertus": "xIELU activation with learned parameters",

@@ -106,7 +106,9 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
     if fam.rope_from == "rotary_dim":
         config["rope_parameters"] = _rotary_dim_rope(config, head_dim, source)
     sizes = {name: need(name) for name in ("vocab_size", "intermediate_size", "max_position_embeddings")}
-    if fam.eps_default is None:
+    if fam.eps_key is None:
+        eps = fam.eps_default
+    elif fam.eps_default is None:
         eps = float(need(fam.eps_key, float))
     else:
         eps = number(fam.eps_key, fam.eps_default)
@@ -158,6 +160,7 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
         final_softcap=number(fam.final_softcap_key, None) if fam.final_softcap_key else None,
         residual_scale=number(fam.residual_scale_key, 1.0) if fam.residual_scale_key else 1.0,
         parallel=rule(fam.parallel),
+        clip_qkv=number(fam.clip_qkv_key, None) if fam.clip_qkv_key else None,
     )
     try:
         return cls(

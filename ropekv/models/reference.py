@@ -104,7 +104,10 @@ class ReferenceDecoder:
             h = self._norm(x, p, attn_in)
             q = self._linear(h, p + "self_attn.q_proj")  # [T, H * D]
             k = self._linear(h, p + "self_attn.k_proj")  # [T, KVH * D]
-            v = self._linear(h, p + "self_attn.v_proj").view(T, cfg.num_kv_heads, cfg.head_dim)
+            v = self._linear(h, p + "self_attn.v_proj")  # [T, KVH * D]
+            if cfg.clip_qkv is not None:  # olmo: a model feature, clamped before anything else
+                q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+            v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
             if cfg.qk_norm and fam.qk_norm == "projection":  # olmo2: over the whole projection
                 q = self._norm(q, p, "self_attn.q_norm")
                 k = self._norm(k, p, "self_attn.k_norm")
@@ -170,15 +173,16 @@ class ReferenceDecoder:
         ``name`` None: no norm in this slot (identity).
 
         - ``rms``: ``x / sqrt(mean(x^2) + eps) * w``; ``rms_offset`` (gemma): times ``1 + w``;
-        - ``layer``: ``(x - mean) / sqrt(var + eps) * w (+ b)``; ``layer_offset`` (nemotron): ``1 + w``.
+        - ``layer``: ``(x - mean) / sqrt(var + eps) * w (+ b)``; ``layer_offset`` (nemotron): ``1 + w``;
+          ``layer_plain`` (olmo): no weight, no bias.
         """
         if name is None:
             return x
         kind, eps = self.config.family.norm, self.config.rms_norm_eps
-        weight = self._w[prefix + name + ".weight"]
+        weight = 1.0 if kind == "layer_plain" else self._w[prefix + name + ".weight"]
         if kind in ("rms_offset", "layer_offset"):
             weight = 1.0 + weight
-        if kind in ("layer", "layer_offset"):
+        if kind in ("layer", "layer_offset", "layer_plain"):
             x = x - x.mean(-1, keepdim=True)
         out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
         bias = self._w.get(prefix + name + ".bias")
