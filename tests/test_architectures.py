@@ -19,7 +19,7 @@ from ropekv.adapters.hf import HFEngine
 from ropekv.adapters.native import NativeAdapter
 from ropekv.contract import CacheContract
 from ropekv.engine import Engine
-from ropekv.errors import ConfigError
+from ropekv.errors import ConfigError, UsageError
 from ropekv.models import ReferenceDecoder, load_checkpoint
 from ropekv.models.families import FAMILIES, REFUSED
 from ropekv.parity.cases import Case
@@ -95,6 +95,11 @@ VARIANTS = [
     ("phi-qk-layernorm", "phi", {"qk_layernorm": True, "partial_rotary_factor": 0.25}),
     ("gptj", "gptj", {"rotary_dim": 8}),
     ("gptj-whole-head", "gptj", {"rotary_dim": 16, "n_inner": 80}),
+    ("falcon", "falcon", {}),
+    ("falcon-new-architecture", "falcon", {"new_decoder_architecture": True, "num_kv_heads": 2}),
+    ("falcon-new-architecture-one-norm", "falcon", {"new_decoder_architecture": True, "num_kv_heads": 2,
+                                                    "num_ln_in_parallel_attn": 1, "bias": True}),
+    ("falcon-sequential", "falcon", {"multi_query": False, "parallel_attn": False, "bias": True}),
     ("mixtral", "mixtral", {"num_local_experts": 4, **MOE}),
     ("qwen2_moe", "qwen2_moe", {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
                                 "mlp_only_layers": [0], **MOE}),
@@ -162,8 +167,15 @@ def test_reference_engine_and_hf_adapter_match_transformers(arch, overrides, mak
     # through its attention interface), its cache-free forward against the reference, and ropekv's
     # engine from the saved checkpoint.
     cases = cases_for(ckpt.config)
+    native = NativeAdapter(ckpt, key_form="raw" if dependent else "rotated")
+    if FAMILIES[ckpt.config.architecture].hf_attention_inline:  # falcon: nothing to hook, refused by name
+        with pytest.raises(UsageError, match="computes attention inline"):
+            HFEngine(model)
+        report = check(native, cases=cases)
+        assert report.passed and max(c.max_attn_error for c in report.cases) < TOL, report.table()
+        return
     hf_engine = HFEngine(model)
-    for adapter in (hf_engine, NativeAdapter(ckpt, key_form="raw" if dependent else "rotated")):
+    for adapter in (hf_engine, native):
         report = check(adapter, cases=cases)
         assert report.passed, report.table()
         assert max(c.max_attn_error for c in report.cases) < TOL
@@ -280,11 +292,11 @@ def test_omitted_fields_read_as_the_architectures_own_defaults(arch):
     and partial factor, windows) reads as the full config of transformers' own config class."""
     from transformers import AutoConfig
 
-    from conftest import ARCH_BASE
+    from conftest import arch_kwargs
     from ropekv.models.config import ModelConfig
 
-    full = AutoConfig.for_model(arch, **{k: v for k, v in ARCH_BASE.items() if k != "tie_word_embeddings"},
-                                **_STRUCTURE_OVERRIDES.get(arch, {})).to_dict()
+    kwargs = arch_kwargs(arch, _STRUCTURE_OVERRIDES.get(arch, {}))
+    full = AutoConfig.for_model(arch, **{k: v for k, v in kwargs.items() if k != "tie_word_embeddings"}).to_dict()
     full["architectures"] = []
     minimal = {k: v for k, v in full.items() if k in _STRUCTURE}
     assert ModelConfig.from_hf_config(minimal) == ModelConfig.from_hf_config(full)
@@ -322,3 +334,18 @@ def test_gptj_reads_no_rope_field(make_arch_checkpoint, hf_model, tokens):
     with torch.no_grad():
         hf = hf_model(path)(tokens[None]).logits[0]
     assert scaled(hf, ReferenceDecoder(ckpt).forward(tokens).logits) < TOL
+
+
+@pytest.mark.parametrize("overrides,feature", [
+    ({"alibi": True}, "refused: alibi"),
+    ({"new_decoder_architecture": True, "parallel_attn": False}, "cannot run that layer"),
+    ({"parallel_attn": True, "num_ln_in_parallel_attn": 2}, "cannot run that layer"),
+])
+def test_falcon_configs_without_rope_or_without_a_runnable_layer_are_refused(overrides, feature, make_arch_checkpoint,
+                                                                            tmp_path):
+    import json
+
+    config = {**json.loads((make_arch_checkpoint("falcon") / "config.json").read_text()), **overrides}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=feature):
+        load_checkpoint(tmp_path)

@@ -439,6 +439,10 @@ class HFEngine:
         fam = FAMILIES.get(name) if name is not None else None
         where, attn_name = (fam.layers_prefix, fam.attn_module) if fam else ("model.layers", "self_attn")
         self._attention_method = fam.hf_attention_method if fam else None
+        if fam is not None and fam.hf_attention_inline:
+            raise UsageError(f"{type(self.model).__name__}: transformers' {fam.name} computes attention inline (no "
+                             "attention interface, no attention method), so the transformers adapter cannot record "
+                             "it; check the checkpoint with ropekv's engine (ropekv check DIR)")
         try:
             layers = self.model.get_submodule(where)
         except AttributeError:

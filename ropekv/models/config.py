@@ -32,7 +32,7 @@ _HF_FIELD_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attentio
 # their defaults, so configs of the original four families keep their fingerprints.
 _LATER_FIELDS = {"hidden_act": "silu", "layer_ropes": None, "query_scale": None, "attn_softcap": None,
                  "final_softcap": None, "embedding_scale": 1.0, "residual_scale": 1.0, "logits_scale": 1.0,
-                 "moe": None, "parallel": False, "clip_qkv": None}
+                 "moe": None, "parallel": False, "clip_qkv": None, "parallel_mlp_norm": False, "qkv_groups": None}
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,10 @@ class ModelConfig:
     moe: MoeSpec | None = None  # mixture-of-experts MLP on moe.sparse_layers (models/moe.py)
     parallel: bool = False  # attention and MLP both read the block input (family.parallel)
     clip_qkv: float | None = None  # q, k, v clamped to [-clip_qkv, clip_qkv] after their projections
+    parallel_mlp_norm: bool = False  # a parallel block's MLP reads the input through its own norm (mlp_in)
+    # KV groups of a grouped fused qkv where fewer than num_kv_heads (Falcon's new decoder
+    # architecture: each group's key/value serves, and is cached for, each of its query heads)
+    qkv_groups: int | None = None
     warnings: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -132,6 +136,11 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not (_is_real(value) and _finite(value) and value > 0):
                 raise ConfigError(f"config field {name!r} must be a finite number > 0 or null, got {value!r}")
+        if self.qkv_groups is not None and (not isinstance(self.qkv_groups, int) or isinstance(self.qkv_groups, bool)
+                                            or self.qkv_groups < 1 or self.num_kv_heads % self.qkv_groups
+                                            or self.num_heads % self.qkv_groups):
+            raise ConfigError(f"qkv_groups must divide num_kv_heads ({self.num_kv_heads}) and num_heads, "
+                              f"got {self.qkv_groups!r}")
         if self.moe is not None and not isinstance(self.moe, MoeSpec):
             raise ConfigError(f"config field 'moe' must be a MoeSpec or None, got {type(self.moe).__name__}")
         for name in ("embedding_scale", "residual_scale", "logits_scale"):
@@ -148,9 +157,10 @@ class ModelConfig:
     def norm_slots(self) -> tuple[str | None, str | None, str | None, str | None]:
         """The norms around attention and MLP, ``(attn_in, attn_out, mlp_in, mlp_out)`` (tensor names
         under ``model.layers.{i}.``; None: no norm there). In a parallel block ``mlp_in`` is the
-        MLP's own norm of the block input (``family.parallel_mlp_in``), None where it shares ``attn_in``."""
+        MLP's own norm of the block input (``parallel_mlp_norm``), None where it shares ``attn_in``."""
         fam = self.family
-        return fam.attn_in, fam.attn_out, fam.parallel_mlp_in if self.parallel else fam.mlp_in, fam.mlp_out
+        mlp_in = (fam.mlp_in if self.parallel_mlp_norm else None) if self.parallel else fam.mlp_in
+        return fam.attn_in, fam.attn_out, mlp_in, fam.mlp_out
 
     @property
     def attn_scale(self) -> float:
@@ -269,7 +279,8 @@ class ModelConfig:
 
     def split_sizes(self) -> dict[str, tuple[int, ...]]:
         """Rows of each part of the family's fused tensors (``self_attn.qkv_proj`` -> q, k, v rows)."""
-        q, kv, i = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.intermediate_size
+        q, i = self.num_heads * self.head_dim, self.intermediate_size
+        kv = (self.qkv_groups or self.num_kv_heads) * self.head_dim  # rows of k and of v in the fused tensor
         return {name: (q, kv, kv) if parts[0] == "self_attn.q_proj" else (i, i)
                 for name, parts in self.family.fused.items()}
 

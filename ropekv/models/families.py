@@ -46,8 +46,9 @@ class Family:
     ``attn_in`` normalizes the block input before attention, ``attn_out`` the attention output before
     the residual add (gemma2, olmo2), ``mlp_in``/``mlp_out`` likewise for the MLP. ``parallel``: one
     input norm feeds attention and MLP, both added to the residual (cohere); a config field where
-    the architecture reads one (GPT-NeoX's ``use_parallel_residual``). ``parallel_mlp_in``: the MLP's
-    own input norm of a parallel block (GPT-NeoX), None where it shares ``attn_in``.
+    the architecture reads one (GPT-NeoX's ``use_parallel_residual``). ``parallel_mlp_norm``: in a
+    parallel block the MLP reads the block input through its own norm ``mlp_in`` (GPT-NeoX), else
+    through ``attn_in``.
 
     Names: ``layers_prefix`` is where the checkpoint keeps its decoder layers (canonical:
     ``model.layers``), ``top_names`` maps canonical names of tensors outside the layers to the
@@ -68,7 +69,7 @@ class Family:
     mlp_out: str | None = None
     final_norm: str = "model.norm"
     parallel: Flag = False
-    parallel_mlp_in: str | None = None
+    parallel_mlp_norm: bool = False
     mlp: MlpKind = "gated"
     act_key: str = "hidden_act"
     act_default: str = "silu"
@@ -89,6 +90,10 @@ class Family:
     # a method of the attention module taking (query, key, value, mask) where the architecture does
     # not call transformers' attention interface (GPT-J's _attn); the transformers adapter hooks it
     hf_attention_method: str | None = None
+    hf_attention_inline: bool = False  # attention computed inline (Falcon): nothing for the adapter to hook
+    # "falcon": KV heads, fused-qkv groups and block layout from new_decoder_architecture /
+    # multi_query / parallel_attn / num_ln_in_parallel_attn (hf_config._falcon_layout); alibi refused
+    heads_rule: Literal["config", "falcon"] = "config"
     layout: Layout = "neox"
     partial_rotary: bool = False  # does the architecture honour partial_rotary_factor?
     rope_layers: RopeLayers = "all"
@@ -230,7 +235,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # the hidden size; partial rotary (rotary_pct, 0.25 by default); parallel residual by default,
     # its MLP with its own input norm; LayerNorm with bias; biased plain GELU MLP.
     Family("gpt_neox", ("GPTNeoXForCausalLM",), norm="layer", norm_bias=True, eps_key="layer_norm_eps",
-           parallel="use_parallel_residual", parallel_mlp_in="post_attention_layernorm", mlp="plain",
+           parallel="use_parallel_residual", parallel_mlp_norm=True, mlp="plain",
            act_default="gelu", qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=True,
            partial_rotary=True, head_dim_key=None, kv_heads_key=None,
            renamed={"rotary_pct": "partial_rotary_factor", "rotary_emb_base": "rope_theta"},
@@ -282,6 +287,25 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
                   "self_attn.v_proj": "attn.v_proj", "self_attn.o_proj": "attn.out_proj", "mlp.up_proj": "mlp.fc_in",
                   "mlp.down_proj": "mlp.fc_out"},
            defaults={"rotary_dim": 64}),
+    # Falcon (RoPE variants): fused query_key_value grouped by KV head ([KVH, heads / KVH + 2, D];
+    # multi_query: one KV head; new_decoder_architecture: num_kv_heads groups whose keys/values
+    # transformers broadcasts to every query head before caching, so the cache holds one per query
+    # head); parallel block on one norm or on ln_attn / ln_mlp; one `bias` flag; plain GELU MLP.
+    Family("falcon", ("FalconForCausalLM",), norm="layer", norm_bias=True, eps_key="layer_norm_epsilon",
+           eps_default=1e-5, parallel="parallel_attn", mlp="plain", act_key="activation", act_default="gelu",
+           qkv_bias="bias", o_bias="bias", mlp_bias="bias", head_dim_key=None, kv_heads_key=None,
+           heads_rule="falcon", hf_attention_inline=True, ignored_fields=("intermediate_size",),
+           renamed={"n_embed": "hidden_size", "n_head": "num_attention_heads", "n_layer": "num_hidden_layers",
+                    "ffn_hidden_size": "intermediate_size"},
+           intermediate_multiple=4, layers_prefix="transformer.h", attn_module="self_attention",
+           top_names={"model.embed_tokens": "transformer.word_embeddings", "model.norm": "transformer.ln_f"},
+           names={"self_attn.o_proj": "self_attention.dense", "mlp.up_proj": "mlp.dense_h_to_4h",
+                  "mlp.down_proj": "mlp.dense_4h_to_h"},
+           aliases={f"{ln}.{t}": f"{canonical}.{t}" for ln, canonical in
+                    (("ln_attn", "input_layernorm"), ("ln_mlp", "post_attention_layernorm")) for t in ("weight", "bias")},
+           fused={"self_attention.query_key_value": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")},
+           fused_qkv="grouped",
+           defaults={"tie_word_embeddings": True, "multi_query": True, "parallel_attn": True}),
     # Phi-3: fused qkv_proj and gate_up_proj, partial rotary, LongRoPE.
     Family("phi3", ("Phi3ForCausalLM",), partial_rotary=True, windows="mistral",
            fused={"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -315,7 +339,6 @@ FAMILIES.update({f.name: f for f in (
 # Architectures ropekv refuses, with the feature that is not modelled yet (docs/architectures.md).
 REFUSED: dict[str, str] = {
     "glm4_moe": "mixture-of-experts MLP with grouped routing",
-    "falcon": "fused multi-query query_key_value and alibi/rotary switch",
     "hunyuan_v1_dense": "q/k norm applied after RoPE (the cached key is not a rotation of a raw key)",
     "apertus": "xIELU activation with learned parameters",
     "llama4_text": "chunked attention, mixture of experts, L2 q/k norm and attention temperature tuning",
@@ -385,8 +408,11 @@ def canonical_weights(config, weights: Mapping[str, torch.Tensor], source: str) 
                 raise CheckpointError(f"{source}: tensor {name} has {tensor.shape[0]} rows, "
                                       f"{' + '.join(map(str, sizes))} needed for {', '.join(parts)}")
             if family.fused_qkv == "grouped" and parts[0] == "self_attn.q_proj":
-                tensor = _ungroup_qkv(tensor, config.num_heads, config.num_kv_heads, config.head_dim)
-            for part, piece in zip(parts, torch.split(tensor, list(sizes), dim=0)):
+                pieces = _ungroup_qkv(tensor, config.num_heads, config.qkv_groups or config.num_kv_heads,
+                                      config.num_kv_heads, config.head_dim)
+            else:
+                pieces = torch.split(tensor, list(sizes), dim=0)
+            for part, piece in zip(parts, pieces):
                 out[f"{prefix}{part}.{suffix}"] = piece
             continue
         out[f"{prefix}{renamed.get(stem, stem)}.{suffix}"] = tensor
@@ -400,16 +426,21 @@ def canonical_weights(config, weights: Mapping[str, torch.Tensor], source: str) 
     return out
 
 
-def _ungroup_qkv(tensor: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
-    """Rows ``[KVH, G + 2, D]`` (per KV head: its ``G = heads / KVH`` query heads, its key, its value)
-    to ``[q (heads * D), k (KVH * D), v (KVH * D)]``. With one query head per group this is GPT-NeoX's
-    ``view(..., heads, 3 * D)`` then ``chunk(3)``."""
-    group = num_heads // num_kv_heads
-    grouped = tensor.reshape(num_kv_heads, group + 2, head_dim, *tensor.shape[1:])
-    q = grouped[:, :group].reshape(num_heads * head_dim, *tensor.shape[1:])
-    k = grouped[:, group].reshape(num_kv_heads * head_dim, *tensor.shape[1:])
-    v = grouped[:, group + 1].reshape(num_kv_heads * head_dim, *tensor.shape[1:])
-    return torch.cat([q, k, v])
+def _ungroup_qkv(tensor: torch.Tensor, num_heads: int, groups: int, num_kv_heads: int,
+                 head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows ``[groups, G + 2, D]`` (per group: its ``G = heads / groups`` query heads, its key, its
+    value) to q ``[heads * D]``, k and v ``[num_kv_heads * D]``. With one query head per group this is
+    GPT-NeoX's ``view(..., heads, 3 * D)`` then ``chunk(3)``; where ``num_kv_heads`` exceeds ``groups``
+    each group's key and value repeat for its query heads (Falcon's new decoder architecture
+    broadcasts them so before caching)."""
+    group = num_heads // groups
+    rest = tensor.shape[1:]
+    grouped = tensor.reshape(groups, group + 2, head_dim, *rest)
+    q = grouped[:, :group].reshape(num_heads * head_dim, *rest)
+    k, v = grouped[:, group], grouped[:, group + 1]  # [groups, D, ...]
+    repeat = num_kv_heads // groups
+    return (q, k.repeat_interleave(repeat, dim=0).reshape(num_kv_heads * head_dim, *rest),
+            v.repeat_interleave(repeat, dim=0).reshape(num_kv_heads * head_dim, *rest))
 
 
 def _stack_experts(family: Family, experts: dict, source: str) -> dict[str, torch.Tensor]:

@@ -97,8 +97,11 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
     num_kv_heads = config.get(fam.kv_heads_key) if fam.kv_heads_key else None
     if num_kv_heads is None:
         num_kv_heads = num_heads
+    block: dict[str, Any] = {"parallel": rule(fam.parallel), "parallel_mlp_norm": fam.parallel_mlp_norm}
+    if fam.heads_rule == "falcon":
+        num_kv_heads, block = _falcon_layout(config, num_heads, source, flag)
     for key, used, why in (("head_dim", head_dim, "hidden_size // num_attention_heads"),
-                           ("num_key_value_heads", num_kv_heads, "one KV head per query head")):
+                           ("num_key_value_heads", num_kv_heads, "its own KV head rule")):
         if config.get(key) not in (None, used):
             warnings.append(f"{key}={config[key]!r} is ignored: transformers' {arch} uses {used} ({why})")
     if fam.intermediate_multiple and config.get("intermediate_size") is None:
@@ -159,7 +162,7 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
         attn_softcap=number(fam.attn_softcap_key, None) if fam.attn_softcap_key else None,
         final_softcap=number(fam.final_softcap_key, None) if fam.final_softcap_key else None,
         residual_scale=number(fam.residual_scale_key, 1.0) if fam.residual_scale_key else 1.0,
-        parallel=rule(fam.parallel),
+        **block,
         clip_qkv=number(fam.clip_qkv_key, None) if fam.clip_qkv_key else None,
     )
     try:
@@ -190,6 +193,36 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
         )
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
+
+
+def _falcon_layout(config: Mapping[str, Any], num_heads: int, source: str, flag) -> tuple[int, dict[str, Any]]:
+    """Falcon's KV heads as cached and its block, as ``FalconAttention`` / ``FalconDecoderLayer`` build
+    them: ``(num_kv_heads, {parallel, parallel_mlp_norm, qkv_groups})``. Combinations transformers
+    cannot run (its layer builds one set of norms and reads another) are refused, as is ALiBi."""
+    if flag("alibi"):
+        raise ConfigError(f"{source}: falcon with alibi=True uses ALiBi attention biases, not RoPE: ropekv has no "
+                          "RoPE to check there (refused: alibi)")
+    new, parallel = flag("new_decoder_architecture"), flag("parallel_attn")
+    groups = config.get("num_kv_heads") or num_heads
+    norms = config.get("num_ln_in_parallel_attn")
+    if new:
+        norms = 2 if norms is None else norms
+        if not parallel or norms not in (1, 2):
+            raise ConfigError(f"{source}: falcon new_decoder_architecture with parallel_attn={parallel} and "
+                              f"num_ln_in_parallel_attn={norms}: transformers' falcon cannot run that layer")
+        if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1 or num_heads % groups:
+            raise ConfigError(f"{source}: field 'num_kv_heads' must divide num_attention_heads, got {groups!r}")
+        return num_heads, {"parallel": True, "parallel_mlp_norm": norms == 2,
+                           "qkv_groups": None if groups == num_heads else groups}
+    if parallel and norms == 2:
+        raise ConfigError(f"{source}: falcon parallel_attn with num_ln_in_parallel_attn=2 outside the new decoder "
+                          "architecture: transformers' falcon cannot run that layer")
+    if flag("multi_query"):
+        return 1, {"parallel": parallel, "parallel_mlp_norm": False}
+    if groups != num_heads:
+        raise ConfigError(f"{source}: falcon without multi_query or the new decoder architecture has one KV head per "
+                          f"query head; num_kv_heads={groups!r} cannot be run by transformers")
+    return num_heads, {"parallel": parallel, "parallel_mlp_norm": False}
 
 
 def _rotary_dim_rope(config: Mapping[str, Any], head_dim: int, source: str) -> dict[str, Any]:
