@@ -53,6 +53,7 @@ class LayerWeights:
     down: torch.Tensor  # [hidden, intermediate]
     down_bias: torch.Tensor | None
     moe: MoeWeights | None = None
+    xielu: tuple[torch.Tensor, ...] | None = None  # (alpha_p [1], alpha_n [1], beta [], eps []) of an xIELU MLP
 
 
 @dataclass(frozen=True, eq=False)
@@ -122,6 +123,8 @@ class DecoderWeights:
                 down=moe.down.reshape(cfg.hidden_size, -1) if moe else w[p + "mlp.down_proj.weight"],
                 down_bias=opt(p + "mlp.down_proj.bias") if moe is None else None,
                 moe=moe,
+                xielu=tuple(w[p + "mlp.act_fn." + n] for n in ("alpha_p", "alpha_n", "beta", "eps"))
+                if cfg.hidden_act == "xielu" else None,
             ))
         embed = w["model.embed_tokens.weight"]
         lm_head = embed if cfg.tie_word_embeddings else w["lm_head.weight"]
@@ -245,7 +248,16 @@ def _mlp(cfg: ModelConfig, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
     if cfg.family.mlp == "gated":
         gate, up = F.linear(x, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
         return F.linear(activation(gate, cfg.hidden_act) * up, lw.down, lw.down_bias)
-    return F.linear(activation(F.linear(x, lw.gate_up, lw.gate_up_bias), cfg.hidden_act), lw.down, lw.down_bias)
+    up = F.linear(x, lw.gate_up, lw.gate_up_bias)
+    act = _xielu(up, *lw.xielu) if lw.xielu is not None else activation(up, cfg.hidden_act)
+    return F.linear(act, lw.down, lw.down_bias)
+
+
+def _xielu(x: torch.Tensor, alpha_p: torch.Tensor, alpha_n: torch.Tensor, beta: torch.Tensor,
+           eps: torch.Tensor) -> torch.Tensor:
+    """xIELU with learned ``alpha_p``, ``alpha_n`` (through softplus) and fixed ``beta``, ``eps``."""
+    a_n = beta + F.softplus(alpha_n)
+    return torch.where(x > 0, F.softplus(alpha_p) * x * x + beta * x, (torch.expm1(torch.minimum(x, eps)) - x) * a_n + beta * x)
 
 
 def _moe(cfg: ModelConfig, mw: MoeWeights, x: torch.Tensor) -> torch.Tensor:

@@ -67,6 +67,7 @@ VARIANTS = [
     ("gemma3_text", "gemma3_text", {**SW, "query_pre_attn_scalar": 16, "rope_parameters": {
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}}),
+    ("apertus", "apertus", {}),
     ("olmo", "olmo", {}),
     ("olmo-clip-qkv", "olmo", {"clip_qkv": 0.5, "attention_bias": True}),
     ("olmo2", "olmo2", {}),
@@ -349,3 +350,19 @@ def test_falcon_configs_without_rope_or_without_a_runnable_layer_are_refused(ove
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match=feature):
         load_checkpoint(tmp_path)
+
+
+def test_apertus_xielu_parameters_are_read_per_layer(make_arch_checkpoint, hf_model, tokens):
+    """xIELU's alpha_p / alpha_n are learned per layer: the reference with layer 0's parameters on
+    every layer misses transformers, with each layer's own it matches (the sweep above)."""
+    path = make_arch_checkpoint("apertus")
+    ckpt = load_checkpoint(path)
+    with torch.no_grad():
+        hf = hf_model(path)(tokens[None]).logits[0]
+    weights = dict(ckpt.weights)
+    for n in ("alpha_p", "alpha_n"):
+        weights[f"model.layers.1.mlp.act_fn.{n}"] = weights[f"model.layers.0.mlp.act_fn.{n}"]
+    from ropekv.models.config import Checkpoint
+
+    shared = Checkpoint(ckpt.config, weights, ckpt.source, ckpt.fingerprint)
+    assert scaled(hf, ReferenceDecoder(shared).forward(tokens).logits) > 100 * TOL

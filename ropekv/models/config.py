@@ -21,7 +21,9 @@ from .families import FAMILIES, REFUSED, Family, canonical_weights, family_of
 
 ARCHITECTURES = tuple(FAMILIES)
 LAYER_TYPES = ("full_attention", "sliding_attention")
-ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu", "relu2")
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu", "relu2", "xielu")
+# xIELU's learned parameters, per layer under model.layers.{i}.mlp.act_fn. (apertus): shape of each
+XIELU_PARAMS = {"alpha_p": (1,), "alpha_n": (1,), "beta": (), "eps": ()}
 # Far above any real model (~130 layers): a config's layer count sizes lists built before any tensor is read.
 MAX_LAYERS = 4096
 
@@ -124,6 +126,8 @@ class ModelConfig:
             raise ConfigError("sliding_attention layers need a sliding_window")
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(f"activation {self.hidden_act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+        if self.hidden_act == "xielu" and (self.family.mlp != "plain" or self.moe is not None):
+            raise ConfigError("the xielu activation is modelled on a plain dense MLP only (apertus)")
         if self.layer_ropes is not None:
             if not isinstance(self.layer_ropes, tuple) or len(self.layer_ropes) != self.num_layers:
                 raise ConfigError(f"layer_ropes must be a tuple of {self.num_layers} RopeSpec or None entries")
@@ -258,6 +262,8 @@ class ModelConfig:
                                    p + "mlp.shared_expert_gate.weight": (1, h)})
             else:
                 shapes.update({p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i)})
+                if self.hidden_act == "xielu":
+                    shapes.update({p + "mlp.act_fn." + n: shape for n, shape in XIELU_PARAMS.items()})
             if fam.mlp == "gated" and moe is None:
                 shapes[p + "mlp.gate_proj.weight"] = (i, h)
             if self.attention_bias:
@@ -313,7 +319,7 @@ class Checkpoint:
         digest = hashlib.sha256()
         for k in sorted(weights):
             digest.update(k.encode())
-            digest.update(weights[k].contiguous().view(torch.uint8).numpy().tobytes())
+            digest.update(weights[k].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         return cls(cfg, weights, source, fingerprint_of(cfg, digest.hexdigest()))
 
     def with_config(self, config: ModelConfig) -> "Checkpoint":

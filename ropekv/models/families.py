@@ -178,6 +178,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            defaults={"tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
                      "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                          "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}}),
+    # Apertus: llama attention with per-head q/k RMSNorms, attention_layernorm / feedforward_layernorm,
+    # a plain up/down MLP with xIELU (learned alpha_p, alpha_n per layer; beta, eps buffers).
+    Family("apertus", ("ApertusForCausalLM",), attn_in="attention_layernorm", mlp_in="feedforward_layernorm",
+           mlp="plain", act_default="xielu", qkv_bias="attention_bias", o_bias="attention_bias", qk_norm="head",
+           defaults={"rope_parameters": {"rope_type": "llama3", "rope_theta": 12000000.0, "factor": 8.0,
+                                         "original_max_position_embeddings": 8192, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0}}),
     # OLMo (1): LayerNorm without weight or bias (eps 1e-5, fixed), q/k/v clamped to +-clip_qkv.
     Family("olmo", ("OlmoForCausalLM",), norm="layer_plain", eps_key=None, eps_default=1e-5,
            qkv_bias="attention_bias", o_bias="attention_bias", clip_qkv_key="clip_qkv"),
@@ -340,7 +347,6 @@ FAMILIES.update({f.name: f for f in (
 REFUSED: dict[str, str] = {
     "glm4_moe": "mixture-of-experts MLP with grouped routing",
     "hunyuan_v1_dense": "q/k norm applied after RoPE (the cached key is not a rotation of a raw key)",
-    "apertus": "xIELU activation with learned parameters",
     "llama4_text": "chunked attention, mixture of experts, L2 q/k norm and attention temperature tuning",
     "gpt_oss": "attention sinks and mixture of experts",
     "deepseek_v2": "multi-head latent attention (MLA): RoPE on a decoupled qk_rope_head_dim part",

@@ -200,9 +200,21 @@ class ReferenceDecoder:
         up = self._linear(h, p + "up_proj")
         if self.config.family.mlp == "gated":
             up = _activation(self._linear(h, p + "gate_proj"), self.config.hidden_act) * up
+        elif self.config.hidden_act == "xielu":
+            up = self._xielu(up, p + "act_fn.")
         else:
             up = _activation(up, self.config.hidden_act)
         return self._linear(up, p + "down_proj")
+
+    def _xielu(self, x: torch.Tensor, p: str) -> torch.Tensor:
+        """xIELU (arXiv 2411.13010) with the layer's learned parameters: ``a_p = softplus(alpha_p)``,
+        ``a_n = beta + softplus(alpha_n)``; ``a_p x^2 + beta x`` for ``x > 0``, else
+        ``a_n (exp(min(x, eps)) - 1 - x) + beta x``."""
+        w = {n: self._w[p + n] for n in ("alpha_p", "alpha_n", "beta", "eps")}
+        alpha_p = torch.log1p(torch.exp(w["alpha_p"]))
+        alpha_n = w["beta"] + torch.log1p(torch.exp(w["alpha_n"]))
+        negative = alpha_n * (torch.expm1(torch.minimum(x, w["eps"])) - x)
+        return torch.where(x > 0, alpha_p * x * x, negative) + w["beta"] * x
 
     def _moe(self, h: torch.Tensor, p: str, moe) -> torch.Tensor:
         """Route each token ``h [T, hidden]`` to its top-k experts and sum their gated MLPs by weight
