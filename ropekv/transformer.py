@@ -76,6 +76,7 @@ class LayerWeights:
     down_bias: torch.Tensor | None
     moe: MoeWeights | None = None
     mla: MlaWeights | None = None
+    xielu: tuple[torch.Tensor, ...] | None = None  # (alpha_p [1], alpha_n [1], beta [], eps []) of an xIELU MLP
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,6 +88,7 @@ class DecoderWeights:
     final_norm: Norm
     lm_head: torch.Tensor  # [vocab, hidden]
     layers: tuple[LayerWeights, ...]
+    lm_head_bias: torch.Tensor | None = None  # [vocab] (phi, gptj)
 
     @classmethod
     def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype, device: str | torch.device = "cpu") -> "DecoderWeights":
@@ -100,6 +102,8 @@ class DecoderWeights:
         def norm(name: str | None) -> Norm | None:
             if name is None:
                 return None
+            if fam.norm == "layer_plain":  # no tensors: weight one, no bias
+                return Norm("layer", torch.ones(cfg.hidden_size, device=device, dtype=dtype), None)
             weight = w[name + ".weight"]
             if fam.norm in ("rms_offset", "layer_offset"):
                 weight = (weight.float() + 1.0).to(dtype)
@@ -109,6 +113,7 @@ class DecoderWeights:
             parts = [w.get(n) for n in names]
             return None if any(t is None for t in parts) else torch.cat(parts)
 
+        attn_in, attn_out, mlp_in, mlp_out = cfg.norm_slots
         layers = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
@@ -137,10 +142,10 @@ class DecoderWeights:
                                  kv_a=w[a + "kv_a_proj_with_mqa.weight"], kv_a_bias=opt(a + "kv_a_proj_with_mqa.bias"),
                                  kv_a_norm=w[a + "kv_a_layernorm.weight"], kv_b=w[a + "kv_b_proj.weight"])
             layers.append(LayerWeights(
-                attn_in=norm(p + fam.attn_in if fam.attn_in else None),
-                attn_out=norm(p + fam.attn_out if fam.attn_out else None),
-                mlp_in=norm(p + fam.mlp_in if fam.mlp_in else None),
-                mlp_out=norm(p + fam.mlp_out if fam.mlp_out else None),
+                attn_in=norm(p + attn_in if attn_in else None),
+                attn_out=norm(p + attn_out if attn_out else None),
+                mlp_in=norm(p + mlp_in if mlp_in else None),
+                mlp_out=norm(p + mlp_out if mlp_out else None),
                 qkv=None if mla else torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]),
                 qkv_bias=cat([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"])
                 if cfg.attention_bias and not mla else None,
@@ -154,15 +159,19 @@ class DecoderWeights:
                 down_bias=opt(p + "mlp.down_proj.bias") if moe is None else None,
                 moe=moe,
                 mla=mla,
+                xielu=tuple(w[p + "mlp.act_fn." + n] for n in ("alpha_p", "alpha_n", "beta", "eps"))
+                if cfg.hidden_act == "xielu" else None,
             ))
         embed = w["model.embed_tokens.weight"]
         lm_head = embed if cfg.tie_word_embeddings else w["lm_head.weight"]
-        return cls(cfg, embed, norm(fam.final_norm), lm_head, tuple(layers))
+        return cls(cfg, embed, norm(fam.final_norm), lm_head, tuple(layers), opt("lm_head.bias"))
 
     def nbytes(self) -> int:
         seen: set[int] = set()
         total = 0
         tensors = [self.embed, self.final_norm.weight, self.lm_head]
+        if self.lm_head_bias is not None:
+            tensors.append(self.lm_head_bias)
         for lw in self.layers:
             for t in vars(lw).values():
                 if isinstance(t, Norm):
@@ -192,9 +201,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def apply_norm(x: torch.Tensor, norm: Norm | None, eps: float) -> torch.Tensor:
-    """``norm`` over the last dim of ``x`` (identity for None), computed in float32 or wider."""
+    """``norm`` over the last dim of ``x`` (identity for None), computed in float32 or wider. A weight
+    of more than one dim (``[H, D]``: a norm weight per head) multiplies after normalizing."""
     if norm is None:
         return x
+    if norm.weight.dim() > 1:
+        work = torch.float64 if x.dtype == torch.float64 else torch.float32
+        xf = x.to(work)
+        if norm.kind == "layer":
+            xf = F.layer_norm(xf, (x.shape[-1],), None, None, eps)
+        else:
+            xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        out = xf * norm.weight.to(work)
+        return (out + norm.bias.to(work) if norm.bias is not None else out).to(x.dtype)
     if norm.kind == "rms":
         out = rms_norm(x, norm.weight, eps)
         return out + norm.bias if norm.bias is not None else out
@@ -231,6 +250,8 @@ def project_qkv(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor) -> tuple[to
     if lw.mla is not None:
         return _mla_qkv(cfg, lw.mla, x)
     qkv = F.linear(x, lw.qkv, lw.qkv_bias)
+    if cfg.clip_qkv is not None:
+        qkv = qkv.clamp(-cfg.clip_qkv, cfg.clip_qkv)
     n, d = h.shape[0], cfg.head_dim
     q_end = cfg.num_heads * d
     k_end = q_end + cfg.num_kv_heads * d
@@ -241,7 +262,7 @@ def project_qkv(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor) -> tuple[to
     q = q.reshape(n, cfg.num_heads, d)
     k = k.reshape(n, cfg.num_kv_heads, d)
     v = v.reshape(n, cfg.num_kv_heads, d)
-    if lw.q_norm is not None and cfg.family.qk_norm == "head":
+    if lw.q_norm is not None and cfg.family.qk_norm in ("head", "per_head"):
         q = apply_norm(q, lw.q_norm, cfg.rms_norm_eps)
         k = apply_norm(k, lw.k_norm, cfg.rms_norm_eps)
     return q, k, v
@@ -271,8 +292,8 @@ def finish_layer(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor, attn_out: 
     if cfg.mla is not None:  # the values' zero padding (see _mla_qkv)
         attn_out = attn_out[..., :cfg.mla.v_head_dim]
     a = apply_norm(F.linear(attn_out.reshape(h.shape[0], -1), lw.o, lw.o_bias), lw.attn_out, eps)
-    if fam.parallel:  # attention and MLP both read the block's input norm
-        m = _mlp(cfg, lw, apply_norm(h, lw.attn_in, eps))
+    if cfg.parallel:  # attention and MLP both read the block input: through attn_in, or the MLP's own norm
+        m = _mlp(cfg, lw, apply_norm(h, lw.mlp_in if lw.mlp_in is not None else lw.attn_in, eps))
         return h + (a + m) * scale if scale != 1.0 else h + a + m
     h = h + a * scale if scale != 1.0 else h + a
     m = apply_norm(_mlp(cfg, lw, apply_norm(h, lw.mlp_in, eps)), lw.mlp_out, eps)
@@ -285,7 +306,16 @@ def _mlp(cfg: ModelConfig, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
     if cfg.family.mlp == "gated":
         gate, up = F.linear(x, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
         return F.linear(activation(gate, cfg.hidden_act) * up, lw.down, lw.down_bias)
-    return F.linear(activation(F.linear(x, lw.gate_up, lw.gate_up_bias), cfg.hidden_act), lw.down, lw.down_bias)
+    up = F.linear(x, lw.gate_up, lw.gate_up_bias)
+    act = _xielu(up, *lw.xielu) if lw.xielu is not None else activation(up, cfg.hidden_act)
+    return F.linear(act, lw.down, lw.down_bias)
+
+
+def _xielu(x: torch.Tensor, alpha_p: torch.Tensor, alpha_n: torch.Tensor, beta: torch.Tensor,
+           eps: torch.Tensor) -> torch.Tensor:
+    """xIELU with learned ``alpha_p``, ``alpha_n`` (through softplus) and fixed ``beta``, ``eps``."""
+    a_n = beta + F.softplus(alpha_n)
+    return torch.where(x > 0, F.softplus(alpha_p) * x * x + beta * x, (torch.expm1(torch.minimum(x, eps)) - x) * a_n + beta * x)
 
 
 def _moe(cfg: ModelConfig, mw: MoeWeights, x: torch.Tensor) -> torch.Tensor:
@@ -341,7 +371,7 @@ def _route(spec, mw: MoeWeights, logits: torch.Tensor) -> tuple[torch.Tensor, to
 
 def final_logits(cfg: ModelConfig, weights: DecoderWeights, h: torch.Tensor) -> torch.Tensor:
     """Logits ``[n, vocab]`` in float32 from the last hidden state ``h [n, hidden]``."""
-    logits = F.linear(apply_norm(h, weights.final_norm, cfg.rms_norm_eps), weights.lm_head).float()
+    logits = F.linear(apply_norm(h, weights.final_norm, cfg.rms_norm_eps), weights.lm_head, weights.lm_head_bias).float()
     if cfg.logits_scale != 1.0:
         logits = logits * cfg.logits_scale
     if cfg.final_softcap is not None:

@@ -136,13 +136,24 @@ ARCH_BASE: dict[str, Any] = dict(
 )
 
 
+def arch_kwargs(arch: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """``ARCH_BASE`` with ``overrides`` for ``model_type`` ``arch``, less the fields its config class
+    derives and cannot set (falcon's ``head_dim`` property)."""
+    from transformers import CONFIG_MAPPING
+
+    kwargs = {**ARCH_BASE, **overrides}
+    if isinstance(getattr(CONFIG_MAPPING[arch], "head_dim", None), property):
+        kwargs.pop("head_dim")
+    return kwargs
+
+
 def build_arch_model(arch: str, overrides: dict[str, Any]) -> torch.nn.Module:
     """A tiny random transformers model of ``model_type`` ``arch`` (seeded by its arguments), eval mode."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     key = json.dumps([arch, overrides], sort_keys=True, default=str)
     seed = zlib.crc32(key.encode())
-    config = AutoConfig.for_model(arch, **{**ARCH_BASE, **overrides})
+    config = AutoConfig.for_model(arch, **arch_kwargs(arch, overrides))
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
     randomize(model, seed)

@@ -19,7 +19,7 @@ from ropekv.adapters.hf import HFEngine
 from ropekv.adapters.native import NativeAdapter
 from ropekv.contract import CacheContract
 from ropekv.engine import Engine
-from ropekv.errors import ConfigError
+from ropekv.errors import ConfigError, UsageError
 from ropekv.models import ReferenceDecoder, load_checkpoint
 from ropekv.models.families import FAMILIES, REFUSED
 from ropekv.parity.cases import Case
@@ -73,13 +73,18 @@ VARIANTS = [
     ("gemma3_text", "gemma3_text", {**SW, "query_pre_attn_scalar": 16, "rope_parameters": {
         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
         "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}}),
+    ("apertus", "apertus", {}),
+    ("olmo", "olmo", {}),
+    ("olmo-clip-qkv", "olmo", {"clip_qkv": 0.5, "attention_bias": True}),
     ("olmo2", "olmo2", {}),
     ("olmo3", "olmo3", SW),
     ("exaone4", "exaone4", SW),
     ("cohere", "cohere", {"logit_scale": 0.5}),
+    ("cohere-qk-norm", "cohere", {"use_qk_norm": True}),
     ("cohere2-nope", "cohere2", SW),
     ("starcoder2", "starcoder2", {"sliding_window": W}),
     ("stablelm", "stablelm", {"use_qkv_bias": True}),
+    ("stablelm-qk-layernorm-parallel", "stablelm", {"qk_layernorm": True, "use_parallel_residual": True}),
     ("nemotron", "nemotron", {}),
     ("glm", "glm", {}),
     ("glm4", "glm4", {}),
@@ -87,6 +92,21 @@ VARIANTS = [
     ("phi3-longrope", "phi3", {"original_max_position_embeddings": 16, "rope_parameters": {
         "rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
         "short_factor": [1.0, 1.1, 1.2, 1.3], "long_factor": [2.0, 2.1, 2.2, 2.3]}}),
+    ("gpt_neox", "gpt_neox", {}),
+    ("gpt_neox-sequential", "gpt_neox", {"use_parallel_residual": False, "attention_bias": False,
+                                         "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
+                                                             "partial_rotary_factor": 0.5}}),
+    ("persimmon", "persimmon", {}),
+    ("persimmon-no-qk-layernorm", "persimmon", {"qk_layernorm": False}),
+    ("phi", "phi", {}),
+    ("phi-qk-layernorm", "phi", {"qk_layernorm": True, "partial_rotary_factor": 0.25}),
+    ("gptj", "gptj", {"rotary_dim": 8}),
+    ("gptj-whole-head", "gptj", {"rotary_dim": 16, "n_inner": 80}),
+    ("falcon", "falcon", {}),
+    ("falcon-new-architecture", "falcon", {"new_decoder_architecture": True, "num_kv_heads": 2}),
+    ("falcon-new-architecture-one-norm", "falcon", {"new_decoder_architecture": True, "num_kv_heads": 2,
+                                                    "num_ln_in_parallel_attn": 1, "bias": True}),
+    ("falcon-sequential", "falcon", {"multi_query": False, "parallel_attn": False, "bias": True}),
     ("mixtral", "mixtral", {"num_local_experts": 4, **MOE}),
     ("qwen2_moe", "qwen2_moe", {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
                                 "mlp_only_layers": [0], **MOE}),
@@ -171,8 +191,15 @@ def test_reference_engine_and_hf_adapter_match_transformers(arch, overrides, mak
     # through its attention interface), its cache-free forward against the reference, and ropekv's
     # engine from the saved checkpoint.
     cases = cases_for(ckpt.config)
+    native = NativeAdapter(ckpt, key_form="raw" if dependent else "rotated")
+    if FAMILIES[ckpt.config.architecture].hf_attention_inline:  # falcon: nothing to hook, refused by name
+        with pytest.raises(UsageError, match="computes attention inline"):
+            HFEngine(model)
+        report = check(native, cases=cases)
+        assert report.passed and max(c.max_attn_error for c in report.cases) < TOL, report.table()
+        return
     hf_engine = HFEngine(model)
-    for adapter in (hf_engine, NativeAdapter(ckpt, key_form="raw" if dependent else "rotated")):
+    for adapter in (hf_engine, native):
         report = check(adapter, cases=cases)
         assert report.passed, report.table()
         assert max(c.max_attn_error for c in report.cases) < TOL
@@ -278,7 +305,9 @@ _STRUCTURE = {"model_type", "architectures", "vocab_size", "hidden_size", "inter
               "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "layer_types",
               "num_local_experts", "num_experts", "moe_intermediate_size", "shared_expert_intermediate_size",
               "num_experts_per_tok", "original_max_position_embeddings", "rms_norm_eps", "layer_norm_eps",
-              "norm_epsilon", "norm_eps"}
+              "norm_epsilon", "norm_eps", "n_embd", "n_head", "n_layer", "n_positions", "n_inner", "layer_norm_epsilon",
+              "rotary_dim"}
+_STRUCTURE_OVERRIDES = {"gptj": {"rotary_dim": 8}}  # its default 64 exceeds the tiny head
 
 
 @pytest.mark.parametrize("arch", sorted(FAMILIES))
@@ -287,14 +316,79 @@ def test_omitted_fields_read_as_the_architectures_own_defaults(arch):
     and partial factor, windows) reads as the full config of transformers' own config class."""
     from transformers import AutoConfig
 
-    from conftest import ARCH_BASE
+    from conftest import arch_kwargs
     from ropekv.models.config import ModelConfig
 
-    base = {k: v for k, v in ARCH_BASE.items() if k != "tie_word_embeddings"}
+    kwargs = {k: v for k, v in arch_kwargs(arch, _STRUCTURE_OVERRIDES.get(arch, {})).items() if k != "tie_word_embeddings"}
     if FAMILIES[arch].attention == "mla":  # one KV head per query head; head_dim: the config class sets the rope part's
-        base.update(num_key_value_heads=base["num_attention_heads"], num_experts_per_tok=2)
-        del base["head_dim"]
-    full = AutoConfig.for_model(arch, **base).to_dict()
+        kwargs.update(num_key_value_heads=kwargs["num_attention_heads"], num_experts_per_tok=2)
+        kwargs.pop("head_dim", None)
+    full = AutoConfig.for_model(arch, **kwargs).to_dict()
     full["architectures"] = []
     minimal = {k: v for k, v in full.items() if k in _STRUCTURE}
     assert ModelConfig.from_hf_config(minimal) == ModelConfig.from_hf_config(full)
+
+
+def test_gpt_neox_legacy_fields_read_as_its_config_class_reads_them(make_arch_checkpoint, tmp_path):
+    """Checkpoints saved before transformers 5 name the RoPE rotary_pct / rotary_emb_base and the head
+    embed_out; the config class renames the first two (rotary_pct defaulting to 0.25), the loader the
+    third. The fused query_key_value rows are [heads, 3, head_dim]: read as [3, heads, head_dim] the
+    reference would not match transformers' forward (tested above)."""
+    import json
+
+    from transformers import GPTNeoXConfig
+
+    config = json.loads((make_arch_checkpoint("gpt_neox") / "config.json").read_text())
+    del config["rope_parameters"]
+    legacy = {**config, "rotary_pct": 0.5, "rotary_emb_base": 500.0}
+    (tmp_path / "config.json").write_text(json.dumps(legacy))
+    from ropekv.models.safetensors_dir import read_dir_config
+
+    rope = read_dir_config(tmp_path).rope
+    theirs = GPTNeoXConfig(**{k: v for k, v in legacy.items() if k != "model_type"}).rope_parameters
+    assert (rope.rotary_dim, rope.theta) == (16 * theirs["partial_rotary_factor"], theirs["rope_theta"]) == (8, 500.0)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert read_dir_config(tmp_path).rope.rotary_dim == 16 * GPTNeoXConfig().rope_parameters["partial_rotary_factor"]
+
+
+def test_gptj_reads_no_rope_field(make_arch_checkpoint, hf_model, tokens):
+    """GPT-J's sin/cos table is theta 10000 over rotary_dim channels whatever the config's RoPE fields
+    say: ropekv warns and reads them as it does, and its reference still matches transformers."""
+    path = make_arch_checkpoint("gptj", rotary_dim=8, rope_theta=500.0)
+    ckpt = load_checkpoint(path)
+    assert (ckpt.config.rope.theta, ckpt.config.rope.rotary_dim, ckpt.config.rope.layout) == (1e4, 8, "gptj")
+    assert any("rope_theta=500.0 is ignored" in w for w in ckpt.config.warnings)
+    with torch.no_grad():
+        hf = hf_model(path)(tokens[None]).logits[0]
+    assert scaled(hf, ReferenceDecoder(ckpt).forward(tokens).logits) < TOL
+
+
+@pytest.mark.parametrize("overrides,feature", [
+    ({"alibi": True}, "refused: alibi"),
+    ({"new_decoder_architecture": True, "parallel_attn": False}, "cannot run that layer"),
+    ({"parallel_attn": True, "num_ln_in_parallel_attn": 2}, "cannot run that layer"),
+])
+def test_falcon_configs_without_rope_or_without_a_runnable_layer_are_refused(overrides, feature, make_arch_checkpoint,
+                                                                            tmp_path):
+    import json
+
+    config = {**json.loads((make_arch_checkpoint("falcon") / "config.json").read_text()), **overrides}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=feature):
+        load_checkpoint(tmp_path)
+
+
+def test_apertus_xielu_parameters_are_read_per_layer(make_arch_checkpoint, hf_model, tokens):
+    """xIELU's alpha_p / alpha_n are learned per layer: the reference with layer 0's parameters on
+    every layer misses transformers, with each layer's own it matches (the sweep above)."""
+    path = make_arch_checkpoint("apertus")
+    ckpt = load_checkpoint(path)
+    with torch.no_grad():
+        hf = hf_model(path)(tokens[None]).logits[0]
+    weights = dict(ckpt.weights)
+    for n in ("alpha_p", "alpha_n"):
+        weights[f"model.layers.1.mlp.act_fn.{n}"] = weights[f"model.layers.0.mlp.act_fn.{n}"]
+    from ropekv.models.config import Checkpoint
+
+    shared = Checkpoint(ckpt.config, weights, ckpt.source, ckpt.fingerprint)
+    assert scaled(hf, ReferenceDecoder(shared).forward(tokens).logits) > 100 * TOL

@@ -26,6 +26,7 @@ V2 = {**MLA, "q_lora_rank": None}
 RUNS = [
     ("partial-rotary-all-channels", "stablelm", {}, 0),
     ("partial-rotary-all-channels", "glm", {}, 0),
+    ("partial-rotary-all-channels", "gpt_neox", {}, 0),
     ("local-rope-on-global-layers", "gemma3_text", GEMMA3, 1),
     ("global-rope-on-local-layers", "gemma3_text", GEMMA3, 0),
     ("nope-layer-rotated", "cohere2", SW, 1),
@@ -80,9 +81,9 @@ def test_clean_records_name_nothing(arch, overrides, make_arch_checkpoint):
                                   seq_len=step.position + 1) is None
 
 
-@pytest.mark.parametrize("arch", ["cohere", "glm"])
-def test_layout_mismatch_on_an_interleaved_model_is_named_by_the_harness(arch, make_arch_checkpoint):
-    ckpt = load_checkpoint(make_arch_checkpoint(arch))
+@pytest.mark.parametrize("arch,overrides", [("cohere", {}), ("glm", {}), ("gptj", {"rotary_dim": 8})])
+def test_layout_mismatch_on_an_interleaved_model_is_named_by_the_harness(arch, overrides, make_arch_checkpoint):
+    ckpt = load_checkpoint(make_arch_checkpoint(arch, **overrides))
     assert ckpt.config.rope.layout == "gptj"
     report = check(FAULTS["layout-mismatch"].adapter(ckpt), cases=CASES)
     assert not report.passed and report.diagnosis.kind == "layout_mismatch", report.table()

@@ -326,7 +326,7 @@ class ArchFault(Fault):
 ARCH_FAULTS: dict[str, ArchFault] = {f.name: f for f in (
     ArchFault("partial-rotary-all-channels", "partial_rotary_mismatch",
               "partial rotary applied to every channel of the head", "rotated", "any decode",
-              PartialRotaryAllChannels, needs="partial rotary (phi3, glm, stablelm, nemotron)", applies=_has_partial),
+              PartialRotaryAllChannels, needs="partial rotary (phi3, glm, stablelm, nemotron, gpt_neox)", applies=_has_partial),
     ArchFault("local-rope-on-global-layers", "layer_rope_mismatch",
               "global layers turn with the local layers' RoPE", "rotated", "any decode",
               LocalRopeOnGlobalLayers, needs="different RoPE on sliding and full layers (gemma3)",

@@ -49,6 +49,7 @@ import torch
 
 from ..errors import CheckpointError, RopeKVError, UsageError
 from ..models.config import Checkpoint
+from ..models.families import FAMILIES, family_of
 from ..parity.cases import Case
 from ..parity.protocol import CaseRun, FullRun, StepRecord, Tier
 from ..parity.recorder import AttentionRecorder
@@ -106,7 +107,7 @@ class HFEngine:
         self.cache_kind = cache or default
         if self.cache_kind not in CACHE_KINDS:
             raise UsageError(f"cache must be one of {', '.join(CACHE_KINDS)}, got {cache!r}")
-        self.layers = self._decoder_layers()
+        self.layers, self.attentions = self._decoder_layers()
         impl = model.config._attn_implementation
         if not isinstance(impl, str):
             raise UsageError(f"HFEngine needs one attention implementation for the model, got {impl!r}")
@@ -239,6 +240,9 @@ class HFEngine:
         with self._session():
             self._reset_rope()
             call = self._forward(tokens, 0, None, Case(length=1), rows=None, raw=True)[2]
+            if len(call.raw_keys) != len(self.layers):
+                raise UsageError(f"{type(self.model).__name__}: its raw keys have no module of their own to hook "
+                                 "(fused query_key_value, or a per-head k norm)")
             return tuple(call.raw_keys[i] for i in range(len(self.layers)))
 
     # ------------------------------------------------------------------ install / restore
@@ -270,21 +274,27 @@ class HFEngine:
             was_training = model.training
             undo.append(lambda: model.train(was_training))
             model.eval()
-            AttentionInterface.register(name, self._probe)
-            undo.append(lambda: AttentionInterface._global_mapping.pop(name, None))
-            if impl in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
-                AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[impl])
-                undo.append(lambda: AttentionMaskInterface._global_mapping.pop(name, None))
-            model.set_attn_implementation(name)
-            undo.append(lambda: model.set_attn_implementation(impl))
-            for i, layer in enumerate(self.layers):
-                attn = layer.self_attn
+            if self._attention_method is None:
+                AttentionInterface.register(name, self._probe)
+                undo.append(lambda: AttentionInterface._global_mapping.pop(name, None))
+                if impl in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
+                    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[impl])
+                    undo.append(lambda: AttentionMaskInterface._global_mapping.pop(name, None))
+                model.set_attn_implementation(name)
+                undo.append(lambda: model.set_attn_implementation(impl))
+            else:  # an architecture with its own attention method (GPT-J's _attn): wrap it per module
+                for attn in self.attentions:
+                    setattr(attn, self._attention_method, self._method_probe(attn))
+                    undo.append(lambda attn=attn: delattr(attn, self._attention_method))
+            for i, (layer, attn) in enumerate(zip(self.layers, self.attentions)):
                 k_mod = getattr(attn, "k_norm", None) or getattr(attn, "k_proj", None)
+                if getattr(attn, "k_layernorm", None) is not None:  # a k norm whose output layout varies
+                    k_mod = None
                 undo.append(layer.register_forward_pre_hook(self._hidden_hook(i), with_kwargs=True).remove)
                 undo.append(attn.register_forward_pre_hook(self._offset_hook(i), with_kwargs=True).remove)
                 if hasattr(attn, "kv_a_proj_with_mqa"):  # MLA: raw key = [k_nope from kv_b_proj, shared k_pe]
                     undo += [h.remove for h in self._mla_raw_key_hooks(i, attn)]
-                elif k_mod is not None:  # fused qkv_proj (phi3) has no separate raw-key module
+                elif k_mod is not None:  # fused qkv_proj (phi3, gpt_neox) has no separate raw-key module
                     undo.append(k_mod.register_forward_hook(self._raw_key_hook(i, attn.head_dim)).remove)
         except BaseException:
             self._uninstall()
@@ -316,7 +326,8 @@ class HFEngine:
 
     def _offset_hook(self, layer: int):
         def hook(module, args, kwargs):
-            call, cache = self._call, kwargs.get("past_key_values")
+            call = self._call
+            cache = kwargs.get("past_key_values", kwargs.get("layer_past"))  # gpt_neox: layer_past
             if call is not None and cache is not None:
                 hidden = args[0] if args else kwargs["hidden_states"]
                 call.kv_offset[layer] = int(cache.get_mask_sizes(hidden.shape[1], layer)[1])
@@ -350,6 +361,16 @@ class HFEngine:
                 call.raw_keys[layer] = torch.cat((k_nope, k_pe), dim=-1).detach().clone()
         return [attn.kv_a_proj_with_mqa.register_forward_hook(pe_hook),
                 attn.kv_b_proj.register_forward_hook(nope_hook)]
+    def _method_probe(self, module: torch.nn.Module):
+        """``module``'s own attention method (``Family.hf_attention_method``), recording first."""
+        original = getattr(module, self._attention_method)  # the bound class method
+
+        def probe(query, key, value, attention_mask=None, *args, **kwargs):
+            call = self._call
+            if call is not None and call.rows is not None:
+                self._record(call, module, query, key, attention_mask, {})
+            return original(query, key, value, attention_mask, *args, **kwargs)
+        return probe
 
     def _delegate(self, module: torch.nn.Module):
         impl = self.attn_implementation
@@ -438,12 +459,25 @@ class HFEngine:
     def _reset_rope(self) -> None:
         _apply_rope(self._fresh_rope)
 
-    def _decoder_layers(self) -> list[torch.nn.Module]:
-        base = getattr(self.model, getattr(self.model, "base_model_prefix", "model"), None)
-        layers = getattr(base, "layers", None)
-        if layers is None or not all(hasattr(l, "self_attn") for l in layers):
-            raise UsageError(f"{type(self.model).__name__}: expected decoder layers with a self_attn module")
-        return list(layers)
+    def _decoder_layers(self) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
+        """The decoder layers and their attention modules, where the architecture's description says
+        they are (``Family.layers_prefix`` / ``attn_module``; llama's names for an undescribed one)."""
+        config = self.model.config
+        name = family_of(list(getattr(config, "architectures", None) or []), getattr(config, "model_type", None))
+        fam = FAMILIES.get(name) if name is not None else None
+        where, attn_name = (fam.layers_prefix, fam.attn_module) if fam else ("model.layers", "self_attn")
+        self._attention_method = fam.hf_attention_method if fam else None
+        if fam is not None and fam.hf_attention_inline:
+            raise UsageError(f"{type(self.model).__name__}: transformers' {fam.name} computes attention inline (no "
+                             "attention interface, no attention method), so the transformers adapter cannot record "
+                             "it; check the checkpoint with ropekv's engine (ropekv check DIR)")
+        try:
+            layers = self.model.get_submodule(where)
+        except AttributeError:
+            layers = None
+        if layers is None or not all(hasattr(l, attn_name) for l in layers):
+            raise UsageError(f"{type(self.model).__name__}: expected decoder layers {where} with a {attn_name} module")
+        return list(layers), [getattr(l, attn_name) for l in layers]
 
 
 # ---------------------------------------------------------------------- helpers

@@ -22,7 +22,9 @@ from .families import FAMILIES, REFUSED, Family, canonical_weights, family_of
 
 ARCHITECTURES = tuple(FAMILIES)
 LAYER_TYPES = ("full_attention", "sliding_attention")
-ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu", "relu2")
+ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu", "relu2", "xielu")
+# xIELU's learned parameters, per layer under model.layers.{i}.mlp.act_fn. (apertus): shape of each
+XIELU_PARAMS = {"alpha_p": (1,), "alpha_n": (1,), "beta": (), "eps": ()}
 # Far above any real model (~130 layers): a config's layer count sizes lists built before any tensor is read.
 MAX_LAYERS = 4096
 
@@ -33,7 +35,8 @@ _HF_FIELD_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attentio
 # their defaults, so configs of the original four families keep their fingerprints.
 _LATER_FIELDS = {"hidden_act": "silu", "layer_ropes": None, "query_scale": None, "attn_softcap": None,
                  "final_softcap": None, "embedding_scale": 1.0, "residual_scale": 1.0, "logits_scale": 1.0,
-                 "moe": None, "mla": None}
+                 "moe": None, "mla": None, "parallel": False, "clip_qkv": None, "parallel_mlp_norm": False,
+                 "qkv_groups": None}
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,12 @@ class ModelConfig:
     logits_scale: float = 1.0
     moe: MoeSpec | None = None  # mixture-of-experts MLP on moe.sparse_layers (models/moe.py)
     mla: MlaSpec | None = None  # multi-head latent attention (models/mla.py): head_dim is the key's, nope + rope
+    parallel: bool = False  # attention and MLP both read the block input (family.parallel)
+    clip_qkv: float | None = None  # q, k, v clamped to [-clip_qkv, clip_qkv] after their projections
+    parallel_mlp_norm: bool = False  # a parallel block's MLP reads the input through its own norm (mlp_in)
+    # KV groups of a grouped fused qkv where fewer than num_kv_heads (Falcon's new decoder
+    # architecture: each group's key/value serves, and is cached for, each of its query heads)
+    qkv_groups: int | None = None
     warnings: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -120,6 +129,8 @@ class ModelConfig:
             raise ConfigError("sliding_attention layers need a sliding_window")
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(f"activation {self.hidden_act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
+        if self.hidden_act == "xielu" and (self.family.mlp != "plain" or self.moe is not None):
+            raise ConfigError("the xielu activation is modelled on a plain dense MLP only (apertus)")
         if self.layer_ropes is not None:
             if not isinstance(self.layer_ropes, tuple) or len(self.layer_ropes) != self.num_layers:
                 raise ConfigError(f"layer_ropes must be a tuple of {self.num_layers} RopeSpec or None entries")
@@ -128,10 +139,15 @@ class ModelConfig:
                     raise ConfigError(f"layer_ropes entries must be RopeSpecs over head_dim {self.head_dim}, got {spec!r}")
             if all(spec == self.rope for spec in self.layer_ropes):
                 object.__setattr__(self, "layer_ropes", None)  # normalize: one RoPE for every layer
-        for name in ("query_scale", "attn_softcap", "final_softcap"):
+        for name in ("query_scale", "attn_softcap", "final_softcap", "clip_qkv"):
             value = getattr(self, name)
             if value is not None and not (_is_real(value) and _finite(value) and value > 0):
                 raise ConfigError(f"config field {name!r} must be a finite number > 0 or null, got {value!r}")
+        if self.qkv_groups is not None and (not isinstance(self.qkv_groups, int) or isinstance(self.qkv_groups, bool)
+                                            or self.qkv_groups < 1 or self.num_kv_heads % self.qkv_groups
+                                            or self.num_heads % self.qkv_groups):
+            raise ConfigError(f"qkv_groups must divide num_kv_heads ({self.num_kv_heads}) and num_heads, "
+                              f"got {self.qkv_groups!r}")
         if self.moe is not None and not isinstance(self.moe, MoeSpec):
             raise ConfigError(f"config field 'moe' must be a MoeSpec or None, got {type(self.moe).__name__}")
         for name in ("embedding_scale", "residual_scale", "logits_scale"):
@@ -160,6 +176,15 @@ class ModelConfig:
     def family(self) -> Family:
         """How this architecture computes (norms, MLP, names, ...): :mod:`ropekv.models.families`."""
         return FAMILIES[self.architecture]
+
+    @property
+    def norm_slots(self) -> tuple[str | None, str | None, str | None, str | None]:
+        """The norms around attention and MLP, ``(attn_in, attn_out, mlp_in, mlp_out)`` (tensor names
+        under ``model.layers.{i}.``; None: no norm there). In a parallel block ``mlp_in`` is the
+        MLP's own norm of the block input (``parallel_mlp_norm``), None where it shares ``attn_in``."""
+        fam = self.family
+        mlp_in = (fam.mlp_in if self.parallel_mlp_norm else None) if self.parallel else fam.mlp_in
+        return fam.attn_in, fam.attn_out, mlp_in, fam.mlp_out
 
     @property
     def attn_scale(self) -> float:
@@ -226,18 +251,20 @@ class ModelConfig:
         h, d, i = self.hidden_size, self.head_dim, self.intermediate_size
         q, kv = self.num_heads * d, self.num_kv_heads * d
         final = fam.final_norm
-        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h), final + ".weight": (h,)}
-        if fam.norm_bias:
-            shapes[final + ".bias"] = (h,)
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h)}
+        norm_tensors = (".weight", ".bias") if fam.norm_bias else (".weight",)
+        if fam.norm == "layer_plain":  # no tensors
+            norm_tensors = ()
+        shapes.update({final + t: (h,) for t in norm_tensors})
         if not self.tie_word_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, h)
+        if fam.lm_head_bias:
+            shapes["lm_head.bias"] = (self.vocab_size,)
         for n in range(self.num_layers):
             p = f"model.layers.{n}."
-            for norm in (fam.attn_in, fam.attn_out, fam.mlp_in, fam.mlp_out):
+            for norm in self.norm_slots:
                 if norm is not None:
-                    shapes[p + norm + ".weight"] = (h,)
-                    if fam.norm_bias:
-                        shapes[p + norm + ".bias"] = (h,)
+                    shapes.update({p + norm + t: (h,) for t in norm_tensors})
             if self.mla is not None:
                 shapes.update(self._mla_shapes(p))
             else:
@@ -268,6 +295,8 @@ class ModelConfig:
                     shapes[p + "mlp.gate.e_score_correction_bias"] = (e,)
             else:
                 shapes.update({p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i)})
+                if self.hidden_act == "xielu":
+                    shapes.update({p + "mlp.act_fn." + n: shape for n, shape in XIELU_PARAMS.items()})
             if fam.mlp == "gated" and moe is None:
                 shapes[p + "mlp.gate_proj.weight"] = (i, h)
             if self.attention_bias and self.mla is None:
@@ -280,8 +309,11 @@ class ModelConfig:
                 if fam.mlp == "gated":
                     shapes[p + "mlp.gate_proj.bias"] = (i,)
             if self.qk_norm:
-                qn, kn = (d, d) if fam.qk_norm == "head" else (q, kv)
-                shapes.update({p + "self_attn.q_norm.weight": (qn,), p + "self_attn.k_norm.weight": (kn,)})
+                qn, kn = {"head": ((d,), (d,)), "per_head": ((self.num_heads, d), (self.num_kv_heads, d)),
+                          "projection": ((q,), (kv,))}[fam.qk_norm]
+                shapes.update({p + "self_attn.q_norm.weight": qn, p + "self_attn.k_norm.weight": kn})
+                if fam.qk_norm_bias:
+                    shapes.update({p + "self_attn.q_norm.bias": qn, p + "self_attn.k_norm.bias": kn})
         return shapes
 
     def _mla_shapes(self, p: str) -> dict[str, tuple[int, ...]]:
@@ -308,9 +340,10 @@ class ModelConfig:
 
     def split_sizes(self) -> dict[str, tuple[int, ...]]:
         """Rows of each part of the family's fused tensors (``self_attn.qkv_proj`` -> q, k, v rows)."""
-        q, kv, i = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim, self.intermediate_size
-        sizes = {"self_attn.qkv_proj": (q, kv, kv), "mlp.gate_up_proj": (i, i)}
-        return {name: sizes[name] for name in self.family.fused}
+        q, i = self.num_heads * self.head_dim, self.intermediate_size
+        kv = (self.qkv_groups or self.num_kv_heads) * self.head_dim  # rows of k and of v in the fused tensor
+        return {name: (q, kv, kv) if parts[0] == "self_attn.q_proj" else (i, i)
+                for name, parts in self.family.fused.items()}
 
 
 @dataclass(frozen=True, eq=False)
@@ -336,12 +369,12 @@ class Checkpoint:
         copied, where they already are); the fingerprint hashes the config and every weight byte."""
         cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_hf_config(dict(config), source=source)
         expected = cfg.expected_shapes()
-        state_dict = canonical_weights(cfg.family, cfg.num_layers, state_dict, cfg.split_sizes(), source)
+        state_dict = canonical_weights(cfg, state_dict, source)
         weights = {k: v.detach().to(torch.float32) for k, v in state_dict.items() if k in expected}
         digest = hashlib.sha256()
         for k in sorted(weights):
             digest.update(k.encode())
-            digest.update(weights[k].contiguous().view(torch.uint8).numpy().tobytes())
+            digest.update(weights[k].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         return cls(cfg, weights, source, fingerprint_of(cfg, digest.hexdigest()))
 
     def with_config(self, config: ModelConfig) -> "Checkpoint":

@@ -23,9 +23,16 @@ import torch
 
 from ..errors import CheckpointError
 
-NormKind = Literal["rms", "rms_offset", "layer", "layer_offset"]
+# "layer_plain": mean-centred LayerNorm with neither weight nor bias (OLMo), no tensors at all.
+NormKind = Literal["rms", "rms_offset", "layer", "layer_offset", "layer_plain"]
 MlpKind = Literal["gated", "plain"]
-QkNorm = Literal["none", "head", "projection"]
+# q/k norms: one weight [D] applied to every head, a weight per head [heads, D], or one weight over
+# the whole projection [heads * D].
+QkNorm = Literal["none", "head", "per_head", "projection"]
+# Rows of a fused query_key_value: q, then k, then v ("concat": phi3); or grouped by KV head,
+# [KVH, heads / KVH + 2, D]: each group's query heads, its key head, its value head ("grouped":
+# GPT-NeoX and Persimmon with one query head per group, [heads, 3, D]; Falcon).
+FusedQkv = Literal["concat", "grouped"]
 RopeLayers = Literal["all", "no_rope_layers", "sliding_only", "sliding_only_if_window"]
 Layout = Literal["neox", "gptj"]
 Flag = bool | str  # a constant, or the config.json field that decides it
@@ -38,21 +45,31 @@ class Family:
     Norm slots name the tensors (under ``model.layers.{i}.``) of the norms around attention and MLP:
     ``attn_in`` normalizes the block input before attention, ``attn_out`` the attention output before
     the residual add (gemma2, olmo2), ``mlp_in``/``mlp_out`` likewise for the MLP. ``parallel``: one
-    input norm feeds attention and MLP, both added to the residual (cohere).
+    input norm feeds attention and MLP, both added to the residual (cohere); a config field where
+    the architecture reads one (GPT-NeoX's ``use_parallel_residual``). ``parallel_mlp_norm``: in a
+    parallel block the MLP reads the block input through its own norm ``mlp_in`` (GPT-NeoX), else
+    through ``attn_in``.
+
+    Names: ``layers_prefix`` is where the checkpoint keeps its decoder layers (canonical:
+    ``model.layers``), ``top_names`` maps canonical names of tensors outside the layers to the
+    checkpoint's (``model.embed_tokens`` -> ``gpt_neox.embed_in``), ``names`` per-layer modules,
+    ``attn_module`` the attention module of a layer (for the transformers adapter's hooks),
+    ``stacked`` per-head modules ``{module}.{h}.weight`` stacked into one canonical ``[heads, D]``.
     """
 
     name: str
     classes: tuple[str, ...]
     norm: NormKind = "rms"
     norm_bias: bool = False
-    eps_key: str = "rms_norm_eps"
+    eps_key: str | None = "rms_norm_eps"  # None: eps_default, whatever the config says (OLMo's 1e-5)
     eps_default: float | None = None  # None: the field is required
     attn_in: str | None = "input_layernorm"
     attn_out: str | None = None
     mlp_in: str | None = "post_attention_layernorm"
     mlp_out: str | None = None
     final_norm: str = "model.norm"
-    parallel: bool = False
+    parallel: Flag = False
+    parallel_mlp_norm: bool = False
     mlp: MlpKind = "gated"
     act_key: str = "hidden_act"
     act_default: str = "silu"
@@ -60,7 +77,23 @@ class Family:
     o_bias: Flag = False
     mlp_bias: Flag = False
     qk_norm: QkNorm = "none"
-    qk_norm_key: str | None = None  # the config flag that switches qk_norm on (glm4_moe: use_qk_norm); None: always
+    qk_norm_flag: Flag = True  # the config field that switches the q/k norms on (stablelm's qk_layernorm)
+    qk_norm_bias: bool = False
+    head_dim_key: str | None = "head_dim"  # None: head_dim is hidden_size // num_attention_heads, always
+    kv_heads_key: str | None = "num_key_value_heads"  # None: one KV head per query head, always
+    lm_head_bias: bool = False
+    clip_qkv_key: str | None = None  # OLMo: q, k, v clamped to [-clip, clip] right after their projections
+    intermediate_multiple: int | None = None  # intermediate_size null: this many times hidden_size (gptj)
+    # "config": RoPE from the config's RoPE fields; "rotary_dim": theta 10000, no scaling, over the
+    # config's rotary_dim channels -- GPT-J's fixed sinusoidal table
+    rope_from: Literal["config", "rotary_dim"] = "config"
+    # a method of the attention module taking (query, key, value, mask) where the architecture does
+    # not call transformers' attention interface (GPT-J's _attn); the transformers adapter hooks it
+    hf_attention_method: str | None = None
+    hf_attention_inline: bool = False  # attention computed inline (Falcon): nothing for the adapter to hook
+    # "falcon": KV heads, fused-qkv groups and block layout from new_decoder_architecture /
+    # multi_query / parallel_attn / num_ln_in_parallel_attn (hf_config._falcon_layout); alibi refused
+    heads_rule: Literal["config", "falcon"] = "config"
     layout: Layout = "neox"
     partial_rotary: bool = False  # does the architecture honour partial_rotary_factor?
     rope_layers: RopeLayers = "all"
@@ -83,9 +116,17 @@ class Family:
     # cohere scales its logits by 0.0625, ...). Keys: config.json fields; "rope_theta",
     # "partial_rotary_factor" and "rope_parameters" apply only when the config names no RoPE at all.
     defaults: Mapping[str, object] = field(default_factory=dict)
+    # config.json field -> the field ropekv reads, where the config class renames it on load
+    # (GPT-NeoX's rotary_pct -> partial_rotary_factor); the new name wins when both are given
+    renamed: Mapping[str, str] = field(default_factory=dict)
+    layers_prefix: str = "model.layers"
+    attn_module: str = "self_attn"
+    top_names: Mapping[str, str] = field(default_factory=dict)  # canonical -> checkpoint module, outside layers
     names: Mapping[str, str] = field(default_factory=dict)  # canonical -> checkpoint module name, per layer
     aliases: Mapping[str, str] = field(default_factory=dict)  # checkpoint tensor name -> canonical, per layer
     fused: Mapping[str, tuple[str, ...]] = field(default_factory=dict)  # fused tensor -> canonical parts
+    fused_qkv: FusedQkv = "concat"
+    stacked: Mapping[str, str] = field(default_factory=dict)  # per-head checkpoint module -> canonical
     # Per-expert tensors as saved on disk: (module holding experts 0..E-1, (gate, up, down) names),
     # stacked into the canonical experts.gate_up_proj / experts.down_proj (models/moe.py).
     experts: tuple[str, tuple[str, str, str]] | None = None
@@ -139,6 +180,16 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            defaults={"tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
                      "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                          "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}}),
+    # Apertus: llama attention with per-head q/k RMSNorms, attention_layernorm / feedforward_layernorm,
+    # a plain up/down MLP with xIELU (learned alpha_p, alpha_n per layer; beta, eps buffers).
+    Family("apertus", ("ApertusForCausalLM",), attn_in="attention_layernorm", mlp_in="feedforward_layernorm",
+           mlp="plain", act_default="xielu", qkv_bias="attention_bias", o_bias="attention_bias", qk_norm="head",
+           defaults={"rope_parameters": {"rope_type": "llama3", "rope_theta": 12000000.0, "factor": 8.0,
+                                         "original_max_position_embeddings": 8192, "low_freq_factor": 1.0,
+                                         "high_freq_factor": 4.0}}),
+    # OLMo (1): LayerNorm without weight or bias (eps 1e-5, fixed), q/k/v clamped to +-clip_qkv.
+    Family("olmo", ("OlmoForCausalLM",), norm="layer_plain", eps_key=None, eps_default=1e-5,
+           qkv_bias="attention_bias", o_bias="attention_bias", clip_qkv_key="clip_qkv"),
     # OLMo 2/3: post-norm only (on attention and MLP outputs); q/k norms over the whole projection.
     Family("olmo2", ("Olmo2ForCausalLM",), attn_in=None, attn_out="post_attention_layernorm", mlp_in=None,
            mlp_out="post_feedforward_layernorm", qk_norm="projection", qkv_bias="attention_bias",
@@ -153,8 +204,10 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            defaults={"sliding_window": 4096}),
     # Cohere: mean-centred LayerNorm without bias, parallel attention + MLP, interleaved RoPE,
     # logits times logit_scale.
+    # use_qk_norm: LayerNorms with a weight per head ([heads, head_dim]), no bias.
     Family("cohere", ("CohereForCausalLM",), norm="layer", eps_key="layer_norm_eps", mlp_in=None, parallel=True,
            layout="gptj", qkv_bias="attention_bias", o_bias="attention_bias", logits_multiply_key="logit_scale",
+           qk_norm="per_head", qk_norm_flag="use_qk_norm",
            defaults={"tie_word_embeddings": True, "logit_scale": 0.0625, "rope_theta": 500000.0}),
     Family("cohere2", ("Cohere2ForCausalLM",), norm="layer", eps_key="layer_norm_eps", mlp_in=None, parallel=True,
            layout="gptj", qkv_bias="attention_bias", o_bias="attention_bias", logits_multiply_key="logit_scale",
@@ -166,8 +219,13 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            mlp_bias="use_bias", windows="mistral",
            names={"mlp.up_proj": "mlp.c_fc", "mlp.down_proj": "mlp.c_proj"},
            defaults={"tie_word_embeddings": True, "use_bias": True}),
+    # StableLM: head_dim from the hidden size; qk_layernorm: one bias-free LayerNorm per head
+    # (q_layernorm.norms.{h}), stacked into [heads, head_dim]; use_parallel_residual: attention and MLP
+    # share input_layernorm (there is no post_attention_layernorm then).
     Family("stablelm", ("StableLmForCausalLM",), norm="layer", norm_bias=True, eps_key="layer_norm_eps",
-           qkv_bias="use_qkv_bias", partial_rotary=True,
+           qkv_bias="use_qkv_bias", partial_rotary=True, head_dim_key=None, qk_norm="per_head",
+           qk_norm_flag="qk_layernorm", parallel="use_parallel_residual",
+           stacked={"self_attn.q_layernorm.norms": "self_attn.q_norm", "self_attn.k_layernorm.norms": "self_attn.k_norm"},
            defaults={"partial_rotary_factor": 0.25}),
     # Nemotron: LayerNorm with (1 + weight) and bias, ReLU^2 up/down MLP, partial rotary.
     Family("nemotron", ("NemotronForCausalLM",), norm="layer_offset", norm_bias=True, eps_key="norm_eps",
@@ -182,6 +240,81 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            attn_out="post_self_attn_layernorm", mlp_out="post_mlp_layernorm",
            fused={"mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")},
            defaults={"attention_bias": True, "partial_rotary_factor": 0.5}),
+    # GPT-NeoX (Pythia): fused query_key_value with rows [heads, 3, head_dim], no GQA, head_dim from
+    # the hidden size; partial rotary (rotary_pct, 0.25 by default); parallel residual by default,
+    # its MLP with its own input norm; LayerNorm with bias; biased plain GELU MLP.
+    Family("gpt_neox", ("GPTNeoXForCausalLM",), norm="layer", norm_bias=True, eps_key="layer_norm_eps",
+           parallel="use_parallel_residual", parallel_mlp_norm=True, mlp="plain",
+           act_default="gelu", qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=True,
+           partial_rotary=True, head_dim_key=None, kv_heads_key=None,
+           renamed={"rotary_pct": "partial_rotary_factor", "rotary_emb_base": "rope_theta"},
+           layers_prefix="gpt_neox.layers", attn_module="attention",
+           top_names={"model.embed_tokens": "gpt_neox.embed_in", "model.norm": "gpt_neox.final_layer_norm",
+                      "lm_head": "embed_out"},  # embed_out: checkpoints saved before transformers 5
+           names={"self_attn.o_proj": "attention.dense", "mlp.up_proj": "mlp.dense_h_to_4h",
+                  "mlp.down_proj": "mlp.dense_4h_to_h"},
+           fused={"attention.query_key_value": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")},
+           fused_qkv="grouped",
+           defaults={"partial_rotary_factor": 0.25, "use_parallel_residual": True, "attention_bias": True}),
+    # Persimmon: GPT-NeoX's fused query_key_value ([heads, 3, head_dim], no GQA); qk_layernorm (on by
+    # default): one LayerNorm with bias over head_dim, applied to every head; biased ReLU^2 MLP.
+    Family("persimmon", ("PersimmonForCausalLM",), norm="layer", norm_bias=True, eps_key="layer_norm_eps",
+           mlp="plain", act_default="relu2", qkv_bias=True, o_bias=True, mlp_bias=True, partial_rotary=True,
+           head_dim_key=None, kv_heads_key=None, qk_norm="head", qk_norm_flag="qk_layernorm", qk_norm_bias=True,
+           top_names={"model.norm": "model.final_layernorm"},
+           names={"self_attn.o_proj": "self_attn.dense", "self_attn.q_norm": "self_attn.q_layernorm",
+                  "self_attn.k_norm": "self_attn.k_layernorm", "mlp.up_proj": "mlp.dense_h_to_4h",
+                  "mlp.down_proj": "mlp.dense_4h_to_h"},
+           fused={"self_attn.query_key_value": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")},
+           fused_qkv="grouped",
+           defaults={"partial_rotary_factor": 0.5, "qk_layernorm": True}),
+    # Phi (1, 1.5, 2): attention and MLP in parallel on one input LayerNorm, biased q/k/v and `dense`
+    # output, biased plain fc1/fc2 MLP (GELU), biased lm_head, partial rotary; qk_layernorm: one
+    # LayerNorm with bias over head_dim for every head.
+    Family("phi", ("PhiForCausalLM",), norm="layer", norm_bias=True, eps_key="layer_norm_eps", mlp_in=None,
+           parallel=True, mlp="plain", act_default="gelu_new", qkv_bias=True, o_bias=True, mlp_bias=True,
+           lm_head_bias=True, partial_rotary=True, qk_norm="head", qk_norm_flag="qk_layernorm", qk_norm_bias=True,
+           top_names={"model.norm": "model.final_layernorm"},
+           names={"self_attn.o_proj": "self_attn.dense", "self_attn.q_norm": "self_attn.q_layernorm",
+                  "self_attn.k_norm": "self_attn.k_layernorm", "mlp.up_proj": "mlp.fc1", "mlp.down_proj": "mlp.fc2"},
+           defaults={"partial_rotary_factor": 0.5}),
+    # GPT-J: parallel block on ln_1, interleaved rotary over rotary_dim channels only (theta 10000
+    # fixed: its sin/cos table ignores every RoPE field), biased fc_in/fc_out MLP (4 x hidden when
+    # n_inner is null), biased lm_head, no q/k/v/out bias; its attention does not go through
+    # transformers' attention interface (GPTJAttention._attn is hooked instead).
+    Family("gptj", ("GPTJForCausalLM",), norm="layer", norm_bias=True, eps_key="layer_norm_epsilon", mlp_in=None,
+           parallel=True, mlp="plain", act_key="activation_function", act_default="gelu_new", mlp_bias=True,
+           lm_head_bias=True, layout="gptj", partial_rotary=True, head_dim_key=None, kv_heads_key=None,
+           rope_from="rotary_dim", intermediate_multiple=4, hf_attention_method="_attn",
+           ignored_fields=("intermediate_size", "rope_parameters", "rope_scaling", "rope_theta",
+                           "partial_rotary_factor"),
+           renamed={"n_embd": "hidden_size", "n_head": "num_attention_heads", "n_layer": "num_hidden_layers",
+                    "n_positions": "max_position_embeddings", "n_inner": "intermediate_size"},
+           layers_prefix="transformer.h", attn_module="attn",
+           top_names={"model.embed_tokens": "transformer.wte", "model.norm": "transformer.ln_f"},
+           names={"input_layernorm": "ln_1", "self_attn.q_proj": "attn.q_proj", "self_attn.k_proj": "attn.k_proj",
+                  "self_attn.v_proj": "attn.v_proj", "self_attn.o_proj": "attn.out_proj", "mlp.up_proj": "mlp.fc_in",
+                  "mlp.down_proj": "mlp.fc_out"},
+           defaults={"rotary_dim": 64}),
+    # Falcon (RoPE variants): fused query_key_value grouped by KV head ([KVH, heads / KVH + 2, D];
+    # multi_query: one KV head; new_decoder_architecture: num_kv_heads groups whose keys/values
+    # transformers broadcasts to every query head before caching, so the cache holds one per query
+    # head); parallel block on one norm or on ln_attn / ln_mlp; one `bias` flag; plain GELU MLP.
+    Family("falcon", ("FalconForCausalLM",), norm="layer", norm_bias=True, eps_key="layer_norm_epsilon",
+           eps_default=1e-5, parallel="parallel_attn", mlp="plain", act_key="activation", act_default="gelu",
+           qkv_bias="bias", o_bias="bias", mlp_bias="bias", head_dim_key=None, kv_heads_key=None,
+           heads_rule="falcon", hf_attention_inline=True, ignored_fields=("intermediate_size",),
+           renamed={"n_embed": "hidden_size", "n_head": "num_attention_heads", "n_layer": "num_hidden_layers",
+                    "ffn_hidden_size": "intermediate_size"},
+           intermediate_multiple=4, layers_prefix="transformer.h", attn_module="self_attention",
+           top_names={"model.embed_tokens": "transformer.word_embeddings", "model.norm": "transformer.ln_f"},
+           names={"self_attn.o_proj": "self_attention.dense", "mlp.up_proj": "mlp.dense_h_to_4h",
+                  "mlp.down_proj": "mlp.dense_4h_to_h"},
+           aliases={f"{ln}.{t}": f"{canonical}.{t}" for ln, canonical in
+                    (("ln_attn", "input_layernorm"), ("ln_mlp", "post_attention_layernorm")) for t in ("weight", "bias")},
+           fused={"self_attention.query_key_value": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")},
+           fused_qkv="grouped",
+           defaults={"tie_word_embeddings": True, "multi_query": True, "parallel_attn": True}),
     # Phi-3: fused qkv_proj and gate_up_proj, partial rotary, LongRoPE.
     Family("phi3", ("Phi3ForCausalLM",), partial_rotary=True, windows="mistral",
            fused={"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -229,7 +362,7 @@ FAMILIES.update({f.name: f for f in (
     # GLM-4.5 MoE: llama attention with q/k/v biases (attention_bias, none on o_proj), rotate_half partial
     # rotary (0.5 by default), per-head q/k RMSNorm iff use_qk_norm; deepseek_v3's sigmoid grouped routing.
     Family("glm4_moe", ("Glm4MoeForCausalLM",), moe="glm4_moe", partial_rotary=True, qkv_bias="attention_bias",
-           qk_norm="head", qk_norm_key="use_qk_norm", windows="none",
+           qk_norm="head", qk_norm_flag="use_qk_norm", windows="none",
            experts=("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
            defaults={"partial_rotary_factor": 0.5, "n_routed_experts": 128, "n_shared_experts": 1,
                      "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 8,
@@ -238,14 +371,7 @@ FAMILIES.update({f.name: f for f in (
 
 # Architectures ropekv refuses, with the feature that is not modelled yet (docs/architectures.md).
 REFUSED: dict[str, str] = {
-    "olmo": "non-parametric LayerNorm and clip_qkv",
-    "gpt_neox": "fused per-head interleaved query_key_value and parallel residual",
-    "phi": "parallel attention/MLP with a dense output and biased lm_head",
-    "persimmon": "fused per-head query_key_value and per-head LayerNorm q/k norms",
-    "gptj": "parallel block with interleaved partial rotary over fused-free GPT-J names (not described)",
-    "falcon": "fused multi-query query_key_value and alibi/rotary switch",
     "hunyuan_v1_dense": "q/k norm applied after RoPE (the cached key is not a rotation of a raw key)",
-    "apertus": "xIELU activation with learned parameters",
     "llama4_text": "chunked attention, mixture of experts, L2 q/k norm and attention temperature tuning",
     "gpt_oss": "attention sinks and mixture of experts",
     "qwen2_vl": "multimodal RoPE (mrope_section position streams)",
@@ -263,27 +389,33 @@ def family_of(architectures: list, model_type: str | None) -> str | None:
 
 
 def layer_tensor_names(family: Family, canonical: str) -> str:
-    """The checkpoint name (under ``model.layers.{i}.``) of a canonical per-layer tensor name."""
+    """The checkpoint name (under the family's ``layers_prefix.{i}.``) of a canonical per-layer tensor name."""
     stem, _, suffix = canonical.rpartition(".")
     return family.names.get(stem, stem) + "." + suffix
 
 
-def canonical_weights(family: Family, num_layers: int, weights: Mapping[str, torch.Tensor],
-                      split_sizes: Mapping[str, tuple[int, ...]], source: str) -> dict[str, torch.Tensor]:
-    """Checkpoint tensors under ropekv's canonical (llama-style) names: renamed per ``family.names``
-    and ``family.aliases``, fused tensors split into their parts (``split_sizes[fused]`` rows each, in
-    order), per-expert tensors stacked. Works on a saved checkpoint and on a live transformers
-    ``state_dict`` (which may already hold the stacked expert layout).
+def canonical_weights(config, weights: Mapping[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+    """Checkpoint tensors of ``config`` (a :class:`~ropekv.models.config.ModelConfig`) under ropekv's
+    canonical (llama-style) names: the family's ``layers_prefix`` read as ``model.layers``, renamed
+    per ``top_names``, ``names`` and ``aliases``, fused tensors split into their parts
+    (``config.split_sizes()`` rows each, in order; a ``grouped`` qkv regrouped by KV head first),
+    per-head tensors and per-expert tensors stacked. Works on a saved checkpoint and on a live
+    transformers ``state_dict`` (which may already hold the stacked expert layout).
 
     Unknown names pass through unchanged, so :func:`~ropekv.models.config.validate_weights` still
     names them as unexpected."""
+    family = config.family
+    split_sizes = config.split_sizes()
     renamed = {family.names[stem]: stem for stem in family.names}
+    top = {checkpoint: canonical for canonical, checkpoint in family.top_names.items()}
     out: dict[str, torch.Tensor] = {}
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}  # (layer prefix, part) -> expert -> tensor
+    heads: dict[tuple[str, str], dict[int, torch.Tensor]] = {}  # (layer prefix, canonical) -> head -> tensor
     for name, tensor in weights.items():
-        prefix, rest = _split_layer(name)
+        prefix, rest = _split_layer(name, family.layers_prefix)
         if prefix is None:
-            out[name] = tensor
+            stem, _, suffix = name.rpartition(".")
+            out[f"{top[stem]}.{suffix}" if stem in top else name] = tensor
             continue
         if rest in family.aliases:
             out[prefix + family.aliases[rest]] = tensor
@@ -293,19 +425,51 @@ def canonical_weights(family: Family, num_layers: int, weights: Mapping[str, tor
             if index.isdigit() and part.endswith(".weight") and part[:-7] in family.experts[1]:
                 experts.setdefault((prefix, part[:-7]), {})[int(index)] = tensor
                 continue
+        module, _, last = rest.rpartition(".")
+        group, _, index = module.rpartition(".")
+        if group in family.stacked and index.isdigit():
+            heads.setdefault((prefix, f"{family.stacked[group]}.{last}"), {})[int(index)] = tensor
+            continue
         stem, _, suffix = rest.rpartition(".")
         if stem in family.fused:
             parts, sizes = family.fused[stem], split_sizes[stem]
             if tensor.shape[0] != sum(sizes):
                 raise CheckpointError(f"{source}: tensor {name} has {tensor.shape[0]} rows, "
                                       f"{' + '.join(map(str, sizes))} needed for {', '.join(parts)}")
-            for part, piece in zip(parts, torch.split(tensor, list(sizes), dim=0)):
+            if family.fused_qkv == "grouped" and parts[0] == "self_attn.q_proj":
+                pieces = _ungroup_qkv(tensor, config.num_heads, config.qkv_groups or config.num_kv_heads,
+                                      config.num_kv_heads, config.head_dim)
+            else:
+                pieces = torch.split(tensor, list(sizes), dim=0)
+            for part, piece in zip(parts, pieces):
                 out[f"{prefix}{part}.{suffix}"] = piece
             continue
         out[f"{prefix}{renamed.get(stem, stem)}.{suffix}"] = tensor
+    for (prefix, canonical), by_head in heads.items():
+        if sorted(by_head) != list(range(len(by_head))):
+            raise CheckpointError(f"{source}: {prefix}{canonical}: per-head tensors 0..{len(by_head) - 1} needed, "
+                                  f"got heads {sorted(by_head)}")
+        out[prefix + canonical] = torch.stack([by_head[h] for h in range(len(by_head))])  # [heads, D]
     if experts:
         out.update(_stack_experts(family, experts, source))
     return out
+
+
+def _ungroup_qkv(tensor: torch.Tensor, num_heads: int, groups: int, num_kv_heads: int,
+                 head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows ``[groups, G + 2, D]`` (per group: its ``G = heads / groups`` query heads, its key, its
+    value) to q ``[heads * D]``, k and v ``[num_kv_heads * D]``. With one query head per group this is
+    GPT-NeoX's ``view(..., heads, 3 * D)`` then ``chunk(3)``; where ``num_kv_heads`` exceeds ``groups``
+    each group's key and value repeat for its query heads (Falcon's new decoder architecture
+    broadcasts them so before caching)."""
+    group = num_heads // groups
+    rest = tensor.shape[1:]
+    grouped = tensor.reshape(groups, group + 2, head_dim, *rest)
+    q = grouped[:, :group].reshape(num_heads * head_dim, *rest)
+    k, v = grouped[:, group], grouped[:, group + 1]  # [groups, D, ...]
+    repeat = num_kv_heads // groups
+    return (q, k.repeat_interleave(repeat, dim=0).reshape(num_kv_heads * head_dim, *rest),
+            v.repeat_interleave(repeat, dim=0).reshape(num_kv_heads * head_dim, *rest))
 
 
 def _stack_experts(family: Family, experts: dict, source: str) -> dict[str, torch.Tensor]:
@@ -327,9 +491,11 @@ def _stack_experts(family: Family, experts: dict, source: str) -> dict[str, torc
     return out
 
 
-def _split_layer(name: str) -> tuple[str | None, str]:
-    """``("model.layers.3.", "self_attn.q_proj.weight")`` for a per-layer name, else ``(None, name)``."""
-    parts = name.split(".")
-    if len(parts) > 3 and parts[0] == "model" and parts[1] == "layers" and parts[2].isdigit():
-        return ".".join(parts[:3]) + ".", ".".join(parts[3:])
+def _split_layer(name: str, layers_prefix: str) -> tuple[str | None, str]:
+    """``("model.layers.3.", "self_attn.q_proj.weight")`` for a per-layer name under ``layers_prefix``
+    (``gpt_neox.layers.3.attention.dense.weight`` -> ``model.layers.3.``), else ``(None, name)``."""
+    if name.startswith(layers_prefix + "."):
+        index, _, rest = name[len(layers_prefix) + 1:].partition(".")
+        if index.isdigit() and rest:
+            return f"model.layers.{index}.", rest
     return None, name

@@ -37,8 +37,13 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
     from .families import FAMILIES
 
     fam = FAMILIES[arch]
-    config = _with_defaults(fam, config)
     warnings: list[str] = []
+    config = dict(config)
+    for name in fam.ignored_fields:  # removed, so that nothing below reads them
+        value = config.pop(name, None)
+        if value is not None and value is not False:
+            warnings.append(f"{name}={value!r} is ignored: transformers' {arch} implementation never reads it")
+    config = _with_defaults(fam, _renamed(fam, config))
 
     def need(name: str, kind: type = int) -> Any:
         if name not in config or config[name] is None:
@@ -75,9 +80,6 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
             raise ConfigError(f"{source}: field {name!r} must be an integer >= {low}, got {value!r}")
         return value
 
-    for name in fam.ignored_fields:
-        if flag(name) if isinstance(config.get(name), bool) else config.get(name):
-            warnings.append(f"{name}={config[name]!r} is ignored: transformers' {arch} implementation never reads it")
 
     act = config.get(fam.act_key) or fam.act_default
     if act == "swish":
@@ -91,12 +93,26 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
     num_layers = need("num_hidden_layers")
     if not 1 <= num_layers <= MAX_LAYERS:
         raise ConfigError(f"{source}: field 'num_hidden_layers' must be in [1, {MAX_LAYERS}], got {num_layers}")
-    head_dim = config.get("head_dim") or (hidden // num_heads if num_heads else 0)
-    num_kv_heads = config.get("num_key_value_heads")
+    derived_dim = hidden // num_heads if num_heads else 0
+    head_dim = (config.get(fam.head_dim_key) if fam.head_dim_key else None) or derived_dim
+    num_kv_heads = config.get(fam.kv_heads_key) if fam.kv_heads_key else None
     if num_kv_heads is None:
         num_kv_heads = num_heads
+    block: dict[str, Any] = {"parallel": rule(fam.parallel), "parallel_mlp_norm": fam.parallel_mlp_norm}
+    if fam.heads_rule == "falcon":
+        num_kv_heads, block = _falcon_layout(config, num_heads, source, flag)
+    for key, used, why in (("head_dim", head_dim, "hidden_size // num_attention_heads"),
+                           ("num_key_value_heads", num_kv_heads, "its own KV head rule")):
+        if config.get(key) not in (None, used):
+            warnings.append(f"{key}={config[key]!r} is ignored: transformers' {arch} uses {used} ({why})")
+    if fam.intermediate_multiple and config.get("intermediate_size") is None:
+        config["intermediate_size"] = fam.intermediate_multiple * hidden
+    if fam.rope_from == "rotary_dim":
+        config["rope_parameters"] = _rotary_dim_rope(config, head_dim, source)
     sizes = {name: need(name) for name in ("vocab_size", "intermediate_size", "max_position_embeddings")}
-    if fam.eps_default is None:
+    if fam.eps_key is None:
+        eps = fam.eps_default
+    elif fam.eps_default is None:
         eps = float(need(fam.eps_key, float))
     else:
         eps = number(fam.eps_key, fam.eps_default)
@@ -150,21 +166,18 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
         logits_scale = 1.0 / divisor
     if fam.logits_multiply_key:
         logits_scale = number(fam.logits_multiply_key, 1.0)
-    qk_norm = fam.qk_norm != "none" and (fam.qk_norm_key is None or flag(fam.qk_norm_key))
+    qk_norm = fam.qk_norm != "none" and rule(fam.qk_norm_flag)
     moe = read_moe(fam.moe, config, num_layers, source) if fam.moe else None
     if fam.name == "deepseek_v2" and flag("norm_topk_prob"):
         warnings.append("norm_topk_prob=True is ignored: transformers' deepseek_v2 router never renormalizes")
-    if fam.name == "cohere" and flag("use_qk_norm"):
-        raise ConfigError(f"{source}: cohere use_qk_norm (per-head LayerNorm weights [heads, head_dim]) "
-                          "is not supported yet")
-    if fam.name == "stablelm" and (flag("qk_layernorm") or flag("use_parallel_residual")):
-        raise ConfigError(f"{source}: stablelm qk_layernorm / use_parallel_residual are not supported yet")
     fields = dict(
         tie_word_embeddings=flag("tie_word_embeddings"), attention_bias=rule(fam.qkv_bias), o_bias=rule(fam.o_bias),
         mlp_bias=rule(fam.mlp_bias),
         attn_softcap=number(fam.attn_softcap_key, None) if fam.attn_softcap_key else None,
         final_softcap=number(fam.final_softcap_key, None) if fam.final_softcap_key else None,
         residual_scale=number(fam.residual_scale_key, 1.0) if fam.residual_scale_key else 1.0,
+        **block,
+        clip_qkv=number(fam.clip_qkv_key, None) if fam.clip_qkv_key else None,
     )
     try:
         return cls(
@@ -212,6 +225,62 @@ def _mla_scale(config: Mapping[str, Any], qk_head_dim: int, source: str) -> floa
         raise ConfigError(f"{source}: mscale_all_dim {all_dim!r} needs a finite RoPE 'factor' > 0, got {factor!r}")
     mscale = 1.0 if factor <= 1 else 0.1 * all_dim * math.log(factor) + 1.0
     return scale * mscale * mscale
+def _falcon_layout(config: Mapping[str, Any], num_heads: int, source: str, flag) -> tuple[int, dict[str, Any]]:
+    """Falcon's KV heads as cached and its block, as ``FalconAttention`` / ``FalconDecoderLayer`` build
+    them: ``(num_kv_heads, {parallel, parallel_mlp_norm, qkv_groups})``. Combinations transformers
+    cannot run (its layer builds one set of norms and reads another) are refused, as is ALiBi."""
+    if flag("alibi"):
+        raise ConfigError(f"{source}: falcon with alibi=True uses ALiBi attention biases, not RoPE: ropekv has no "
+                          "RoPE to check there (refused: alibi)")
+    new, parallel = flag("new_decoder_architecture"), flag("parallel_attn")
+    groups = config.get("num_kv_heads") or num_heads
+    norms = config.get("num_ln_in_parallel_attn")
+    if new:
+        norms = 2 if norms is None else norms
+        if not parallel or norms not in (1, 2):
+            raise ConfigError(f"{source}: falcon new_decoder_architecture with parallel_attn={parallel} and "
+                              f"num_ln_in_parallel_attn={norms}: transformers' falcon cannot run that layer")
+        if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1 or num_heads % groups:
+            raise ConfigError(f"{source}: field 'num_kv_heads' must divide num_attention_heads, got {groups!r}")
+        return num_heads, {"parallel": True, "parallel_mlp_norm": norms == 2,
+                           "qkv_groups": None if groups == num_heads else groups}
+    if parallel and norms == 2:
+        raise ConfigError(f"{source}: falcon parallel_attn with num_ln_in_parallel_attn=2 outside the new decoder "
+                          "architecture: transformers' falcon cannot run that layer")
+    if flag("multi_query"):
+        return 1, {"parallel": parallel, "parallel_mlp_norm": False}
+    if groups != num_heads:
+        raise ConfigError(f"{source}: falcon without multi_query or the new decoder architecture has one KV head per "
+                          f"query head; num_kv_heads={groups!r} cannot be run by transformers")
+    return num_heads, {"parallel": parallel, "parallel_mlp_norm": False}
+
+
+def _rotary_dim_rope(config: Mapping[str, Any], head_dim: int, source: str) -> dict[str, Any]:
+    """GPT-J's RoPE: theta 10000, no scaling, the first ``rotary_dim`` channels (its config class
+    requires an integer there)."""
+    rotary = config.get("rotary_dim")
+    if not isinstance(rotary, int) or isinstance(rotary, bool) or not 0 < rotary <= head_dim or rotary % 2:
+        raise ConfigError(f"{source}: field 'rotary_dim' must be an even integer in [2, {head_dim}], got {rotary!r}")
+    factor = rotary / head_dim
+    if int(head_dim * factor) != rotary:
+        raise ConfigError(f"{source}: rotary_dim {rotary} of head_dim {head_dim} is not representable as a factor")
+    return {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": factor}
+
+
+def _renamed(fam: Family, config: Mapping[str, Any]) -> dict[str, Any]:
+    """``config`` with the fields the architecture's config class renames on load under their new
+    names (``Family.renamed``); a field given under its new name wins, as in the config class."""
+    out = dict(config)
+    for old, new in fam.renamed.items():
+        if old in out:
+            value = out.pop(old)
+            if new == "partial_rotary_factor" or new == "rope_theta":
+                params = out.get("rope_parameters")
+                if isinstance(params, Mapping) and params and not any(isinstance(v, Mapping) for v in params.values()):
+                    out["rope_parameters"] = {new: value, **params}  # setdefault into the flat RoPE dict
+                    continue
+            out.setdefault(new, value)
+    return out
 
 
 def _with_defaults(fam: Family, config: Mapping[str, Any]) -> dict[str, Any]:

@@ -96,12 +96,13 @@ class ReferenceDecoder:
             raise UsageError(f"key_mask must be a bool tensor [{T}, {T}]")
         index = torch.arange(T)  # visibility is by index (positions only rotate; they increase with it)
         fam = cfg.family
+        attn_in, attn_out_norm, mlp_in, mlp_out_norm = cfg.norm_slots
         x = self._w["model.embed_tokens.weight"][tokens] * cfg.embedding_scale  # [T, hidden]
         probes = []
         for layer in range(cfg.num_layers):
             p = f"model.layers.{layer}."
             hidden_in = x
-            h = self._norm(x, p, fam.attn_in)
+            h = self._norm(x, p, attn_in)
             if cfg.mla is not None:
                 q, k, v = self._mla_qkv(h, p)  # [T, H, D], [T, H, D], [T, H, v_head_dim]
             else:
@@ -121,13 +122,14 @@ class ReferenceDecoder:
                 if key_mask is not None:  # [block, stop] extra visibility (evicted keys)
                     scores = scores.masked_fill(~key_mask[start:stop, :stop][None], float("-inf"))
                 attn[start:stop] = self._attend(scores, v_heads[:stop])
-            attn_out = self._norm(self._linear(attn.reshape(T, -1), p + "self_attn.o_proj"), p, fam.attn_out)
-            if fam.parallel:  # cohere: attention and MLP both read the one input norm
-                x = x + (attn_out + self._mlp(h, p, layer)) * cfg.residual_scale
+            attn_out = self._norm(self._linear(attn.reshape(T, -1), p + "self_attn.o_proj"), p, attn_out_norm)
+            if cfg.parallel:  # attention and MLP both read the block input (through one norm, or each its own)
+                mlp_h = self._norm(hidden_in, p, mlp_in) if mlp_in is not None else h
+                x = x + (attn_out + self._mlp(mlp_h, p, layer)) * cfg.residual_scale
             else:
                 x = x + attn_out * cfg.residual_scale
-                mlp_out = self._mlp(self._norm(x, p, fam.mlp_in), p, layer)
-                x = x + self._norm(mlp_out, p, fam.mlp_out) * cfg.residual_scale
+                mlp_out = self._mlp(self._norm(x, p, mlp_in), p, layer)
+                x = x + self._norm(mlp_out, p, mlp_out_norm) * cfg.residual_scale
 
             if rows is not None:
                 probes.append(LayerProbe(
@@ -136,7 +138,10 @@ class ReferenceDecoder:
 
         x = self._norm(x, "", fam.final_norm)
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        logits = (x @ self._w[head].T) * cfg.logits_scale  # [T, vocab]
+        logits = x @ self._w[head].T  # [T, vocab]
+        if "lm_head.bias" in self._w:  # phi, gptj
+            logits = logits + self._w["lm_head.bias"]
+        logits = logits * cfg.logits_scale
         if cfg.final_softcap is not None:
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
         return ReferenceOutput(logits=logits, rows=None if rows is None else positions[rows], layers=tuple(probes))
@@ -160,13 +165,16 @@ class ReferenceDecoder:
         cfg, fam, T = self.config, self.config.family, h.shape[0]
         q = self._linear(h, p + "self_attn.q_proj")  # [T, H * D]
         k = self._linear(h, p + "self_attn.k_proj")  # [T, KVH * D]
-        v = self._linear(h, p + "self_attn.v_proj").view(T, cfg.num_kv_heads, cfg.head_dim)
+        v = self._linear(h, p + "self_attn.v_proj")  # [T, KVH * D]
+        if cfg.clip_qkv is not None:  # olmo: a model feature, clamped before anything else
+            q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
+        v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm and fam.qk_norm == "projection":  # olmo2: over the whole projection
             q = self._norm(q, p, "self_attn.q_norm")
             k = self._norm(k, p, "self_attn.k_norm")
         q = q.view(T, cfg.num_heads, cfg.head_dim)
         k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm and fam.qk_norm == "head":
+        if cfg.qk_norm and fam.qk_norm in ("head", "per_head"):  # per_head: weights [H, D] / [KVH, D]
             q = self._norm(q, p, "self_attn.q_norm")
             k = self._norm(k, p, "self_attn.k_norm")
         return q, k, v
@@ -196,15 +204,16 @@ class ReferenceDecoder:
         ``name`` None: no norm in this slot (identity).
 
         - ``rms``: ``x / sqrt(mean(x^2) + eps) * w``; ``rms_offset`` (gemma): times ``1 + w``;
-        - ``layer``: ``(x - mean) / sqrt(var + eps) * w (+ b)``; ``layer_offset`` (nemotron): ``1 + w``.
+        - ``layer``: ``(x - mean) / sqrt(var + eps) * w (+ b)``; ``layer_offset`` (nemotron): ``1 + w``;
+          ``layer_plain`` (olmo): no weight, no bias.
         """
         if name is None:
             return x
         kind, eps = self.config.family.norm, self.config.rms_norm_eps
-        weight = self._w[prefix + name + ".weight"]
+        weight = 1.0 if kind == "layer_plain" else self._w[prefix + name + ".weight"]
         if kind in ("rms_offset", "layer_offset"):
             weight = 1.0 + weight
-        if kind in ("layer", "layer_offset"):
+        if kind in ("layer", "layer_offset", "layer_plain"):
             x = x - x.mean(-1, keepdim=True)
         out = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
         bias = self._w.get(prefix + name + ".bias")
@@ -222,9 +231,21 @@ class ReferenceDecoder:
         up = self._linear(h, p + "up_proj")
         if self.config.family.mlp == "gated":
             up = _activation(self._linear(h, p + "gate_proj"), self.config.hidden_act) * up
+        elif self.config.hidden_act == "xielu":
+            up = self._xielu(up, p + "act_fn.")
         else:
             up = _activation(up, self.config.hidden_act)
         return self._linear(up, p + "down_proj")
+
+    def _xielu(self, x: torch.Tensor, p: str) -> torch.Tensor:
+        """xIELU (arXiv 2411.13010) with the layer's learned parameters: ``a_p = softplus(alpha_p)``,
+        ``a_n = beta + softplus(alpha_n)``; ``a_p x^2 + beta x`` for ``x > 0``, else
+        ``a_n (exp(min(x, eps)) - 1 - x) + beta x``."""
+        w = {n: self._w[p + n] for n in ("alpha_p", "alpha_n", "beta", "eps")}
+        alpha_p = torch.log1p(torch.exp(w["alpha_p"]))
+        alpha_n = w["beta"] + torch.log1p(torch.exp(w["alpha_n"]))
+        negative = alpha_n * (torch.expm1(torch.minimum(x, w["eps"])) - x)
+        return torch.where(x > 0, alpha_p * x * x, negative) + w["beta"] * x
 
     def _moe(self, h: torch.Tensor, p: str, moe) -> torch.Tensor:
         """Route each token ``h [T, hidden]`` to its top-k experts and sum their gated MLPs by weight

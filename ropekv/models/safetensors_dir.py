@@ -52,8 +52,7 @@ def load_safetensors_dir(path: str | Path, *, layout: str = "neox", weights_dige
     weights: dict[str, torch.Tensor] = {}
     for file, names in files.items():
         weights.update(_read_safetensors(file, names))
-    weights = _drop_derived(weights, config, root)
-    weights = canonical_weights(config.family, config.num_layers, weights, config.split_sizes(), str(root))
+    weights = _drop_derived(canonical_weights(config, weights, str(root)), config, root)
     checkpoint_fingerprint = fingerprint_of(config, weights_digest_hint or weights_digest(weights))
     return Checkpoint(config, weights, source=str(root), fingerprint=checkpoint_fingerprint)
 
