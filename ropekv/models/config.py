@@ -20,7 +20,7 @@ from .moe import MoeSpec
 from .families import FAMILIES, REFUSED, Family, canonical_weights, family_of
 
 ARCHITECTURES = tuple(FAMILIES)
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu", "relu2")
 # Far above any real model (~130 layers): a config's layer count sizes lists built before any tensor is read.
 MAX_LAYERS = 4096
@@ -32,7 +32,7 @@ _HF_FIELD_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attentio
 # their defaults, so configs of the original four families keep their fingerprints.
 _LATER_FIELDS = {"hidden_act": "silu", "layer_ropes": None, "query_scale": None, "attn_softcap": None,
                  "final_softcap": None, "embedding_scale": 1.0, "residual_scale": 1.0, "logits_scale": 1.0,
-                 "moe": None}
+                 "moe": None, "attention_chunk_size": None}
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,8 @@ class ModelConfig:
     """A decoder-only RoPE transformer in the terms ropekv needs; ``family`` says how it computes.
 
     ``layer_types[i]`` is ``"sliding_attention"`` for layers that see only the last ``sliding_window``
-    keys (HF semantics: key ``j`` visible to query ``i`` iff ``i - W < j <= i``). ``layer_ropes[i]``
+    keys (HF semantics: key ``j`` visible to query ``i`` iff ``i - W < j <= i``), ``"chunked_attention"``
+    for layers that see only the keys of their own chunk of ``attention_chunk_size`` positions. ``layer_ropes[i]``
     is layer ``i``'s :class:`RopeSpec`, or None for a layer without position embedding (NoPE);
     empty means ``rope`` on every layer. ``rms_norm_eps`` is the epsilon of every norm, whatever the
     norm kind. ``warnings`` name config fields the architecture's reference implementation ignores.
@@ -74,6 +75,7 @@ class ModelConfig:
     residual_scale: float = 1.0  # multiplies attention and MLP outputs before the residual add
     logits_scale: float = 1.0
     moe: MoeSpec | None = None  # mixture-of-experts MLP on moe.sparse_layers (models/moe.py)
+    attention_chunk_size: int | None = None  # chunked_attention layers: keys of the query's own chunk only
     warnings: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -116,6 +118,11 @@ class ModelConfig:
             raise ConfigError(f"unknown layer type(s) {bad[:5]}; supported: {', '.join(LAYER_TYPES)}")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ConfigError("sliding_attention layers need a sliding_window")
+        c = self.attention_chunk_size
+        if c is not None and (not isinstance(c, int) or isinstance(c, bool) or c < 1):
+            raise ConfigError(f"attention_chunk_size must be an integer >= 1, got {c!r}")
+        if "chunked_attention" in self.layer_types and c is None:
+            raise ConfigError("chunked_attention layers need an attention_chunk_size")
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(f"activation {self.hidden_act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
         if self.layer_ropes is not None:
@@ -159,6 +166,10 @@ class ModelConfig:
     def layer_window(self, layer: int) -> int | None:
         """The window of ``layer``, or None for full attention."""
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    def layer_chunk(self, layer: int) -> int | None:
+        """The chunk size of ``layer`` (a query at ``p`` sees keys at ``[floor(p/C)*C, p]``), or None."""
+        return self.attention_chunk_size if self.layer_types[layer] == "chunked_attention" else None
 
     def layer_moe(self, layer: int) -> MoeSpec | None:
         """The MoE MLP of ``layer``, or None where the layer's MLP is dense."""

@@ -71,8 +71,9 @@ class ReferenceDecoder:
         """Logits ``[T, vocab]`` for ``tokens [T]`` at positions ``0..T-1``, plus per-layer probes.
 
         ``window="model"`` gives each layer its configured window; an int applies that window to
-        every layer; None means full causal attention. Key ``j`` is visible to query ``i`` iff
-        ``j <= i`` and (no window, or ``i - W < j``, or ``j < sink_tokens``). Length-dependent RoPE
+        every layer (and no chunks); None means full causal attention. Key ``j`` is visible to query
+        ``i`` iff ``j <= i`` and (no window, or ``i - W < j``, or ``j < sink_tokens``); on a chunked
+        layer (``"model"`` only) also ``j >= floor(i / C) * C``, by position. Length-dependent RoPE
         (dynamic NTK, LongRoPE) uses ``seq_len = T``, as transformers does for a full forward.
 
         Cache operations (docs/ops.md) need two more things, both optional: ``positions [T]`` (strictly
@@ -86,6 +87,7 @@ class ReferenceDecoder:
         T = tokens.shape[0]
         rows = None if probe_rows is None else self._check_rows(probe_rows, T)
         windows = self._layer_windows(window)
+        chunks = [self.config.layer_chunk(i) if window == "model" else None for i in range(cfg.num_layers)]
         if not isinstance(sink_tokens, int) or isinstance(sink_tokens, bool) or sink_tokens < 0:
             raise UsageError(f"sink_tokens must be a non-negative integer, got {sink_tokens!r}")
 
@@ -123,7 +125,7 @@ class ReferenceDecoder:
             for start in range(0, T, block):
                 stop = min(T, start + block)  # causal: no query of the block sees a key at or past `stop`
                 scores = self._attn_logits(q_rot[start:stop], index[start:stop], k_heads[:stop],
-                                           windows[layer], sink_tokens)
+                                           windows[layer], sink_tokens, chunks[layer], positions)
                 if key_mask is not None:  # [block, stop] extra visibility (evicted keys)
                     scores = scores.masked_fill(~key_mask[start:stop, :stop][None], float("-inf"))
                 attn[start:stop] = self._attend(scores, v_heads[:stop])
@@ -225,15 +227,18 @@ class ReferenceDecoder:
         return max(1, min(_QUERY_BLOCK, (16 << 20) // per_query))
 
     def _attn_logits(
-        self, q_rot: torch.Tensor, rows: torch.Tensor, k_heads: torch.Tensor, window: int | None, sinks: int
+        self, q_rot: torch.Tensor, rows: torch.Tensor, k_heads: torch.Tensor, window: int | None, sinks: int,
+        chunk: int | None = None, positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Scaled, masked scores ``[H, R, T]`` of queries ``q_rot [R, H, D]`` at ``rows`` against the
-        keys ``k_heads [T, H, D]`` at positions ``0..T-1`` (already repeated per query head)."""
+        keys ``k_heads [T, H, D]`` (already repeated per query head); ``chunk``: a chunked layer, whose
+        chunks are cut by the tokens' ``positions``."""
         cfg = self.config
         scores = torch.einsum("rhd,thd->hrt", q_rot, k_heads) * cfg.attn_scale
         if cfg.attn_softcap is not None:  # gemma2: cap * tanh(scores / cap), before the mask
             scores = torch.tanh(scores / cfg.attn_softcap) * cfg.attn_softcap
-        return scores.masked_fill(~visible(rows, k_heads.shape[0], window, sinks), float("-inf"))
+        mask = visible(rows, k_heads.shape[0], window, sinks, chunk, positions)
+        return scores.masked_fill(~mask, float("-inf"))
 
     def _attend(self, scores: torch.Tensor, v_heads: torch.Tensor) -> torch.Tensor:
         """Softmax ``scores [H, R, T]`` over keys and mix ``v_heads [T, H, D]`` -> ``[R, H, D]``."""
@@ -299,12 +304,19 @@ def _activation(x: torch.Tensor, name: str) -> torch.Tensor:
     raise UsageError(f"activation {name!r} is not implemented")
 
 
-def visible(rows: torch.Tensor, num_keys: int, window: int | None, sink_tokens: int = 0) -> torch.Tensor:
+def visible(rows: torch.Tensor, num_keys: int, window: int | None, sink_tokens: int = 0,
+            chunk: int | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
     """Boolean mask ``[R, num_keys]``: key ``j`` visible to the query at position ``i = rows[r]`` iff
-    ``j <= i`` and (``window`` is None, or ``i - window < j``, or ``j < sink_tokens``)."""
+    ``j <= i`` and (``window`` is None, or ``i - window < j``, or ``j < sink_tokens``), and on a
+    chunked layer the key's position is in the query's chunk: ``pos(j) >= (pos(i) // chunk) * chunk``
+    (``positions [T]``: the tokens' positions; None: positions are the indices)."""
     i = rows[:, None]
     j = torch.arange(num_keys)[None, :]
     mask = j <= i
     if window is not None:
         mask &= (j > i - window) | (j < sink_tokens)
+    if chunk is not None:
+        pos = torch.arange(max(num_keys, int(rows.max()) + 1 if rows.numel() else 0)) if positions is None else positions
+        qpos, kpos = pos[rows][:, None], pos[:num_keys][None, :]
+        mask &= kpos >= (qpos // chunk) * chunk
     return mask
