@@ -55,7 +55,7 @@ def decode_batch(engine, seq_ids: list, tokens: torch.Tensor, *, probe: bool = F
     for layer, lw in enumerate(engine.weights.layers):
         kind = c.layer_attention(layer)  # full, sliding (window) or chunked
         rope = c.layer_rope(layer)  # None: a NoPE layer (the policy leaves its q/k unrotated)
-        q, k, v = project_qkv(cfg, lw, h)  # [B, H, D], [B, KVH, D], [B, KVH, D]
+        q, k, v = project_qkv(cfg, lw, h, positions)  # [B, H, D], [B, KVH, D], [B, KVH, D]
         rows = []
         for r, sid in enumerate(seq_ids):
             pos, ctx = positions[r:r + 1], ctxs[r].for_layer(layer)

@@ -234,7 +234,7 @@ class Engine:
             rope = c.layer_rope(layer)  # None: a NoPE layer (the policy leaves its q/k unrotated)
             ctx = step_ctx.for_layer(layer)
             g = groups[c.layer_attention(layer)]
-            q, k, v = project_qkv(cfg, lw, h)  # [n, H, D], [n, KVH, D], [n, KVH, D]
+            q, k, v = project_qkv(cfg, lw, h, positions)  # [n, H, D], [n, KVH, D], [n, KVH, D]
             # copy=False: the cached keys/values are read (or joined with this step's) right below,
             # before the cache can change.
             view = self.cache.view(seq_id, layer, copy=False) if seq_id is not None else None

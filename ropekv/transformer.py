@@ -33,7 +33,7 @@ class MoeWeights:
     down: torch.Tensor  # [E, hidden, I]
     shared_gate_up: torch.Tensor | None  # [2 * S, hidden]
     shared_down: torch.Tensor | None  # [hidden, S]
-    shared_gate: torch.Tensor | None  # [1, hidden]
+    shared_gate: torch.Tensor | None  # [1, hidden]; None: the shared expert is added ungated (llama4)
 
 
 @dataclass(frozen=True, eq=False)
@@ -53,6 +53,7 @@ class LayerWeights:
     down: torch.Tensor  # [hidden, intermediate]
     down_bias: torch.Tensor | None
     moe: MoeWeights | None = None
+    temperature: bool = False  # llama4 NoPE layers: queries scaled by position (query_temperature)
 
 
 @dataclass(frozen=True, eq=False)
@@ -86,6 +87,13 @@ class DecoderWeights:
             parts = [w.get(n) for n in names]
             return None if any(t is None for t in parts) else torch.cat(parts)
 
+        def qk_norm(layer: int, name: str) -> Norm | None:
+            if not cfg.layer_qk_norm(layer):
+                return None
+            if fam.qk_norm == "l2":  # llama4: RMS over the head without weights, as an RMSNorm of ones
+                return Norm("rms", torch.ones(cfg.head_dim, dtype=dtype, device=device), None)
+            return norm(name)
+
         layers = []
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
@@ -101,7 +109,7 @@ class DecoderWeights:
                     shared_gate_up=cat([p + "mlp.shared_expert.gate_proj.weight", p + "mlp.shared_expert.up_proj.weight"])
                     if shared else None,
                     shared_down=w[p + "mlp.shared_expert.down_proj.weight"] if shared else None,
-                    shared_gate=w[p + "mlp.shared_expert_gate.weight"] if shared else None)
+                    shared_gate=w[p + "mlp.shared_expert_gate.weight"] if shared and spec.shared_expert_gated else None)
             layers.append(LayerWeights(
                 attn_in=norm(p + fam.attn_in if fam.attn_in else None),
                 attn_out=norm(p + fam.attn_out if fam.attn_out else None),
@@ -109,8 +117,8 @@ class DecoderWeights:
                 mlp_out=norm(p + fam.mlp_out if fam.mlp_out else None),
                 qkv=torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]),
                 qkv_bias=cat([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]) if cfg.attention_bias else None,
-                q_norm=norm(a + "q_norm") if cfg.qk_norm else None,
-                k_norm=norm(a + "k_norm") if cfg.qk_norm else None,
+                q_norm=qk_norm(i, a + "q_norm"),
+                k_norm=qk_norm(i, a + "k_norm"),
                 o=w[a + "o_proj.weight"],
                 o_bias=opt(a + "o_proj.bias"),
                 gate_up=moe.gate_up.reshape(-1, cfg.hidden_size) if moe else cat([p + f"mlp.{m}.weight" for m in mlp]),
@@ -118,6 +126,7 @@ class DecoderWeights:
                 down=moe.down.reshape(cfg.hidden_size, -1) if moe else w[p + "mlp.down_proj.weight"],
                 down_bias=opt(p + "mlp.down_proj.bias") if moe is None else None,
                 moe=moe,
+                temperature=cfg.layer_temperature(i),
             ))
         embed = w["model.embed_tokens.weight"]
         lm_head = embed if cfg.tie_word_embeddings else w["lm_head.weight"]
@@ -189,8 +198,13 @@ def embed(cfg: ModelConfig, weights: DecoderWeights, tokens: torch.Tensor) -> to
     return h * cfg.embedding_scale if cfg.embedding_scale != 1.0 else h
 
 
-def project_qkv(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Raw (pre-RoPE) q ``[n, H, D]``, k ``[n, KVH, D]``, v ``[n, KVH, D]`` from hidden ``h [n, hidden]``."""
+def project_qkv(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw (pre-RoPE) q ``[n, H, D]``, k ``[n, KVH, D]``, v ``[n, KVH, D]`` from hidden ``h [n, hidden]``
+    at ``positions [n]`` (needed where the layer scales its queries by position: llama4's temperature).
+
+    llama4's L2 q/k norm runs here, before RoPE, although transformers runs it after: a rotation keeps
+    each head's norm, so both give the same keys (the config refuses RoPE with an attention factor there)."""
     x = apply_norm(h, lw.attn_in, cfg.rms_norm_eps)
     qkv = F.linear(x, lw.qkv, lw.qkv_bias)
     n, d = h.shape[0], cfg.head_dim
@@ -203,10 +217,21 @@ def project_qkv(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor) -> tuple[to
     q = q.reshape(n, cfg.num_heads, d)
     k = k.reshape(n, cfg.num_kv_heads, d)
     v = v.reshape(n, cfg.num_kv_heads, d)
-    if lw.q_norm is not None and cfg.family.qk_norm == "head":
+    if lw.q_norm is not None and cfg.family.qk_norm in ("head", "l2"):
         q = apply_norm(q, lw.q_norm, cfg.rms_norm_eps)
         k = apply_norm(k, lw.k_norm, cfg.rms_norm_eps)
+    if lw.temperature:
+        if positions is None:
+            raise ValueError("a layer with attention temperature tuning needs the query positions")
+        q = q * query_temperature(cfg, positions).to(q.device, q.dtype)[:, None, None]
     return q, k, v
+
+
+def query_temperature(cfg: ModelConfig, positions: torch.Tensor) -> torch.Tensor:
+    """llama4's attention temperature ``[n]`` at ``positions [n]`` (arXiv 2501.19399), in float32 as
+    transformers computes it: ``log1p(floor((p + 1) / floor_scale)) * attn_scale + 1``."""
+    p = positions.to(torch.float32)
+    return torch.log1p(torch.floor((p + 1.0) / cfg.temperature_floor_scale)) * cfg.temperature_attn_scale + 1.0
 
 
 def finish_layer(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
@@ -234,23 +259,29 @@ def _moe(cfg: ModelConfig, mw: MoeWeights, x: torch.Tensor) -> torch.Tensor:
     """Top-k routing of ``x [n, hidden]``; each expert runs once on the tokens routed to it."""
     spec = cfg.moe
     logits = F.linear(x, mw.router).float()  # [n, E]
+    scale_input = spec.router == "topk_sigmoid_input"
     if spec.router == "softmax_topk":
         weights, experts = torch.softmax(logits, dim=-1).topk(spec.top_k, dim=-1)
         if spec.normalize:
             weights = weights / weights.sum(-1, keepdim=True)
+    elif scale_input:  # llama4: sigmoid scores of the top k scale each expert's input
+        top, experts = logits.topk(spec.top_k, dim=-1)
+        weights = torch.sigmoid(top)
     else:
         top, experts = logits.topk(spec.top_k, dim=-1)
         weights = torch.softmax(top, dim=-1)
     out = torch.zeros_like(x)
     for e in torch.unique(experts).tolist():
         token, slot = torch.where(experts == e)
-        gate, up = F.linear(x[token], mw.gate_up[e]).chunk(2, dim=-1)
+        w = weights[token, slot, None].to(x.dtype)
+        xe = x[token] * w if scale_input else x[token]
+        gate, up = F.linear(xe, mw.gate_up[e]).chunk(2, dim=-1)
         y = F.linear(activation(gate, cfg.hidden_act) * up, mw.down[e])
-        out.index_add_(0, token, y * weights[token, slot, None].to(x.dtype))
+        out.index_add_(0, token, y if scale_input else y * w)
     if mw.shared_gate_up is not None:
         gate, up = F.linear(x, mw.shared_gate_up).chunk(2, dim=-1)
         shared = F.linear(activation(gate, cfg.hidden_act) * up, mw.shared_down)
-        out = out + torch.sigmoid(F.linear(x, mw.shared_gate)) * shared
+        out = out + (shared if mw.shared_gate is None else torch.sigmoid(F.linear(x, mw.shared_gate)) * shared)
     return out
 
 

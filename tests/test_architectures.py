@@ -32,6 +32,10 @@ W = 5  # sliding window of the windowed variants: wraps many times in 30 tokens
 SW = {"sliding_window": W, "layer_types": ["sliding_attention", "full_attention"]}
 PARTIAL = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
 MOE = {"num_experts_per_tok": 2}
+# llama4: chunks of 8 (30 tokens cross three boundaries), RoPE/NoPE alternating, the temperature rising
+# every 4 positions, MoE on layers 1 and 3 (4 experts, top 1, shared expert), dense layers of 80.
+LLAMA4 = {"num_hidden_layers": 4, "attention_chunk_size": 8, "no_rope_layer_interval": 2, "floor_scale": 4,
+          "attn_scale": 0.5, "num_local_experts": 4, "interleave_moe_layer_step": 2, "intermediate_size_mlp": 80}
 
 # (id, model_type, config overrides)
 VARIANTS = [
@@ -87,6 +91,7 @@ VARIANTS = [
     ("qwen3_moe", "qwen3_moe", {"num_experts": 4, "moe_intermediate_size": 32, "norm_topk_prob": True, **MOE}),
     ("granitemoe", "granitemoe", {"num_local_experts": 4, "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
                                   **MOE}),
+    ("llama4_text", "llama4_text", LLAMA4),
 ]
 
 BY_ID = {v[0]: v[1:] for v in VARIANTS}

@@ -13,6 +13,8 @@ from ropekv import check
 from ropekv.parity.layer_forensics import diagnose_layer
 
 CASES = [Case(length=17, block_size=7, decode_steps=3), Case(length=12, chunk=5, block_size=3, decode_steps=2)]
+LLAMA4 = {"num_hidden_layers": 2, "attention_chunk_size": 8, "no_rope_layer_interval": 2, "floor_scale": 4,
+          "attn_scale": 0.5, "num_local_experts": 4, "interleave_moe_layer_step": 2, "intermediate_size_mlp": 80}
 SW = {"sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"]}
 GEMMA3 = {**SW, "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
                                     "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}}
@@ -24,6 +26,7 @@ RUNS = [
     ("global-rope-on-local-layers", "gemma3_text", GEMMA3, 0),
     ("nope-layer-rotated", "cohere2", SW, 1),
     ("nope-layer-rotated", "smollm3", {"no_rope_layers": [1, 0]}, 1),
+    ("nope-layer-rotated", "llama4_text", LLAMA4, 1),  # a NoPE layer with the temperature-scaled query
 ]
 
 

@@ -146,3 +146,73 @@ def test_check_passes_on_chunked_layers_and_the_fault_is_named(chunked_llama):
     assert "of earlier chunks (chunk size 8" in report.diagnosis.evidence
     fd = next(c for c in report.cases if not c.passed).first_divergence
     assert fd.layer == 0 and fd.query_position >= C  # nothing to read wrongly inside the first chunk
+
+
+# ---------------------------------------------------------------------- llama4: chunks from the config
+
+LLAMA4 = {"num_hidden_layers": 2, "attention_chunk_size": C, "no_rope_layer_interval": 2, "floor_scale": 4,
+          "attn_scale": 0.5, "num_local_experts": 4, "interleave_moe_layer_step": 2, "intermediate_size_mlp": 80}
+
+
+@pytest.fixture(scope="module")
+def llama4(make_arch_checkpoint):
+    return load_checkpoint(make_arch_checkpoint("llama4_text", **LLAMA4))
+
+
+def test_llama4_contract_has_its_chunked_layers(llama4):
+    cfg = llama4.config
+    assert cfg.layer_types == ("chunked_attention", "full_attention") and cfg.attention_chunk_size == C
+    contract = CacheContract.for_model(cfg, key_form="rotated")
+    assert str(contract.layer_attention(0)) == "chunked(C=8)" and str(contract.layer_attention(1)) == "full"
+    assert contract.layer_rope(1) is None  # the full layer is the NoPE one
+
+
+@pytest.mark.parametrize("fault,kind,layer", [
+    ("chunked-layers-read-earlier-chunks", "chunk_mismatch", 0),
+    ("layout-mismatch", "layout_mismatch", 0),  # llama4 pairs channels 2m, 2m+1 (complex pairs)
+])
+def test_llama4_faults_are_named(llama4, fault, kind, layer):
+    from ropekv.adapters.faults import get_fault
+
+    report = check(get_fault(fault).adapter(llama4), cases=CASES)
+    assert not report.passed and report.diagnosis.kind == kind, report.table()
+    assert next(c for c in report.cases if not c.passed).first_divergence.layer == layer
+
+
+def _config(path) -> dict:
+    return json.loads((path / "config.json").read_text())
+
+
+def test_llama4_layer_types_follow_no_rope_layers_when_absent(make_arch_checkpoint):
+    from ropekv.models.config import ModelConfig
+
+    config = _config(make_arch_checkpoint("llama4_text", **LLAMA4))
+    del config["layer_types"]
+    config["no_rope_layers"] = [0, 1]  # Llama4TextConfig: 1 = the layer rotates (and is chunked)
+    cfg = ModelConfig.from_hf_config(config)
+    assert cfg.layer_types == ("full_attention", "chunked_attention")
+    assert cfg.layer_rope(0) is None and cfg.layer_rope(1) is not None
+    assert cfg.layer_temperature(0) and not cfg.layer_temperature(1)
+    assert not cfg.layer_qk_norm(0) and cfg.layer_qk_norm(1)  # the L2 norm only where the layer rotates
+
+
+def test_l2_qk_norm_with_a_rope_attention_factor_is_refused(make_arch_checkpoint):
+    """transformers normalizes after RoPE, dividing yarn's attention factor out again: not modelled."""
+    from ropekv.models.config import ModelConfig
+
+    config = _config(make_arch_checkpoint("llama4_text", **LLAMA4))
+    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                 "rope_theta": 1e4}
+    with pytest.raises(ConfigError, match="L2 q/k norm after RoPE with a RoPE attention factor"):
+        ModelConfig.from_hf_config(config)
+    config["use_qk_norm"] = False
+    assert ModelConfig.from_hf_config(config).rope.attention_factor > 1.0  # without the norm it is read
+
+
+def test_chunked_layers_on_an_architecture_without_them_are_refused(make_arch_checkpoint):
+    from ropekv.models.config import ModelConfig
+
+    config = {**_config(make_arch_checkpoint("llama")), "layer_types": ["chunked_attention", "full_attention"],
+              "attention_chunk_size": 8}
+    with pytest.raises(ConfigError, match="transformers' llama has no chunked attention"):
+        ModelConfig.from_hf_config(config)

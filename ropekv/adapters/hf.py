@@ -412,7 +412,10 @@ class HFEngine:
         _apply_rope(self._fresh_rope)
 
     def _decoder_layers(self) -> list[torch.nn.Module]:
+        # Llama4ForCausalLM names its prefix "language_model" (for the multimodal checkpoint) but holds "model".
         base = getattr(self.model, getattr(self.model, "base_model_prefix", "model"), None)
+        if base is None:
+            base = getattr(self.model, "model", None)
         layers = getattr(base, "layers", None)
         if layers is None or not all(hasattr(l, "self_attn") for l in layers):
             raise UsageError(f"{type(self.model).__name__}: expected decoder layers with a self_attn module")

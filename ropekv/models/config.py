@@ -32,7 +32,8 @@ _HF_FIELD_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attentio
 # their defaults, so configs of the original four families keep their fingerprints.
 _LATER_FIELDS = {"hidden_act": "silu", "layer_ropes": None, "query_scale": None, "attn_softcap": None,
                  "final_softcap": None, "embedding_scale": 1.0, "residual_scale": 1.0, "logits_scale": 1.0,
-                 "moe": None, "attention_chunk_size": None}
+                 "moe": None, "attention_chunk_size": None, "temperature_floor_scale": None,
+                 "temperature_attn_scale": 0.0}
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,10 @@ class ModelConfig:
     logits_scale: float = 1.0
     moe: MoeSpec | None = None  # mixture-of-experts MLP on moe.sparse_layers (models/moe.py)
     attention_chunk_size: int | None = None  # chunked_attention layers: keys of the query's own chunk only
+    # llama4's attention temperature tuning on NoPE layers: queries times
+    # log1p(floor((position + 1) / floor_scale)) * attn_scale + 1; None: no tuning
+    temperature_floor_scale: float | None = None
+    temperature_attn_scale: float = 0.0
     warnings: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -139,7 +144,10 @@ class ModelConfig:
                 raise ConfigError(f"config field {name!r} must be a finite number > 0 or null, got {value!r}")
         if self.moe is not None and not isinstance(self.moe, MoeSpec):
             raise ConfigError(f"config field 'moe' must be a MoeSpec or None, got {type(self.moe).__name__}")
-        for name in ("embedding_scale", "residual_scale", "logits_scale"):
+        t = self.temperature_floor_scale
+        if t is not None and not (_is_real(t) and _finite(t) and t > 0):
+            raise ConfigError(f"config field 'temperature_floor_scale' must be a finite number > 0 or null, got {t!r}")
+        for name in ("embedding_scale", "residual_scale", "logits_scale", "temperature_attn_scale"):
             value = getattr(self, name)
             if not (_is_real(value) and _finite(value)):
                 raise ConfigError(f"config field {name!r} must be a finite number, got {value!r}")
@@ -170,6 +178,14 @@ class ModelConfig:
     def layer_chunk(self, layer: int) -> int | None:
         """The chunk size of ``layer`` (a query at ``p`` sees keys at ``[floor(p/C)*C, p]``), or None."""
         return self.attention_chunk_size if self.layer_types[layer] == "chunked_attention" else None
+
+    def layer_temperature(self, layer: int) -> bool:
+        """Whether ``layer``'s queries are scaled by llama4's position-dependent temperature (NoPE layers)."""
+        return self.temperature_floor_scale is not None and self.layer_rope(layer) is None
+
+    def layer_qk_norm(self, layer: int) -> bool:
+        """Whether ``layer`` normalizes q and k (llama4's L2 norm only on layers that rotate)."""
+        return self.qk_norm and (self.family.qk_norm != "l2" or self.layer_rope(layer) is not None)
 
     def layer_moe(self, layer: int) -> MoeSpec | None:
         """The MoE MLP of ``layer``, or None where the layer's MLP is dense."""
@@ -243,8 +259,9 @@ class ModelConfig:
                     s = moe.shared_expert_size
                     shapes.update({p + "mlp.shared_expert.gate_proj.weight": (s, h),
                                    p + "mlp.shared_expert.up_proj.weight": (s, h),
-                                   p + "mlp.shared_expert.down_proj.weight": (h, s),
-                                   p + "mlp.shared_expert_gate.weight": (1, h)})
+                                   p + "mlp.shared_expert.down_proj.weight": (h, s)})
+                    if moe.shared_expert_gated:
+                        shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
             else:
                 shapes.update({p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i)})
             if fam.mlp == "gated" and moe is None:
@@ -258,7 +275,7 @@ class ModelConfig:
                 shapes.update({p + "mlp.up_proj.bias": (i,), p + "mlp.down_proj.bias": (h,)})
                 if fam.mlp == "gated":
                     shapes[p + "mlp.gate_proj.bias"] = (i,)
-            if self.qk_norm:
+            if self.qk_norm and fam.qk_norm != "l2":  # llama4's L2 norm has no weights
                 qn, kn = (d, d) if fam.qk_norm == "head" else (q, kv)
                 shapes.update({p + "self_attn.q_norm.weight": (qn,), p + "self_attn.k_norm.weight": (kn,)})
         return shapes

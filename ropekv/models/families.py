@@ -25,7 +25,7 @@ from ..errors import CheckpointError
 
 NormKind = Literal["rms", "rms_offset", "layer", "layer_offset"]
 MlpKind = Literal["gated", "plain"]
-QkNorm = Literal["none", "head", "projection"]
+QkNorm = Literal["none", "head", "projection", "l2"]  # l2: llama4's weightless per-head norm, RoPE layers only
 RopeLayers = Literal["all", "no_rope_layers", "sliding_only", "sliding_only_if_window"]
 Layout = Literal["neox", "gptj"]
 Flag = bool | str  # a constant, or the config.json field that decides it
@@ -63,8 +63,13 @@ class Family:
     layout: Layout = "neox"
     partial_rotary: bool = False  # does the architecture honour partial_rotary_factor?
     rope_layers: RopeLayers = "all"
-    windows: Literal["none", "mistral", "qwen2", "qwen3_moe", "layer_types"] = "layer_types"
-    moe: Literal["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe"] | None = None  # models/moe.py
+    windows: Literal["none", "mistral", "qwen2", "qwen3_moe", "layer_types", "llama4"] = "layer_types"
+    moe: Literal["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "llama4"] | None = None  # models/moe.py
+    dense_size_key: str = "intermediate_size"  # the dense MLP's size (llama4: intermediate_size_mlp)
+    # llama4 stores experts as [E, hidden, 2I] / [E, I, hidden]: transposed to the canonical layout
+    experts_transposed: bool = False
+    # llama4's attention temperature tuning on NoPE layers (attn_temperature_tuning, floor_scale, attn_scale)
+    attn_temperature: bool = False
     embedding_scale: Literal["none", "sqrt_hidden", "embedding_multiplier"] = "none"
     residual_scale_key: str | None = None  # granite: residual_multiplier
     attn_scale_key: str | None = None  # granite: attention_multiplier (the scale itself)
@@ -209,6 +214,26 @@ FAMILIES.update({f.name: f for f in (
                     "block_sparse_moe.output_linear.weight": "mlp.experts.down_proj"}),
 )})
 
+_LLAMA4_NAMES = {f"mlp.{m}": f"feed_forward.{m}" for m in (
+    "gate_proj", "up_proj", "down_proj", "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj",
+    "experts")}
+
+FAMILIES.update({f.name: f for f in (
+    # Llama 4 (text): interleaved RoPE (complex pairs) on chunked layers; every no_rope_layer_interval-th
+    # layer NoPE with full attention and a position-dependent query temperature; weightless L2 q/k norm
+    # on RoPE layers (after RoPE in transformers: the same as before it, a rotation keeps the norm, as long
+    # as cos/sin carry no attention factor); MoE with a sigmoid top-k router scaling the experts' input and
+    # an ungated shared expert, dense layers of intermediate_size_mlp.
+    Family("llama4_text", ("Llama4ForCausalLM",), layout="gptj", rope_layers="no_rope_layers", qk_norm="l2",
+           qkv_bias="attention_bias", o_bias="attention_bias", windows="llama4", moe="llama4",
+           dense_size_key="intermediate_size_mlp", experts_transposed=True, attn_temperature=True,
+           names={**_LLAMA4_NAMES, "mlp.gate": "feed_forward.router"},
+           defaults={"rope_theta": 500000.0, "attention_chunk_size": 8192, "use_qk_norm": True,
+                     "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1,
+                     "no_rope_layer_interval": 4, "num_experts_per_tok": 1, "num_local_experts": 16,
+                     "interleave_moe_layer_step": 1, "intermediate_size_mlp": 16384}),
+)})
+
 # Architectures ropekv refuses, with the feature that is not modelled yet (docs/architectures.md).
 REFUSED: dict[str, str] = {
     "glm4_moe": "mixture-of-experts MLP with grouped routing",
@@ -220,7 +245,6 @@ REFUSED: dict[str, str] = {
     "falcon": "fused multi-query query_key_value and alibi/rotary switch",
     "hunyuan_v1_dense": "q/k norm applied after RoPE (the cached key is not a rotation of a raw key)",
     "apertus": "xIELU activation with learned parameters",
-    "llama4_text": "chunked attention, mixture of experts, L2 q/k norm and attention temperature tuning",
     "gpt_oss": "attention sinks and mixture of experts",
     "deepseek_v2": "multi-head latent attention (MLA): RoPE on a decoupled qk_rope_head_dim part",
     "deepseek_v3": "multi-head latent attention (MLA): RoPE on a decoupled qk_rope_head_dim part",
@@ -270,6 +294,8 @@ def canonical_weights(family: Family, num_layers: int, weights: Mapping[str, tor
                 experts.setdefault((prefix, part[:-7]), {})[int(index)] = tensor
                 continue
         stem, _, suffix = rest.rpartition(".")
+        if family.experts_transposed and renamed.get(stem, stem) == "mlp.experts" and tensor.dim() == 3:
+            tensor = tensor.transpose(1, 2)  # [E, hidden, 2I] -> [E, 2I, hidden]; [E, I, hidden] -> [E, hidden, I]
         if stem in family.fused:
             parts, sizes = family.fused[stem], split_sizes[stem]
             if tensor.shape[0] != sum(sizes):

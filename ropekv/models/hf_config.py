@@ -94,7 +94,8 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
     num_kv_heads = config.get("num_key_value_heads")
     if num_kv_heads is None:
         num_kv_heads = num_heads
-    sizes = {name: need(name) for name in ("vocab_size", "intermediate_size", "max_position_embeddings")}
+    sizes = {name: need(name) for name in ("vocab_size", fam.dense_size_key, "max_position_embeddings")}
+    sizes["intermediate_size"] = sizes[fam.dense_size_key]
     if fam.eps_default is None:
         eps = float(need(fam.eps_key, float))
     else:
@@ -109,6 +110,15 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
     elif config.get("sliding_window") and fam.windows != "none" and fam.windows != "qwen2":
         warnings.append(f"sliding_window={config['sliding_window']!r} is ignored: no layer of this {arch} config "
                         "is a sliding_attention layer")
+
+    chunk = None
+    if "chunked_attention" in layer_types:
+        if fam.windows != "llama4":
+            raise ConfigError(f"{source}: layer type 'chunked_attention' on {arch}: transformers' {arch} has no "
+                              "chunked attention (only llama4 does)")
+        chunk = optional_int("attention_chunk_size", 1)
+        if chunk is None:
+            raise ConfigError(f"{source}: chunked_attention layers need an 'attention_chunk_size'")
 
     rope_layout = fam.layout if fam.layout != "neox" else layout
     ropes = _layer_ropes(fam, config, layer_types, rope_layout, source)
@@ -138,7 +148,19 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
         logits_scale = 1.0 / divisor
     if fam.logits_multiply_key:
         logits_scale = number(fam.logits_multiply_key, 1.0)
-    qk_norm = fam.qk_norm != "none"
+    qk_norm = flag("use_qk_norm") if fam.qk_norm == "l2" else fam.qk_norm != "none"
+    if qk_norm and fam.qk_norm == "l2" and any(r is not None and r.attention_factor != 1.0 for r in ropes):
+        # transformers normalizes after RoPE, which divides the attention factor of cos/sin out again;
+        # before RoPE (what a raw-key cache stores) it would stay: refuse rather than check another reading.
+        raise ConfigError(f"{source}: {arch} L2 q/k norm after RoPE with a RoPE attention factor != 1 "
+                          f"({next(r.attention_factor for r in ropes if r is not None and r.attention_factor != 1.0)}) "
+                          "is not modelled (the norm removes the factor again)")
+    temperature = {}
+    if fam.attn_temperature and flag("attn_temperature_tuning") and any(r is None for r in ropes):
+        floor = number("floor_scale", None)
+        if floor is None or floor <= 0:
+            raise ConfigError(f"{source}: attn_temperature_tuning needs a 'floor_scale' > 0, got {floor!r}")
+        temperature = dict(temperature_floor_scale=floor, temperature_attn_scale=number("attn_scale", None) or 0.0)
     moe = read_moe(fam.moe, config, num_layers, source) if fam.moe else None
     if fam.name == "cohere" and flag("use_qk_norm"):
         raise ConfigError(f"{source}: cohere use_qk_norm (per-head LayerNorm weights [heads, head_dim]) "
@@ -175,7 +197,9 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
             embedding_scale=embedding_scale,
             logits_scale=logits_scale,
             moe=moe,
+            attention_chunk_size=chunk,
             warnings=tuple(warnings),
+            **temperature,
             **fields,
         )
     except ConfigError as exc:
@@ -226,6 +250,14 @@ def _layer_types(fam: Family, config: Mapping[str, Any], num_layers: int, source
         if bad:
             raise ConfigError(f"{source}: unknown layer type(s) {bad[:5]}; supported: {', '.join(LAYER_TYPES)}")
         return list(given)
+    if fam.windows == "llama4":  # Llama4TextConfig: chunked where the layer rotates, full on NoPE layers
+        flags = config.get("no_rope_layers")
+        if not flags:
+            interval = config.get("no_rope_layer_interval", 4)
+            flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
+        if not isinstance(flags, list) or len(flags) != num_layers:
+            raise ConfigError(f"{source}: field 'no_rope_layers' must list one 0/1 per layer")
+        return ["chunked_attention" if f else "full_attention" for f in flags]
     if fam.windows == "mistral":
         sliding = optional_int("sliding_window", 1)
         return ["sliding_attention" if sliding else "full_attention"] * num_layers

@@ -1,4 +1,5 @@
-"""Mixture-of-experts MLPs as data: the router and the experts of mixtral, qwen2_moe, qwen3_moe, granitemoe.
+"""Mixture-of-experts MLPs as data: the router and the experts of mixtral, qwen2_moe, qwen3_moe, granitemoe,
+llama4.
 
 MoE changes nothing about RoPE or the cache, but a decoder that cannot run its MLP cannot be checked.
 :class:`MoeSpec` holds every number the MLP uses; both the float64 reference and the engine compute
@@ -11,17 +12,21 @@ Routers (transformers' ``*TopKRouter``):
 
 - ``softmax_topk`` (mixtral, qwen2_moe, qwen3_moe): softmax over all experts, keep the top k,
   renormalize them to sum 1 iff ``normalize``;
-- ``topk_softmax`` (granitemoe): top k router logits, softmax over those k.
+- ``topk_softmax`` (granitemoe): top k router logits, softmax over those k;
+- ``topk_sigmoid_input`` (llama4's ``Llama4Router``): top k router logits, their sigmoid is each
+  chosen expert's score, and the score multiplies the expert's *input* (``expert(h * score)``, not
+  ``score * expert(h)``: the experts are not linear); a shared expert of ``shared_expert_size`` is
+  added ungated (``shared_expert_gated=False``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping
+from typing import Any, Literal, Mapping, get_args
 
 from ..errors import ConfigError
 
-Router = Literal["softmax_topk", "topk_softmax"]
+Router = Literal["softmax_topk", "topk_softmax", "topk_sigmoid_input"]
 
 
 @dataclass(frozen=True)
@@ -33,9 +38,10 @@ class MoeSpec:
     normalize: bool  # renormalize the top-k probabilities (softmax_topk)
     shared_expert_size: int | None = None  # qwen2_moe: a gated shared expert of this intermediate size
     sparse_layers: tuple[int, ...] = ()  # layers whose MLP is the MoE; the others are dense
+    shared_expert_gated: bool = True  # qwen2_moe: times sigmoid(shared_expert_gate(h)); llama4: plain sum
 
     def __post_init__(self) -> None:
-        if self.router not in ("softmax_topk", "topk_softmax"):
+        if self.router not in get_args(Router):
             raise ConfigError(f"unknown MoE router {self.router!r}")
         for name in ("num_experts", "top_k", "expert_size"):
             v = getattr(self, name)
@@ -48,9 +54,12 @@ class MoeSpec:
             raise ConfigError(f"MoE shared_expert_size must be a positive integer, got {self.shared_expert_size!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"router": self.router, "num_experts": self.num_experts, "top_k": self.top_k,
-                "expert_size": self.expert_size, "normalize": self.normalize,
-                "shared_expert_size": self.shared_expert_size, "sparse_layers": list(self.sparse_layers)}
+        d = {"router": self.router, "num_experts": self.num_experts, "top_k": self.top_k,
+             "expert_size": self.expert_size, "normalize": self.normalize,
+             "shared_expert_size": self.shared_expert_size, "sparse_layers": list(self.sparse_layers)}
+        if not self.shared_expert_gated:  # written only where it differs: earlier fingerprints stay
+            d["shared_expert_gated"] = False
+        return d
 
 
 def read_moe(kind: str, config: Mapping[str, Any], num_layers: int, source: str) -> MoeSpec:
@@ -80,6 +89,20 @@ def read_moe(kind: str, config: Mapping[str, Any], num_layers: int, source: str)
     if kind == "mixtral":
         return MoeSpec("softmax_topk", experts, top_k, integer("intermediate_size"), normalize=True,
                        sparse_layers=layers)
+    if kind == "llama4":
+        # Llama4TextConfig: moe_layers, else every interleave_moe_layer_step-th layer from step - 1;
+        # experts and the shared expert have intermediate_size, dense layers intermediate_size_mlp.
+        step = integer("interleave_moe_layer_step") if config.get("interleave_moe_layer_step") is not None else 1
+        given = config.get("moe_layers")
+        if given is not None:
+            if not isinstance(given, list) or not all(isinstance(i, int) and 0 <= i < num_layers for i in given):
+                raise ConfigError(f"{source}: field 'moe_layers' must list layer indices in [0, {num_layers})")
+            layers = tuple(sorted(set(given)))
+        else:
+            layers = tuple(range(step - 1, num_layers, step))
+        size = integer("intermediate_size")
+        return MoeSpec("topk_sigmoid_input", experts, top_k, size, normalize=False, shared_expert_size=size,
+                       sparse_layers=layers, shared_expert_gated=False)
     if kind == "granitemoe":
         return MoeSpec("topk_softmax", experts, top_k, integer("intermediate_size"), normalize=False,
                        sparse_layers=layers)

@@ -115,8 +115,15 @@ class ReferenceDecoder:
                 q = self._norm(q, p, "self_attn.q_norm")
                 k = self._norm(k, p, "self_attn.k_norm")
             rope = cfg.layer_rope(layer)  # None: a NoPE layer
+            if cfg.layer_temperature(layer):  # llama4 NoPE layers: q * (log1p(floor((p + 1) / f)) * s + 1)
+                temp = torch.log1p(torch.floor((positions.to(self.dtype) + 1) / cfg.temperature_floor_scale))
+                q = q * (temp * cfg.temperature_attn_scale + 1)[:, None, None]
             q_rot = rope.rotate(q, positions, seq_len=T) if rope is not None else q  # [T, H, D]
             k_rot = rope.rotate(k, positions, seq_len=T) if rope is not None else k  # [T, KVH, D]
+            if fam.qk_norm == "l2" and cfg.layer_qk_norm(layer):
+                # llama4 normalizes after RoPE, as here; the probes' raw q/k are the normalized ones before
+                # RoPE (what a raw-key cache holds), equal to these turned back since a rotation keeps norms.
+                q_rot, k_rot, q, k = _l2(q_rot, cfg), _l2(k_rot, cfg), _l2(q, cfg), _l2(k, cfg)
 
             attn = torch.empty(T, cfg.num_heads, cfg.head_dim, dtype=self.dtype)
             kv_head = torch.arange(cfg.num_heads) // (cfg.num_heads // cfg.num_kv_heads)  # [H]
@@ -205,6 +212,9 @@ class ReferenceDecoder:
             weights, experts = torch.softmax(router_logits, dim=-1).topk(moe.top_k, dim=-1)
             if moe.normalize:
                 weights = weights / weights.sum(-1, keepdim=True)
+        elif moe.router == "topk_sigmoid_input":  # llama4: sigmoid of the top-k logits
+            top, experts = router_logits.topk(moe.top_k, dim=-1)
+            weights = torch.sigmoid(top)
         else:
             top, experts = router_logits.topk(moe.top_k, dim=-1)
             weights = torch.softmax(top, dim=-1)
@@ -212,11 +222,17 @@ class ReferenceDecoder:
         out = torch.zeros_like(h)
         for t in range(h.shape[0]):
             for e, w in zip(experts[t].tolist(), weights[t]):
-                gate, up = (gate_up[e] @ h[t]).chunk(2)
-                out[t] += w * (down[e] @ (_activation(gate, self.config.hidden_act) * up))
+                if moe.router == "topk_sigmoid_input":  # the score scales the expert's input
+                    gate, up = (gate_up[e] @ (w * h[t])).chunk(2)
+                    out[t] += down[e] @ (_activation(gate, self.config.hidden_act) * up)
+                else:
+                    gate, up = (gate_up[e] @ h[t]).chunk(2)
+                    out[t] += w * (down[e] @ (_activation(gate, self.config.hidden_act) * up))
         if moe.shared_expert_size is not None:
             shared = self._dense_mlp(h, p + "mlp.shared_expert.")
-            out = out + torch.sigmoid(h @ self._w[p + "mlp.shared_expert_gate.weight"].T) * shared
+            if moe.shared_expert_gated:
+                shared = torch.sigmoid(h @ self._w[p + "mlp.shared_expert_gate.weight"].T) * shared
+            out = out + shared
         return out
 
     def _query_block(self, num_keys: int) -> int:
@@ -286,6 +302,11 @@ class ReferenceDecoder:
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise UsageError(f"window must be 'model', None or a positive integer, got {window!r}")
         return [window] * n
+
+
+def _l2(x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """llama4's ``Llama4TextL2Norm`` over the last dim: ``x / sqrt(mean(x^2) + eps)``, no weights."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
 
 
 def _activation(x: torch.Tensor, name: str) -> torch.Tensor:
