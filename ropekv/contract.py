@@ -65,6 +65,11 @@ _CONSEQUENCES: dict[str, str] = {
     "rope.max_position_embeddings": (
         "length-dependent scaling (dynamic NTK, LongRoPE) would switch at another length: " + _FREQUENCIES
     ),
+    "rope.mrope_section": (
+        "one side turns sections of the channel pairs by three position streams (mRoPE: temporal, height, "
+        "width), the other by one position or other sections: the same only while all three streams are the "
+        "token's position (text); keys of image or video tokens would be read at the wrong angles"
+    ),
     "window": _WINDOW,
     "window_layers": "a layer windowed on one side is full on the other: " + _WINDOW,
     "chunk_size": "chunks would start at other positions: " + _WINDOW,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import build_arch_model
+from conftest import MULTIMODAL, TINY_VISION, build_arch_model
 from ropekv.adapters.hf import HFEngine
 from ropekv.adapters.native import NativeAdapter
 from ropekv.contract import CacheContract
@@ -34,6 +34,8 @@ PARTIAL = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor
 MOE = {"num_experts_per_tok": 2}
 # llama4: chunks of 8 (30 tokens cross three boundaries), RoPE/NoPE alternating, the temperature rising
 # every 4 positions, MoE on layers 1 and 3 (4 experts, top 1, shared expert), dense layers of 80.
+# Qwen2-VL's text model: mRoPE sections over the 8 frequency pairs of a 16-wide head (t, h, w streams).
+MROPE = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}
 LLAMA4 = {"num_hidden_layers": 4, "attention_chunk_size": 8, "no_rope_layer_interval": 2, "floor_scale": 4,
           "attn_scale": 0.5, "num_local_experts": 4, "interleave_moe_layer_step": 2, "intermediate_size_mlp": 80}
 
@@ -92,6 +94,8 @@ VARIANTS = [
     ("granitemoe", "granitemoe", {"num_local_experts": 4, "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
                                   **MOE}),
     ("llama4_text", "llama4_text", LLAMA4),
+    ("qwen2_vl", "qwen2_vl", {"rope_parameters": MROPE}),
+    ("qwen2_5_vl", "qwen2_5_vl", {"rope_parameters": MROPE}),
 ]
 
 BY_ID = {v[0]: v[1:] for v in VARIANTS}
@@ -272,7 +276,16 @@ def test_omitted_fields_read_as_the_architectures_own_defaults(arch):
     from conftest import ARCH_BASE
     from ropekv.models.config import ModelConfig
 
-    full = AutoConfig.for_model(arch, **{k: v for k, v in ARCH_BASE.items() if k != "tie_word_embeddings"}).to_dict()
+    base = {k: v for k, v in ARCH_BASE.items() if k != "tie_word_embeddings"}
+    if arch in MULTIMODAL:  # the text model's fields under text_config; the mRoPE sections are structure
+        sections = {"rope_type": "default", "mrope_section": MROPE["mrope_section"]}  # theta: the class default
+        full = AutoConfig.for_model(arch, text_config={**base, "rope_parameters": sections},
+                                    vision_config=TINY_VISION[arch]).to_dict()
+        text = {k: v for k, v in full["text_config"].items() if k in _STRUCTURE}
+        minimal = {"model_type": arch, "architectures": [],
+                   "text_config": {**text, "rope_parameters": {"mrope_section": MROPE["mrope_section"]}}}
+    else:
+        full = AutoConfig.for_model(arch, **base).to_dict()
+        minimal = {k: v for k, v in full.items() if k in _STRUCTURE}
     full["architectures"] = []
-    minimal = {k: v for k, v in full.items() if k in _STRUCTURE}
     assert ModelConfig.from_hf_config(minimal) == ModelConfig.from_hf_config(full)

@@ -153,6 +153,8 @@ VARIANTS = {
         "switch at another length",
     ),
     # per layer too: the layer whose attention kind differs is named (layers.1.attention)
+    "rope.mrope_section": (make(rope=ROPE.replace(mrope_section=(ROPE.rotary_dim // 2,))), {"rope.mrope_section"},
+                           "three position streams"),
     "window": (make(window=7), {"window", "layers.1.attention"},
                "the reader would see keys the writer dropped, or miss keys"),
     "window_layers": (make(window_layers=(0, 1)), {"window_layers", "layers.0.attention"}, "keys the writer dropped"),

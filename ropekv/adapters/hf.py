@@ -144,8 +144,11 @@ class HFEngine:
         # ropekv shows its own progress; transformers' loading bars and warnings would interleave with it.
         transformers.utils.logging.disable_progress_bar()
         transformers.utils.logging.set_verbosity_error()
+        auto = transformers.AutoModelForCausalLM
+        if _multimodal(folder):  # Qwen2-VL: the image-text class, checked as its text model
+            auto = transformers.AutoModelForImageTextToText
         try:
-            model = transformers.AutoModelForCausalLM.from_pretrained(
+            model = auto.from_pretrained(
                 folder, dtype=_DTYPES[dtype], local_files_only=True, trust_remote_code=False, use_safetensors=True,
                 attn_implementation=attn_implementation)
         except (OSError, ValueError, KeyError) as exc:
@@ -416,6 +419,8 @@ class HFEngine:
         base = getattr(self.model, getattr(self.model, "base_model_prefix", "model"), None)
         if base is None:
             base = getattr(self.model, "model", None)
+        if base is not None and not hasattr(base, "layers"):  # a multimodal model: its text model's layers
+            base = getattr(base, "language_model", None)
         layers = getattr(base, "layers", None)
         if layers is None or not all(hasattr(l, "self_attn") for l in layers):
             raise UsageError(f"{type(self.model).__name__}: expected decoder layers with a self_attn module")
@@ -423,6 +428,23 @@ class HFEngine:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _multimodal(folder: Path) -> bool:
+    """Whether ``folder``'s config names an architecture described through its text_config (Qwen2-VL)."""
+    import json
+
+    from ..models.families import FAMILIES, family_of
+
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False  # transformers' own loader reports it
+    if not isinstance(config, dict):
+        return False
+    archs = config.get("architectures") if isinstance(config.get("architectures"), list) else []
+    family = family_of(archs, config.get("model_type"))
+    return family is not None and FAMILIES[family].text_config
 
 
 def _visibility(mask, rows: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor,

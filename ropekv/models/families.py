@@ -70,6 +70,13 @@ class Family:
     experts_transposed: bool = False
     # llama4's attention temperature tuning on NoPE layers (attn_temperature_tuning, floor_scale, attn_scale)
     attn_temperature: bool = False
+    mrope: bool = False  # Qwen2-VL: rope_parameters.mrope_section (RopeSpec.mrope_section)
+    text_config: bool = False  # a multimodal config: the text model's fields are under text_config
+    head_dim_from_hidden: bool = False  # head_dim = hidden_size // num_attention_heads, a head_dim field ignored
+    # Whole-name prefixes: renamed (a live multimodal model's "model.language_model." -> "model.") or
+    # dropped (the vision tower, which ropekv does not check: docs/architectures.md).
+    prefixes: Mapping[str, str] = field(default_factory=dict)
+    dropped_prefixes: tuple[str, ...] = ()
     embedding_scale: Literal["none", "sqrt_hidden", "embedding_multiplier"] = "none"
     residual_scale_key: str | None = None  # granite: residual_multiplier
     attn_scale_key: str | None = None  # granite: attention_multiplier (the scale itself)
@@ -234,6 +241,17 @@ FAMILIES.update({f.name: f for f in (
                      "interleave_moe_layer_step": 1, "intermediate_size_mlp": 16384}),
 )})
 
+_QWEN2_VL = dict(qkv_bias=True, windows="qwen2", mrope=True, text_config=True, head_dim_from_hidden=True,
+                prefixes={"model.language_model.": "model."}, dropped_prefixes=("visual.", "model.visual."),
+                defaults={"rope_theta": 1000000.0})
+
+FAMILIES.update({f.name: f for f in (
+    # Qwen2-VL / Qwen2.5-VL, the text model of a text-only checkpoint: qwen2's decoder (q/k/v bias, no o
+    # bias, head_dim always hidden / heads) with mRoPE, whose three position streams coincide for text.
+    Family("qwen2_vl", ("Qwen2VLForConditionalGeneration",), **_QWEN2_VL),
+    Family("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), **_QWEN2_VL),
+)})
+
 # Architectures ropekv refuses, with the feature that is not modelled yet (docs/architectures.md).
 REFUSED: dict[str, str] = {
     "glm4_moe": "mixture-of-experts MLP with grouped routing",
@@ -248,7 +266,6 @@ REFUSED: dict[str, str] = {
     "gpt_oss": "attention sinks and mixture of experts",
     "deepseek_v2": "multi-head latent attention (MLA): RoPE on a decoupled qk_rope_head_dim part",
     "deepseek_v3": "multi-head latent attention (MLA): RoPE on a decoupled qk_rope_head_dim part",
-    "qwen2_vl": "multimodal RoPE (mrope_section position streams)",
 }
 
 _CLASS_TO_FAMILY = {c: f.name for f in FAMILIES.values() for c in f.classes}
@@ -278,6 +295,9 @@ def canonical_weights(family: Family, num_layers: int, weights: Mapping[str, tor
     Unknown names pass through unchanged, so :func:`~ropekv.models.config.validate_weights` still
     names them as unexpected."""
     renamed = {family.names[stem]: stem for stem in family.names}
+    if family.prefixes or family.dropped_prefixes:
+        weights = {_renamed_prefix(family, name): t for name, t in weights.items()
+                   if not name.startswith(family.dropped_prefixes)}
     out: dict[str, torch.Tensor] = {}
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}  # (layer prefix, part) -> expert -> tensor
     for name, tensor in weights.items():
@@ -308,6 +328,13 @@ def canonical_weights(family: Family, num_layers: int, weights: Mapping[str, tor
     if experts:
         out.update(_stack_experts(family, experts, source))
     return out
+
+
+def _renamed_prefix(family: Family, name: str) -> str:
+    for old, new in family.prefixes.items():
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
 
 
 def _stack_experts(family: Family, experts: dict, source: str) -> dict[str, torch.Tensor]:

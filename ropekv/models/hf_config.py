@@ -36,8 +36,11 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
     from .families import FAMILIES
 
     fam = FAMILIES[arch]
-    config = _with_defaults(fam, config)
     warnings: list[str] = []
+    if fam.text_config:
+        config, note = _text_config(config, source)
+        warnings += note
+    config = _with_defaults(fam, config)
 
     def need(name: str, kind: type = int) -> Any:
         if name not in config or config[name] is None:
@@ -91,6 +94,12 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
     if not 1 <= num_layers <= MAX_LAYERS:
         raise ConfigError(f"{source}: field 'num_hidden_layers' must be in [1, {MAX_LAYERS}], got {num_layers}")
     head_dim = config.get("head_dim") or (hidden // num_heads if num_heads else 0)
+    if fam.head_dim_from_hidden:  # the attention computes hidden_size // num_heads whatever head_dim says
+        if config.get("head_dim") and config["head_dim"] != hidden // num_heads:
+            warnings.append(f"head_dim={config['head_dim']!r} is ignored: transformers' {arch} uses hidden_size // "
+                            f"num_attention_heads = {hidden // num_heads}")
+        head_dim = hidden // num_heads if num_heads else 0
+        config = {**config, "head_dim": head_dim}
     num_kv_heads = config.get("num_key_value_heads")
     if num_kv_heads is None:
         num_kv_heads = num_heads
@@ -276,9 +285,28 @@ def _layer_types(fam: Family, config: Mapping[str, Any], num_layers: int, source
     return ["full_attention"] * num_layers
 
 
+def _text_config(config: Mapping[str, Any], source: str) -> tuple[dict[str, Any], list[str]]:
+    """A multimodal config read as its text model: the ``text_config`` fields, under the top level's
+    architecture and ``tie_word_embeddings``; a note that the vision tower is not checked."""
+    text = config.get("text_config")
+    if text is None:
+        return dict(config), []  # already flat (an older config with the text fields at the top)
+    if not isinstance(text, Mapping):
+        raise ConfigError(f"{source}: field 'text_config' must be an object")
+    out = {**text, "architectures": config.get("architectures"), "model_type": config.get("model_type")}
+    if "tie_word_embeddings" in config:
+        out["tie_word_embeddings"] = config["tie_word_embeddings"]
+    notes = []
+    if config.get("vision_config") is not None:
+        notes.append("vision_config is not checked: ropekv checks the text model at text positions, where the "
+                     "three mRoPE position streams are one (image and video tokens are outside the check)")
+    return out, notes
+
+
 def _rope(config: Mapping[str, Any], layer_type: str | None, layout: str, fam: Family, source: str) -> RopeSpec:
     try:
-        return RopeSpec.from_hf_config(config, layer_type=layer_type, layout=layout, partial_rotary=fam.partial_rotary)
+        return RopeSpec.from_hf_config(config, layer_type=layer_type, layout=layout, partial_rotary=fam.partial_rotary,
+                                       mrope=fam.mrope)
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
 
