@@ -69,14 +69,17 @@ def backend_for(contract: CacheContract) -> Backend:
 
 
 def visibility(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None,
-               sink_tokens: int) -> torch.Tensor:
+               sink_tokens: int, chunk: int | None = None) -> torch.Tensor:
     """Boolean mask ``[n, N]``: key ``j`` is visible to query ``i`` iff ``j <= i`` and
-    (``i - W < j`` or ``j < sink_tokens``) — HF's sliding-window semantics plus StreamingLLM sinks."""
+    (``i - W < j`` or ``j < sink_tokens``) — HF's sliding-window semantics plus StreamingLLM sinks —
+    and, on a chunked layer, ``j >= floor(i / chunk) * chunk`` (llama4: keys of the query's chunk)."""
     qp = query_positions[:, None]
     kp = key_positions[None, :]
     mask = kp <= qp
     if window is not None:
         mask &= (kp > qp - window) | (kp < sink_tokens)
+    if chunk is not None:
+        mask &= kp >= torch.div(qp, chunk, rounding_mode="floor") * chunk
     return mask
 
 

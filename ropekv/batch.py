@@ -53,9 +53,9 @@ def decode_batch(engine, seq_ids: list, tokens: torch.Tensor, *, probe: bool = F
     new_values = [[] for _ in range(B)]
     traces = [[] for _ in range(B)]
     for layer, lw in enumerate(engine.weights.layers):
-        window = c.window if layer in c.window_layers else None
+        kind = c.layer_attention(layer)  # full, sliding (window) or chunked
         rope = c.layer_rope(layer)  # None: a NoPE layer (the policy leaves its q/k unrotated)
-        q, k, v = project_qkv(cfg, lw, h)  # [B, H, D], [B, KVH, D], [B, KVH, D]
+        q, k, v = project_qkv(cfg, lw, h, positions)  # [B, H, D], [B, KVH, D], [B, KVH, D]
         rows = []
         for r, sid in enumerate(seq_ids):
             pos, ctx = positions[r:r + 1], ctxs[r].for_layer(layer)
@@ -68,7 +68,7 @@ def decode_batch(engine, seq_ids: list, tokens: torch.Tensor, *, probe: bool = F
             key_slots = torch.cat([view.slots, new_slot.to(view.slots.device)])
             k_eff = rot.read_keys(rope, keys, key_pos, key_slots, ctx, backend_rotates=engine.backend.rotates)
             q_eff = rot.query(rope, q[r:r + 1], pos, ctx)  # [1, H, D]
-            mask = visibility(pos, key_pos, window, c.sink_tokens)[0]  # [N_r]
+            mask = visibility(pos, key_pos, kind.window, c.sink_tokens, kind.chunk)[0]  # [N_r]
             rows.append((q_eff, k_eff, values, key_pos, key_slots, mask))
             new_keys[r].append(stored)
             new_values[r].append(v[r:r + 1])

@@ -28,6 +28,7 @@ KeyForm = Literal["raw", "rotated"]  # closed sets are types; the tuples follow 
 RotationIndex = Literal["logical", "cache"]
 MlaForm = Literal["expanded", "latent"]
 MLA_FORMS: tuple[str, ...] = get_args(MlaForm)
+AttentionKindName = Literal["full", "sliding", "chunked"]
 KEY_FORMS: tuple[str, ...] = get_args(KeyForm)
 ROTATION_INDICES: tuple[str, ...] = get_args(RotationIndex)
 DTYPES: dict[str, torch.dtype] = {
@@ -37,8 +38,11 @@ DTYPES: dict[str, torch.dtype] = {
     "float64": torch.float64,
 }
 FORMAT = "ropekv.cache_contract"
-FORMAT_VERSION = 2  # 2: kernel_rotates is derived from key_form and no longer written; 1 is still read
-READABLE_VERSIONS = (1, 2)
+# 2: kernel_rotates is derived from key_form and no longer written; 1 is still read.
+# 3: chunk_size and chunk_layers (chunked attention). A contract without chunked layers is still
+# written as version 2, byte for byte, so its fingerprint (and every handshake built on it) is unchanged.
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 
 _FREQUENCIES = "keys and queries would turn at different frequencies: the error grows with position"
 _WINDOW = "the reader would see keys the writer dropped, or miss keys"
@@ -63,8 +67,16 @@ _CONSEQUENCES: dict[str, str] = {
     "rope.max_position_embeddings": (
         "length-dependent scaling (dynamic NTK, LongRoPE) would switch at another length: " + _FREQUENCIES
     ),
+    "rope.mrope_section": (
+        "one side turns sections of the channel pairs by three position streams (mRoPE: temporal, height, "
+        "width), the other by one position or other sections: the same only while all three streams are the "
+        "token's position (text); keys of image or video tokens would be read at the wrong angles"
+    ),
     "window": _WINDOW,
     "window_layers": "a layer windowed on one side is full on the other: " + _WINDOW,
+    "chunk_size": "chunks would start at other positions: " + _WINDOW,
+    "chunk_layers": "a layer chunked on one side is full or windowed on the other: " + _WINDOW,
+    "attention": "its queries would see another set of keys (full, sliding window, chunk): " + _WINDOW,
     "sink_tokens": "sinks kept on one side are evicted on the other and ring slots shift: " + _WINDOW,
     "block_size": "blocks would be cut at other token boundaries: block tables would address the wrong slots",
     "dtype": "key and value bytes would be read in another precision: garbage, or a silent precision change",
@@ -147,6 +159,35 @@ class FieldDiff:
     theirs: Any
 
 
+@dataclass(frozen=True)
+class LayerAttention:
+    """Which keys one layer's queries see: ``full`` (every earlier key), ``sliding`` (the last ``size``
+    keys, the query's own included: HF's ``i - W < j <= i``) or ``chunked`` (llama4's
+    ``attention_chunk_size``: a query at position ``p`` sees the keys at positions
+    ``[floor(p / size) * size, p]``, its own chunk). Written ``full``, ``sliding(W=5)``, ``chunked(C=8)``."""
+
+    kind: AttentionKindName
+    size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in get_args(AttentionKindName):
+            raise ConfigError(f"attention kind must be one of {get_args(AttentionKindName)}, got {self.kind!r}")
+        if (self.kind == "full") != (self.size is None):
+            raise ConfigError(f"attention kind {self.kind!r} with size {self.size!r}: full attention has no size, "
+                              "sliding and chunked attention need one")
+
+    @property
+    def window(self) -> int | None:
+        return self.size if self.kind == "sliding" else None
+
+    @property
+    def chunk(self) -> int | None:
+        return self.size if self.kind == "chunked" else None
+
+    def __str__(self) -> str:
+        return "full" if self.kind == "full" else f"{self.kind}({'W' if self.kind == 'sliding' else 'C'}={self.size})"
+
+
 def key_form_consequence(stored: str, reader: str) -> str:
     """What a reader expecting ``reader`` keys computes from keys stored as ``stored``."""
     if stored == "rotated" and reader == "raw":
@@ -190,6 +231,10 @@ class CacheContract:
       keys must not be rotated again, so the two can never disagree.
     - ``window``/``window_layers``: sliding window size (HF semantics, W keys including the query's)
       and the layers it applies to; ``sink_tokens``: first tokens kept forever (needs a window).
+    - ``chunk_size``/``chunk_layers``: chunked attention (llama4's ``attention_chunk_size``) and the
+      layers it applies to: a query at position ``p`` sees keys at ``[floor(p / C) * C, p]``. A
+      layer is full, sliding or chunked, never two of them: :meth:`layer_attention` names its kind,
+      and :meth:`require_compatible` compares the kinds layer by layer (``layers.3.attention``).
     - ``block_size``, ``dtype``, ``num_layers``, ``num_kv_heads``, ``head_dim``: storage layout.
     - ``model_fingerprint``: identifies the weights and config that produced the keys ("" = unnamed;
       compared like any other field).
@@ -213,6 +258,8 @@ class CacheContract:
     rope: RopeSpec
     window: int | None = None
     window_layers: tuple[int, ...] = ()
+    chunk_size: int | None = None
+    chunk_layers: tuple[int, ...] = ()
     sink_tokens: int = 0
     block_size: int = 16
     dtype: str = "float32"
@@ -242,20 +289,14 @@ class CacheContract:
             raise ConfigError(f"contract head_dim {self.head_dim} != rope.head_dim {self.rope.head_dim}")
         if self.window is not None:
             _check_int("window", self.window, 1)
-        if isinstance(self.window_layers, list):  # normalize, do not reinterpret
-            object.__setattr__(self, "window_layers", tuple(self.window_layers))
-        if not isinstance(self.window_layers, tuple):
-            raise ConfigError(f"contract window_layers must be a tuple of layer indices, got {self.window_layers!r}")
-        for i in self.window_layers:
-            if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.num_layers:
-                raise ConfigError(f"contract window_layers holds {i!r}, not a layer index in [0, {self.num_layers})")
-        if list(self.window_layers) != sorted(set(self.window_layers)):
-            raise ConfigError(f"contract window_layers must be sorted and unique, got {self.window_layers}")
-        if (self.window is None) != (not self.window_layers):
-            raise ConfigError(
-                f"contract window={self.window!r} with window_layers={self.window_layers}: "
-                "a window needs the layers it applies to, and layers need a window"
-            )
+        self._check_layers("window", "window_layers")
+        if self.chunk_size is not None:
+            _check_int("chunk_size", self.chunk_size, 1)
+        self._check_layers("chunk_size", "chunk_layers")
+        both = sorted(set(self.window_layers) & set(self.chunk_layers))
+        if both:
+            raise ConfigError(f"contract layer(s) {both} are both sliding (window_layers) and chunked (chunk_layers): "
+                              "a layer has one attention kind")
         if self.sink_tokens > 0 and self.window is None:
             raise ConfigError(f"contract sink_tokens={self.sink_tokens} needs a window (sinks are what a window keeps)")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
@@ -294,9 +335,38 @@ class CacheContract:
                 raise ConfigError(f"contract mla.cached={m.cached!r}: layer {i} must rotate exactly the rope part, "
                                   f"channels {offset}..{row - 1}")
 
+    def _check_layers(self, size_name: str, layers_name: str) -> None:
+        """``layers_name`` is a sorted tuple of layer indices, non-empty exactly when ``size_name`` is set."""
+        layers = getattr(self, layers_name)
+        if isinstance(layers, list):  # normalize, do not reinterpret
+            layers = tuple(layers)
+            object.__setattr__(self, layers_name, layers)
+        if not isinstance(layers, tuple):
+            raise ConfigError(f"contract {layers_name} must be a tuple of layer indices, got {layers!r}")
+        for i in layers:
+            if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < self.num_layers:
+                raise ConfigError(f"contract {layers_name} holds {i!r}, not a layer index in [0, {self.num_layers})")
+        if list(layers) != sorted(set(layers)):
+            raise ConfigError(f"contract {layers_name} must be sorted and unique, got {layers}")
+        size = getattr(self, size_name)
+        if (size is None) != (not layers):
+            what = "a window" if size_name == "window" else "a chunk size"
+            raise ConfigError(
+                f"contract {size_name}={size!r} with {layers_name}={layers}: "
+                f"{what} needs the layers it applies to, and layers need {what}"
+            )
+
     def layer_rope(self, layer: int) -> RopeSpec | None:
         """The spec layer ``layer``'s keys turn with, or None for a NoPE layer."""
         return self.rope if self.layer_ropes is None else self.layer_ropes[layer]
+
+    def layer_attention(self, layer: int) -> LayerAttention:
+        """Which keys layer ``layer``'s queries see: full, sliding (``window``) or chunked (``chunk_size``)."""
+        if layer in self.window_layers:
+            return LayerAttention("sliding", self.window)
+        if layer in self.chunk_layers:
+            return LayerAttention("chunked", self.chunk_size)
+        return LayerAttention("full")
 
     # ------------------------------------------------------------------ construction
 
@@ -314,13 +384,16 @@ class CacheContract:
         model_fingerprint: str = "",
         mla_form: MlaForm = "expanded",
     ) -> "CacheContract":
-        """The contract for ``config``. ``window="model"``: the config's sliding layers and window;
-        an int: that window on every layer; None: no window. The kernel rotates iff keys are raw.
-        ``mla_form`` (MLA models only): the rows the cache holds, :class:`MlaCache` (ropekv's engine
-        caches ``"expanded"``; ``"latent"`` describes transformers' and vLLM's caches)."""
+        """The contract for ``config``. ``window="model"``: the config's sliding and chunked layers with
+        their window and chunk size; an int: that window on every layer (and no chunks); None: full
+        attention on every layer. The kernel rotates iff keys are raw. ``mla_form`` (MLA models only):
+        the rows the cache holds, :class:`MlaCache` (ropekv's engine caches ``"expanded"``;
+        ``"latent"`` describes transformers' and vLLM's caches)."""
+        chunks: tuple[int, ...] = ()
         if window == "model":
             layers = tuple(i for i, t in enumerate(config.layer_types) if t == "sliding_attention")
             size = config.sliding_window if layers else None
+            chunks = tuple(i for i, t in enumerate(config.layer_types) if t == "chunked_attention")
         elif window is None:
             layers, size = (), None
         elif isinstance(window, int) and not isinstance(window, bool):
@@ -350,6 +423,8 @@ class CacheContract:
             rotation_index=rotation_index,
             window=size,
             window_layers=layers,
+            chunk_size=config.attention_chunk_size if chunks else None,
+            chunk_layers=chunks,
             sink_tokens=sink_tokens,
             block_size=block_size,
             dtype=dtype,
@@ -386,7 +461,13 @@ class CacheContract:
         # A layer that is NoPE on one side differs as a whole ("layers.3.rope"), not field by field.
         whole = {d.field for d in diffs if d.field.startswith("layers.") and d.field.endswith(".rope")}
         whole |= {d.field for d in diffs if d.field == "mla"}  # MLA on one side only: one difference
-        return [d for d in diffs if not any(d.field.startswith(w + ".") for w in whole)]
+        diffs = [d for d in diffs if not any(d.field.startswith(w + ".") for w in whole)]
+        # Each layer whose attention kind differs, by name (the fields above say how the kinds are set).
+        for i in range(min(self.num_layers, other.num_layers)):
+            a, b = self.layer_attention(i), other.layer_attention(i)
+            if a != b:
+                diffs.append(FieldDiff(f"layers.{i}.attention", str(a), str(b)))
+        return diffs
 
     def require_compatible(self, other: "CacheContract", *, ours: str = "cache", theirs: str = "writer") -> None:
         """Raise :class:`ContractMismatch` naming every differing field, both values and the consequence.
@@ -405,11 +486,15 @@ class CacheContract:
     # ------------------------------------------------------------------ serialization
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"format": FORMAT, "version": FORMAT_VERSION}
+        d: dict[str, Any] = {"format": FORMAT, "version": FORMAT_VERSION if self.chunk_layers else 2}
         for f in dataclasses.fields(self):
             d[f.name] = getattr(self, f.name)
         d["rope"] = self.rope.to_dict()
         d["window_layers"] = list(self.window_layers)
+        if self.chunk_layers:
+            d["chunk_layers"] = list(self.chunk_layers)
+        else:  # no chunked layer: the format (and fingerprints) of version 2
+            del d["chunk_size"], d["chunk_layers"]
         if self.layer_ropes is None:
             del d["layer_ropes"]  # one RoPE for all layers: the format (and fingerprints) of version 1
         else:
@@ -450,13 +535,21 @@ class CacheContract:
                     + ("stored keys would be rotated a second time (keys at twice their position)" if kr else
                        "nothing would rotate raw keys on read (every key at position 0)"))
         expected = {f.name for f in dataclasses.fields(cls)} | {"format", "version"}
-        missing, unexpected = sorted(expected - set(data) - {"layer_ropes", "mla"}), sorted(set(data) - expected)
+        optional = {"layer_ropes", "mla"}
+        if version != 3:  # chunked attention exists from version 3 on; a version 3 document always has it
+            expected -= {"chunk_size", "chunk_layers"}
+        missing, unexpected = sorted(expected - set(data) - optional), sorted(set(data) - expected)
         if missing or unexpected:
             raise ConfigError(f"cache contract JSON: missing field(s) {missing}, unexpected field(s) {unexpected}")
         kwargs = {k: v for k, v in data.items() if k not in ("format", "version")}
         if not isinstance(kwargs["window_layers"], list):
             raise ConfigError(f"cache contract JSON: window_layers must be a list, got {kwargs['window_layers']!r}")
         kwargs["window_layers"] = tuple(kwargs["window_layers"])
+        if "chunk_layers" in kwargs:
+            if not isinstance(kwargs["chunk_layers"], list) or not kwargs["chunk_layers"]:
+                raise ConfigError(f"cache contract JSON (version 3): chunk_layers must be a non-empty list, got "
+                                  f"{kwargs['chunk_layers']!r} (a contract without chunks is written as version 2)")
+            kwargs["chunk_layers"] = tuple(kwargs["chunk_layers"])
         rope = kwargs["rope"]
         if not isinstance(rope, dict) or not isinstance(rope.get("scaling"), dict):
             raise ConfigError("cache contract JSON: rope must be an object with a 'scaling' object")

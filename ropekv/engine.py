@@ -24,7 +24,7 @@ import torch
 from .attention import Backend, attend, attend_segments, backend_for, get_backend, visibility
 from .cache.paged import PagedKVCache
 from .cache.policy import CacheOpPolicy
-from .contract import CacheContract
+from .contract import CacheContract, LayerAttention
 from .errors import CacheError, ContractMismatch, UsageError
 from .models.config import Checkpoint
 from .probe import LayerProbe
@@ -239,8 +239,8 @@ class Engine:
         for layer, lw in enumerate(self.weights.layers):
             rope = c.layer_rope(layer)  # None: a NoPE layer (the policy leaves its q/k unrotated)
             ctx = step_ctx.for_layer(layer)
-            g = groups[c.window if layer in c.window_layers else None]
-            q, k, v = project_qkv(cfg, lw, h)  # [n, H, D], [n, KVH, D], [n, KVH, D]
+            g = groups[c.layer_attention(layer)]
+            q, k, v = project_qkv(cfg, lw, h, positions)  # [n, H, D], [n, KVH, D], [n, KVH, D]
             # copy=False: the cached keys/values are read (or joined with this step's) right below,
             # before the cache can change.
             view = self.cache.view(seq_id, layer, copy=False) if seq_id is not None else None
@@ -277,15 +277,17 @@ class Engine:
             self.cache.append(seq_id, positions, new_keys, new_values, key_form=c.key_form)
         return StepOutput(final_logits(cfg, self.weights, h), positions, tuple(traces))
 
-    def _step_groups(self, seq_id, positions: torch.Tensor, probed: bool) -> dict[int | None, "_StepGroup"]:
-        """Slots, key positions and the mask of this step per window (cache group), built once per step:
-        every layer of a group gets the same tensors (and the same cos/sin table)."""
+    def _step_groups(self, seq_id, positions: torch.Tensor, probed: bool) -> dict[LayerAttention, "_StepGroup"]:
+        """Slots, key positions and the mask of this step per attention kind (full, the window, the
+        chunk), built once per step: every layer of a kind gets the same tensors (and the same cos/sin
+        table). Chunked layers live in the full cache group: every key stays cached, and the mask
+        hides the keys of earlier chunks (docs/contract.md)."""
         c, n = self.contract, positions.numel()
         num_before = self.cache.num_tokens(seq_id) if seq_id is not None else 0
-        out: dict[int | None, _StepGroup] = {}
+        out: dict[LayerAttention, _StepGroup] = {}
         for layer in range(c.num_layers):
-            window = c.window if layer in c.window_layers else None
-            if window in out:
+            kind = c.layer_attention(layer)
+            if kind in out:
                 continue
             new_slots = self.cache.slots_of(layer, num_before, n)
             view = self.cache.view(seq_id, layer, copy=False) if seq_id is not None and num_before else None
@@ -294,10 +296,10 @@ class Engine:
                 key_slots = torch.cat([view.slots, new_slots])
             else:
                 key_pos, key_slots = positions, new_slots
-            mask = visibility(positions, key_pos, window, c.sink_tokens)
+            mask = visibility(positions, key_pos, kind.window, c.sink_tokens, kind.chunk)
             everything = bool(mask.all())  # decode without a window hiding anything: attend skips masking
             segments = view is not None and everything and not probed and c.rotation_index == "logical"
-            out[window] = _StepGroup(new_slots, key_pos, key_slots, mask, None if everything else mask,
+            out[kind] = _StepGroup(new_slots, key_pos, key_slots, mask, None if everything else mask,
                                      segments, view.positions if segments else key_pos)
         return out
 
@@ -357,7 +359,7 @@ class Engine:
 
 @dataclass(frozen=True, eq=False)
 class _StepGroup:
-    """One window group's share of a step (see ``Engine._step_groups``)."""
+    """One attention kind's share of a step (see ``Engine._step_groups``)."""
 
     new_slots: torch.Tensor  # [n] slots of the step's tokens
     key_pos: torch.Tensor  # [N + n] positions of every key the step's queries may read

@@ -175,6 +175,14 @@ class RopeSpec:
     the sequence length against. ``rotary_offset``: the first rotated channel; channels
     ``rotary_offset .. rotary_offset + rotary_dim - 1`` rotate (0 for every architecture but MLA,
     whose rope part trails the per-head no-position part: offset ``qk_nope_head_dim``).
+
+    ``mrope_section`` (Qwen2-VL's multimodal RoPE, ``rope_parameters.mrope_section``): the
+    frequency pairs ``[0, rotary_dim / 2)`` cut into consecutive sections that turn by the temporal,
+    height and width position streams in turn (section ``i`` by stream ``i % 3``). ropekv holds one
+    position per token, i.e. the text case, where all three streams are the token's position: then
+    every section turns by the same position and the rotation *is* the plain RoPE of this spec
+    (checked against transformers in tests/test_mrope.py). The sections are recorded so that a cache
+    contract says the keys were written by an mRoPE model: a reader without them is not compatible.
     """
 
     head_dim: int
@@ -185,6 +193,7 @@ class RopeSpec:
     attention_factor: float = 1.0
     max_position_embeddings: int = 2048
     rotary_offset: int = 0
+    mrope_section: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.head_dim) or not 2 <= self.head_dim <= MAX_HEAD_DIM or self.head_dim % 2:
@@ -206,6 +215,13 @@ class RopeSpec:
                 f"RoPE max_position_embeddings must be an integer in [1, 2**40], got {self.max_position_embeddings!r}"
             )
         n = self.rotary_dim // 2
+        if isinstance(self.mrope_section, list):  # normalize, do not reinterpret
+            object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
+        if self.mrope_section is not None:
+            m = self.mrope_section
+            if not isinstance(m, tuple) or not m or not all(_is_int(x) and x >= 1 for x in m) or sum(m) != n:
+                raise ConfigError(f"RoPE mrope_section must be positive integers summing to rotary_dim/2 = {n}, "
+                                  f"got {m!r}")
         s = self.scaling
         for name in ("short_factor", "long_factor"):
             value = getattr(s, name)
@@ -242,7 +258,7 @@ class RopeSpec:
     @classmethod
     def from_hf_config(
         cls, config: Mapping[str, Any], layer_type: str | None = None, layout: str = "neox", *,
-        partial_rotary: bool = True,
+        partial_rotary: bool = True, mrope: bool = False,
     ) -> "RopeSpec":
         """Read a transformers ``config.json`` (as a dict).
 
@@ -257,6 +273,9 @@ class RopeSpec:
         ``partial_rotary_factor``, so the whole head rotates; their other RoPE types compute
         frequencies for the partial dimension and then fail to broadcast them over the head in
         transformers, a config no implementation runs, so it is refused.
+
+        ``mrope=True`` reads ``mrope_section`` as Qwen2-VL does (default ``[16, 24, 24]`` when absent;
+        a legacy ``rope_type: "mrope"`` is the default type); elsewhere the key is refused.
         """
         if not isinstance(config, Mapping):
             raise ConfigError("model config must be a JSON object")
@@ -304,6 +323,14 @@ class RopeSpec:
         rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
         if "partial_rotary_factor" not in rope and config.get("partial_rotary_factor") is not None:
             rope["partial_rotary_factor"] = config["partial_rotary_factor"]
+        mrope_section = None
+        if mrope:
+            mrope_section = rope.pop("mrope_section", None) or [16, 24, 24]  # Qwen2VLRotaryEmbedding's default
+            if not isinstance(mrope_section, list):
+                raise ConfigError(f"config 'mrope_section' must be a list of integers, got {mrope_section!r}")
+            if rope.get("rope_type", rope.get("type")) == "mrope":  # legacy name of the default type
+                rope["rope_type"] = "default"
+                rope.pop("type", None)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in SCALING_TYPES:
             raise ConfigError(
@@ -361,14 +388,15 @@ class RopeSpec:
             scaling=scaling,
             attention_factor=attention_factor,
             max_position_embeddings=max_pos,
+            mrope_section=None if mrope_section is None else tuple(mrope_section),
         )
 
     def replace(self, **changes: Any) -> "RopeSpec":
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field; ``rotary_offset`` only where it is not 0 (specs without it keep their
-        serialized form and fingerprints)."""
+        """Every field; ``rotary_offset`` and ``mrope_section`` only where they are set (specs without
+        them keep their serialized form and fingerprints)."""
         out = {
             "head_dim": self.head_dim,
             "rotary_dim": self.rotary_dim,
@@ -380,6 +408,8 @@ class RopeSpec:
         }
         if self.rotary_offset:
             out["rotary_offset"] = self.rotary_offset
+        if self.mrope_section is not None:  # written only for mRoPE: other specs keep their fingerprints
+            out["mrope_section"] = list(self.mrope_section)
         return out
 
     @classmethod
@@ -387,6 +417,10 @@ class RopeSpec:
         expected = {"head_dim", "rotary_dim", "theta", "layout", "scaling", "attention_factor", "max_position_embeddings"}
         if isinstance(data, Mapping) and "rotary_offset" in data:
             expected = expected | {"rotary_offset"}
+        if isinstance(data, Mapping) and "mrope_section" in data:
+            if not isinstance(data["mrope_section"], list):
+                raise ConfigError(f"RoPE mrope_section must be a list, got {data['mrope_section']!r}")
+            expected = expected | {"mrope_section"}
         if not isinstance(data, Mapping) or set(data) != expected:
             got = set(data) if isinstance(data, Mapping) else set()
             raise ConfigError(
@@ -395,6 +429,8 @@ class RopeSpec:
             )
         kwargs = dict(data)
         kwargs["scaling"] = RopeScaling.from_dict(data["scaling"])
+        if "mrope_section" in kwargs:
+            kwargs["mrope_section"] = tuple(kwargs["mrope_section"])
         return cls(**kwargs)
 
     def fingerprint(self) -> str:

@@ -50,7 +50,7 @@ class MoeWeights:
     down: torch.Tensor  # [E, hidden, I]
     shared_gate_up: torch.Tensor | None  # [2 * S, hidden]
     shared_down: torch.Tensor | None  # [hidden, S]
-    shared_gate: torch.Tensor | None  # [1, hidden]
+    shared_gate: torch.Tensor | None  # [1, hidden]; None: the shared expert is added ungated (llama4)
     correction_bias: torch.Tensor | None = None  # [E] (sigmoid_group routers)
     experts_gate_up: torch.Tensor | None = None  # [2 * S, hidden]: ungated shared experts (deepseek, glm4_moe)
     experts_gate_up_bias: torch.Tensor | None = None
@@ -77,6 +77,7 @@ class LayerWeights:
     moe: MoeWeights | None = None
     mla: MlaWeights | None = None
     xielu: tuple[torch.Tensor, ...] | None = None  # (alpha_p [1], alpha_n [1], beta [], eps []) of an xIELU MLP
+    temperature: bool = False  # llama4 NoPE layers: queries scaled by position (query_temperature)
 
 
 @dataclass(frozen=True, eq=False)
@@ -113,6 +114,13 @@ class DecoderWeights:
             parts = [w.get(n) for n in names]
             return None if any(t is None for t in parts) else torch.cat(parts)
 
+        def qk_norm(layer: int, name: str) -> Norm | None:
+            if not cfg.layer_qk_norm(layer):
+                return None
+            if fam.qk_norm == "l2":  # llama4: RMS over the head without weights, as an RMSNorm of ones
+                return Norm("rms", torch.ones(cfg.head_dim, dtype=dtype, device=device), None)
+            return norm(name)
+
         attn_in, attn_out, mlp_in, mlp_out = cfg.norm_slots
         layers = []
         for i in range(cfg.num_layers):
@@ -130,7 +138,7 @@ class DecoderWeights:
                     shared_gate_up=cat([p + "mlp.shared_expert.gate_proj.weight", p + "mlp.shared_expert.up_proj.weight"])
                     if shared else None,
                     shared_down=w[p + "mlp.shared_expert.down_proj.weight"] if shared else None,
-                    shared_gate=w[p + "mlp.shared_expert_gate.weight"] if shared else None,
+                    shared_gate=w[p + "mlp.shared_expert_gate.weight"] if shared and spec.shared_expert_gated else None,
                     correction_bias=opt(p + "mlp.gate.e_score_correction_bias"),
                     experts_gate_up=cat([s + "gate_proj.weight", s + "up_proj.weight"]),
                     experts_gate_up_bias=cat([s + "gate_proj.bias", s + "up_proj.bias"]),
@@ -149,8 +157,8 @@ class DecoderWeights:
                 qkv=None if mla else torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]),
                 qkv_bias=cat([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"])
                 if cfg.attention_bias and not mla else None,
-                q_norm=norm(a + "q_norm") if cfg.qk_norm else None,
-                k_norm=norm(a + "k_norm") if cfg.qk_norm else None,
+                q_norm=qk_norm(i, a + "q_norm"),
+                k_norm=qk_norm(i, a + "k_norm"),
                 o=w[a + "o_proj.weight"],
                 o_bias=opt(a + "o_proj.bias"),
                 gate_up=moe.gate_up.reshape(-1, cfg.hidden_size) if moe else cat([p + f"mlp.{m}.weight" for m in mlp]),
@@ -161,6 +169,7 @@ class DecoderWeights:
                 mla=mla,
                 xielu=tuple(w[p + "mlp.act_fn." + n] for n in ("alpha_p", "alpha_n", "beta", "eps"))
                 if cfg.hidden_act == "xielu" else None,
+                temperature=cfg.layer_temperature(i),
             ))
         embed = w["model.embed_tokens.weight"]
         lm_head = embed if cfg.tie_word_embeddings else w["lm_head.weight"]
@@ -244,8 +253,13 @@ def embed(cfg: ModelConfig, weights: DecoderWeights, tokens: torch.Tensor) -> to
     return h * cfg.embedding_scale if cfg.embedding_scale != 1.0 else h
 
 
-def project_qkv(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Raw (pre-RoPE) q ``[n, H, D]``, k ``[n, KVH, D]``, v ``[n, KVH, D]`` from hidden ``h [n, hidden]``."""
+def project_qkv(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw (pre-RoPE) q ``[n, H, D]``, k ``[n, KVH, D]``, v ``[n, KVH, D]`` from hidden ``h [n, hidden]``
+    at ``positions [n]`` (needed where the layer scales its queries by position: llama4's temperature).
+
+    llama4's L2 q/k norm runs here, before RoPE, although transformers runs it after: a rotation keeps
+    each head's norm, so both give the same keys (the config refuses RoPE with an attention factor there)."""
     x = apply_norm(h, lw.attn_in, cfg.rms_norm_eps)
     if lw.mla is not None:
         return _mla_qkv(cfg, lw.mla, x)
@@ -262,9 +276,13 @@ def project_qkv(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor) -> tuple[to
     q = q.reshape(n, cfg.num_heads, d)
     k = k.reshape(n, cfg.num_kv_heads, d)
     v = v.reshape(n, cfg.num_kv_heads, d)
-    if lw.q_norm is not None and cfg.family.qk_norm in ("head", "per_head"):
+    if lw.q_norm is not None and cfg.family.qk_norm in ("head", "per_head", "l2"):
         q = apply_norm(q, lw.q_norm, cfg.rms_norm_eps)
         k = apply_norm(k, lw.k_norm, cfg.rms_norm_eps)
+    if lw.temperature:
+        if positions is None:
+            raise ValueError("a layer with attention temperature tuning needs the query positions")
+        q = q * query_temperature(cfg, positions).to(q.device, q.dtype)[:, None, None]
     return q, k, v
 
 
@@ -284,6 +302,11 @@ def _mla_qkv(cfg: ModelConfig, mw: MlaWeights, x: torch.Tensor) -> tuple[torch.T
     k = torch.cat((kv[..., :m.qk_nope_head_dim], k_pe[:, None, :].expand(n, H, m.qk_rope_head_dim)), dim=-1)
     v = F.pad(kv[..., m.qk_nope_head_dim:], (0, m.qk_head_dim - m.v_head_dim))
     return q.view(n, H, m.qk_head_dim), k, v
+def query_temperature(cfg: ModelConfig, positions: torch.Tensor) -> torch.Tensor:
+    """llama4's attention temperature ``[n]`` at ``positions [n]`` (arXiv 2501.19399), in float32 as
+    transformers computes it: ``log1p(floor((p + 1) / floor_scale)) * attn_scale + 1``."""
+    p = positions.to(torch.float32)
+    return torch.log1p(torch.floor((p + 1.0) / cfg.temperature_floor_scale)) * cfg.temperature_attn_scale + 1.0
 
 
 def finish_layer(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
@@ -323,16 +346,19 @@ def _moe(cfg: ModelConfig, mw: MoeWeights, x: torch.Tensor) -> torch.Tensor:
     spec = cfg.moe
     logits = F.linear(x, mw.router).float()  # [n, E]
     weights, experts = _route(spec, mw, logits)
+    scale_input = spec.router == "topk_sigmoid_input"  # llama4: the scores scale each expert's input
     out = torch.zeros_like(x)
     for e in torch.unique(experts).tolist():
         token, slot = torch.where(experts == e)
-        gate, up = F.linear(x[token], mw.gate_up[e]).chunk(2, dim=-1)
+        w = weights[token, slot, None].to(x.dtype)
+        xe = x[token] * w if scale_input else x[token]
+        gate, up = F.linear(xe, mw.gate_up[e]).chunk(2, dim=-1)
         y = F.linear(activation(gate, cfg.hidden_act) * up, mw.down[e])
-        out.index_add_(0, token, y * weights[token, slot, None].to(x.dtype))
+        out.index_add_(0, token, y if scale_input else y * w)
     if mw.shared_gate_up is not None:
         gate, up = F.linear(x, mw.shared_gate_up).chunk(2, dim=-1)
         shared = F.linear(activation(gate, cfg.hidden_act) * up, mw.shared_down)
-        out = out + torch.sigmoid(F.linear(x, mw.shared_gate)) * shared
+        out = out + (shared if mw.shared_gate is None else torch.sigmoid(F.linear(x, mw.shared_gate)) * shared)
     if mw.experts_gate_up is not None:  # ungated shared experts
         gate, up = F.linear(x, mw.experts_gate_up, mw.experts_gate_up_bias).chunk(2, dim=-1)
         out = out + F.linear(activation(gate, cfg.hidden_act) * up, mw.experts_down, mw.experts_down_bias)
@@ -344,6 +370,9 @@ def _route(spec, mw: MoeWeights, logits: torch.Tensor) -> tuple[torch.Tensor, to
     if spec.router == "topk_softmax":
         top, experts = logits.topk(spec.top_k, dim=-1)
         return torch.softmax(top, dim=-1), experts
+    if spec.router == "topk_sigmoid_input":  # llama4: sigmoid of the top-k logits
+        top, experts = logits.topk(spec.top_k, dim=-1)
+        return torch.sigmoid(top), experts
     if spec.router == "softmax_topk":
         weights, experts = torch.softmax(logits, dim=-1).topk(spec.top_k, dim=-1)
         return (weights / weights.sum(-1, keepdim=True) if spec.normalize else weights), experts

@@ -116,11 +116,13 @@ def hf_model() -> Callable[[Path], torch.nn.Module]:
     cache: dict[Path, torch.nn.Module] = {}
 
     def load(path: Path) -> torch.nn.Module:
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
         path = Path(path)
         if path not in cache:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
+            multimodal = json.loads((path / "config.json").read_text()).get("model_type") in MULTIMODAL
+            auto = AutoModelForImageTextToText if multimodal else AutoModelForCausalLM
+            model = auto.from_pretrained(path, dtype=torch.float32, attn_implementation="eager")
             cache[path] = model.eval()
         return cache[path]
 
@@ -145,15 +147,34 @@ def arch_kwargs(arch: str, overrides: dict[str, Any]) -> dict[str, Any]:
     if isinstance(getattr(CONFIG_MAPPING[arch], "head_dim", None), property):
         kwargs.pop("head_dim")
     return kwargs
+# Multimodal architectures checked as their text model: the text fields go to text_config, a tiny
+# vision tower keeps the checkpoint whole (ropekv drops it), the model class is the image-text one.
+MULTIMODAL = {"qwen2_vl", "qwen2_5_vl"}
+TINY_VISION: dict[str, dict[str, Any]] = {
+    "qwen2_vl": dict(depth=1, embed_dim=16, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=2,
+                     spatial_merge_size=1, temporal_patch_size=1),
+    "qwen2_5_vl": dict(depth=1, hidden_size=16, out_hidden_size=64, intermediate_size=32, num_heads=2,
+                       patch_size=2, spatial_merge_size=1, temporal_patch_size=1, window_size=4,
+                       fullatt_block_indexes=[0]),
+}
 
 
 def build_arch_model(arch: str, overrides: dict[str, Any]) -> torch.nn.Module:
     """A tiny random transformers model of ``model_type`` ``arch`` (seeded by its arguments), eval mode."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     key = json.dumps([arch, overrides], sort_keys=True, default=str)
     seed = zlib.crc32(key.encode())
-    config = AutoConfig.for_model(arch, **arch_kwargs(arch, overrides))
+    fields = arch_kwargs(arch, overrides)
+    if arch in MULTIMODAL:
+        top = {k: fields.pop(k) for k in ("tie_word_embeddings",) if k in fields}
+        config = AutoConfig.for_model(arch, text_config=fields, vision_config=TINY_VISION[arch], **top,
+                                      image_token_id=93, video_token_id=94, vision_start_token_id=95)
+        torch.manual_seed(seed)
+        model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32, attn_implementation="eager")
+        randomize(model, seed)
+        return model.eval()
+    config = AutoConfig.for_model(arch, **fields)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
     randomize(model, seed)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import build_arch_model
+from conftest import MULTIMODAL, TINY_VISION, build_arch_model
 from ropekv.adapters.hf import HFEngine
 from ropekv.adapters.native import NativeAdapter
 from ropekv.contract import CacheContract
@@ -38,6 +38,12 @@ MLA = {"num_key_value_heads": 4, "head_dim": 8, "kv_lora_rank": 20, "qk_nope_hea
        "v_head_dim": 12, "n_routed_experts": 4, "moe_intermediate_size": 32, "first_k_dense_replace": 1, **MOE}
 YARN_MSCALE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 1e4,
                "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
+# llama4: chunks of 8 (30 tokens cross three boundaries), RoPE/NoPE alternating, the temperature rising
+# every 4 positions, MoE on layers 1 and 3 (4 experts, top 1, shared expert), dense layers of 80.
+# Qwen2-VL's text model: mRoPE sections over the 8 frequency pairs of a 16-wide head (t, h, w streams).
+MROPE = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}
+LLAMA4 = {"num_hidden_layers": 4, "attention_chunk_size": 8, "no_rope_layer_interval": 2, "floor_scale": 4,
+          "attn_scale": 0.5, "num_local_experts": 4, "interleave_moe_layer_step": 2, "intermediate_size_mlp": 80}
 
 # (id, model_type, config overrides)
 VARIANTS = [
@@ -130,6 +136,9 @@ VARIANTS = [
                               "routed_scaling_factor": 1.5, "attention_bias": True, **MOE}),
     ("glm4_moe-qk-norm", "glm4_moe", {"n_routed_experts": 4, "moe_intermediate_size": 32, "use_qk_norm": True,
                                       "norm_topk_prob": False, "first_k_dense_replace": 0, **MOE}),
+    ("llama4_text", "llama4_text", LLAMA4),
+    ("qwen2_vl", "qwen2_vl", {"rope_parameters": MROPE}),
+    ("qwen2_5_vl", "qwen2_5_vl", {"rope_parameters": MROPE}),
 ]
 
 BY_ID = {v[0]: v[1:] for v in VARIANTS}
@@ -323,9 +332,17 @@ def test_omitted_fields_read_as_the_architectures_own_defaults(arch):
     if FAMILIES[arch].attention == "mla":  # one KV head per query head; head_dim: the config class sets the rope part's
         kwargs.update(num_key_value_heads=kwargs["num_attention_heads"], num_experts_per_tok=2)
         kwargs.pop("head_dim", None)
-    full = AutoConfig.for_model(arch, **kwargs).to_dict()
+    if arch in MULTIMODAL:  # the text model's fields under text_config; the mRoPE sections are structure
+        sections = {"rope_type": "default", "mrope_section": MROPE["mrope_section"]}  # theta: the class default
+        full = AutoConfig.for_model(arch, text_config={**kwargs, "rope_parameters": sections},
+                                    vision_config=TINY_VISION[arch]).to_dict()
+        text = {k: v for k, v in full["text_config"].items() if k in _STRUCTURE}
+        minimal = {"model_type": arch, "architectures": [],
+                   "text_config": {**text, "rope_parameters": {"mrope_section": MROPE["mrope_section"]}}}
+    else:
+        full = AutoConfig.for_model(arch, **kwargs).to_dict()
+        minimal = {k: v for k, v in full.items() if k in _STRUCTURE}
     full["architectures"] = []
-    minimal = {k: v for k, v in full.items() if k in _STRUCTURE}
     assert ModelConfig.from_hf_config(minimal) == ModelConfig.from_hf_config(full)
 
 

@@ -14,6 +14,8 @@ from ropekv import check
 from ropekv.parity.layer_forensics import diagnose_layer
 
 CASES = [Case(length=17, block_size=7, decode_steps=3), Case(length=12, chunk=5, block_size=3, decode_steps=2)]
+LLAMA4 = {"num_hidden_layers": 2, "attention_chunk_size": 8, "no_rope_layer_interval": 2, "floor_scale": 4,
+          "attn_scale": 0.5, "num_local_experts": 4, "interleave_moe_layer_step": 2, "intermediate_size_mlp": 80}
 SW = {"sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"]}
 GEMMA3 = {**SW, "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
                                     "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}}
@@ -34,6 +36,7 @@ RUNS = [
     ("mla-rope-rotated-twice", "deepseek_v3", V3, 0),
     ("mla-rope-rotated-twice", "deepseek_v2", V2, 0),
     ("partial-rotary-all-channels", "deepseek_v3", V3, 0),  # MLA: the position-free part turns too
+    ("nope-layer-rotated", "llama4_text", LLAMA4, 1),  # a NoPE layer with the temperature-scaled query
 ]
 
 

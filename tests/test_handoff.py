@@ -119,6 +119,12 @@ def variants(base: CacheContract) -> dict[str, CacheContract]:
         "window": base.replace(window=7, window_layers=(0, 1)),
         "window_layers": base.replace(window=7, window_layers=(1,)),
         "sink_tokens": base.replace(window=7, window_layers=(0, 1), sink_tokens=2),
+        # a writer whose layer 1 (or every layer) is chunked (llama4): named per layer too
+        "chunk_size": base.replace(chunk_size=8, chunk_layers=(1,)),
+        "chunk_layers": base.replace(chunk_size=8, chunk_layers=(0, 1)),
+        "layers.1.attention": base.replace(chunk_size=8, chunk_layers=(1,)),
+        # a writer whose RoPE is Qwen2-VL's mRoPE (sections of the pairs by three position streams)
+        "rope.mrope_section": base.replace(rope=rope.replace(mrope_section=(rope.rotary_dim // 2,))),
         "block_size": base.replace(block_size=8),
         "dtype": base.replace(dtype="bfloat16"),
         "num_layers": base.replace(num_layers=3),

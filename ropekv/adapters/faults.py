@@ -1,7 +1,8 @@
 """The fault catalogue: small, named variants of the engine, one per bug class of the primer.
 
 Each fault overrides one decision of :class:`~ropekv.rotation.RotationPolicy` (or, for stale dynamic
-scaling, lets the engine accept a contract it would refuse). ``ropekv check --inject NAME`` runs the
+scaling, lets the engine accept a contract it would refuse; for chunked attention, runs the engine
+under a contract that forgets the chunks). ``ropekv check --inject NAME`` runs the
 harness on the faulty engine; the tests assert that each is caught and named with its own kind.
 """
 
@@ -13,6 +14,7 @@ from typing import Callable
 import torch
 
 from .native import NativeAdapter
+from ..contract import CacheContract
 from ..errors import UsageError
 from ..models.config import Checkpoint
 from ..rope import RopeScaling, RopeSpec, apply_rotation
@@ -170,6 +172,8 @@ class Fault:
     # The model the fault needs, from the one given (stale dynamic scaling needs length-dependent RoPE).
     model: Callable[[Checkpoint], Checkpoint] | None = None
     fixed_key_form: bool = False  # the fault only exists in its own key form
+    # The contract the faulty engine runs under, from the model's (a mask fault: chunks forgotten).
+    contract_change: Callable[[CacheContract], CacheContract] | None = None
 
     def adapter(self, checkpoint: Checkpoint, *, dtype: str = "float32", key_form: str | None = None) -> NativeAdapter:
         """ropekv's engine with this fault's policy handed in (the engine itself has no fault switches)."""
@@ -177,7 +181,7 @@ class Fault:
             checkpoint = self.model(checkpoint)
         form = self.key_form if self.fixed_key_form else (key_form or self.key_form)
         return NativeAdapter(checkpoint, key_form=form, dtype=dtype, rotation=self.policy(),
-                             name=f"ropekv engine with fault {self.name}")
+                             name=f"ropekv engine with fault {self.name}", contract_change=self.contract_change)
 
 
 FAULTS: dict[str, Fault] = {f.name: f for f in (
@@ -309,6 +313,15 @@ def _has_nope(cfg) -> bool:
     return any(cfg.layer_rope(i) is None for i in range(cfg.num_layers))
 
 
+def _has_chunks(cfg) -> bool:
+    return "chunked_attention" in cfg.layer_types
+
+
+def _forget_chunks(contract: CacheContract) -> CacheContract:
+    """Chunked layers read as full ones: every cached key, earlier chunks included, reaches the kernel."""
+    return contract.replace(chunk_size=None, chunk_layers=())
+
+
 @dataclass(frozen=True)
 class ArchFault(Fault):
     """A :class:`Fault` that only a model with a given feature can show; ``needs`` says which."""
@@ -342,6 +355,10 @@ ARCH_FAULTS: dict[str, ArchFault] = {f.name: f for f in (
               "MLA's shared rope part rotated in the latent and again after expansion", "rotated",
               "any decode past position 0", MlaRopeRotatedTwice,
               needs="multi-head latent attention (deepseek_v2, deepseek_v3)", applies=_has_mla, fixed_key_form=True),
+    ArchFault("chunked-layers-read-earlier-chunks", "chunk_mismatch",
+              "chunked layers attend to the keys of earlier chunks (read as full attention)", "rotated",
+              "a query past the first chunk boundary", RotationPolicy, needs="chunked attention (llama4)",
+              applies=_has_chunks, contract_change=_forget_chunks),
 )}
 
 

@@ -150,8 +150,11 @@ class HFEngine:
         # ropekv shows its own progress; transformers' loading bars and warnings would interleave with it.
         transformers.utils.logging.disable_progress_bar()
         transformers.utils.logging.set_verbosity_error()
+        auto = transformers.AutoModelForCausalLM
+        if _multimodal(folder):  # Qwen2-VL: the image-text class, checked as its text model
+            auto = transformers.AutoModelForImageTextToText
         try:
-            model = transformers.AutoModelForCausalLM.from_pretrained(
+            model = auto.from_pretrained(
                 folder, dtype=_DTYPES[dtype], local_files_only=True, trust_remote_code=False, use_safetensors=True,
                 attn_implementation=attn_implementation)
         except (OSError, ValueError, KeyError) as exc:
@@ -442,8 +445,10 @@ class HFEngine:
         return DynamicCache(config=self.model.config)
 
     def _croppable(self, case: Case) -> bool:
-        """Dynamic caches whose layers all keep every token can be cropped back to the prefix."""
-        sliding = "sliding_attention" in self.checkpoint.config.layer_types
+        """Dynamic caches whose layers all keep every token can be cropped back to the prefix (transformers
+        keeps a chunked layer in a sliding layer of one chunk, so it cannot be cropped either)."""
+        types = self.checkpoint.config.layer_types
+        sliding = "sliding_attention" in types or "chunked_attention" in types
         return case.window is not None or (self.cache_kind == "dynamic" and not sliding)
 
     def _window_mask(self, positions: torch.Tensor, kv_len: int, case: Case) -> torch.Tensor:
@@ -461,7 +466,8 @@ class HFEngine:
 
     def _decoder_layers(self) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
         """The decoder layers and their attention modules, where the architecture's description says
-        they are (``Family.layers_prefix`` / ``attn_module``; llama's names for an undescribed one)."""
+        they are (``Family.layers_prefix`` / ``attn_module``; llama's names for an undescribed one); a
+        multimodal model's text layers under ``model.language_model`` (Qwen2-VL)."""
         config = self.model.config
         name = family_of(list(getattr(config, "architectures", None) or []), getattr(config, "model_type", None))
         fam = FAMILIES.get(name) if name is not None else None
@@ -471,16 +477,36 @@ class HFEngine:
             raise UsageError(f"{type(self.model).__name__}: transformers' {fam.name} computes attention inline (no "
                              "attention interface, no attention method), so the transformers adapter cannot record "
                              "it; check the checkpoint with ropekv's engine (ropekv check DIR)")
-        try:
-            layers = self.model.get_submodule(where)
-        except AttributeError:
-            layers = None
+        layers = None
+        for path in (where, "model.language_model.layers"):
+            try:
+                layers = self.model.get_submodule(path)
+                break
+            except AttributeError:
+                continue
         if layers is None or not all(hasattr(l, attn_name) for l in layers):
             raise UsageError(f"{type(self.model).__name__}: expected decoder layers {where} with a {attn_name} module")
         return list(layers), [getattr(l, attn_name) for l in layers]
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _multimodal(folder: Path) -> bool:
+    """Whether ``folder``'s config names an architecture described through its text_config (Qwen2-VL)."""
+    import json
+
+    from ..models.families import FAMILIES, family_of
+
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return False  # transformers' own loader reports it
+    if not isinstance(config, dict):
+        return False
+    archs = config.get("architectures") if isinstance(config.get("architectures"), list) else []
+    family = family_of(archs, config.get("model_type"))
+    return family is not None and FAMILIES[family].text_config
 
 
 def _visibility(mask, rows: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 import torch
 
@@ -26,7 +26,8 @@ class NativeAdapter:
 
     def __init__(self, checkpoint: Checkpoint, *, key_form: KeyForm = "rotated", backend: BackendName | None = None,
                  dtype: str = "float32", rotation: RotationPolicy | None = None, device: str = "cpu",
-                 name: str | None = None, cache_ops: CacheOpPolicy | None = None):
+                 name: str | None = None, cache_ops: CacheOpPolicy | None = None,
+                 contract_change: Callable[[CacheContract], CacheContract] | None = None):
         self.checkpoint = checkpoint
         self.key_form = key_form
         self.backend = backend
@@ -34,6 +35,9 @@ class NativeAdapter:
         self.dtype = _DTYPES[dtype]
         self.rotation = rotation
         self.cache_ops = cache_ops
+        # The contract the engine runs under, from the model's: a fault hands in one that forgets a
+        # feature (chunked layers read as full); a correct adapter has none.
+        self.contract_change = contract_change
         self.device = device
         self.name = name or f"ropekv engine ({key_form} keys, {backend or 'default'} backend)"
         self._weights: DecoderWeights | None = None
@@ -43,10 +47,11 @@ class NativeAdapter:
         self.make_engine(Case(length=1), num_blocks=1)
 
     def contract(self, case: Case) -> CacheContract:
-        return CacheContract.for_model(
+        c = CacheContract.for_model(
             self.checkpoint.config, key_form=self.key_form, block_size=case.block_size, dtype=self.dtype_name,
             window="model" if case.window is None else case.window, sink_tokens=case.sink_tokens,
             model_fingerprint=self.checkpoint.fingerprint)
+        return c if self.contract_change is None else self.contract_change(c)
 
     def make_engine(self, case: Case, num_blocks: int | None = None) -> Engine:
         if num_blocks is None:

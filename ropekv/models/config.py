@@ -21,7 +21,7 @@ from .moe import MoeSpec
 from .families import FAMILIES, REFUSED, Family, canonical_weights, family_of
 
 ARCHITECTURES = tuple(FAMILIES)
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu", "relu2", "xielu")
 # xIELU's learned parameters, per layer under model.layers.{i}.mlp.act_fn. (apertus): shape of each
 XIELU_PARAMS = {"alpha_p": (1,), "alpha_n": (1,), "beta": (), "eps": ()}
@@ -36,7 +36,8 @@ _HF_FIELD_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attentio
 _LATER_FIELDS = {"hidden_act": "silu", "layer_ropes": None, "query_scale": None, "attn_softcap": None,
                  "final_softcap": None, "embedding_scale": 1.0, "residual_scale": 1.0, "logits_scale": 1.0,
                  "moe": None, "mla": None, "parallel": False, "clip_qkv": None, "parallel_mlp_norm": False,
-                 "qkv_groups": None}
+                 "qkv_groups": None, "attention_chunk_size": None, "temperature_floor_scale": None,
+                 "temperature_attn_scale": 0.0}
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,8 @@ class ModelConfig:
     """A decoder-only RoPE transformer in the terms ropekv needs; ``family`` says how it computes.
 
     ``layer_types[i]`` is ``"sliding_attention"`` for layers that see only the last ``sliding_window``
-    keys (HF semantics: key ``j`` visible to query ``i`` iff ``i - W < j <= i``). ``layer_ropes[i]``
+    keys (HF semantics: key ``j`` visible to query ``i`` iff ``i - W < j <= i``), ``"chunked_attention"``
+    for layers that see only the keys of their own chunk of ``attention_chunk_size`` positions. ``layer_ropes[i]``
     is layer ``i``'s :class:`RopeSpec`, or None for a layer without position embedding (NoPE);
     empty means ``rope`` on every layer. ``rms_norm_eps`` is the epsilon of every norm, whatever the
     norm kind. ``warnings`` name config fields the architecture's reference implementation ignores.
@@ -85,6 +87,11 @@ class ModelConfig:
     # KV groups of a grouped fused qkv where fewer than num_kv_heads (Falcon's new decoder
     # architecture: each group's key/value serves, and is cached for, each of its query heads)
     qkv_groups: int | None = None
+    attention_chunk_size: int | None = None  # chunked_attention layers: keys of the query's own chunk only
+    # llama4's attention temperature tuning on NoPE layers: queries times
+    # log1p(floor((position + 1) / floor_scale)) * attn_scale + 1; None: no tuning
+    temperature_floor_scale: float | None = None
+    temperature_attn_scale: float = 0.0
     warnings: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -127,6 +134,11 @@ class ModelConfig:
             raise ConfigError(f"unknown layer type(s) {bad[:5]}; supported: {', '.join(LAYER_TYPES)}")
         if "sliding_attention" in self.layer_types and self.sliding_window is None:
             raise ConfigError("sliding_attention layers need a sliding_window")
+        c = self.attention_chunk_size
+        if c is not None and (not isinstance(c, int) or isinstance(c, bool) or c < 1):
+            raise ConfigError(f"attention_chunk_size must be an integer >= 1, got {c!r}")
+        if "chunked_attention" in self.layer_types and c is None:
+            raise ConfigError("chunked_attention layers need an attention_chunk_size")
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(f"activation {self.hidden_act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
         if self.hidden_act == "xielu" and (self.family.mlp != "plain" or self.moe is not None):
@@ -150,7 +162,10 @@ class ModelConfig:
                               f"got {self.qkv_groups!r}")
         if self.moe is not None and not isinstance(self.moe, MoeSpec):
             raise ConfigError(f"config field 'moe' must be a MoeSpec or None, got {type(self.moe).__name__}")
-        for name in ("embedding_scale", "residual_scale", "logits_scale"):
+        t = self.temperature_floor_scale
+        if t is not None and not (_is_real(t) and _finite(t) and t > 0):
+            raise ConfigError(f"config field 'temperature_floor_scale' must be a finite number > 0 or null, got {t!r}")
+        for name in ("embedding_scale", "residual_scale", "logits_scale", "temperature_attn_scale"):
             value = getattr(self, name)
             if not (_is_real(value) and _finite(value)):
                 raise ConfigError(f"config field {name!r} must be a finite number, got {value!r}")
@@ -203,6 +218,18 @@ class ModelConfig:
     def layer_window(self, layer: int) -> int | None:
         """The window of ``layer``, or None for full attention."""
         return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+
+    def layer_chunk(self, layer: int) -> int | None:
+        """The chunk size of ``layer`` (a query at ``p`` sees keys at ``[floor(p/C)*C, p]``), or None."""
+        return self.attention_chunk_size if self.layer_types[layer] == "chunked_attention" else None
+
+    def layer_temperature(self, layer: int) -> bool:
+        """Whether ``layer``'s queries are scaled by llama4's position-dependent temperature (NoPE layers)."""
+        return self.temperature_floor_scale is not None and self.layer_rope(layer) is None
+
+    def layer_qk_norm(self, layer: int) -> bool:
+        """Whether ``layer`` normalizes q and k (llama4's L2 norm only on layers that rotate)."""
+        return self.qk_norm and (self.family.qk_norm != "l2" or self.layer_rope(layer) is not None)
 
     def layer_moe(self, layer: int) -> MoeSpec | None:
         """The MoE MLP of ``layer``, or None where the layer's MLP is dense."""
@@ -283,8 +310,9 @@ class ModelConfig:
                     s = moe.shared_expert_size
                     shapes.update({p + "mlp.shared_expert.gate_proj.weight": (s, h),
                                    p + "mlp.shared_expert.up_proj.weight": (s, h),
-                                   p + "mlp.shared_expert.down_proj.weight": (h, s),
-                                   p + "mlp.shared_expert_gate.weight": (1, h)})
+                                   p + "mlp.shared_expert.down_proj.weight": (h, s)})
+                    if moe.shared_expert_gated:
+                        shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
                 if moe.shared_experts_size is not None:
                     s = moe.shared_experts_size
                     for part, shape in (("gate_proj", (s, h)), ("up_proj", (s, h)), ("down_proj", (h, s))):
@@ -308,7 +336,7 @@ class ModelConfig:
                 shapes.update({p + "mlp.up_proj.bias": (i,), p + "mlp.down_proj.bias": (h,)})
                 if fam.mlp == "gated":
                     shapes[p + "mlp.gate_proj.bias"] = (i,)
-            if self.qk_norm:
+            if self.qk_norm and fam.qk_norm != "l2":  # llama4's L2 norm has no weights
                 qn, kn = {"head": ((d,), (d,)), "per_head": ((self.num_heads, d), (self.num_kv_heads, d)),
                           "projection": ((q,), (kv,))}[fam.qk_norm]
                 shapes.update({p + "self_attn.q_norm.weight": qn, p + "self_attn.k_norm.weight": kn})

@@ -26,9 +26,9 @@ from ..errors import CheckpointError
 # "layer_plain": mean-centred LayerNorm with neither weight nor bias (OLMo), no tensors at all.
 NormKind = Literal["rms", "rms_offset", "layer", "layer_offset", "layer_plain"]
 MlpKind = Literal["gated", "plain"]
-# q/k norms: one weight [D] applied to every head, a weight per head [heads, D], or one weight over
-# the whole projection [heads * D].
-QkNorm = Literal["none", "head", "per_head", "projection"]
+# q/k norms: one weight [D] applied to every head, a weight per head [heads, D], one weight over
+# the whole projection [heads * D], or llama4's weightless per-head L2 norm (RoPE layers only).
+QkNorm = Literal["none", "head", "per_head", "projection", "l2"]
 # Rows of a fused query_key_value: q, then k, then v ("concat": phi3); or grouped by KV head,
 # [KVH, heads / KVH + 2, D]: each group's query heads, its key head, its value head ("grouped":
 # GPT-NeoX and Persimmon with one query head per group, [heads, 3, D]; Falcon).
@@ -97,10 +97,21 @@ class Family:
     layout: Layout = "neox"
     partial_rotary: bool = False  # does the architecture honour partial_rotary_factor?
     rope_layers: RopeLayers = "all"
-    windows: Literal["none", "mistral", "qwen2", "qwen3_moe", "layer_types"] = "layer_types"
+    windows: Literal["none", "mistral", "qwen2", "qwen3_moe", "layer_types", "llama4"] = "layer_types"
     moe: Literal["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "deepseek_v2", "deepseek_v3",
-                 "glm4_moe"] | None = None  # models/moe.py
+                 "glm4_moe", "llama4"] | None = None  # models/moe.py
     attention: Literal["standard", "mla"] = "standard"  # "mla": multi-head latent attention (models/mla.py)
+    dense_size_key: str = "intermediate_size"  # the dense MLP's size (llama4: intermediate_size_mlp)
+    # llama4 stores experts as [E, hidden, 2I] / [E, I, hidden]: transposed to the canonical layout
+    experts_transposed: bool = False
+    # llama4's attention temperature tuning on NoPE layers (attn_temperature_tuning, floor_scale, attn_scale)
+    attn_temperature: bool = False
+    mrope: bool = False  # Qwen2-VL: rope_parameters.mrope_section (RopeSpec.mrope_section)
+    text_config: bool = False  # a multimodal config: the text model's fields are under text_config
+    # Whole-name prefixes: renamed (a live multimodal model's "model.language_model." -> "model.") or
+    # dropped (the vision tower, which ropekv does not check: docs/architectures.md).
+    prefixes: Mapping[str, str] = field(default_factory=dict)
+    dropped_prefixes: tuple[str, ...] = ()
     embedding_scale: Literal["none", "sqrt_hidden", "embedding_multiplier"] = "none"
     residual_scale_key: str | None = None  # granite: residual_multiplier
     attn_scale_key: str | None = None  # granite: attention_multiplier (the scale itself)
@@ -369,12 +380,42 @@ FAMILIES.update({f.name: f for f in (
                      "first_k_dense_replace": 1, "norm_topk_prob": True, "moe_intermediate_size": 1408}),
 )})
 
+_LLAMA4_NAMES = {f"mlp.{m}": f"feed_forward.{m}" for m in (
+    "gate_proj", "up_proj", "down_proj", "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj",
+    "experts")}
+
+FAMILIES.update({f.name: f for f in (
+    # Llama 4 (text): interleaved RoPE (complex pairs) on chunked layers; every no_rope_layer_interval-th
+    # layer NoPE with full attention and a position-dependent query temperature; weightless L2 q/k norm
+    # on RoPE layers (after RoPE in transformers: the same as before it, a rotation keeps the norm, as long
+    # as cos/sin carry no attention factor); MoE with a sigmoid top-k router scaling the experts' input and
+    # an ungated shared expert, dense layers of intermediate_size_mlp.
+    Family("llama4_text", ("Llama4ForCausalLM",), layout="gptj", rope_layers="no_rope_layers", qk_norm="l2",
+           qk_norm_flag="use_qk_norm",
+           qkv_bias="attention_bias", o_bias="attention_bias", windows="llama4", moe="llama4",
+           dense_size_key="intermediate_size_mlp", experts_transposed=True, attn_temperature=True,
+           names={**_LLAMA4_NAMES, "mlp.gate": "feed_forward.router"},
+           defaults={"rope_theta": 500000.0, "attention_chunk_size": 8192, "use_qk_norm": True,
+                     "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1,
+                     "no_rope_layer_interval": 4, "num_experts_per_tok": 1, "num_local_experts": 16,
+                     "interleave_moe_layer_step": 1, "intermediate_size_mlp": 16384}),
+)})
+
+_QWEN2_VL = dict(qkv_bias=True, windows="qwen2", mrope=True, text_config=True, head_dim_key=None,
+                prefixes={"model.language_model.": "model."}, dropped_prefixes=("visual.", "model.visual."),
+                defaults={"rope_theta": 1000000.0})
+
+FAMILIES.update({f.name: f for f in (
+    # Qwen2-VL / Qwen2.5-VL, the text model of a text-only checkpoint: qwen2's decoder (q/k/v bias, no o
+    # bias, head_dim always hidden / heads) with mRoPE, whose three position streams coincide for text.
+    Family("qwen2_vl", ("Qwen2VLForConditionalGeneration",), **_QWEN2_VL),
+    Family("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), **_QWEN2_VL),
+)})
+
 # Architectures ropekv refuses, with the feature that is not modelled yet (docs/architectures.md).
 REFUSED: dict[str, str] = {
     "hunyuan_v1_dense": "q/k norm applied after RoPE (the cached key is not a rotation of a raw key)",
-    "llama4_text": "chunked attention, mixture of experts, L2 q/k norm and attention temperature tuning",
     "gpt_oss": "attention sinks and mixture of experts",
-    "qwen2_vl": "multimodal RoPE (mrope_section position streams)",
 }
 
 _CLASS_TO_FAMILY = {c: f.name for f in FAMILIES.values() for c in f.classes}
@@ -407,6 +448,9 @@ def canonical_weights(config, weights: Mapping[str, torch.Tensor], source: str) 
     family = config.family
     split_sizes = config.split_sizes()
     renamed = {family.names[stem]: stem for stem in family.names}
+    if family.prefixes or family.dropped_prefixes:
+        weights = {_renamed_prefix(family, name): t for name, t in weights.items()
+                   if not name.startswith(family.dropped_prefixes)}
     top = {checkpoint: canonical for canonical, checkpoint in family.top_names.items()}
     out: dict[str, torch.Tensor] = {}
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}  # (layer prefix, part) -> expert -> tensor
@@ -431,6 +475,8 @@ def canonical_weights(config, weights: Mapping[str, torch.Tensor], source: str) 
             heads.setdefault((prefix, f"{family.stacked[group]}.{last}"), {})[int(index)] = tensor
             continue
         stem, _, suffix = rest.rpartition(".")
+        if family.experts_transposed and renamed.get(stem, stem) == "mlp.experts" and tensor.dim() == 3:
+            tensor = tensor.transpose(1, 2)  # [E, hidden, 2I] -> [E, 2I, hidden]; [E, I, hidden] -> [E, hidden, I]
         if stem in family.fused:
             parts, sizes = family.fused[stem], split_sizes[stem]
             if tensor.shape[0] != sum(sizes):
@@ -470,6 +516,11 @@ def _ungroup_qkv(tensor: torch.Tensor, num_heads: int, groups: int, num_kv_heads
     repeat = num_kv_heads // groups
     return (q, k.repeat_interleave(repeat, dim=0).reshape(num_kv_heads * head_dim, *rest),
             v.repeat_interleave(repeat, dim=0).reshape(num_kv_heads * head_dim, *rest))
+def _renamed_prefix(family: Family, name: str) -> str:
+    for old, new in family.prefixes.items():
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
 
 
 def _stack_experts(family: Family, experts: dict, source: str) -> dict[str, torch.Tensor]:

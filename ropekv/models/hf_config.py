@@ -38,6 +38,9 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
 
     fam = FAMILIES[arch]
     warnings: list[str] = []
+    if fam.text_config:
+        config, note = _text_config(config, source)
+        warnings += note
     config = dict(config)
     for name in fam.ignored_fields:  # removed, so that nothing below reads them
         value = config.pop(name, None)
@@ -105,11 +108,14 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
                            ("num_key_value_heads", num_kv_heads, "its own KV head rule")):
         if config.get(key) not in (None, used):
             warnings.append(f"{key}={config[key]!r} is ignored: transformers' {arch} uses {used} ({why})")
+    if fam.head_dim_key is None:  # what the RoPE reads below too
+        config["head_dim"] = head_dim
     if fam.intermediate_multiple and config.get("intermediate_size") is None:
         config["intermediate_size"] = fam.intermediate_multiple * hidden
     if fam.rope_from == "rotary_dim":
         config["rope_parameters"] = _rotary_dim_rope(config, head_dim, source)
-    sizes = {name: need(name) for name in ("vocab_size", "intermediate_size", "max_position_embeddings")}
+    sizes = {name: need(name) for name in ("vocab_size", fam.dense_size_key, "max_position_embeddings")}
+    sizes["intermediate_size"] = sizes[fam.dense_size_key]
     if fam.eps_key is None:
         eps = fam.eps_default
     elif fam.eps_default is None:
@@ -126,6 +132,15 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
     elif config.get("sliding_window") and fam.windows != "none" and fam.windows != "qwen2":
         warnings.append(f"sliding_window={config['sliding_window']!r} is ignored: no layer of this {arch} config "
                         "is a sliding_attention layer")
+
+    chunk = None
+    if "chunked_attention" in layer_types:
+        if fam.windows != "llama4":
+            raise ConfigError(f"{source}: layer type 'chunked_attention' on {arch}: transformers' {arch} has no "
+                              "chunked attention (only llama4 does)")
+        chunk = optional_int("attention_chunk_size", 1)
+        if chunk is None:
+            raise ConfigError(f"{source}: chunked_attention layers need an 'attention_chunk_size'")
 
     rope_layout = fam.layout if fam.layout != "neox" else layout
     mla = None
@@ -167,6 +182,18 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
     if fam.logits_multiply_key:
         logits_scale = number(fam.logits_multiply_key, 1.0)
     qk_norm = fam.qk_norm != "none" and rule(fam.qk_norm_flag)
+    if qk_norm and fam.qk_norm == "l2" and any(r is not None and r.attention_factor != 1.0 for r in ropes):
+        # transformers normalizes after RoPE, which divides the attention factor of cos/sin out again;
+        # before RoPE (what a raw-key cache stores) it would stay: refuse rather than check another reading.
+        raise ConfigError(f"{source}: {arch} L2 q/k norm after RoPE with a RoPE attention factor != 1 "
+                          f"({next(r.attention_factor for r in ropes if r is not None and r.attention_factor != 1.0)}) "
+                          "is not modelled (the norm removes the factor again)")
+    temperature = {}
+    if fam.attn_temperature and flag("attn_temperature_tuning") and any(r is None for r in ropes):
+        floor = number("floor_scale", None)
+        if floor is None or floor <= 0:
+            raise ConfigError(f"{source}: attn_temperature_tuning needs a 'floor_scale' > 0, got {floor!r}")
+        temperature = dict(temperature_floor_scale=floor, temperature_attn_scale=number("attn_scale", None) or 0.0)
     moe = read_moe(fam.moe, config, num_layers, source) if fam.moe else None
     if fam.name == "deepseek_v2" and flag("norm_topk_prob"):
         warnings.append("norm_topk_prob=True is ignored: transformers' deepseek_v2 router never renormalizes")
@@ -203,7 +230,9 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
             logits_scale=logits_scale,
             moe=moe,
             mla=mla,
+            attention_chunk_size=chunk,
             warnings=tuple(warnings),
+            **temperature,
             **fields,
         )
     except ConfigError as exc:
@@ -327,6 +356,14 @@ def _layer_types(fam: Family, config: Mapping[str, Any], num_layers: int, source
         if bad:
             raise ConfigError(f"{source}: unknown layer type(s) {bad[:5]}; supported: {', '.join(LAYER_TYPES)}")
         return list(given)
+    if fam.windows == "llama4":  # Llama4TextConfig: chunked where the layer rotates, full on NoPE layers
+        flags = config.get("no_rope_layers")
+        if not flags:
+            interval = config.get("no_rope_layer_interval", 4)
+            flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
+        if not isinstance(flags, list) or len(flags) != num_layers:
+            raise ConfigError(f"{source}: field 'no_rope_layers' must list one 0/1 per layer")
+        return ["chunked_attention" if f else "full_attention" for f in flags]
     if fam.windows == "mistral":
         sliding = optional_int("sliding_window", 1)
         return ["sliding_attention" if sliding else "full_attention"] * num_layers
@@ -345,9 +382,28 @@ def _layer_types(fam: Family, config: Mapping[str, Any], num_layers: int, source
     return ["full_attention"] * num_layers
 
 
+def _text_config(config: Mapping[str, Any], source: str) -> tuple[dict[str, Any], list[str]]:
+    """A multimodal config read as its text model: the ``text_config`` fields, under the top level's
+    architecture and ``tie_word_embeddings``; a note that the vision tower is not checked."""
+    text = config.get("text_config")
+    if text is None:
+        return dict(config), []  # already flat (an older config with the text fields at the top)
+    if not isinstance(text, Mapping):
+        raise ConfigError(f"{source}: field 'text_config' must be an object")
+    out = {**text, "architectures": config.get("architectures"), "model_type": config.get("model_type")}
+    if "tie_word_embeddings" in config:
+        out["tie_word_embeddings"] = config["tie_word_embeddings"]
+    notes = []
+    if config.get("vision_config") is not None:
+        notes.append("vision_config is not checked: ropekv checks the text model at text positions, where the "
+                     "three mRoPE position streams are one (image and video tokens are outside the check)")
+    return out, notes
+
+
 def _rope(config: Mapping[str, Any], layer_type: str | None, layout: str, fam: Family, source: str) -> RopeSpec:
     try:
-        return RopeSpec.from_hf_config(config, layer_type=layer_type, layout=layout, partial_rotary=fam.partial_rotary)
+        return RopeSpec.from_hf_config(config, layer_type=layer_type, layout=layout, partial_rotary=fam.partial_rotary,
+                                       mrope=fam.mrope)
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
 

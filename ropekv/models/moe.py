@@ -1,5 +1,5 @@
 """Mixture-of-experts MLPs as data: the router and the experts of mixtral, qwen2_moe, qwen3_moe, granitemoe,
-deepseek_v2, deepseek_v3 and glm4_moe.
+deepseek_v2, deepseek_v3, glm4_moe and llama4.
 
 MoE changes nothing about RoPE or the cache, but a decoder that cannot run its MLP cannot be checked.
 :class:`MoeSpec` holds every number the MLP uses; both the float64 reference and the engine compute
@@ -26,6 +26,10 @@ Routers (transformers' ``*TopKRouter``):
 
 ``shared_experts_size`` (deepseek, glm4_moe): an ungated shared MLP ``mlp.shared_experts.{gate,up,down}_proj``
 of intermediate size ``n_shared_experts * moe_intermediate_size``, added to the routed output.
+- ``topk_sigmoid_input`` (llama4's ``Llama4Router``): top k router logits, their sigmoid is each
+  chosen expert's score, and the score multiplies the expert's *input* (``expert(h * score)``, not
+  ``score * expert(h)``: the experts are not linear); a shared expert of ``shared_expert_size`` is
+  added ungated (``shared_expert_gated=False``).
 """
 
 from __future__ import annotations
@@ -36,7 +40,8 @@ from typing import Any, Literal, Mapping, get_args
 
 from ..errors import ConfigError
 
-Router = Literal["softmax_topk", "topk_softmax", "sigmoid_group", "softmax_greedy", "softmax_group_limited"]
+Router = Literal["softmax_topk", "topk_softmax", "sigmoid_group", "softmax_greedy", "softmax_group_limited",
+                 "topk_sigmoid_input"]
 ROUTERS: tuple[str, ...] = get_args(Router)
 GROUPED = ("sigmoid_group", "softmax_group_limited")
 
@@ -55,6 +60,7 @@ class MoeSpec:
     routed_scale: float = 1.0  # routed_scaling_factor
     shared_experts_size: int | None = None  # deepseek / glm4_moe: ungated shared experts of this size
     correction_bias: bool = False  # sigmoid_group: the router has e_score_correction_bias
+    shared_expert_gated: bool = True  # qwen2_moe: times sigmoid(shared_expert_gate(h)); llama4: plain sum
 
     def __post_init__(self) -> None:
         if self.router not in ROUTERS:
@@ -87,12 +93,15 @@ class MoeSpec:
             raise ConfigError(f"MoE routed_scaling_factor must be a finite number, got {self.routed_scale!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"router": self.router, "num_experts": self.num_experts, "top_k": self.top_k,
-                "expert_size": self.expert_size, "normalize": self.normalize,
-                "shared_expert_size": self.shared_expert_size, "sparse_layers": list(self.sparse_layers),
-                **({"num_groups": self.num_groups, "top_groups": self.top_groups, "routed_scale": self.routed_scale,
-                    "shared_experts_size": self.shared_experts_size, "correction_bias": self.correction_bias}
-                   if self.router not in ("softmax_topk", "topk_softmax") else {})}
+        d = {"router": self.router, "num_experts": self.num_experts, "top_k": self.top_k,
+             "expert_size": self.expert_size, "normalize": self.normalize,
+             "shared_expert_size": self.shared_expert_size, "sparse_layers": list(self.sparse_layers)}
+        if self.router in ("sigmoid_group", "softmax_greedy", "softmax_group_limited"):
+            d.update({"num_groups": self.num_groups, "top_groups": self.top_groups, "routed_scale": self.routed_scale,
+                      "shared_experts_size": self.shared_experts_size, "correction_bias": self.correction_bias})
+        if not self.shared_expert_gated:  # written only where it differs: earlier fingerprints stay
+            d["shared_expert_gated"] = False
+        return d
 
 
 def read_moe(kind: str, config: Mapping[str, Any], num_layers: int, source: str) -> MoeSpec:
@@ -124,6 +133,20 @@ def read_moe(kind: str, config: Mapping[str, Any], num_layers: int, source: str)
                        sparse_layers=layers)
     if kind in ("deepseek_v3", "glm4_moe", "deepseek_v2"):
         return _read_deepseek(kind, config, num_layers, source, experts, top_k, integer)
+    if kind == "llama4":
+        # Llama4TextConfig: moe_layers, else every interleave_moe_layer_step-th layer from step - 1;
+        # experts and the shared expert have intermediate_size, dense layers intermediate_size_mlp.
+        step = integer("interleave_moe_layer_step") if config.get("interleave_moe_layer_step") is not None else 1
+        given = config.get("moe_layers")
+        if given is not None:
+            if not isinstance(given, list) or not all(isinstance(i, int) and 0 <= i < num_layers for i in given):
+                raise ConfigError(f"{source}: field 'moe_layers' must list layer indices in [0, {num_layers})")
+            layers = tuple(sorted(set(given)))
+        else:
+            layers = tuple(range(step - 1, num_layers, step))
+        size = integer("intermediate_size")
+        return MoeSpec("topk_sigmoid_input", experts, top_k, size, normalize=False, shared_expert_size=size,
+                       sparse_layers=layers, shared_expert_gated=False)
     if kind == "granitemoe":
         return MoeSpec("topk_softmax", experts, top_k, integer("intermediate_size"), normalize=False,
                        sparse_layers=layers)

@@ -72,8 +72,9 @@ class ReferenceDecoder:
         """Logits ``[T, vocab]`` for ``tokens [T]`` at positions ``0..T-1``, plus per-layer probes.
 
         ``window="model"`` gives each layer its configured window; an int applies that window to
-        every layer; None means full causal attention. Key ``j`` is visible to query ``i`` iff
-        ``j <= i`` and (no window, or ``i - W < j``, or ``j < sink_tokens``). Length-dependent RoPE
+        every layer (and no chunks); None means full causal attention. Key ``j`` is visible to query
+        ``i`` iff ``j <= i`` and (no window, or ``i - W < j``, or ``j < sink_tokens``); on a chunked
+        layer (``"model"`` only) also ``j >= floor(i / C) * C``, by position. Length-dependent RoPE
         (dynamic NTK, LongRoPE) uses ``seq_len = T``, as transformers does for a full forward.
 
         Cache operations (docs/ops.md) need two more things, both optional: ``positions [T]`` (strictly
@@ -87,6 +88,7 @@ class ReferenceDecoder:
         T = tokens.shape[0]
         rows = None if probe_rows is None else self._check_rows(probe_rows, T)
         windows = self._layer_windows(window)
+        chunks = [self.config.layer_chunk(i) if window == "model" else None for i in range(cfg.num_layers)]
         if not isinstance(sink_tokens, int) or isinstance(sink_tokens, bool) or sink_tokens < 0:
             raise UsageError(f"sink_tokens must be a non-negative integer, got {sink_tokens!r}")
 
@@ -108,8 +110,15 @@ class ReferenceDecoder:
             else:
                 q, k, v = self._qkv(h, p)  # [T, H, D], [T, KVH, D], [T, KVH, D]
             rope = cfg.layer_rope(layer)  # None: a NoPE layer
+            if cfg.layer_temperature(layer):  # llama4 NoPE layers: q * (log1p(floor((p + 1) / f)) * s + 1)
+                temp = torch.log1p(torch.floor((positions.to(self.dtype) + 1) / cfg.temperature_floor_scale))
+                q = q * (temp * cfg.temperature_attn_scale + 1)[:, None, None]
             q_rot = rope.rotate(q, positions, seq_len=T) if rope is not None else q  # [T, H, D]
             k_rot = rope.rotate(k, positions, seq_len=T) if rope is not None else k  # [T, KVH, D]
+            if fam.qk_norm == "l2" and cfg.layer_qk_norm(layer):
+                # llama4 normalizes after RoPE, as here; the probes' raw q/k are the normalized ones before
+                # RoPE (what a raw-key cache holds), equal to these turned back since a rotation keeps norms.
+                q_rot, k_rot, q, k = _l2(q_rot, cfg), _l2(k_rot, cfg), _l2(q, cfg), _l2(k, cfg)
 
             attn = torch.empty(T, cfg.num_heads, v.shape[-1], dtype=self.dtype)
             kv_head = torch.arange(cfg.num_heads) // (cfg.num_heads // cfg.num_kv_heads)  # [H]
@@ -118,7 +127,7 @@ class ReferenceDecoder:
             for start in range(0, T, block):
                 stop = min(T, start + block)  # causal: no query of the block sees a key at or past `stop`
                 scores = self._attn_logits(q_rot[start:stop], index[start:stop], k_heads[:stop],
-                                           windows[layer], sink_tokens)
+                                           windows[layer], sink_tokens, chunks[layer], positions)
                 if key_mask is not None:  # [block, stop] extra visibility (evicted keys)
                     scores = scores.masked_fill(~key_mask[start:stop, :stop][None], float("-inf"))
                 attn[start:stop] = self._attend(scores, v_heads[:stop])
@@ -256,11 +265,17 @@ class ReferenceDecoder:
         out = torch.zeros_like(h)
         for t in range(h.shape[0]):
             for e, w in zip(experts[t].tolist(), weights[t]):
-                gate, up = (gate_up[e] @ h[t]).chunk(2)
-                out[t] += w * (down[e] @ (_activation(gate, self.config.hidden_act) * up))
+                if moe.router == "topk_sigmoid_input":  # the score scales the expert's input
+                    gate, up = (gate_up[e] @ (w * h[t])).chunk(2)
+                    out[t] += down[e] @ (_activation(gate, self.config.hidden_act) * up)
+                else:
+                    gate, up = (gate_up[e] @ h[t]).chunk(2)
+                    out[t] += w * (down[e] @ (_activation(gate, self.config.hidden_act) * up))
         if moe.shared_expert_size is not None:
             shared = self._dense_mlp(h, p + "mlp.shared_expert.")
-            out = out + torch.sigmoid(h @ self._w[p + "mlp.shared_expert_gate.weight"].T) * shared
+            if moe.shared_expert_gated:
+                shared = torch.sigmoid(h @ self._w[p + "mlp.shared_expert_gate.weight"].T) * shared
+            out = out + shared
         if moe.shared_experts_size is not None:  # deepseek / glm4_moe: ungated shared experts
             out = out + self._dense_mlp(h, p + "mlp.shared_experts.")
         return out
@@ -270,6 +285,9 @@ class ReferenceDecoder:
         if moe.router == "topk_softmax":
             top, experts = logits.topk(moe.top_k, dim=-1)
             return torch.softmax(top, dim=-1), experts
+        if moe.router == "topk_sigmoid_input":  # llama4: sigmoid of the top-k logits (they scale the input)
+            top, experts = logits.topk(moe.top_k, dim=-1)
+            return torch.sigmoid(top), experts
         T, E, G = logits.shape[0], logits.shape[1], moe.num_groups
         if moe.router == "sigmoid_group":
             scores = torch.sigmoid(logits)
@@ -302,15 +320,18 @@ class ReferenceDecoder:
         return max(1, min(_QUERY_BLOCK, (16 << 20) // per_query))
 
     def _attn_logits(
-        self, q_rot: torch.Tensor, rows: torch.Tensor, k_heads: torch.Tensor, window: int | None, sinks: int
+        self, q_rot: torch.Tensor, rows: torch.Tensor, k_heads: torch.Tensor, window: int | None, sinks: int,
+        chunk: int | None = None, positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Scaled, masked scores ``[H, R, T]`` of queries ``q_rot [R, H, D]`` at ``rows`` against the
-        keys ``k_heads [T, H, D]`` at positions ``0..T-1`` (already repeated per query head)."""
+        keys ``k_heads [T, H, D]`` (already repeated per query head); ``chunk``: a chunked layer, whose
+        chunks are cut by the tokens' ``positions``."""
         cfg = self.config
         scores = torch.einsum("rhd,thd->hrt", q_rot, k_heads) * cfg.attn_scale
         if cfg.attn_softcap is not None:  # gemma2: cap * tanh(scores / cap), before the mask
             scores = torch.tanh(scores / cfg.attn_softcap) * cfg.attn_softcap
-        return scores.masked_fill(~visible(rows, k_heads.shape[0], window, sinks), float("-inf"))
+        mask = visible(rows, k_heads.shape[0], window, sinks, chunk, positions)
+        return scores.masked_fill(~mask, float("-inf"))
 
     def _attend(self, scores: torch.Tensor, v_heads: torch.Tensor) -> torch.Tensor:
         """Softmax ``scores [H, R, T]`` over keys and mix ``v_heads [T, H, D]`` -> ``[R, H, D]``."""
@@ -360,6 +381,11 @@ class ReferenceDecoder:
         return [window] * n
 
 
+def _l2(x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """llama4's ``Llama4TextL2Norm`` over the last dim: ``x / sqrt(mean(x^2) + eps)``, no weights."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps)
+
+
 def _activation(x: torch.Tensor, name: str) -> torch.Tensor:
     """transformers' ``ACT2FN[name]``, written out: ``gelu_pytorch_tanh`` and ``gelu_new`` are the
     tanh approximation, ``gelu`` the exact erf form, ``relu2`` is ``relu(x) ** 2``."""
@@ -376,12 +402,19 @@ def _activation(x: torch.Tensor, name: str) -> torch.Tensor:
     raise UsageError(f"activation {name!r} is not implemented")
 
 
-def visible(rows: torch.Tensor, num_keys: int, window: int | None, sink_tokens: int = 0) -> torch.Tensor:
+def visible(rows: torch.Tensor, num_keys: int, window: int | None, sink_tokens: int = 0,
+            chunk: int | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
     """Boolean mask ``[R, num_keys]``: key ``j`` visible to the query at position ``i = rows[r]`` iff
-    ``j <= i`` and (``window`` is None, or ``i - window < j``, or ``j < sink_tokens``)."""
+    ``j <= i`` and (``window`` is None, or ``i - window < j``, or ``j < sink_tokens``), and on a
+    chunked layer the key's position is in the query's chunk: ``pos(j) >= (pos(i) // chunk) * chunk``
+    (``positions [T]``: the tokens' positions; None: positions are the indices)."""
     i = rows[:, None]
     j = torch.arange(num_keys)[None, :]
     mask = j <= i
     if window is not None:
         mask &= (j > i - window) | (j < sink_tokens)
+    if chunk is not None:
+        pos = torch.arange(max(num_keys, int(rows.max()) + 1 if rows.numel() else 0)) if positions is None else positions
+        qpos, kpos = pos[rows][:, None], pos[:num_keys][None, :]
+        mask &= kpos >= (qpos // chunk) * chunk
     return mask

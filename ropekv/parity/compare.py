@@ -141,6 +141,10 @@ class LogitsOf:
     def layer_window(self, layer: int) -> int | None:
         return self.window if self.window is not None else self.cfg.layer_window(layer)
 
+    def layer_chunk(self, layer: int) -> int | None:
+        """The layer's chunk size; a case window replaces every layer's kind, chunks included."""
+        return None if self.window is not None else self.cfg.layer_chunk(layer)
+
     def step(self, layer: int, probe: LayerProbe, position: int) -> torch.Tensor:
         """``[H, N]`` over exactly the keys the kernel read (nothing hidden: a key it should not have
         read shows up against the reference's ``-inf``)."""
@@ -148,9 +152,10 @@ class LogitsOf:
         return attention_logits(probe, q_pos, scale=self.scale, softcap=self.softcap, mask_by_position=False)[:, 0]
 
     def rows(self, layer: int, probe: LayerProbe, rows: torch.Tensor) -> torch.Tensor:
-        """``[H, R, T]`` over every key, masked by position (causal, window, sinks)."""
+        """``[H, R, T]`` over every key, masked by position (causal, window, sinks, chunk)."""
         return attention_logits(probe, rows, scale=self.scale, softcap=self.softcap,
-                                window=self.layer_window(layer), sink_tokens=self.sink_tokens)
+                                window=self.layer_window(layer), sink_tokens=self.sink_tokens,
+                                chunk=self.layer_chunk(layer))
 
 
 def compare_step(step_layers: tuple[LayerProbe, ...], step_logits: NextToken, position: int, ref: RefRow,

@@ -362,11 +362,13 @@ def _diagnose(adapter: EngineAdapter, refs: _References, result: CaseResult, run
     out, i = refs.reference_output(result.case, fd.query_position)
     probe = out.layers[fd.layer]
     case = result.case
-    window = _window_diagnosis(refs.reference_row(case, fd.query_position).attn_logits[fd.layer], view, case, fd)
+    cfg = adapter.checkpoint.config
+    chunk = cfg.layer_chunk(fd.layer) if case.window is None else None  # a case window replaces chunks
+    window = _window_diagnosis(refs.reference_row(case, fd.query_position).attn_logits[fd.layer], view, case, fd,
+                               chunk)
     if window is not None:
         return window
     slots = view.key_slots if view.key_slots is not None else torch.full_like(view.key_positions, -1)
-    cfg = adapter.checkpoint.config
     k_raw = probe.k_raw[view.key_positions - case.shift]  # the reference's rows are indices (a shift moves positions)
     # Per-layer RoPE features first (NoPE layers, partial rotary, local/global RoPE): bug classes one
     # spec alone cannot name. Then the general forensics under the diverging layer's own spec.
@@ -412,9 +414,11 @@ def _diagnose(adapter: EngineAdapter, refs: _References, result: CaseResult, run
     return Diagnosis(kind, evidence, details)
 
 
-def _window_diagnosis(ref_row: torch.Tensor, view, case: Case, fd) -> Diagnosis | None:
+def _window_diagnosis(ref_row: torch.Tensor, view, case: Case, fd, chunk: int | None = None) -> Diagnosis | None:
     """The kernel read keys the reference's window hides, or missed keys it shows: a mask or window
-    bug (a cache that ignores its size, sinks kept where none are configured), not a rotation."""
+    bug (a cache that ignores its size, sinks kept where none are configured), not a rotation. On a
+    chunked layer (``chunk``) the same evidence is ``chunk_mismatch``: keys of an earlier chunk read
+    (an engine that treats llama4's chunked layers as full), or keys of the query's chunk missed."""
     visible = torch.isfinite(ref_row[0])  # [T] by position
     pos = view.key_positions
     extra = pos[~visible[pos]]
@@ -424,15 +428,20 @@ def _window_diagnosis(ref_row: torch.Tensor, view, case: Case, fd) -> Diagnosis 
     if extra.numel() == 0 and missed.numel() == 0:
         return None
     parts = []
+    hides = "the window hides" if chunk is None else (
+        f"of earlier chunks (chunk size {chunk}: the query's chunk starts at "
+        f"{fd.query_position // chunk * chunk})")
     if extra.numel():
-        parts.append(f"it read {extra.numel()} key(s) the window hides (positions {_span(extra)})")
+        parts.append(f"it read {extra.numel()} key(s) {hides} (positions {_span(extra)})")
     if missed.numel():
         parts.append(f"it missed {missed.numel()} visible key(s) (positions {_span(missed)})")
-    return Diagnosis("window_mismatch", f"layer {fd.layer}, query at {fd.query_position}: the reference attends to "
-                     f"{int(visible.sum())} keys, the kernel to {pos.numel()}; " + "; ".join(parts),
-                     {"case": case.label(), "layer": fd.layer, "query_position": fd.query_position,
-                      "extra_keys": int(extra.numel()), "missed_keys": int(missed.numel()),
-                      "keys_read": int(pos.numel())})
+    details = {"case": case.label(), "layer": fd.layer, "query_position": fd.query_position,
+               "extra_keys": int(extra.numel()), "missed_keys": int(missed.numel()), "keys_read": int(pos.numel())}
+    if chunk is not None:
+        details["chunk_size"] = chunk
+    return Diagnosis("window_mismatch" if chunk is None else "chunk_mismatch",
+                     f"layer {fd.layer}, query at {fd.query_position}: the reference attends to "
+                     f"{int(visible.sum())} keys, the kernel to {pos.numel()}; " + "; ".join(parts), details)
 
 
 def _span(positions: torch.Tensor) -> str:

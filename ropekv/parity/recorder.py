@@ -14,21 +14,24 @@ from ..probe import LayerProbe
 
 
 def visible_keys(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None,
-                 sink_tokens: int = 0) -> torch.Tensor:
+                 sink_tokens: int = 0, chunk: int | None = None) -> torch.Tensor:
     """Boolean mask ``[R, N]``: key at position ``j`` visible to the query at position ``i`` iff
     ``j <= i`` and (no window, or ``i - window < j``, or ``j < sink_tokens``): HF's sliding-window
-    semantics (``W`` keys, the query's own included) with StreamingLLM sinks."""
+    semantics (``W`` keys, the query's own included) with StreamingLLM sinks; on a chunked layer
+    also ``j >= (i // chunk) * chunk`` (llama4's chunked attention: the query's own chunk)."""
     i = query_positions.reshape(-1, 1).to(torch.int64)
     j = key_positions.reshape(1, -1).to(torch.int64)
     mask = j <= i
     if window is not None:
         mask &= (j > i - window) | (j < sink_tokens)
+    if chunk is not None:
+        mask &= j >= (i // chunk) * chunk
     return mask
 
 
 def attention_logits(probe: LayerProbe, query_positions: torch.Tensor, *, scale: float,
                      window: int | None = None, sink_tokens: int = 0, softcap: float | None = None,
-                     mask_by_position: bool = True) -> torch.Tensor:
+                     mask_by_position: bool = True, chunk: int | None = None) -> torch.Tensor:
     """Pre-softmax scores ``[H, R, N]`` of ``probe.q [R, H, D]`` against ``probe.k [N, KVH, D]``,
     in float64, scaled by ``scale``, soft-capped (``softcap * tanh(s / softcap)``) where the model caps,
     and set to ``-inf`` where a key is not visible to the query by its logical position.
@@ -43,7 +46,7 @@ def attention_logits(probe: LayerProbe, query_positions: torch.Tensor, *, scale:
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
     if mask_by_position:
-        mask = visible_keys(query_positions, probe.key_positions, window, sink_tokens)  # [R, N]
+        mask = visible_keys(query_positions, probe.key_positions, window, sink_tokens, chunk)  # [R, N]
         scores = scores.masked_fill(~mask[None], float("-inf"))
     return scores
 
