@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import visibility
+from .attention import softmax_with_sinks, visibility
 from .errors import CacheError, UsageError
 from .probe import LayerProbe
 from .rotation import StepContext
@@ -76,7 +76,7 @@ def decode_batch(engine, seq_ids: list, tokens: torch.Tensor, *, probe: bool = F
                 traces[r].append(LayerProbe(q=q_eff, k=k_eff[mask], key_positions=key_pos[mask],
                                             key_slots=key_slots[mask], hidden_in=h[r:r + 1].detach(),
                                             q_raw=q[r:r + 1], v=values[mask]))
-        out = _padded_attention(rows, cfg.num_heads, q.dtype, cfg.attn_scale, cfg.attn_softcap)  # [B, H, D]
+        out = _padded_attention(rows, cfg.num_heads, q.dtype, cfg.attn_scale, cfg.attn_softcap, lw.sinks)  # [B, H, D]
         h = finish_layer(cfg, lw, h, out)
     logits = final_logits(cfg, engine.weights, h)  # [B, vocab]
     written = []
@@ -92,7 +92,7 @@ def decode_batch(engine, seq_ids: list, tokens: torch.Tensor, *, probe: bool = F
 
 
 def _padded_attention(rows: list, num_heads: int, dtype: torch.dtype, scale: float,
-                      softcap: float | None) -> torch.Tensor:
+                      softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of every row over one left-padded key tensor ``[B, N_max, KVH, D]``.
 
     ``rows[r] = (q_eff [1, H, D], k_eff [N_r, KVH, D], values [N_r, KVH, D], _, _, mask [N_r])``; the
@@ -113,7 +113,8 @@ def _padded_attention(rows: list, num_heads: int, dtype: torch.dtype, scale: flo
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
-    out = torch.einsum("bhn,bnhd->bhd", torch.softmax(logits, dim=-1), values[:, :, kv_head])
+    probs = softmax_with_sinks(logits, None if sinks is None else sinks.reshape(1, -1, 1))  # sinks [H] -> [1, H, 1]
+    out = torch.einsum("bhn,bnhd->bhd", probs, values[:, :, kv_head])
     return out.to(dtype)
 
 

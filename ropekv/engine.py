@@ -246,7 +246,7 @@ class Engine:
                 k_new = rot.read_keys(rope, stored_new, positions, g.new_slots, ctx,
                                       backend_rotates=self.backend.rotates)
                 out = attend_segments(q_eff, (k_cached, k_new), (view.values, v), scale=cfg.attn_scale,
-                                      softcap=cfg.attn_softcap)
+                                      softcap=cfg.attn_softcap, sinks=lw.sinks)
             else:
                 if view is not None:
                     reuse = probe_rows is None  # probes keep k_eff (the keys themselves when read as stored)
@@ -261,7 +261,7 @@ class Engine:
                     k_eff = rot.read_keys(rope, keys, g.key_pos, g.key_slots, ctx,
                                           backend_rotates=self.backend.rotates)
                     out, _ = attend(q_eff, k_eff, values, g.attn_mask, scale=cfg.attn_scale,
-                                    softcap=cfg.attn_softcap, with_logits=False)
+                                    softcap=cfg.attn_softcap, sinks=lw.sinks, with_logits=False)
                 if probe_rows is not None:
                     traces.append(_probe(probe_rows, h, q, q_eff, k_eff, values, g.key_pos, g.key_slots, g.mask))
             new_keys.append(stored_new)
@@ -343,7 +343,8 @@ class Engine:
             k_eff = rot.read_keys(rope, keys, index.clamp(min=0), key_slots, ctx, backend_rotates=self.backend.rotates)
             qi = rot.query(rope, q[i:i + 1], index[vis][-1:].reshape(1), ctx)
             o, _ = attend(qi, k_eff, values, mask[i:i + 1], scale=self.config.attn_scale,
-                          softcap=self.config.attn_softcap, with_logits=False)
+                          softcap=self.config.attn_softcap, sinks=self.weights.layers[ctx.layer].sinks,
+                          with_logits=False)
             outs.append(o)
             q_effs.append(qi)
         return torch.cat(outs), torch.cat(q_effs), k_eff

@@ -34,6 +34,9 @@ class MoeWeights:
     shared_gate_up: torch.Tensor | None  # [2 * S, hidden]
     shared_down: torch.Tensor | None  # [hidden, S]
     shared_gate: torch.Tensor | None  # [1, hidden]
+    router_bias: torch.Tensor | None = None  # [E] (gpt_oss)
+    gate_up_bias: torch.Tensor | None = None  # [E, 2 * I]
+    down_bias: torch.Tensor | None = None  # [E, hidden]
 
 
 @dataclass(frozen=True, eq=False)
@@ -53,6 +56,7 @@ class LayerWeights:
     down: torch.Tensor  # [hidden, intermediate]
     down_bias: torch.Tensor | None
     moe: MoeWeights | None = None
+    sinks: torch.Tensor | None = None  # [H] learned sink logits (gpt_oss), in the softmax denominator
 
 
 @dataclass(frozen=True, eq=False)
@@ -101,7 +105,9 @@ class DecoderWeights:
                     shared_gate_up=cat([p + "mlp.shared_expert.gate_proj.weight", p + "mlp.shared_expert.up_proj.weight"])
                     if shared else None,
                     shared_down=w[p + "mlp.shared_expert.down_proj.weight"] if shared else None,
-                    shared_gate=w[p + "mlp.shared_expert_gate.weight"] if shared else None)
+                    shared_gate=w[p + "mlp.shared_expert_gate.weight"] if shared else None,
+                    router_bias=opt(p + "mlp.gate.bias"), gate_up_bias=opt(p + "mlp.experts.gate_up_proj_bias"),
+                    down_bias=opt(p + "mlp.experts.down_proj_bias"))
             layers.append(LayerWeights(
                 attn_in=norm(p + fam.attn_in if fam.attn_in else None),
                 attn_out=norm(p + fam.attn_out if fam.attn_out else None),
@@ -118,6 +124,7 @@ class DecoderWeights:
                 down=moe.down.reshape(cfg.hidden_size, -1) if moe else w[p + "mlp.down_proj.weight"],
                 down_bias=opt(p + "mlp.down_proj.bias") if moe is None else None,
                 moe=moe,
+                sinks=w[a + "sinks"] if cfg.attention_sinks else None,
             ))
         embed = w["model.embed_tokens.weight"]
         lm_head = embed if cfg.tie_word_embeddings else w["lm_head.weight"]
@@ -233,7 +240,7 @@ def _mlp(cfg: ModelConfig, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
 def _moe(cfg: ModelConfig, mw: MoeWeights, x: torch.Tensor) -> torch.Tensor:
     """Top-k routing of ``x [n, hidden]``; each expert runs once on the tokens routed to it."""
     spec = cfg.moe
-    logits = F.linear(x, mw.router).float()  # [n, E]
+    logits = F.linear(x, mw.router, mw.router_bias).float()  # [n, E]
     if spec.router == "softmax_topk":
         weights, experts = torch.softmax(logits, dim=-1).topk(spec.top_k, dim=-1)
         if spec.normalize:
@@ -244,14 +251,24 @@ def _moe(cfg: ModelConfig, mw: MoeWeights, x: torch.Tensor) -> torch.Tensor:
     out = torch.zeros_like(x)
     for e in torch.unique(experts).tolist():
         token, slot = torch.where(experts == e)
-        gate, up = F.linear(x[token], mw.gate_up[e]).chunk(2, dim=-1)
-        y = F.linear(activation(gate, cfg.hidden_act) * up, mw.down[e])
+        gate, up = F.linear(x[token], mw.gate_up[e], None if mw.gate_up_bias is None else mw.gate_up_bias[e]).chunk(2, -1)
+        y = F.linear(_expert_act(spec, cfg.hidden_act, gate, up), mw.down[e],
+                     None if mw.down_bias is None else mw.down_bias[e])
         out.index_add_(0, token, y * weights[token, slot, None].to(x.dtype))
     if mw.shared_gate_up is not None:
         gate, up = F.linear(x, mw.shared_gate_up).chunk(2, dim=-1)
         shared = F.linear(activation(gate, cfg.hidden_act) * up, mw.shared_down)
         out = out + torch.sigmoid(F.linear(x, mw.shared_gate)) * shared
     return out
+
+
+def _expert_act(spec, act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``act(gate) * up``, or gpt_oss's clamped SwiGLU where the spec has a limit (models/moe.py)."""
+    if spec.swiglu_limit is None:
+        return activation(gate, act) * up
+    gate = gate.clamp(max=spec.swiglu_limit)
+    up = up.clamp(min=-spec.swiglu_limit, max=spec.swiglu_limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * spec.swiglu_alpha))
 
 
 def final_logits(cfg: ModelConfig, weights: DecoderWeights, h: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ _HF_FIELD_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attentio
 # their defaults, so configs of the original four families keep their fingerprints.
 _LATER_FIELDS = {"hidden_act": "silu", "layer_ropes": None, "query_scale": None, "attn_softcap": None,
                  "final_softcap": None, "embedding_scale": 1.0, "residual_scale": 1.0, "logits_scale": 1.0,
-                 "moe": None}
+                 "moe": None, "attention_sinks": False}
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,8 @@ class ModelConfig:
     residual_scale: float = 1.0  # multiplies attention and MLP outputs before the residual add
     logits_scale: float = 1.0
     moe: MoeSpec | None = None  # mixture-of-experts MLP on moe.sparse_layers (models/moe.py)
+    # A learned logit per query head (self_attn.sinks [H]) in every layer's softmax denominator (gpt_oss).
+    attention_sinks: bool = False
     warnings: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -130,6 +132,8 @@ class ModelConfig:
             value = getattr(self, name)
             if value is not None and not (_is_real(value) and _finite(value) and value > 0):
                 raise ConfigError(f"config field {name!r} must be a finite number > 0 or null, got {value!r}")
+        if not isinstance(self.attention_sinks, bool):
+            raise ConfigError(f"config field 'attention_sinks' must be true or false, got {self.attention_sinks!r}")
         if self.moe is not None and not isinstance(self.moe, MoeSpec):
             raise ConfigError(f"config field 'moe' must be a MoeSpec or None, got {type(self.moe).__name__}")
         for name in ("embedding_scale", "residual_scale", "logits_scale"):
@@ -228,6 +232,9 @@ class ModelConfig:
                 e, m = moe.num_experts, moe.expert_size
                 shapes.update({p + "mlp.gate.weight": (e, h), p + "mlp.experts.gate_up_proj": (e, 2 * m, h),
                                p + "mlp.experts.down_proj": (e, h, m)})
+                if moe.bias:
+                    shapes.update({p + "mlp.gate.bias": (e,), p + "mlp.experts.gate_up_proj_bias": (e, 2 * m),
+                                   p + "mlp.experts.down_proj_bias": (e, h)})
                 if moe.shared_expert_size is not None:
                     s = moe.shared_expert_size
                     shapes.update({p + "mlp.shared_expert.gate_proj.weight": (s, h),
@@ -247,6 +254,8 @@ class ModelConfig:
                 shapes.update({p + "mlp.up_proj.bias": (i,), p + "mlp.down_proj.bias": (h,)})
                 if fam.mlp == "gated":
                     shapes[p + "mlp.gate_proj.bias"] = (i,)
+            if self.attention_sinks:
+                shapes[p + "self_attn.sinks"] = (self.num_heads,)
             if self.qk_norm:
                 qn, kn = (d, d) if fam.qk_norm == "head" else (q, kv)
                 shapes.update({p + "self_attn.q_norm.weight": (qn,), p + "self_attn.k_norm.weight": (kn,)})

@@ -63,8 +63,13 @@ class Family:
     layout: Layout = "neox"
     partial_rotary: bool = False  # does the architecture honour partial_rotary_factor?
     rope_layers: RopeLayers = "all"
-    windows: Literal["none", "mistral", "qwen2", "qwen3_moe", "layer_types"] = "layer_types"
-    moe: Literal["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe"] | None = None  # models/moe.py
+    # How sliding layers are derived where config.json has no layer_types (hf_config._layer_types);
+    # "every_other": layers 0, 2, 4, ... slide (gpt_oss's config class writes exactly that).
+    windows: Literal["none", "mistral", "qwen2", "qwen3_moe", "layer_types", "every_other"] = "layer_types"
+    moe: Literal["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "gpt_oss"] | None = None  # models/moe.py
+    # gpt_oss: a learned logit per query head (``self_attn.sinks [H]``) joins every softmax denominator
+    # and is dropped after it: attention weights sum to less than 1. Weights, not cache contents.
+    sinks: bool = False
     embedding_scale: Literal["none", "sqrt_hidden", "embedding_multiplier"] = "none"
     residual_scale_key: str | None = None  # granite: residual_multiplier
     attn_scale_key: str | None = None  # granite: attention_multiplier (the scale itself)
@@ -86,6 +91,10 @@ class Family:
     # Per-expert tensors as saved on disk: (module holding experts 0..E-1, (gate, up, down) names),
     # stacked into the canonical experts.gate_up_proj / experts.down_proj (models/moe.py).
     experts: tuple[str, tuple[str, str, str]] | None = None
+    # Stacked expert tensors as stored: "rows" is the canonical [E, 2I, hidden] gate-then-up /
+    # [E, hidden, I]; "gpt_oss" stores them transposed ([E, hidden, 2I] / [E, I, hidden]) with gate and
+    # up interleaved (gate = [..., 0::2], up = [..., 1::2]), biases likewise interleaved.
+    experts_layout: Literal["rows", "gpt_oss"] = "rows"
 
 
 _LLAMA_BIAS = dict(qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias")
@@ -207,6 +216,15 @@ FAMILIES.update({f.name: f for f in (
                     "block_sparse_moe.experts.down_proj": "mlp.experts.down_proj",
                     "block_sparse_moe.input_linear.weight": "mlp.experts.gate_up_proj",
                     "block_sparse_moe.output_linear.weight": "mlp.experts.down_proj"}),
+    # gpt-oss: attention sinks, every-other sliding layers, yarn, biases everywhere in attention, and
+    # a biased top-k-softmax MoE with the clamped SwiGLU (models/moe.py) on every layer.
+    Family("gpt_oss", ("GptOssForCausalLM",), qkv_bias="attention_bias", o_bias="attention_bias", sinks=True,
+           moe="gpt_oss", windows="every_other", experts_layout="gpt_oss",
+           aliases={"mlp.router.weight": "mlp.gate.weight", "mlp.router.bias": "mlp.gate.bias"},
+           defaults={"attention_bias": True, "sliding_window": 128, "rope_theta": 150000.0,
+                     "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "rms_norm_eps": 1e-5,
+                     "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                         "truncate": False, "original_max_position_embeddings": 4096}}),
 )})
 
 # Architectures ropekv refuses, with the feature that is not modelled yet (docs/architectures.md).
@@ -221,7 +239,6 @@ REFUSED: dict[str, str] = {
     "hunyuan_v1_dense": "q/k norm applied after RoPE (the cached key is not a rotation of a raw key)",
     "apertus": "xIELU activation with learned parameters",
     "llama4_text": "chunked attention, mixture of experts, L2 q/k norm and attention temperature tuning",
-    "gpt_oss": "attention sinks and mixture of experts",
     "deepseek_v2": "multi-head latent attention (MLA): RoPE on a decoupled qk_rope_head_dim part",
     "deepseek_v3": "multi-head latent attention (MLA): RoPE on a decoupled qk_rope_head_dim part",
     "qwen2_vl": "multimodal RoPE (mrope_section position streams)",
@@ -281,7 +298,24 @@ def canonical_weights(family: Family, num_layers: int, weights: Mapping[str, tor
         out[f"{prefix}{renamed.get(stem, stem)}.{suffix}"] = tensor
     if experts:
         out.update(_stack_experts(family, experts, source))
+    if family.experts_layout == "gpt_oss":
+        out = {name: _gpt_oss_experts(name, t) for name, t in out.items()}
     return out
+
+
+def _gpt_oss_experts(name: str, t: torch.Tensor) -> torch.Tensor:
+    """gpt_oss's stored expert tensors in the canonical layout: ``gate_up_proj [E, hidden, 2I]``
+    (gate and up interleaved along the last dim) -> ``[E, 2I, hidden]`` gate rows then up rows;
+    ``gate_up_proj_bias [E, 2I]`` de-interleaved the same way; ``down_proj [E, I, hidden]`` ->
+    ``[E, hidden, I]``. Any other tensor (or one of another rank) is returned unchanged."""
+    if name.endswith("mlp.experts.gate_up_proj") and t.dim() == 3:
+        t = t.transpose(1, 2)
+        return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1).contiguous()
+    if name.endswith("mlp.experts.gate_up_proj_bias") and t.dim() == 2:
+        return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1).contiguous()
+    if name.endswith("mlp.experts.down_proj") and t.dim() == 3:
+        return t.transpose(1, 2).contiguous()
+    return t
 
 
 def _stack_experts(family: Family, experts: dict, source: str) -> dict[str, torch.Tensor]:

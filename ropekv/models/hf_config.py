@@ -151,6 +151,7 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
         attn_softcap=number(fam.attn_softcap_key, None) if fam.attn_softcap_key else None,
         final_softcap=number(fam.final_softcap_key, None) if fam.final_softcap_key else None,
         residual_scale=number(fam.residual_scale_key, 1.0) if fam.residual_scale_key else 1.0,
+        attention_sinks=fam.sinks,
     )
     try:
         return cls(
@@ -187,7 +188,13 @@ def _with_defaults(fam: Family, config: Mapping[str, Any]) -> dict[str, Any]:
     A field present as null keeps its null (gemma2's ``attn_logit_softcapping: null`` means no cap)."""
     out = dict(config)
     for key, value in fam.defaults.items():
-        if key == "rope_parameters":  # a whole RoPE default (gemma3's per-layer-type thetas)
+        if key == "rope_parameters" and "rope_type" in value:
+            # A flat default scaling (gpt_oss's yarn): the config class sets it whenever the config names
+            # no scaling, and a legacy rope_theta is its theta.
+            if config.get("rope_parameters") is None and config.get("rope_scaling") is None:
+                theta = config.get("rope_theta", fam.defaults.get("rope_theta"))
+                out[key] = {**value, **({} if theta is None else {"rope_theta": theta})}
+        elif key == "rope_parameters":  # a whole RoPE default (gemma3's per-layer-type thetas)
             if not any(k in config for k in ("rope_parameters", "rope_scaling", "rope_theta", "rope_local_base_freq")):
                 out[key] = value
         elif key == "partial_rotary_factor":
@@ -232,6 +239,8 @@ def _layer_types(fam: Family, config: Mapping[str, Any], num_layers: int, source
     if fam.windows == "qwen3_moe":  # its config drops sliding_window unless use_sliding_window
         sliding = optional_int("sliding_window", 1) if flag("use_sliding_window") else None
         return ["sliding_attention" if sliding else "full_attention"] * num_layers
+    if fam.windows == "every_other":  # gpt_oss's config class: layers 0, 2, 4, ... slide
+        return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
     if fam.windows == "qwen2":
         sliding = optional_int("sliding_window", 1) if flag("use_sliding_window") else None
         mwl = optional_int("max_window_layers", 0)

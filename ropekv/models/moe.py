@@ -1,4 +1,4 @@
-"""Mixture-of-experts MLPs as data: the router and the experts of mixtral, qwen2_moe, qwen3_moe, granitemoe.
+"""Mixture-of-experts MLPs as data: the router and the experts of mixtral, qwen2_moe, qwen3_moe, granitemoe, gpt_oss.
 
 MoE changes nothing about RoPE or the cache, but a decoder that cannot run its MLP cannot be checked.
 :class:`MoeSpec` holds every number the MLP uses; both the float64 reference and the engine compute
@@ -11,11 +11,19 @@ Routers (transformers' ``*TopKRouter``):
 
 - ``softmax_topk`` (mixtral, qwen2_moe, qwen3_moe): softmax over all experts, keep the top k,
   renormalize them to sum 1 iff ``normalize``;
-- ``topk_softmax`` (granitemoe): top k router logits, softmax over those k.
+- ``topk_softmax`` (granitemoe, gpt_oss): top k router logits, softmax over those k.
+
+gpt_oss adds biases (``gate.bias [E]``, ``experts.gate_up_proj_bias [E, 2 * I]``,
+``experts.down_proj_bias [E, hidden]``) and its experts' clamped SwiGLU instead of ``act(gate) * up``:
+``gate = min(gate, limit)``, ``up = clamp(up, -limit, limit)``, ``(up + 1) * gate * sigmoid(alpha * gate)``
+(``GptOssExperts._apply_gate``; ``hidden_act`` is not read). Its checkpoint stores gate and up
+interleaved and transposed; :func:`~ropekv.models.families.canonical_weights` maps them to the
+canonical gate-then-up rows.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping
 
@@ -33,6 +41,9 @@ class MoeSpec:
     normalize: bool  # renormalize the top-k probabilities (softmax_topk)
     shared_expert_size: int | None = None  # qwen2_moe: a gated shared expert of this intermediate size
     sparse_layers: tuple[int, ...] = ()  # layers whose MLP is the MoE; the others are dense
+    bias: bool = False  # gpt_oss: router and expert projections carry biases
+    swiglu_limit: float | None = None  # gpt_oss: the clamped SwiGLU with this limit (None: act(gate) * up)
+    swiglu_alpha: float | None = None  # its sigmoid gain
 
     def __post_init__(self) -> None:
         if self.router not in ("softmax_topk", "topk_softmax"):
@@ -46,11 +57,21 @@ class MoeSpec:
         if self.shared_expert_size is not None and (not isinstance(self.shared_expert_size, int)
                                                     or self.shared_expert_size < 1):
             raise ConfigError(f"MoE shared_expert_size must be a positive integer, got {self.shared_expert_size!r}")
+        if (self.swiglu_limit is None) != (self.swiglu_alpha is None):
+            raise ConfigError("MoE clamped SwiGLU needs both swiglu_limit and swiglu_alpha")
+        for name in ("swiglu_limit", "swiglu_alpha"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                                  or v <= 0):
+                raise ConfigError(f"MoE {name} must be a finite number > 0, got {v!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"router": self.router, "num_experts": self.num_experts, "top_k": self.top_k,
-                "expert_size": self.expert_size, "normalize": self.normalize,
-                "shared_expert_size": self.shared_expert_size, "sparse_layers": list(self.sparse_layers)}
+        d = {"router": self.router, "num_experts": self.num_experts, "top_k": self.top_k,
+             "expert_size": self.expert_size, "normalize": self.normalize,
+             "shared_expert_size": self.shared_expert_size, "sparse_layers": list(self.sparse_layers)}
+        if self.bias or self.swiglu_limit is not None:  # gpt_oss; left out elsewhere (fingerprints unchanged)
+            d.update(bias=self.bias, swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha)
+        return d
 
 
 def read_moe(kind: str, config: Mapping[str, Any], num_layers: int, source: str) -> MoeSpec:
@@ -83,4 +104,14 @@ def read_moe(kind: str, config: Mapping[str, Any], num_layers: int, source: str)
     if kind == "granitemoe":
         return MoeSpec("topk_softmax", experts, top_k, integer("intermediate_size"), normalize=False,
                        sparse_layers=layers)
+    if kind == "gpt_oss":
+        def positive(name: str) -> float:
+            value = config.get(name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"{source}: field {name!r} must be a finite number > 0, got {value!r}")
+            return float(value)
+
+        return MoeSpec("topk_softmax", experts, top_k, integer("intermediate_size"), normalize=False,
+                       sparse_layers=layers, bias=True, swiglu_limit=positive("swiglu_limit"),
+                       swiglu_alpha=positive("swiglu_alpha"))
     raise ConfigError(f"{source}: unknown MoE kind {kind!r}")

@@ -13,7 +13,8 @@ family differs): token embedding times ``embedding_scale``; per layer
 and MLP of the same input norm); the MLP is gated (``down(act(gate(h)) * up(h))``), plain
 (``down(act(up(h)))``) or a mixture of experts (:mod:`ropekv.models.moe`); q/k norms per head or
 over the whole projection, before RoPE; each layer turns with its own RoPE or none (NoPE); scores
-times ``attn_scale``, soft-capped where the family caps; final norm; lm_head, times
+times ``attn_scale``, soft-capped where the family caps; learned sink logits in the softmax
+denominator where the model has them (gpt_oss); final norm; lm_head, times
 ``logits_scale``, soft-capped. Query head ``h`` reads key/value head ``h // (num_heads //
 num_kv_heads)`` (grouped-query attention).
 
@@ -119,6 +120,7 @@ class ReferenceDecoder:
             attn = torch.empty(T, cfg.num_heads, cfg.head_dim, dtype=self.dtype)
             kv_head = torch.arange(cfg.num_heads) // (cfg.num_heads // cfg.num_kv_heads)  # [H]
             k_heads, v_heads = k_rot[:, kv_head], v[:, kv_head]  # [T, H, D]: query head h reads KV head kv_head[h]
+            sinks = self._w[p + "self_attn.sinks"] if cfg.attention_sinks else None  # [H] learned logits
             block = self._query_block(T)
             for start in range(0, T, block):
                 stop = min(T, start + block)  # causal: no query of the block sees a key at or past `stop`
@@ -126,7 +128,7 @@ class ReferenceDecoder:
                                            windows[layer], sink_tokens)
                 if key_mask is not None:  # [block, stop] extra visibility (evicted keys)
                     scores = scores.masked_fill(~key_mask[start:stop, :stop][None], float("-inf"))
-                attn[start:stop] = self._attend(scores, v_heads[:stop])
+                attn[start:stop] = self._attend(scores, v_heads[:stop], sinks)
             attn_out = self._norm(self._linear(attn.reshape(T, -1), p + "self_attn.o_proj"), p, fam.attn_out)
             if fam.parallel:  # cohere: attention and MLP both read the one input norm
                 x = x + (attn_out + self._mlp(h, p, layer)) * cfg.residual_scale
@@ -199,6 +201,8 @@ class ReferenceDecoder:
         """Route each token ``h [T, hidden]`` to its top-k experts and sum their gated MLPs by weight
         (models/moe.py); token by token, expert by expert."""
         router_logits = h @ self._w[p + "mlp.gate.weight"].T  # [T, E]
+        if moe.bias:
+            router_logits = router_logits + self._w[p + "mlp.gate.bias"]
         if moe.router == "softmax_topk":
             weights, experts = torch.softmax(router_logits, dim=-1).topk(moe.top_k, dim=-1)
             if moe.normalize:
@@ -207,11 +211,25 @@ class ReferenceDecoder:
             top, experts = router_logits.topk(moe.top_k, dim=-1)
             weights = torch.softmax(top, dim=-1)
         gate_up, down = self._w[p + "mlp.experts.gate_up_proj"], self._w[p + "mlp.experts.down_proj"]
+        gate_up_b = self._w.get(p + "mlp.experts.gate_up_proj_bias")  # [E, 2I] (gpt_oss) or None
+        down_b = self._w.get(p + "mlp.experts.down_proj_bias")  # [E, hidden] or None
         out = torch.zeros_like(h)
         for t in range(h.shape[0]):
             for e, w in zip(experts[t].tolist(), weights[t]):
-                gate, up = (gate_up[e] @ h[t]).chunk(2)
-                out[t] += w * (down[e] @ (_activation(gate, self.config.hidden_act) * up))
+                gu = gate_up[e] @ h[t]
+                if gate_up_b is not None:
+                    gu = gu + gate_up_b[e]
+                gate, up = gu.chunk(2)
+                if moe.swiglu_limit is not None:  # gpt_oss: clamp, then (up + 1) * gate * sigmoid(alpha * gate)
+                    gate = gate.clamp(max=moe.swiglu_limit)
+                    up = up.clamp(min=-moe.swiglu_limit, max=moe.swiglu_limit)
+                    mixed = (up + 1) * gate * torch.sigmoid(moe.swiglu_alpha * gate)
+                else:
+                    mixed = _activation(gate, self.config.hidden_act) * up
+                y = down[e] @ mixed
+                if down_b is not None:
+                    y = y + down_b[e]
+                out[t] += w * y
         if moe.shared_expert_size is not None:
             shared = self._dense_mlp(h, p + "mlp.shared_expert.")
             out = out + torch.sigmoid(h @ self._w[p + "mlp.shared_expert_gate.weight"].T) * shared
@@ -235,9 +253,17 @@ class ReferenceDecoder:
             scores = torch.tanh(scores / cfg.attn_softcap) * cfg.attn_softcap
         return scores.masked_fill(~visible(rows, k_heads.shape[0], window, sinks), float("-inf"))
 
-    def _attend(self, scores: torch.Tensor, v_heads: torch.Tensor) -> torch.Tensor:
-        """Softmax ``scores [H, R, T]`` over keys and mix ``v_heads [T, H, D]`` -> ``[R, H, D]``."""
-        return torch.einsum("hrt,thd->rhd", torch.softmax(scores, dim=-1), v_heads)
+    def _attend(self, scores: torch.Tensor, v_heads: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+        """Softmax ``scores [H, R, T]`` over keys and mix ``v_heads [T, H, D]`` -> ``[R, H, D]``.
+
+        ``sinks [H]`` (gpt_oss): head ``h``'s learned logit is one more column of the softmax, dropped
+        after it, so the weights on the keys sum to ``1 - p_sink``."""
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            sink = sinks[:, None, None].expand(scores.shape[0], scores.shape[1], 1)  # [H, R, 1]
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        return torch.einsum("hrt,thd->rhd", probs, v_heads)
 
     # ------------------------------------------------------------------ argument checks
 
