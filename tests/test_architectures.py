@@ -87,6 +87,12 @@ VARIANTS = [
     ("qwen3_moe", "qwen3_moe", {"num_experts": 4, "moe_intermediate_size": 32, "norm_topk_prob": True, **MOE}),
     ("granitemoe", "granitemoe", {"num_local_experts": 4, "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
                                   **MOE}),
+    # Sinks, every-other windows (layer_types left to its config class), yarn without truncation,
+    # biased MoE; a small swiglu_limit so the clamp bites on unit-scale weights.
+    ("gpt_oss", "gpt_oss", {"num_local_experts": 4, "sliding_window": W, "swiglu_limit": 0.5, "swiglu_alpha": 1.3,
+                            "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                                "truncate": False, "original_max_position_embeddings": 64,
+                                                "rope_theta": 1e4}, **MOE}),
 ]
 
 BY_ID = {v[0]: v[1:] for v in VARIANTS}
@@ -271,3 +277,41 @@ def test_omitted_fields_read_as_the_architectures_own_defaults(arch):
     full["architectures"] = []
     minimal = {k: v for k, v in full.items() if k in _STRUCTURE}
     assert ModelConfig.from_hf_config(minimal) == ModelConfig.from_hf_config(full)
+
+
+GPT_OSS_ROPES = [
+    ("config-class-default", {"rope_theta": 1e4}),  # no rope_parameters: yarn x32 from 4096, as GptOssConfig sets
+    ("yarn-truncate-attention-factor", {"rope_parameters": {
+        "rope_type": "yarn", "factor": 4.0, "truncate": True, "attention_factor": 1.3,
+        "original_max_position_embeddings": 64, "rope_theta": 1e4}}),
+    ("yarn-mscale", {"rope_parameters": {
+        "rope_type": "yarn", "factor": 8.0, "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 16.0, "beta_slow": 2.0,
+        "truncate": False, "original_max_position_embeddings": 32, "rope_theta": 5e4}}),
+]
+
+
+@pytest.mark.parametrize("overrides", [r[1] for r in GPT_OSS_ROPES], ids=[r[0] for r in GPT_OSS_ROPES])
+def test_gpt_oss_yarn_is_read_as_transformers_reads_it(overrides, make_arch_checkpoint, hf_model, tokens):
+    """Yarn's truncate flag, attention factor and mscales on gpt_oss: reference logits against transformers'."""
+    base = {k: v for k, v in BY_ID["gpt_oss"][1].items() if k != "rope_parameters"}
+    path = make_arch_checkpoint("gpt_oss", **base, **overrides)
+    with torch.no_grad():
+        hf = hf_model(path)(tokens[None]).logits[0]
+    ref = ReferenceDecoder(load_checkpoint(path)).forward(tokens).logits
+    assert scaled(hf, ref) < TOL, f"reference vs transformers: {scaled(hf, ref):.2e}"
+
+
+def test_gpt_oss_without_rope_parameters_reads_its_config_class_yarn():
+    """A config.json with a legacy rope_theta and no scaling is yarn x32 on gpt_oss (GptOssConfig's
+    default), not plain RoPE at that theta."""
+    from transformers import AutoConfig
+
+    from conftest import ARCH_BASE
+    from ropekv.models.config import ModelConfig
+
+    full = AutoConfig.for_model("gpt_oss", **ARCH_BASE, rope_theta=1e4).to_dict()
+    legacy = {k: v for k, v in full.items() if k != "rope_parameters"}
+    cfg = ModelConfig.from_hf_config({**legacy, "rope_theta": 1e4})
+    assert cfg == ModelConfig.from_hf_config(full)
+    assert (cfg.rope.theta, cfg.rope.scaling.rope_type, cfg.rope.scaling.factor, cfg.rope.scaling.truncate) == (
+        1e4, "yarn", 32.0, False)
