@@ -17,7 +17,7 @@ from .attention import softmax_with_sinks, visibility
 from .errors import CacheError, UsageError
 from .probe import LayerProbe
 from .rotation import StepContext
-from .transformer import embed, final_logits, finish_layer, project_qkv
+from .transformer import after_rope, embed, final_logits, finish_layer, project_qkv
 
 
 def decode_batch(engine, seq_ids: list, tokens: torch.Tensor, *, probe: bool = False) -> list:
@@ -61,13 +61,14 @@ def decode_batch(engine, seq_ids: list, tokens: torch.Tensor, *, probe: bool = F
             pos, ctx = positions[r:r + 1], ctxs[r].for_layer(layer)
             view = cache.view(sid, layer)
             new_slot = cache.slots_of(layer, num_before[r], 1)
-            stored = k[r:r + 1] if c.key_form == "raw" else rot.write_key(rope, k[r:r + 1], pos, new_slot, ctx)
+            stored = k[r:r + 1] if c.key_form == "raw" else after_rope(
+                cfg, lw.k_norm, rot.write_key(rope, k[r:r + 1], pos, new_slot, ctx))
             keys = torch.cat([view.keys, stored.to(view.keys.dtype)])  # [N_r, KVH, D]
             values = torch.cat([view.values, v[r:r + 1].to(view.values.dtype)])
             key_pos = torch.cat([view.positions, pos.to(view.positions.device)])  # [N_r]
             key_slots = torch.cat([view.slots, new_slot.to(view.slots.device)])
             k_eff = rot.read_keys(rope, keys, key_pos, key_slots, ctx, backend_rotates=engine.backend.rotates)
-            q_eff = rot.query(rope, q[r:r + 1], pos, ctx)  # [1, H, D]
+            q_eff = after_rope(cfg, lw.q_norm, rot.query(rope, q[r:r + 1], pos, ctx))  # [1, H, D]
             mask = visibility(pos, key_pos, window, c.sink_tokens)[0]  # [N_r]
             rows.append((q_eff, k_eff, values, key_pos, key_slots, mask))
             new_keys[r].append(stored)

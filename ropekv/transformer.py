@@ -216,6 +216,14 @@ def project_qkv(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor) -> tuple[to
     return q, k, v
 
 
+def after_rope(cfg: ModelConfig, norm: Norm | None, x: torch.Tensor) -> torch.Tensor:
+    """The per-head q/k norm of families that apply it after RoPE (hunyuan: the kernel multiplies
+    ``norm(R(p) q)`` by ``norm(R(j) k)``, and the cache holds the latter); identity for every other."""
+    if norm is None or cfg.family.qk_norm != "head_after_rope":
+        return x
+    return apply_norm(x, norm, cfg.rms_norm_eps)
+
+
 def finish_layer(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
     """Residual around attention (``attn_out [n, H, D]``) and the MLP; returns the next hidden state."""
     fam, eps, scale = cfg.family, cfg.rms_norm_eps, cfg.residual_scale

@@ -77,6 +77,9 @@ VARIANTS = [
     ("nemotron", "nemotron", {}),
     ("glm", "glm", {}),
     ("glm4", "glm4", {}),
+    ("hunyuan_v1_dense", "hunyuan_v1_dense", {"attention_bias": True}),
+    ("hunyuan_v1_dense-ntk-alpha", "hunyuan_v1_dense", {"rope_parameters": {
+        "rope_type": "dynamic", "alpha": 50.0, "factor": 2.0, "rope_theta": 1e4}}),
     ("phi3", "phi3", {}),
     ("phi3-longrope", "phi3", {"original_max_position_embeddings": 16, "rope_parameters": {
         "rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
@@ -142,7 +145,9 @@ def test_reference_engine_and_hf_adapter_match_transformers(arch, overrides, mak
     # would leave deeper layers' keys computed under the short factors (inherent), so prefill in one
     # chunk there.
     dependent = ckpt.config.rope.length_dependent
-    for form in ("raw",) if dependent else ("rotated", "raw"):
+    # q/k norm after RoPE (hunyuan): the cached key is norm(R(j) k), "raw" has no meaning (refused there).
+    after_rope = ckpt.config.family.qk_norm == "head_after_rope"
+    for form in ("raw",) if dependent else ("rotated",) if after_rope else ("rotated", "raw"):
         engine = Engine(ckpt, CacheContract.for_model(ckpt.config, key_form=form, block_size=BLOCK))
         assert scaled(engine.forward_full(tokens).logits, ref) < TOL
         engine.prefill("s", tokens[:PREFILL], chunk_size=None if dependent else CHUNK)

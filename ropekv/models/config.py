@@ -61,7 +61,7 @@ class ModelConfig:
     attention_bias: bool = False  # bias on q, k, v projections
     o_bias: bool = False  # bias on o_proj
     mlp_bias: bool = False
-    qk_norm: bool = False  # q/k norms before RoPE (per head, or over the projection: family.qk_norm)
+    qk_norm: bool = False  # q/k norms (per head or over the projection, before RoPE or after: family.qk_norm)
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
     name: str = ""
@@ -257,7 +257,7 @@ class ModelConfig:
             if self.attention_sinks:
                 shapes[p + "self_attn.sinks"] = (self.num_heads,)
             if self.qk_norm:
-                qn, kn = (d, d) if fam.qk_norm == "head" else (q, kv)
+                qn, kn = (q, kv) if fam.qk_norm == "projection" else (d, d)
                 shapes.update({p + "self_attn.q_norm.weight": (qn,), p + "self_attn.k_norm.weight": (kn,)})
         return shapes
 

@@ -25,7 +25,9 @@ from ..errors import CheckpointError
 
 NormKind = Literal["rms", "rms_offset", "layer", "layer_offset"]
 MlpKind = Literal["gated", "plain"]
-QkNorm = Literal["none", "head", "projection"]
+# q/k norms: per head or over the whole projection, before RoPE; "head_after_rope" (hunyuan) normalizes
+# each rotated head, so the cached key is norm(R(j) k): not a rotation of any raw key.
+QkNorm = Literal["none", "head", "projection", "head_after_rope"]
 RopeLayers = Literal["all", "no_rope_layers", "sliding_only", "sliding_only_if_window"]
 Layout = Literal["neox", "gptj"]
 Flag = bool | str  # a constant, or the config.json field that decides it
@@ -70,6 +72,9 @@ class Family:
     # gpt_oss: a learned logit per query head (``self_attn.sinks [H]``) joins every softmax denominator
     # and is dropped after it: attention weights sum to less than 1. Weights, not cache contents.
     sinks: bool = False
+    # hunyuan: a "dynamic" RoPE with a non-zero ``alpha`` is a fixed NTK base, theta * alpha ** (d / (d - 2)),
+    # not dynamic NTK (HunYuanDenseV1RotaryEmbedding's ntk_alpha); hf_config._ntk_alpha reads it.
+    ntk_alpha: bool = False
     embedding_scale: Literal["none", "sqrt_hidden", "embedding_multiplier"] = "none"
     residual_scale_key: str | None = None  # granite: residual_multiplier
     attn_scale_key: str | None = None  # granite: attention_multiplier (the scale itself)
@@ -188,6 +193,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            attn_out="post_self_attn_layernorm", mlp_out="post_mlp_layernorm",
            fused={"mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")},
            defaults={"attention_bias": True, "partial_rotary_factor": 0.5}),
+    # HunYuan dense: llama with per-head q/k RMSNorm applied after RoPE (query_layernorm/key_layernorm)
+    # and its NTK-alpha RoPE (hf_config._hunyuan_rope); no sliding layers.
+    Family("hunyuan_v1_dense", ("HunYuanDenseV1ForCausalLM",), qkv_bias="attention_bias", o_bias="attention_bias",
+           qk_norm="head_after_rope", windows="none", ntk_alpha=True,
+           names={"self_attn.q_norm": "self_attn.query_layernorm", "self_attn.k_norm": "self_attn.key_layernorm"}),
     # Phi-3: fused qkv_proj and gate_up_proj, partial rotary, LongRoPE.
     Family("phi3", ("Phi3ForCausalLM",), partial_rotary=True, windows="mistral",
            fused={"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -236,7 +246,6 @@ REFUSED: dict[str, str] = {
     "persimmon": "fused per-head query_key_value and per-head LayerNorm q/k norms",
     "gptj": "parallel block with interleaved partial rotary over fused-free GPT-J names (not described)",
     "falcon": "fused multi-query query_key_value and alibi/rotary switch",
-    "hunyuan_v1_dense": "q/k norm applied after RoPE (the cached key is not a rotation of a raw key)",
     "apertus": "xIELU activation with learned parameters",
     "llama4_text": "chunked attention, mixture of experts, L2 q/k norm and attention temperature tuning",
     "deepseek_v2": "multi-head latent attention (MLA): RoPE on a decoupled qk_rope_head_dim part",

@@ -38,6 +38,8 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
     fam = FAMILIES[arch]
     config = _with_defaults(fam, config)
     warnings: list[str] = []
+    if fam.ntk_alpha:
+        config = _ntk_alpha(config, source, warnings)
 
     def need(name: str, kind: type = int) -> Any:
         if name not in config or config[name] is None:
@@ -203,6 +205,38 @@ def _with_defaults(fam: Family, config: Mapping[str, Any]) -> dict[str, Any]:
         elif key not in config:  # rope_theta too: a flat rope_parameters' own theta still wins
             out[key] = value
     return out
+
+
+def _ntk_alpha(config: Mapping[str, Any], source: str, warnings: list[str]) -> Mapping[str, Any]:
+    """hunyuan's RoPE: ``rope_type`` "dynamic" with a truthy ``alpha`` is NTK scaling by a fixed alpha,
+    ``base = rope_theta * alpha ** (head_dim / (head_dim - 2))`` over the whole head, independent of
+    the sequence length; any other field of that RoPE dict (``factor``, ``mscale``, ...) is never read.
+    Returned as the equivalent plain RoPE at that base, so every side computes the same frequencies;
+    without an alpha the config is left to be read as dynamic NTK."""
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = config.get(key)
+        if isinstance(rope, Mapping) and rope:
+            break
+    else:
+        return config
+    if rope.get("rope_type", rope.get("type")) != "dynamic" or not rope.get("alpha"):
+        return config
+    alpha, head_dim = rope["alpha"], config.get("head_dim")
+    if not (_is_real(alpha) and _finite(alpha) and alpha > 0):
+        raise ConfigError(f"{source}: field {key}.alpha must be a finite number > 0, got {alpha!r}")
+    if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 2:
+        raise ConfigError(f"{source}: hunyuan's NTK-alpha RoPE needs an integer 'head_dim' > 2 (transformers "
+                          f"reads config.head_dim), got {head_dim!r}")
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    if not (_is_real(theta) and _finite(theta) and theta > 0):
+        raise ConfigError(f"{source}: field 'rope_theta' must be a finite number > 0, got {theta!r}")
+    unread = sorted(k for k in rope if k not in ("rope_type", "type", "alpha", "rope_theta"))
+    if unread:
+        warnings.append(f"{', '.join(key + '.' + k for k in unread)} ignored: transformers' hunyuan_v1_dense reads a "
+                        "dynamic RoPE with alpha as a fixed NTK base (rope_theta * alpha ** (d / (d - 2))), nothing else")
+    base = float(theta) * float(alpha) ** (head_dim / (head_dim - 2))
+    return {**config, "rope_parameters": {"rope_type": "default", "rope_theta": base}, "rope_scaling": None,
+            "rope_theta": base}
 
 
 def _partial_factor(config: Mapping[str, Any]) -> Any:

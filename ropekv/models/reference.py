@@ -12,7 +12,7 @@ family differs): token embedding times ``embedding_scale``; per layer
 (``s`` = ``residual_scale``; absent norm slots are the identity; ``parallel`` families add attention
 and MLP of the same input norm); the MLP is gated (``down(act(gate(h)) * up(h))``), plain
 (``down(act(up(h)))``) or a mixture of experts (:mod:`ropekv.models.moe`); q/k norms per head or
-over the whole projection, before RoPE; each layer turns with its own RoPE or none (NoPE); scores
+over the whole projection, before RoPE (hunyuan: per head, after it); each layer turns with its own RoPE or none (NoPE); scores
 times ``attn_scale``, soft-capped where the family caps; learned sink logits in the softmax
 denominator where the model has them (gpt_oss); final norm; lm_head, times
 ``logits_scale``, soft-capped. Query head ``h`` reads key/value head ``h // (num_heads //
@@ -116,6 +116,9 @@ class ReferenceDecoder:
             rope = cfg.layer_rope(layer)  # None: a NoPE layer
             q_rot = rope.rotate(q, positions, seq_len=T) if rope is not None else q  # [T, H, D]
             k_rot = rope.rotate(k, positions, seq_len=T) if rope is not None else k  # [T, KVH, D]
+            if cfg.qk_norm and fam.qk_norm == "head_after_rope":  # hunyuan: the kernel sees norm(R(p) x)
+                q_rot = self._norm(q_rot, p, "self_attn.q_norm")
+                k_rot = self._norm(k_rot, p, "self_attn.k_norm")
 
             attn = torch.empty(T, cfg.num_heads, cfg.head_dim, dtype=self.dtype)
             kv_head = torch.arange(cfg.num_heads) // (cfg.num_heads // cfg.num_kv_heads)  # [H]
