@@ -65,9 +65,17 @@ class Family:
     layout: Layout = "neox"
     partial_rotary: bool = False  # does the architecture honour partial_rotary_factor?
     rope_layers: RopeLayers = "all"
-    # How sliding layers are derived where config.json has no layer_types (hf_config._layer_types);
-    # "every_other": layers 0, 2, 4, ... slide (gpt_oss's config class writes exactly that).
-    windows: Literal["none", "mistral", "qwen2", "qwen3_moe", "layer_types", "every_other"] = "layer_types"
+    # How sliding layers are derived where config.json has no layer_types, as the architecture's config
+    # class derives them (hf_config._layer_types): "none"/"layer_types" every layer full; "mistral" every
+    # layer slides iff sliding_window; "qwen2" iff use_sliding_window and layer >= max_window_layers;
+    # "qwen2_moe" iff use_sliding_window, layer < max_window_layers and layer even; "qwen3_moe" every
+    # layer iff use_sliding_window (its modeling never reads layer_types); "period": layer i slides iff
+    # (i + 1) % P != 0, P = config[window_period_key] (or window_period where absent); "smollm3" iff
+    # use_sliding_window and the layer is NoPE.
+    windows: Literal["none", "mistral", "qwen2", "qwen2_moe", "qwen3_moe", "layer_types", "period",
+                     "smollm3"] = "layer_types"
+    window_period: int = 2
+    window_period_key: str | None = None  # the config field holding the period, where it is configurable
     moe: Literal["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "gpt_oss"] | None = None  # models/moe.py
     # gpt_oss: a learned logit per query head (``self_attn.sinks [H]``) joins every softmax denominator
     # and is dropped after it: attention weights sum to less than 1. Weights, not cache contents.
@@ -109,17 +117,17 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # Mistral's attention has no bias at all: attention_bias in its config is ignored.
     Family("mistral", ("MistralForCausalLM",), windows="mistral", ignored_fields=("attention_bias",),
            defaults={"sliding_window": 4096}),
-    Family("ministral", ("MinistralForCausalLM",), ignored_fields=("attention_bias",),
+    Family("ministral", ("MinistralForCausalLM",), ignored_fields=("attention_bias",), windows="mistral",
            defaults={"sliding_window": 4096}),
-    Family("qwen2", ("Qwen2ForCausalLM",), qkv_bias=True, windows="qwen2"),
+    Family("qwen2", ("Qwen2ForCausalLM",), qkv_bias=True, windows="qwen2", defaults={"max_window_layers": 28}),
     Family("qwen3", ("Qwen3ForCausalLM",), qkv_bias="attention_bias", o_bias="attention_bias", qk_norm="head",
-           windows="qwen2"),
+           windows="qwen2", defaults={"max_window_layers": 28}),
     Family("helium", ("HeliumForCausalLM",), layout="gptj", qkv_bias="attention_bias", mlp_bias="mlp_bias",
            defaults={"rope_theta": 100000.0}),
     Family("seed_oss", ("SeedOssForCausalLM",), qkv_bias="attention_bias", o_bias="attention_out_bias",
            mlp_bias="mlp_bias",
            defaults={"attention_bias": True}),
-    Family("smollm3", ("SmolLM3ForCausalLM",), rope_layers="no_rope_layers", **_LLAMA_BIAS,
+    Family("smollm3", ("SmolLM3ForCausalLM",), rope_layers="no_rope_layers", windows="smollm3", **_LLAMA_BIAS,
            defaults={"tie_word_embeddings": True, "rope_theta": 2000000.0}),
     # ERNIE 4.5: GLM's interleaved rotate_half over the whole head; one use_bias for every linear.
     Family("ernie4_5", ("Ernie4_5ForCausalLM",), layout="gptj", qkv_bias="use_bias", o_bias="use_bias",
@@ -139,7 +147,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            act_key="hidden_activation", act_default="gelu_pytorch_tanh", attn_out="post_attention_layernorm",
            mlp_in="pre_feedforward_layernorm", mlp_out="post_feedforward_layernorm",
            qkv_bias="attention_bias", o_bias="attention_bias", query_pre_attn_scalar=True,
-           attn_softcap_key="attn_logit_softcapping", final_softcap_key="final_logit_softcapping",
+           attn_softcap_key="attn_logit_softcapping", final_softcap_key="final_logit_softcapping", windows="period",
            defaults={"tie_word_embeddings": True, "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
                      "final_logit_softcapping": 30.0, "sliding_window": 4096}),
     Family("gemma3_text", ("Gemma3ForCausalLM",), norm="rms_offset", embedding_scale="sqrt_hidden",
@@ -147,6 +155,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            mlp_in="pre_feedforward_layernorm", mlp_out="post_feedforward_layernorm", qk_norm="head",
            qkv_bias="attention_bias", o_bias="attention_bias", query_pre_attn_scalar=True,
            attn_softcap_key="attn_logit_softcapping", final_softcap_key="final_logit_softcapping",
+           windows="period", window_period=6, window_period_key="sliding_window_pattern",
            defaults={"tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
                      "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                          "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}}),
@@ -156,11 +165,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            o_bias="attention_bias"),
     Family("olmo3", ("Olmo3ForCausalLM",), attn_in=None, attn_out="post_attention_layernorm", mlp_in=None,
            mlp_out="post_feedforward_layernorm", qk_norm="projection", qkv_bias="attention_bias",
-           o_bias="attention_bias",
+           o_bias="attention_bias", windows="period", window_period=4,
            defaults={"sliding_window": 4096, "rope_theta": 500000.0}),
     # EXAONE 4: olmo2's post-norms, per-head q/k norms, and NoPE on full layers of a hybrid model.
     Family("exaone4", ("Exaone4ForCausalLM",), attn_in=None, attn_out="post_attention_layernorm", mlp_in=None,
            mlp_out="post_feedforward_layernorm", qk_norm="head", rope_layers="sliding_only_if_window",
+           windows="period", window_period=4, window_period_key="sliding_window_pattern",
            defaults={"sliding_window": 4096}),
     # Cohere: mean-centred LayerNorm without bias, parallel attention + MLP, interleaved RoPE,
     # logits times logit_scale.
@@ -169,7 +179,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            defaults={"tie_word_embeddings": True, "logit_scale": 0.0625, "rope_theta": 500000.0}),
     Family("cohere2", ("Cohere2ForCausalLM",), norm="layer", eps_key="layer_norm_eps", mlp_in=None, parallel=True,
            layout="gptj", qkv_bias="attention_bias", o_bias="attention_bias", logits_multiply_key="logit_scale",
-           rope_layers="sliding_only",
+           rope_layers="sliding_only", windows="period", window_period=4, window_period_key="sliding_window_pattern",
            defaults={"tie_word_embeddings": True, "logit_scale": 0.0625, "sliding_window": 4096}),
     # StarCoder2: LayerNorm with bias, plain GELU MLP c_fc/c_proj, one use_bias for every linear.
     Family("starcoder2", ("Starcoder2ForCausalLM",), norm="layer", norm_bias=True, eps_key="norm_epsilon",
@@ -210,9 +220,9 @@ FAMILIES.update({f.name: f for f in (
            aliases={"block_sparse_moe.gate.weight": "mlp.gate.weight"},
            experts=("block_sparse_moe.experts", ("w1", "w3", "w2")),
            defaults={"rope_theta": 1000000.0}),
-    Family("qwen2_moe", ("Qwen2MoeForCausalLM",), moe="qwen2_moe", qkv_bias="qkv_bias", windows="qwen2",
+    Family("qwen2_moe", ("Qwen2MoeForCausalLM",), moe="qwen2_moe", qkv_bias="qkv_bias", windows="qwen2_moe",
            experts=("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
-           defaults={"qkv_bias": True}),
+           defaults={"qkv_bias": True, "max_window_layers": 28}),
     Family("qwen3_moe", ("Qwen3MoeForCausalLM",), moe="qwen3_moe", qkv_bias="attention_bias",
            o_bias="attention_bias", qk_norm="head", windows="qwen3_moe",
            experts=("mlp.experts", ("gate_proj", "up_proj", "down_proj"))),
@@ -229,7 +239,7 @@ FAMILIES.update({f.name: f for f in (
     # gpt-oss: attention sinks, every-other sliding layers, yarn, biases everywhere in attention, and
     # a biased top-k-softmax MoE with the clamped SwiGLU (models/moe.py) on every layer.
     Family("gpt_oss", ("GptOssForCausalLM",), qkv_bias="attention_bias", o_bias="attention_bias", sinks=True,
-           moe="gpt_oss", windows="every_other", experts_layout="gpt_oss",
+           moe="gpt_oss", windows="period", window_period=2, experts_layout="gpt_oss",
            aliases={"mlp.router.weight": "mlp.gate.weight", "mlp.router.bias": "mlp.gate.bias"},
            defaults={"attention_bias": True, "sliding_window": 128, "rope_theta": 150000.0,
                      "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "rms_norm_eps": 1e-5,

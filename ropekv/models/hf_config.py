@@ -108,7 +108,7 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
         sliding = optional_int("sliding_window", 1)
         if sliding is None:
             raise ConfigError(f"{source}: sliding_attention layers need a 'sliding_window'")
-    elif config.get("sliding_window") and fam.windows != "none" and fam.windows != "qwen2":
+    elif config.get("sliding_window") and fam.windows not in ("none", "qwen2", "qwen2_moe"):
         warnings.append(f"sliding_window={config['sliding_window']!r} is ignored: no layer of this {arch} config "
                         "is a sliding_attention layer")
 
@@ -145,6 +145,9 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
     if fam.name == "cohere" and flag("use_qk_norm"):
         raise ConfigError(f"{source}: cohere use_qk_norm (per-head LayerNorm weights [heads, head_dim]) "
                           "is not supported yet")
+    if flag("use_bidirectional_attention"):  # gemma's embedding variants: not a causal decoder
+        raise ConfigError(f"{source}: use_bidirectional_attention is true: every query sees later tokens too, so "
+                          "no cached decode can match the full forward; ropekv checks causal decoders only")
     if fam.name == "stablelm" and (flag("qk_layernorm") or flag("use_parallel_residual")):
         raise ConfigError(f"{source}: stablelm qk_layernorm / use_parallel_residual are not supported yet")
     fields = dict(
@@ -254,9 +257,14 @@ def _partial_factor(config: Mapping[str, Any]) -> Any:
 
 
 def _layer_types(fam: Family, config: Mapping[str, Any], num_layers: int, source: str, optional_int, flag) -> list[str]:
-    """Each layer's attention kind, as the architecture derives it when ``layer_types`` is absent."""
+    """Each layer's attention kind: ``layer_types`` where the architecture reads it, else derived from
+    the other fields exactly as its transformers 5 config class derives it (``Family.windows``)."""
     given = config.get("layer_types")
-    if given is not None:
+    if fam.windows in ("qwen2", "qwen2_moe", "smollm3") and given is not None and "sliding_attention" in given \
+            and not flag("use_sliding_window"):
+        raise ConfigError(f"{source}: layer_types names sliding_attention layers but use_sliding_window is false: "
+                          f"transformers' {fam.name} then keeps no window and cannot run them; set one of the two")
+    if given is not None and fam.windows != "qwen3_moe":  # qwen3_moe's modeling never reads layer_types
         from .config import LAYER_TYPES
 
         if not isinstance(given, list):
@@ -267,24 +275,49 @@ def _layer_types(fam: Family, config: Mapping[str, Any], num_layers: int, source
         if bad:
             raise ConfigError(f"{source}: unknown layer type(s) {bad[:5]}; supported: {', '.join(LAYER_TYPES)}")
         return list(given)
-    if fam.windows == "mistral":
-        sliding = optional_int("sliding_window", 1)
-        return ["sliding_attention" if sliding else "full_attention"] * num_layers
-    if fam.windows == "qwen3_moe":  # its config drops sliding_window unless use_sliding_window
-        sliding = optional_int("sliding_window", 1) if flag("use_sliding_window") else None
-        return ["sliding_attention" if sliding else "full_attention"] * num_layers
-    if fam.windows == "every_other":  # gpt_oss's config class: layers 0, 2, 4, ... slide
-        return ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(num_layers)]
-    if fam.windows == "qwen2":
-        sliding = optional_int("sliding_window", 1) if flag("use_sliding_window") else None
+    window = optional_int("sliding_window", 1)
+    rule = fam.windows
+    if rule == "mistral":
+        return ["sliding_attention" if window else "full_attention"] * num_layers
+    if rule == "qwen3_moe":  # its config drops sliding_window unless use_sliding_window
+        return ["sliding_attention" if window and flag("use_sliding_window") else "full_attention"] * num_layers
+    if rule in ("qwen2", "qwen2_moe"):
+        use = flag("use_sliding_window")
         mwl = optional_int("max_window_layers", 0)
-        mwl = num_layers if mwl is None else mwl
-        return ["sliding_attention" if (sliding and i >= mwl) else "full_attention" for i in range(num_layers)]
-    if fam.windows == "layer_types" and config.get("sliding_window") and fam.name in (
-            "gemma2", "gemma3_text", "cohere2", "exaone4", "olmo3", "ministral"):
-        raise ConfigError(f"{source}: {fam.name} config with a sliding_window but no 'layer_types': ropekv reads "
-                          "the layer pattern only from layer_types (save the config with transformers 5)")
+        if mwl is None:
+            raise ConfigError(f"{source}: field 'max_window_layers' must be an integer >= 0, got None")
+        if rule == "qwen2":
+            return ["sliding_attention" if (use and window and i >= mwl) else "full_attention" for i in range(num_layers)]
+        return ["sliding_attention" if (use and i < mwl and i % 2 == 0) else "full_attention" for i in range(num_layers)]
+    if rule == "period":
+        period = config.get(fam.window_period_key, fam.window_period) if fam.window_period_key else fam.window_period
+        if fam.name == "exaone4" and window is None:
+            raise ConfigError(f"{source}: exaone4 config with neither 'layer_types' nor 'sliding_window': "
+                              "transformers' Exaone4Config cannot derive the layers (its pattern becomes 0); give layer_types")
+        if not isinstance(period, int) or isinstance(period, bool) or period < 1:
+            raise ConfigError(f"{source}: {fam.name} config without 'layer_types' and {fam.window_period_key} = "
+                              f"{period!r}: transformers derives the layers only from an integer period >= 1 (a "
+                              "string pattern fails there); give layer_types")
+        return ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(num_layers)]
+    if rule == "smollm3":  # sliding iff use_sliding_window, a window, and a NoPE layer
+        nope = _no_rope_flags(config, num_layers, source)
+        use = flag("use_sliding_window") and window is not None
+        return ["sliding_attention" if use and not f else "full_attention" for f in nope]
     return ["full_attention"] * num_layers
+
+
+def _no_rope_flags(config: Mapping[str, Any], num_layers: int, source: str) -> list[int]:
+    """smollm3's ``no_rope_layers`` (1: the layer rotates), or its config class's default from
+    ``no_rope_layer_interval`` (every 4th layer NoPE)."""
+    flags = config.get("no_rope_layers")
+    if flags is None:
+        interval = config.get("no_rope_layer_interval", 4)
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+            raise ConfigError(f"{source}: field 'no_rope_layer_interval' must be an integer >= 1, got {interval!r}")
+        flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if not isinstance(flags, list) or len(flags) != num_layers:
+        raise ConfigError(f"{source}: field 'no_rope_layers' must list one 0/1 per layer")
+    return flags
 
 
 def _rope(config: Mapping[str, Any], layer_type: str | None, layout: str, fam: Family, source: str) -> RopeSpec:
@@ -309,12 +342,7 @@ def _layer_ropes(fam: Family, config: Mapping[str, Any], layer_types: list[str],
         per_type["sliding_attention"] = _rope(local, None, layout, fam, source)
     ropes: list[RopeSpec | None] = [per_type[t] for t in layer_types]
     if fam.rope_layers == "no_rope_layers":
-        flags = config.get("no_rope_layers")
-        if flags is None:
-            interval = config.get("no_rope_layer_interval", 4)
-            flags = [int((i + 1) % interval != 0) for i in range(len(layer_types))]
-        if not isinstance(flags, list) or len(flags) != len(layer_types):
-            raise ConfigError(f"{source}: field 'no_rope_layers' must list one 0/1 per layer")
+        flags = _no_rope_flags(config, len(layer_types), source)
         ropes = [r if f else None for r, f in zip(ropes, flags)]
     elif fam.rope_layers == "sliding_only" or (
             fam.rope_layers == "sliding_only_if_window" and config.get("sliding_window") is not None):
