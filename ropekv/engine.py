@@ -194,9 +194,9 @@ class Engine:
         if c.key_form == "raw" and cfg.qk_norm and cfg.family.qk_norm == "head_after_rope":
             problems.append(("key_form", f"key_form: 'raw' has no meaning for {cfg.architecture}: its q/k norm is "
                                          "applied after RoPE, so the key the kernel reads is norm(R(j) k), not a "
-                                         "rotation of any key a cache could hold raw; use key_form 'rotated' (with a length-dependent RoPE, "
-                                         "dynamic NTK without alpha, no key form can serve it: rotated keys keep "
-                                         "stale frequencies)"))
+                                         "rotation of any key a cache could hold raw; use key_form 'rotated' "
+                                         "(with a length-dependent RoPE, dynamic NTK without alpha, no key form can "
+                                         "serve it: rotated keys keep stale frequencies)"))
         if c.model_fingerprint and c.model_fingerprint != self.checkpoint.fingerprint:
             problems.append(("model_fingerprint", f"model_fingerprint: contract {c.model_fingerprint}, model "
                                                   f"{self.checkpoint.fingerprint} (keys would come from another model)"))

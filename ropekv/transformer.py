@@ -259,7 +259,8 @@ def _moe(cfg: ModelConfig, mw: MoeWeights, x: torch.Tensor) -> torch.Tensor:
     out = torch.zeros_like(x)
     for e in torch.unique(experts).tolist():
         token, slot = torch.where(experts == e)
-        gate, up = F.linear(x[token], mw.gate_up[e], None if mw.gate_up_bias is None else mw.gate_up_bias[e]).chunk(2, -1)
+        bias = None if mw.gate_up_bias is None else mw.gate_up_bias[e]
+        gate, up = F.linear(x[token], mw.gate_up[e], bias).chunk(2, dim=-1)
         y = F.linear(_expert_act(spec, cfg.hidden_act, gate, up), mw.down[e],
                      None if mw.down_bias is None else mw.down_bias[e])
         out.index_add_(0, token, y * weights[token, slot, None].to(x.dtype))

@@ -95,7 +95,7 @@ def test_derived_layers_match_transformers_numerically(case, tmp_path):
 
 @pytest.mark.parametrize("fields,message", [
     ({"sliding_window": W, "sliding_window_pattern": "LLLG"}, "derives the layers only from an integer period"),
-    ({"sliding_window": None}, "neither 'layer_types' nor 'sliding_window'"),
+    ({"sliding_window": None}, "sliding_attention layers need a 'sliding_window'"),
 ])
 def test_exaone4_patterns_transformers_cannot_derive_are_refused(fields, message):
     from transformers import AutoConfig

@@ -235,8 +235,8 @@ def _ntk_alpha(config: Mapping[str, Any], source: str, warnings: list[str]) -> M
         raise ConfigError(f"{source}: field 'rope_theta' must be a finite number > 0, got {theta!r}")
     unread = sorted(k for k in rope if k not in ("rope_type", "type", "alpha", "rope_theta"))
     if unread:
-        warnings.append(f"{', '.join(key + '.' + k for k in unread)} ignored: transformers' hunyuan_v1_dense reads a "
-                        "dynamic RoPE with alpha as a fixed NTK base (rope_theta * alpha ** (d / (d - 2))), nothing else")
+        warnings.append(f"{', '.join(key + '.' + k for k in unread)} ignored: transformers' hunyuan_v1_dense reads "
+                        "a dynamic RoPE with alpha as a fixed NTK base, rope_theta * alpha ** (d / (d - 2)), nothing else")
     base = float(theta) * float(alpha) ** (head_dim / (head_dim - 2))
     return {**config, "rope_parameters": {"rope_type": "default", "rope_theta": base}, "rope_scaling": None,
             "rope_theta": base}
@@ -284,16 +284,16 @@ def _layer_types(fam: Family, config: Mapping[str, Any], num_layers: int, source
     if rule in ("qwen2", "qwen2_moe"):
         use = flag("use_sliding_window")
         mwl = optional_int("max_window_layers", 0)
-        if mwl is None:
-            raise ConfigError(f"{source}: field 'max_window_layers' must be an integer >= 0, got None")
+        if mwl is None and use:
+            raise ConfigError(f"{source}: field 'max_window_layers' is null: transformers cannot derive the "
+                              "sliding layers from it")
         if rule == "qwen2":
-            return ["sliding_attention" if (use and window and i >= mwl) else "full_attention" for i in range(num_layers)]
-        return ["sliding_attention" if (use and i < mwl and i % 2 == 0) else "full_attention" for i in range(num_layers)]
+            slides = [bool(use and window and i >= mwl) for i in range(num_layers)]
+        else:
+            slides = [bool(use and i < mwl and i % 2 == 0) for i in range(num_layers)]
+        return ["sliding_attention" if s else "full_attention" for s in slides]
     if rule == "period":
         period = config.get(fam.window_period_key, fam.window_period) if fam.window_period_key else fam.window_period
-        if fam.name == "exaone4" and window is None:
-            raise ConfigError(f"{source}: exaone4 config with neither 'layer_types' nor 'sliding_window': "
-                              "transformers' Exaone4Config cannot derive the layers (its pattern becomes 0); give layer_types")
         if not isinstance(period, int) or isinstance(period, bool) or period < 1:
             raise ConfigError(f"{source}: {fam.name} config without 'layer_types' and {fam.window_period_key} = "
                               f"{period!r}: transformers derives the layers only from an integer period >= 1 (a "

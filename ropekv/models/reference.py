@@ -12,8 +12,8 @@ family differs): token embedding times ``embedding_scale``; per layer
 (``s`` = ``residual_scale``; absent norm slots are the identity; ``parallel`` families add attention
 and MLP of the same input norm); the MLP is gated (``down(act(gate(h)) * up(h))``), plain
 (``down(act(up(h)))``) or a mixture of experts (:mod:`ropekv.models.moe`); q/k norms per head or
-over the whole projection, before RoPE (hunyuan: per head, after it); each layer turns with its own RoPE or none (NoPE); scores
-times ``attn_scale``, soft-capped where the family caps; learned sink logits in the softmax
+over the whole projection, before RoPE (hunyuan: per head, after it); each layer turns with its own
+RoPE or none (NoPE); scores times ``attn_scale``, soft-capped where the family caps; learned sink logits in the softmax
 denominator where the model has them (gpt_oss); final norm; lm_head, times
 ``logits_scale``, soft-capped. Query head ``h`` reads key/value head ``h // (num_heads //
 num_kv_heads)`` (grouped-query attention).
