@@ -103,3 +103,17 @@ def test_an_engine_that_drops_the_sinks_fails_the_check(make_arch_checkpoint):
     assert fd.layer == 1, report.table()
     # Not a RoPE bug, and not named as one: every query and key sits at its logical position.
     assert report.diagnosis.kind == "unknown" and "no RoPE error visible" in report.diagnosis.evidence
+
+
+def test_cache_index_rotation_uses_the_sinks(make_arch_checkpoint):
+    """The StreamingLLM re-indexing path (rotation_index="cache", raw keys) attends row by row with
+    its own call; with nothing evicted the cache index is the position, so it must match the
+    reference exactly (full attention on every layer, as the contract says)."""
+    ckpt = _checkpoint(make_arch_checkpoint)
+    contract = CacheContract.for_model(ckpt.config, key_form="raw", window=None, rotation_index="cache", block_size=4)
+    engine = Engine(ckpt, contract, num_blocks=16)
+    tokens = torch.randint(0, 96, (14,), generator=torch.Generator().manual_seed(4))
+    engine.prefill("s", tokens[:10], chunk_size=3)
+    ref = ReferenceDecoder(ckpt).forward(tokens, window=None).logits
+    for t in range(10, 14):
+        assert scaled(engine.decode("s", int(tokens[t])).logits[0], ref[t]) < TOL

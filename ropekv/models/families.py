@@ -3,8 +3,8 @@
 Every supported architecture is a pre-norm (or post-norm, or sandwich-norm) decoder with RoPE
 attention; what differs between them is data: the norm and where it sits, the MLP and its activation,
 which projections carry biases and which config field says so, q/k norms, multipliers, softcaps, the
-RoPE pairing layout, whether ``partial_rotary_factor`` is honoured, which layers rotate at all, and the
-tensor names. ``ModelConfig.from_hf_config`` reads a config through its family, the float64 reference
+RoPE pairing layout, whether ``partial_rotary_factor`` is honoured, which layers rotate at all, how
+sliding layers are derived, attention sinks, and the tensor names. ``ModelConfig.from_hf_config`` reads a config through its family, the float64 reference
 decoder (``models/reference.py``) and the engine (``transformer.py``) both compute from the resulting
 config and never look at the architecture name, and the loaders map tensor names through
 :func:`canonical_weights`. Adding an architecture is a :class:`Family` entry, not a model file.
