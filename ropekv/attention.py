@@ -87,14 +87,16 @@ _BLOCK_BYTES = 32 << 20  # logits of one query block; below glibc's mmap thresho
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
-           scale: float | None = None, softcap: float | None = None,
+           scale: float | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
            with_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scaled dot-product attention with grouped KV heads, computed in float32 or wider.
 
     q ``[n, H, D]`` (rotated), k ``[N, KVH, D]`` (as the kernel uses them), v ``[N, KVH, D]``,
     mask ``[n, N]``, or None when every key is visible to every query (a decode step without a
     window: it saves two passes over the logits per layer). ``scale`` defaults to ``D**-0.5``;
-    ``softcap`` caps the scores as ``softcap * tanh(s / softcap)``. Returns ``(out [n, H, D] in q's dtype,
+    ``softcap`` caps the scores as ``softcap * tanh(s / softcap)``; ``sinks [H]`` (gpt_oss) are learned
+    logits, one per head, that join the softmax denominator and take no value (:func:`softmax_with_sinks`;
+    the returned logits do not include them). Returns ``(out [n, H, D] in q's dtype,
     logits [H, n, N] pre-softmax, masked -inf)``; the logits are None unless ``with_logits``.
 
     Without logits the queries go in blocks whose ``[H, rows, N]`` scores stay under 32 MiB, and each
@@ -105,7 +107,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     n, num_heads, _ = q.shape
     rows = n if with_logits else max(1, _BLOCK_BYTES // (num_heads * k.shape[0] * 4))
     if rows >= n:
-        return _attend_block(q, k, v, mask, scale, softcap)
+        return _attend_block(q, k, v, mask, scale, softcap, sinks)
     out = torch.empty_like(q)
     for start in range(0, n, rows):
         stop = min(n, start + rows)
@@ -115,12 +117,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
             seen = torch.nonzero(block_mask.any(dim=0))
             keys = int(seen[-1]) + 1 if seen.numel() else 1
             block_mask = block_mask[:, :keys]
-        out[start:stop] = _attend_block(q[start:stop], k[:keys], v[:keys], block_mask, scale, softcap)[0]
+        out[start:stop] = _attend_block(q[start:stop], k[:keys], v[:keys], block_mask, scale, softcap, sinks)[0]
     return out, None
 
 
 def attend_segments(q: torch.Tensor, keys: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...], *,
-                    scale: float | None = None, softcap: float | None = None) -> torch.Tensor:
+                    scale: float | None = None, softcap: float | None = None,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`attend` of queries that see every key (a decode step without a window), with the keys
     and values given as segments along the key axis (``keys[s]``/``values[s]``: ``[N_s, KVH, D]``,
     e.g. the cached tokens as views of the pool, then the step's new ones). Returns ``out [n, H, D]``.
@@ -138,7 +141,7 @@ def attend_segments(q: torch.Tensor, keys: tuple[torch.Tensor, ...], values: tup
     logits = torch.cat(scores, dim=-1).mul_(1.0 / math.sqrt(head_dim) if scale is None else scale)  # [KVH, G*n, N]
     if softcap is not None:
         logits = torch.tanh(logits / softcap).mul_(softcap)
-    probs = torch.softmax(logits, dim=-1)
+    probs = softmax_with_sinks(logits, None if sinks is None else _sink_column(sinks, num_kv, group, n))
     out, start = None, 0
     for v in values:
         part = torch.bmm(probs[..., start:start + v.shape[0]], v.to(work).permute(1, 0, 2))  # [KVH, G * n, D]
@@ -147,8 +150,25 @@ def attend_segments(q: torch.Tensor, keys: tuple[torch.Tensor, ...], values: tup
     return out.view(num_kv, group, n, head_dim).permute(2, 0, 1, 3).reshape(n, num_heads, head_dim).to(q.dtype)
 
 
+def softmax_with_sinks(logits: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+    """Softmax over the last dim of ``logits [..., N]``; with ``sinks [..., 1]`` (broadcast to the rows)
+    the sink is one more column of the softmax, dropped after it: the weights on the keys sum to
+    ``1 - p_sink`` (gpt_oss's ``eager_attention_forward``). Masked ``-inf`` keys stay at 0."""
+    if sinks is None:
+        return torch.softmax(logits, dim=-1)
+    column = sinks.to(logits.dtype).expand(*logits.shape[:-1], 1)
+    return torch.softmax(torch.cat([logits, column], dim=-1), dim=-1)[..., :-1]
+
+
+def _sink_column(sinks: torch.Tensor, num_kv: int, group: int, n: int) -> torch.Tensor:
+    """``sinks [H]`` as a ``[KVH, G * n, 1]`` column matching logits laid out ``[KVH, G * n, N]``
+    (query head ``h = kv * G + g``, as :func:`attend` stacks them)."""
+    return sinks.reshape(num_kv, group, 1, 1).expand(num_kv, group, n, 1).reshape(num_kv, group * n, 1)
+
+
 def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                  scale: float | None, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+                  scale: float | None, softcap: float | None,
+                  sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attend` of one block of queries, logits included."""
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     n, num_heads, head_dim = q.shape
@@ -165,7 +185,8 @@ def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
         logits = torch.tanh(logits / softcap).mul_(softcap)
     if mask is not None:
         logits.masked_fill_(~mask, float("-inf"))
-    probs = torch.softmax(logits, dim=-1).view(num_kv, group * n, num_keys)
+    column = None if sinks is None else sinks.reshape(num_kv, group, 1, 1)  # [KVH, G, 1, 1]: head kv * G + g
+    probs = softmax_with_sinks(logits, column).view(num_kv, group * n, num_keys)
     out = torch.bmm(probs, v.to(work).permute(1, 0, 2)).view(num_kv, group, n, head_dim)  # [KVH, G, n, D]
     out = out.permute(2, 0, 1, 3).reshape(n, num_heads, head_dim)
     return out.to(q.dtype), logits.reshape(num_heads, n, -1)

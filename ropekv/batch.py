@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import torch
 
-from .attention import visibility
+from .attention import softmax_with_sinks, visibility
 from .errors import CacheError, UsageError
 from .probe import LayerProbe
 from .rotation import StepContext
-from .transformer import embed, final_logits, finish_layer, project_qkv
+from .transformer import after_rope, embed, final_logits, finish_layer, project_qkv
 
 
 def decode_batch(engine, seq_ids: list, tokens: torch.Tensor, *, probe: bool = False) -> list:
@@ -61,13 +61,14 @@ def decode_batch(engine, seq_ids: list, tokens: torch.Tensor, *, probe: bool = F
             pos, ctx = positions[r:r + 1], ctxs[r].for_layer(layer)
             view = cache.view(sid, layer)
             new_slot = cache.slots_of(layer, num_before[r], 1)
-            stored = k[r:r + 1] if c.key_form == "raw" else rot.write_key(rope, k[r:r + 1], pos, new_slot, ctx)
+            stored = k[r:r + 1] if c.key_form == "raw" else after_rope(
+                cfg, lw.k_norm, rot.write_key(rope, k[r:r + 1], pos, new_slot, ctx))
             keys = torch.cat([view.keys, stored.to(view.keys.dtype)])  # [N_r, KVH, D]
             values = torch.cat([view.values, v[r:r + 1].to(view.values.dtype)])
             key_pos = torch.cat([view.positions, pos.to(view.positions.device)])  # [N_r]
             key_slots = torch.cat([view.slots, new_slot.to(view.slots.device)])
             k_eff = rot.read_keys(rope, keys, key_pos, key_slots, ctx, backend_rotates=engine.backend.rotates)
-            q_eff = rot.query(rope, q[r:r + 1], pos, ctx)  # [1, H, D]
+            q_eff = after_rope(cfg, lw.q_norm, rot.query(rope, q[r:r + 1], pos, ctx))  # [1, H, D]
             mask = visibility(pos, key_pos, kind.window, c.sink_tokens, kind.chunk)[0]  # [N_r]
             rows.append((q_eff, k_eff, values, key_pos, key_slots, mask))
             new_keys[r].append(stored)
@@ -76,7 +77,7 @@ def decode_batch(engine, seq_ids: list, tokens: torch.Tensor, *, probe: bool = F
                 traces[r].append(LayerProbe(q=q_eff, k=k_eff[mask], key_positions=key_pos[mask],
                                             key_slots=key_slots[mask], hidden_in=h[r:r + 1].detach(),
                                             q_raw=q[r:r + 1], v=values[mask]))
-        out = _padded_attention(rows, cfg.num_heads, q.dtype, cfg.attn_scale, cfg.attn_softcap)  # [B, H, D]
+        out = _padded_attention(rows, cfg.num_heads, q.dtype, cfg.attn_scale, cfg.attn_softcap, lw.sinks)  # [B, H, D]
         h = finish_layer(cfg, lw, h, out)
     logits = final_logits(cfg, engine.weights, h)  # [B, vocab]
     written = []
@@ -92,7 +93,7 @@ def decode_batch(engine, seq_ids: list, tokens: torch.Tensor, *, probe: bool = F
 
 
 def _padded_attention(rows: list, num_heads: int, dtype: torch.dtype, scale: float,
-                      softcap: float | None) -> torch.Tensor:
+                      softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of every row over one left-padded key tensor ``[B, N_max, KVH, D]``.
 
     ``rows[r] = (q_eff [1, H, D], k_eff [N_r, KVH, D], values [N_r, KVH, D], _, _, mask [N_r])``; the
@@ -113,7 +114,8 @@ def _padded_attention(rows: list, num_heads: int, dtype: torch.dtype, scale: flo
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
-    out = torch.einsum("bhn,bnhd->bhd", torch.softmax(logits, dim=-1), values[:, :, kv_head])
+    probs = softmax_with_sinks(logits, None if sinks is None else sinks.reshape(1, -1, 1))  # sinks [H] -> [1, H, 1]
+    out = torch.einsum("bhn,bnhd->bhd", probs, values[:, :, kv_head])
     return out.to(dtype)
 
 

@@ -29,7 +29,7 @@ from .errors import CacheError, ContractMismatch, UsageError
 from .models.config import Checkpoint
 from .probe import LayerProbe
 from .rotation import NO_OPS, OpFacts, RopeTable, RopeTables, RotationPolicy, StepContext
-from .transformer import DecoderWeights, embed, final_logits, finish_layer, project_qkv
+from .transformer import DecoderWeights, after_rope, embed, final_logits, finish_layer, project_qkv
 
 
 @dataclass(frozen=True, eq=False)
@@ -197,6 +197,12 @@ class Engine:
             bad = [i for i in range(cfg.num_layers) if c.layer_rope(i) != cfg.layer_rope(i)]
             problems.append(("layer_ropes", f"layer_ropes: layer(s) {bad[:8]} turn with another RoPE (or none) in the "
                                             "contract than in the model"))
+        if c.key_form == "raw" and cfg.qk_norm and cfg.family.qk_norm == "head_after_rope":
+            problems.append(("key_form", f"key_form: 'raw' has no meaning for {cfg.architecture}: its q/k norm is "
+                                         "applied after RoPE, so the key the kernel reads is norm(R(j) k), not a "
+                                         "rotation of any key a cache could hold raw; use key_form 'rotated' "
+                                         "(with a length-dependent RoPE, dynamic NTK without alpha, no key form can "
+                                         "serve it: rotated keys keep stale frequencies)"))
         if c.model_fingerprint and c.model_fingerprint != self.checkpoint.fingerprint:
             problems.append(("model_fingerprint", f"model_fingerprint: contract {c.model_fingerprint}, model "
                                                   f"{self.checkpoint.fingerprint} (keys would come from another model)"))
@@ -244,15 +250,17 @@ class Engine:
             # copy=False: the cached keys/values are read (or joined with this step's) right below,
             # before the cache can change.
             view = self.cache.view(seq_id, layer, copy=False) if seq_id is not None else None
-            stored_new = k if c.key_form == "raw" else rot.write_key(rope, k, positions, g.new_slots, ctx)
+            # raw keys exist only where q/k norms (if any) come before RoPE (_check_contract_fits_model)
+            stored_new = k if c.key_form == "raw" else after_rope(
+                cfg, lw.k_norm, rot.write_key(rope, k, positions, g.new_slots, ctx))
             if g.segments:  # a decode step that sees every key: cached keys read in place, no join
-                q_eff = rot.query(rope, q, positions, ctx)
+                q_eff = after_rope(cfg, lw.q_norm, rot.query(rope, q, positions, ctx))
                 k_cached = rot.read_keys(rope, view.keys, view.positions, view.slots, ctx,
                                          backend_rotates=self.backend.rotates)
                 k_new = rot.read_keys(rope, stored_new, positions, g.new_slots, ctx,
                                       backend_rotates=self.backend.rotates)
                 out = attend_segments(q_eff, (k_cached, k_new), (view.values, v), scale=cfg.attn_scale,
-                                      softcap=cfg.attn_softcap)
+                                      softcap=cfg.attn_softcap, sinks=lw.sinks)
             else:
                 if view is not None:
                     reuse = probe_rows is None  # probes keep k_eff (the keys themselves when read as stored)
@@ -263,11 +271,11 @@ class Engine:
                 if c.rotation_index == "cache":
                     out, q_eff, k_eff = self._attend_cache_index(q, keys, values, g.mask, g.key_slots, ctx)
                 else:
-                    q_eff = rot.query(rope, q, positions, ctx)
+                    q_eff = after_rope(cfg, lw.q_norm, rot.query(rope, q, positions, ctx))
                     k_eff = rot.read_keys(rope, keys, g.key_pos, g.key_slots, ctx,
                                           backend_rotates=self.backend.rotates)
                     out, _ = attend(q_eff, k_eff, values, g.attn_mask, scale=cfg.attn_scale,
-                                    softcap=cfg.attn_softcap, with_logits=False)
+                                    softcap=cfg.attn_softcap, sinks=lw.sinks, with_logits=False)
                 if probe_rows is not None:
                     traces.append(_probe(probe_rows, h, q, q_eff, k_eff, values, g.key_pos, g.key_slots, g.mask))
             new_keys.append(stored_new)
@@ -351,7 +359,8 @@ class Engine:
             k_eff = rot.read_keys(rope, keys, index.clamp(min=0), key_slots, ctx, backend_rotates=self.backend.rotates)
             qi = rot.query(rope, q[i:i + 1], index[vis][-1:].reshape(1), ctx)
             o, _ = attend(qi, k_eff, values, mask[i:i + 1], scale=self.config.attn_scale,
-                          softcap=self.config.attn_softcap, with_logits=False)
+                          softcap=self.config.attn_softcap, sinks=self.weights.layers[ctx.layer].sinks,
+                          with_logits=False)
             outs.append(o)
             q_effs.append(qi)
         return torch.cat(outs), torch.cat(q_effs), k_eff

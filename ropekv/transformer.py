@@ -56,6 +56,9 @@ class MoeWeights:
     experts_gate_up_bias: torch.Tensor | None = None
     experts_down: torch.Tensor | None = None  # [hidden, S]
     experts_down_bias: torch.Tensor | None = None
+    router_bias: torch.Tensor | None = None  # [E] (gpt_oss)
+    gate_up_bias: torch.Tensor | None = None  # [E, 2 * I] of the routed experts (gpt_oss)
+    down_bias: torch.Tensor | None = None  # [E, hidden]
 
 
 @dataclass(frozen=True, eq=False)
@@ -78,6 +81,7 @@ class LayerWeights:
     mla: MlaWeights | None = None
     xielu: tuple[torch.Tensor, ...] | None = None  # (alpha_p [1], alpha_n [1], beta [], eps []) of an xIELU MLP
     temperature: bool = False  # llama4 NoPE layers: queries scaled by position (query_temperature)
+    sinks: torch.Tensor | None = None  # [H] learned sink logits (gpt_oss), in the softmax denominator
 
 
 @dataclass(frozen=True, eq=False)
@@ -142,7 +146,9 @@ class DecoderWeights:
                     correction_bias=opt(p + "mlp.gate.e_score_correction_bias"),
                     experts_gate_up=cat([s + "gate_proj.weight", s + "up_proj.weight"]),
                     experts_gate_up_bias=cat([s + "gate_proj.bias", s + "up_proj.bias"]),
-                    experts_down=opt(s + "down_proj.weight"), experts_down_bias=opt(s + "down_proj.bias"))
+                    experts_down=opt(s + "down_proj.weight"), experts_down_bias=opt(s + "down_proj.bias"),
+                    router_bias=opt(p + "mlp.gate.bias"), gate_up_bias=opt(p + "mlp.experts.gate_up_proj_bias"),
+                    down_bias=opt(p + "mlp.experts.down_proj_bias"))
             mla = None
             if cfg.mla is not None:
                 mla = MlaWeights(q=opt(a + "q_proj.weight"), q_a=opt(a + "q_a_proj.weight"), q_a_bias=opt(a + "q_a_proj.bias"),
@@ -170,6 +176,7 @@ class DecoderWeights:
                 xielu=tuple(w[p + "mlp.act_fn." + n] for n in ("alpha_p", "alpha_n", "beta", "eps"))
                 if cfg.hidden_act == "xielu" else None,
                 temperature=cfg.layer_temperature(i),
+                sinks=w[a + "sinks"] if cfg.attention_sinks else None,
             ))
         embed = w["model.embed_tokens.weight"]
         lm_head = embed if cfg.tie_word_embeddings else w["lm_head.weight"]
@@ -302,6 +309,8 @@ def _mla_qkv(cfg: ModelConfig, mw: MlaWeights, x: torch.Tensor) -> tuple[torch.T
     k = torch.cat((kv[..., :m.qk_nope_head_dim], k_pe[:, None, :].expand(n, H, m.qk_rope_head_dim)), dim=-1)
     v = F.pad(kv[..., m.qk_nope_head_dim:], (0, m.qk_head_dim - m.v_head_dim))
     return q.view(n, H, m.qk_head_dim), k, v
+
+
 def query_temperature(cfg: ModelConfig, positions: torch.Tensor) -> torch.Tensor:
     """llama4's attention temperature ``[n]`` at ``positions [n]`` (arXiv 2501.19399), in float32 as
     transformers computes it: ``log1p(floor((p + 1) / floor_scale)) * attn_scale + 1``."""
@@ -309,9 +318,17 @@ def query_temperature(cfg: ModelConfig, positions: torch.Tensor) -> torch.Tensor
     return torch.log1p(torch.floor((p + 1.0) / cfg.temperature_floor_scale)) * cfg.temperature_attn_scale + 1.0
 
 
+def after_rope(cfg: ModelConfig, norm: Norm | None, x: torch.Tensor) -> torch.Tensor:
+    """The per-head q/k norm of families that apply it after RoPE (hunyuan: the kernel multiplies
+    ``norm(R(p) q)`` by ``norm(R(j) k)``, and the cache holds the latter); identity for every other."""
+    if norm is None or cfg.family.qk_norm != "head_after_rope":
+        return x
+    return apply_norm(x, norm, cfg.rms_norm_eps)
+
+
 def finish_layer(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
     """Residual around attention (``attn_out [n, H, D]``) and the MLP; returns the next hidden state."""
-    fam, eps, scale = cfg.family, cfg.rms_norm_eps, cfg.residual_scale
+    eps, scale = cfg.rms_norm_eps, cfg.residual_scale
     if cfg.mla is not None:  # the values' zero padding (see _mla_qkv)
         attn_out = attn_out[..., :cfg.mla.v_head_dim]
     a = apply_norm(F.linear(attn_out.reshape(h.shape[0], -1), lw.o, lw.o_bias), lw.attn_out, eps)
@@ -344,7 +361,7 @@ def _xielu(x: torch.Tensor, alpha_p: torch.Tensor, alpha_n: torch.Tensor, beta: 
 def _moe(cfg: ModelConfig, mw: MoeWeights, x: torch.Tensor) -> torch.Tensor:
     """Top-k routing of ``x [n, hidden]``; each expert runs once on the tokens routed to it."""
     spec = cfg.moe
-    logits = F.linear(x, mw.router).float()  # [n, E]
+    logits = F.linear(x, mw.router, mw.router_bias).float()  # [n, E]
     weights, experts = _route(spec, mw, logits)
     scale_input = spec.router == "topk_sigmoid_input"  # llama4: the scores scale each expert's input
     out = torch.zeros_like(x)
@@ -352,8 +369,10 @@ def _moe(cfg: ModelConfig, mw: MoeWeights, x: torch.Tensor) -> torch.Tensor:
         token, slot = torch.where(experts == e)
         w = weights[token, slot, None].to(x.dtype)
         xe = x[token] * w if scale_input else x[token]
-        gate, up = F.linear(xe, mw.gate_up[e]).chunk(2, dim=-1)
-        y = F.linear(activation(gate, cfg.hidden_act) * up, mw.down[e])
+        bias = None if mw.gate_up_bias is None else mw.gate_up_bias[e]
+        gate, up = F.linear(xe, mw.gate_up[e], bias).chunk(2, dim=-1)
+        y = F.linear(_expert_act(spec, cfg.hidden_act, gate, up), mw.down[e],
+                     None if mw.down_bias is None else mw.down_bias[e])
         out.index_add_(0, token, y if scale_input else y * w)
     if mw.shared_gate_up is not None:
         gate, up = F.linear(x, mw.shared_gate_up).chunk(2, dim=-1)
@@ -396,6 +415,15 @@ def _route(spec, mw: MoeWeights, logits: torch.Tensor) -> tuple[torch.Tensor, to
     if spec.normalize:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     return weights * spec.routed_scale, experts
+
+
+def _expert_act(spec, act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``act(gate) * up``, or gpt_oss's clamped SwiGLU where the spec has a limit (models/moe.py)."""
+    if spec.swiglu_limit is None:
+        return activation(gate, act) * up
+    gate = gate.clamp(max=spec.swiglu_limit)
+    up = up.clamp(min=-spec.swiglu_limit, max=spec.swiglu_limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * spec.swiglu_alpha))
 
 
 def final_logits(cfg: ModelConfig, weights: DecoderWeights, h: torch.Tensor) -> torch.Tensor:

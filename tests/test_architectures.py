@@ -94,6 +94,9 @@ VARIANTS = [
     ("nemotron", "nemotron", {}),
     ("glm", "glm", {}),
     ("glm4", "glm4", {}),
+    ("hunyuan_v1_dense", "hunyuan_v1_dense", {"attention_bias": True}),
+    ("hunyuan_v1_dense-ntk-alpha", "hunyuan_v1_dense", {"rope_parameters": {
+        "rope_type": "dynamic", "alpha": 50.0, "factor": 2.0, "rope_theta": 1e4}}),
     ("phi3", "phi3", {}),
     ("phi3-longrope", "phi3", {"original_max_position_embeddings": 16, "rope_parameters": {
         "rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
@@ -139,6 +142,12 @@ VARIANTS = [
     ("llama4_text", "llama4_text", LLAMA4),
     ("qwen2_vl", "qwen2_vl", {"rope_parameters": MROPE}),
     ("qwen2_5_vl", "qwen2_5_vl", {"rope_parameters": MROPE}),
+    # Sinks, every-other windows (layer_types left to its config class), yarn without truncation,
+    # biased MoE; a small swiglu_limit so the clamp bites on unit-scale weights.
+    ("gpt_oss", "gpt_oss", {"num_local_experts": 4, "sliding_window": W, "swiglu_limit": 0.5, "swiglu_alpha": 1.3,
+                            "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                                "truncate": False, "original_max_position_embeddings": 64,
+                                                "rope_theta": 1e4}, **MOE}),
 ]
 
 BY_ID = {v[0]: v[1:] for v in VARIANTS}
@@ -188,7 +197,9 @@ def test_reference_engine_and_hf_adapter_match_transformers(arch, overrides, mak
     # would leave deeper layers' keys computed under the short factors (inherent), so prefill in one
     # chunk there.
     dependent = ckpt.config.rope.length_dependent
-    for form in ("raw",) if dependent else ("rotated", "raw"):
+    # q/k norm after RoPE (hunyuan): the cached key is norm(R(j) k), "raw" has no meaning (refused there).
+    after_rope = ckpt.config.family.qk_norm == "head_after_rope"
+    for form in ("raw",) if dependent else ("rotated",) if after_rope else ("rotated", "raw"):
         engine = Engine(ckpt, CacheContract.for_model(ckpt.config, key_form=form, block_size=BLOCK))
         assert scaled(engine.forward_full(tokens).logits, ref) < TOL
         engine.prefill("s", tokens[:PREFILL], chunk_size=None if dependent else CHUNK)
@@ -224,14 +235,18 @@ def test_every_architecture_of_the_issue_is_described_or_refused_by_feature():
     assert {v[1] for v in VARIANTS} == described  # every description is swept above
 
 
-@pytest.mark.parametrize("arch", sorted(REFUSED))
-def test_unmodelled_architectures_are_refused_naming_the_feature(arch, tmp_path):
+def test_a_refused_architecture_is_refused_naming_its_feature(monkeypatch, tmp_path):
+    """Every architecture the issue names is described now (REFUSED is empty); the refusal path stays for
+    the next one transformers ships: an entry there is a one-line ConfigError naming the architecture and
+    the feature, before any other field is read."""
     import json
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": arch, "architectures": [], "vocab_size": 96}))
+    assert REFUSED == {}
+    monkeypatch.setitem(REFUSED, "bloom", "ALiBi attention biases instead of RoPE")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bloom", "architectures": [], "vocab_size": 96}))
     with pytest.raises(ConfigError) as info:
         load_checkpoint(tmp_path)
-    assert REFUSED[arch] in str(info.value) and arch in str(info.value)
+    assert "ALiBi attention biases instead of RoPE" in str(info.value) and "bloom" in str(info.value)
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma"])
@@ -409,3 +424,41 @@ def test_apertus_xielu_parameters_are_read_per_layer(make_arch_checkpoint, hf_mo
 
     shared = Checkpoint(ckpt.config, weights, ckpt.source, ckpt.fingerprint)
     assert scaled(hf, ReferenceDecoder(shared).forward(tokens).logits) > 100 * TOL
+
+
+GPT_OSS_ROPES = [
+    ("config-class-default", {"rope_theta": 1e4}),  # no rope_parameters: yarn x32 from 4096, as GptOssConfig sets
+    ("yarn-truncate-attention-factor", {"rope_parameters": {
+        "rope_type": "yarn", "factor": 4.0, "truncate": True, "attention_factor": 1.3,
+        "original_max_position_embeddings": 64, "rope_theta": 1e4}}),
+    ("yarn-mscale", {"rope_parameters": {
+        "rope_type": "yarn", "factor": 8.0, "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 16.0, "beta_slow": 2.0,
+        "truncate": False, "original_max_position_embeddings": 32, "rope_theta": 5e4}}),
+]
+
+
+@pytest.mark.parametrize("overrides", [r[1] for r in GPT_OSS_ROPES], ids=[r[0] for r in GPT_OSS_ROPES])
+def test_gpt_oss_yarn_is_read_as_transformers_reads_it(overrides, make_arch_checkpoint, hf_model, tokens):
+    """Yarn's truncate flag, attention factor and mscales on gpt_oss: reference logits against transformers'."""
+    base = {k: v for k, v in BY_ID["gpt_oss"][1].items() if k != "rope_parameters"}
+    path = make_arch_checkpoint("gpt_oss", **base, **overrides)
+    with torch.no_grad():
+        hf = hf_model(path)(tokens[None]).logits[0]
+    ref = ReferenceDecoder(load_checkpoint(path)).forward(tokens).logits
+    assert scaled(hf, ref) < TOL, f"reference vs transformers: {scaled(hf, ref):.2e}"
+
+
+def test_gpt_oss_without_rope_parameters_reads_its_config_class_yarn():
+    """A config.json with a legacy rope_theta and no scaling is yarn x32 on gpt_oss (GptOssConfig's
+    default), not plain RoPE at that theta."""
+    from transformers import AutoConfig
+
+    from conftest import ARCH_BASE
+    from ropekv.models.config import ModelConfig
+
+    full = AutoConfig.for_model("gpt_oss", **ARCH_BASE, rope_theta=1e4).to_dict()
+    legacy = {k: v for k, v in full.items() if k != "rope_parameters"}
+    cfg = ModelConfig.from_hf_config({**legacy, "rope_theta": 1e4})
+    assert cfg == ModelConfig.from_hf_config(full)
+    assert (cfg.rope.theta, cfg.rope.scaling.rope_type, cfg.rope.scaling.factor, cfg.rope.scaling.truncate) == (
+        1e4, "yarn", 32.0, False)

@@ -37,7 +37,7 @@ _LATER_FIELDS = {"hidden_act": "silu", "layer_ropes": None, "query_scale": None,
                  "final_softcap": None, "embedding_scale": 1.0, "residual_scale": 1.0, "logits_scale": 1.0,
                  "moe": None, "mla": None, "parallel": False, "clip_qkv": None, "parallel_mlp_norm": False,
                  "qkv_groups": None, "attention_chunk_size": None, "temperature_floor_scale": None,
-                 "temperature_attn_scale": 0.0}
+                 "temperature_attn_scale": 0.0, "attention_sinks": False}
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ class ModelConfig:
     attention_bias: bool = False  # bias on q, k, v projections
     o_bias: bool = False  # bias on o_proj
     mlp_bias: bool = False
-    qk_norm: bool = False  # q/k norms before RoPE (per head, or over the projection: family.qk_norm)
+    qk_norm: bool = False  # q/k norms (per head or over the projection, before RoPE or after: family.qk_norm)
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
     name: str = ""
@@ -92,6 +92,8 @@ class ModelConfig:
     # log1p(floor((position + 1) / floor_scale)) * attn_scale + 1; None: no tuning
     temperature_floor_scale: float | None = None
     temperature_attn_scale: float = 0.0
+    # A learned logit per query head (self_attn.sinks [H]) in every layer's softmax denominator (gpt_oss).
+    attention_sinks: bool = False
     warnings: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -160,6 +162,8 @@ class ModelConfig:
                                             or self.num_heads % self.qkv_groups):
             raise ConfigError(f"qkv_groups must divide num_kv_heads ({self.num_kv_heads}) and num_heads, "
                               f"got {self.qkv_groups!r}")
+        if not isinstance(self.attention_sinks, bool):
+            raise ConfigError(f"config field 'attention_sinks' must be true or false, got {self.attention_sinks!r}")
         if self.moe is not None and not isinstance(self.moe, MoeSpec):
             raise ConfigError(f"config field 'moe' must be a MoeSpec or None, got {type(self.moe).__name__}")
         t = self.temperature_floor_scale
@@ -306,6 +310,9 @@ class ModelConfig:
                 e, m = moe.num_experts, moe.expert_size
                 shapes.update({p + "mlp.gate.weight": (e, h), p + "mlp.experts.gate_up_proj": (e, 2 * m, h),
                                p + "mlp.experts.down_proj": (e, h, m)})
+                if moe.bias:
+                    shapes.update({p + "mlp.gate.bias": (e,), p + "mlp.experts.gate_up_proj_bias": (e, 2 * m),
+                                   p + "mlp.experts.down_proj_bias": (e, h)})
                 if moe.shared_expert_size is not None:
                     s = moe.shared_expert_size
                     shapes.update({p + "mlp.shared_expert.gate_proj.weight": (s, h),
@@ -336,8 +343,11 @@ class ModelConfig:
                 shapes.update({p + "mlp.up_proj.bias": (i,), p + "mlp.down_proj.bias": (h,)})
                 if fam.mlp == "gated":
                     shapes[p + "mlp.gate_proj.bias"] = (i,)
+            if self.attention_sinks:
+                shapes[p + "self_attn.sinks"] = (self.num_heads,)
             if self.qk_norm and fam.qk_norm != "l2":  # llama4's L2 norm has no weights
-                qn, kn = {"head": ((d,), (d,)), "per_head": ((self.num_heads, d), (self.num_kv_heads, d)),
+                qn, kn = {"head": ((d,), (d,)), "head_after_rope": ((d,), (d,)),
+                          "per_head": ((self.num_heads, d), (self.num_kv_heads, d)),
                           "projection": ((q,), (kv,))}[fam.qk_norm]
                 shapes.update({p + "self_attn.q_norm.weight": qn, p + "self_attn.k_norm.weight": kn})
                 if fam.qk_norm_bias:

@@ -3,8 +3,8 @@
 Every supported architecture is a pre-norm (or post-norm, or sandwich-norm) decoder with RoPE
 attention; what differs between them is data: the norm and where it sits, the MLP and its activation,
 which projections carry biases and which config field says so, q/k norms, multipliers, softcaps, the
-RoPE pairing layout, whether ``partial_rotary_factor`` is honoured, which layers rotate at all, and the
-tensor names. ``ModelConfig.from_hf_config`` reads a config through its family, the float64 reference
+RoPE pairing layout, whether ``partial_rotary_factor`` is honoured, which layers rotate at all, how
+sliding layers are derived, attention sinks, and the tensor names. ``ModelConfig.from_hf_config`` reads a config through its family, the float64 reference
 decoder (``models/reference.py``) and the engine (``transformer.py``) both compute from the resulting
 config and never look at the architecture name, and the loaders map tensor names through
 :func:`canonical_weights`. Adding an architecture is a :class:`Family` entry, not a model file.
@@ -27,8 +27,10 @@ from ..errors import CheckpointError
 NormKind = Literal["rms", "rms_offset", "layer", "layer_offset", "layer_plain"]
 MlpKind = Literal["gated", "plain"]
 # q/k norms: one weight [D] applied to every head, a weight per head [heads, D], one weight over
-# the whole projection [heads * D], or llama4's weightless per-head L2 norm (RoPE layers only).
-QkNorm = Literal["none", "head", "per_head", "projection", "l2"]
+# the whole projection [heads * D], or llama4's weightless per-head L2 norm (RoPE layers only), all
+# before RoPE; "head_after_rope" (hunyuan) normalizes each rotated head, so the cached key is
+# norm(R(j) k): not a rotation of any raw key.
+QkNorm = Literal["none", "head", "per_head", "projection", "l2", "head_after_rope"]
 # Rows of a fused query_key_value: q, then k, then v ("concat": phi3); or grouped by KV head,
 # [KVH, heads / KVH + 2, D]: each group's query heads, its key head, its value head ("grouped":
 # GPT-NeoX and Persimmon with one query head per group, [heads, 3, D]; Falcon).
@@ -97,10 +99,26 @@ class Family:
     layout: Layout = "neox"
     partial_rotary: bool = False  # does the architecture honour partial_rotary_factor?
     rope_layers: RopeLayers = "all"
-    windows: Literal["none", "mistral", "qwen2", "qwen3_moe", "layer_types", "llama4"] = "layer_types"
+    # How sliding layers are derived where config.json has no layer_types, as the architecture's config
+    # class derives them (hf_config._layer_types): "none"/"layer_types" every layer full; "mistral" every
+    # layer slides iff sliding_window; "qwen2" iff use_sliding_window and layer >= max_window_layers;
+    # "qwen2_moe" iff use_sliding_window, layer < max_window_layers and layer even; "qwen3_moe" every
+    # layer iff use_sliding_window (its modeling never reads layer_types); "period": layer i slides iff
+    # (i + 1) % P != 0, P = config[window_period_key] (or window_period where absent); "smollm3" iff
+    # use_sliding_window and the layer is NoPE; "llama4": chunked layers where the layer rotates.
+    windows: Literal["none", "mistral", "qwen2", "qwen2_moe", "qwen3_moe", "layer_types", "period",
+                     "smollm3", "llama4"] = "layer_types"
+    window_period: int = 2
+    window_period_key: str | None = None  # the config field holding the period, where it is configurable
     moe: Literal["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "deepseek_v2", "deepseek_v3",
-                 "glm4_moe", "llama4"] | None = None  # models/moe.py
+                 "glm4_moe", "llama4", "gpt_oss"] | None = None  # models/moe.py
     attention: Literal["standard", "mla"] = "standard"  # "mla": multi-head latent attention (models/mla.py)
+    # gpt_oss: a learned logit per query head (``self_attn.sinks [H]``) joins every softmax denominator
+    # and is dropped after it: attention weights sum to less than 1. Weights, not cache contents.
+    sinks: bool = False
+    # hunyuan: a "dynamic" RoPE with a non-zero ``alpha`` is a fixed NTK base, theta * alpha ** (d / (d - 2)),
+    # not dynamic NTK (HunYuanDenseV1RotaryEmbedding's ntk_alpha); hf_config._ntk_alpha reads it.
+    ntk_alpha: bool = False
     dense_size_key: str = "intermediate_size"  # the dense MLP's size (llama4: intermediate_size_mlp)
     # llama4 stores experts as [E, hidden, 2I] / [E, I, hidden]: transposed to the canonical layout
     experts_transposed: bool = False
@@ -141,6 +159,10 @@ class Family:
     # Per-expert tensors as saved on disk: (module holding experts 0..E-1, (gate, up, down) names),
     # stacked into the canonical experts.gate_up_proj / experts.down_proj (models/moe.py).
     experts: tuple[str, tuple[str, str, str]] | None = None
+    # Stacked expert tensors as stored: "rows" is the canonical [E, 2I, hidden] gate-then-up /
+    # [E, hidden, I]; "gpt_oss" stores them transposed ([E, hidden, 2I] / [E, I, hidden]) with gate and
+    # up interleaved (gate = [..., 0::2], up = [..., 1::2]), biases likewise interleaved.
+    experts_layout: Literal["rows", "gpt_oss"] = "rows"
 
 
 _LLAMA_BIAS = dict(qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias")
@@ -150,17 +172,17 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
     # Mistral's attention has no bias at all: attention_bias in its config is ignored.
     Family("mistral", ("MistralForCausalLM",), windows="mistral", ignored_fields=("attention_bias",),
            defaults={"sliding_window": 4096}),
-    Family("ministral", ("MinistralForCausalLM",), ignored_fields=("attention_bias",),
+    Family("ministral", ("MinistralForCausalLM",), ignored_fields=("attention_bias",), windows="mistral",
            defaults={"sliding_window": 4096}),
-    Family("qwen2", ("Qwen2ForCausalLM",), qkv_bias=True, windows="qwen2"),
+    Family("qwen2", ("Qwen2ForCausalLM",), qkv_bias=True, windows="qwen2", defaults={"max_window_layers": 28}),
     Family("qwen3", ("Qwen3ForCausalLM",), qkv_bias="attention_bias", o_bias="attention_bias", qk_norm="head",
-           windows="qwen2"),
+           windows="qwen2", defaults={"max_window_layers": 28}),
     Family("helium", ("HeliumForCausalLM",), layout="gptj", qkv_bias="attention_bias", mlp_bias="mlp_bias",
            defaults={"rope_theta": 100000.0}),
     Family("seed_oss", ("SeedOssForCausalLM",), qkv_bias="attention_bias", o_bias="attention_out_bias",
            mlp_bias="mlp_bias",
            defaults={"attention_bias": True}),
-    Family("smollm3", ("SmolLM3ForCausalLM",), rope_layers="no_rope_layers", **_LLAMA_BIAS,
+    Family("smollm3", ("SmolLM3ForCausalLM",), rope_layers="no_rope_layers", windows="smollm3", **_LLAMA_BIAS,
            defaults={"tie_word_embeddings": True, "rope_theta": 2000000.0}),
     # ERNIE 4.5: GLM's interleaved rotate_half over the whole head; one use_bias for every linear.
     Family("ernie4_5", ("Ernie4_5ForCausalLM",), layout="gptj", qkv_bias="use_bias", o_bias="use_bias",
@@ -180,7 +202,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            act_key="hidden_activation", act_default="gelu_pytorch_tanh", attn_out="post_attention_layernorm",
            mlp_in="pre_feedforward_layernorm", mlp_out="post_feedforward_layernorm",
            qkv_bias="attention_bias", o_bias="attention_bias", query_pre_attn_scalar=True,
-           attn_softcap_key="attn_logit_softcapping", final_softcap_key="final_logit_softcapping",
+           attn_softcap_key="attn_logit_softcapping", final_softcap_key="final_logit_softcapping", windows="period",
            defaults={"tie_word_embeddings": True, "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
                      "final_logit_softcapping": 30.0, "sliding_window": 4096}),
     Family("gemma3_text", ("Gemma3ForCausalLM",), norm="rms_offset", embedding_scale="sqrt_hidden",
@@ -188,6 +210,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            mlp_in="pre_feedforward_layernorm", mlp_out="post_feedforward_layernorm", qk_norm="head",
            qkv_bias="attention_bias", o_bias="attention_bias", query_pre_attn_scalar=True,
            attn_softcap_key="attn_logit_softcapping", final_softcap_key="final_logit_softcapping",
+           windows="period", window_period=6, window_period_key="sliding_window_pattern",
            defaults={"tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
                      "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                          "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}}),
@@ -207,11 +230,12 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            o_bias="attention_bias"),
     Family("olmo3", ("Olmo3ForCausalLM",), attn_in=None, attn_out="post_attention_layernorm", mlp_in=None,
            mlp_out="post_feedforward_layernorm", qk_norm="projection", qkv_bias="attention_bias",
-           o_bias="attention_bias",
+           o_bias="attention_bias", windows="period", window_period=4,
            defaults={"sliding_window": 4096, "rope_theta": 500000.0}),
     # EXAONE 4: olmo2's post-norms, per-head q/k norms, and NoPE on full layers of a hybrid model.
     Family("exaone4", ("Exaone4ForCausalLM",), attn_in=None, attn_out="post_attention_layernorm", mlp_in=None,
            mlp_out="post_feedforward_layernorm", qk_norm="head", rope_layers="sliding_only_if_window",
+           windows="period", window_period=4, window_period_key="sliding_window_pattern",
            defaults={"sliding_window": 4096}),
     # Cohere: mean-centred LayerNorm without bias, parallel attention + MLP, interleaved RoPE,
     # logits times logit_scale.
@@ -222,7 +246,7 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            defaults={"tie_word_embeddings": True, "logit_scale": 0.0625, "rope_theta": 500000.0}),
     Family("cohere2", ("Cohere2ForCausalLM",), norm="layer", eps_key="layer_norm_eps", mlp_in=None, parallel=True,
            layout="gptj", qkv_bias="attention_bias", o_bias="attention_bias", logits_multiply_key="logit_scale",
-           rope_layers="sliding_only",
+           rope_layers="sliding_only", windows="period", window_period=4, window_period_key="sliding_window_pattern",
            defaults={"tie_word_embeddings": True, "logit_scale": 0.0625, "sliding_window": 4096}),
     # StarCoder2: LayerNorm with bias, plain GELU MLP c_fc/c_proj, one use_bias for every linear.
     Family("starcoder2", ("Starcoder2ForCausalLM",), norm="layer", norm_bias=True, eps_key="norm_epsilon",
@@ -326,6 +350,11 @@ FAMILIES: dict[str, Family] = {f.name: f for f in (
            fused={"self_attention.query_key_value": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")},
            fused_qkv="grouped",
            defaults={"tie_word_embeddings": True, "multi_query": True, "parallel_attn": True}),
+    # HunYuan dense: llama with per-head q/k RMSNorm applied after RoPE (query_layernorm/key_layernorm)
+    # and its NTK-alpha RoPE (hf_config._hunyuan_rope); no sliding layers.
+    Family("hunyuan_v1_dense", ("HunYuanDenseV1ForCausalLM",), qkv_bias="attention_bias", o_bias="attention_bias",
+           qk_norm="head_after_rope", windows="none", ntk_alpha=True,
+           names={"self_attn.q_norm": "self_attn.query_layernorm", "self_attn.k_norm": "self_attn.key_layernorm"}),
     # Phi-3: fused qkv_proj and gate_up_proj, partial rotary, LongRoPE.
     Family("phi3", ("Phi3ForCausalLM",), partial_rotary=True, windows="mistral",
            fused={"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -338,9 +367,9 @@ FAMILIES.update({f.name: f for f in (
            aliases={"block_sparse_moe.gate.weight": "mlp.gate.weight"},
            experts=("block_sparse_moe.experts", ("w1", "w3", "w2")),
            defaults={"rope_theta": 1000000.0}),
-    Family("qwen2_moe", ("Qwen2MoeForCausalLM",), moe="qwen2_moe", qkv_bias="qkv_bias", windows="qwen2",
+    Family("qwen2_moe", ("Qwen2MoeForCausalLM",), moe="qwen2_moe", qkv_bias="qkv_bias", windows="qwen2_moe",
            experts=("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
-           defaults={"qkv_bias": True}),
+           defaults={"qkv_bias": True, "max_window_layers": 28}),
     Family("qwen3_moe", ("Qwen3MoeForCausalLM",), moe="qwen3_moe", qkv_bias="attention_bias",
            o_bias="attention_bias", qk_norm="head", windows="qwen3_moe",
            experts=("mlp.experts", ("gate_proj", "up_proj", "down_proj"))),
@@ -410,12 +439,19 @@ FAMILIES.update({f.name: f for f in (
     # bias, head_dim always hidden / heads) with mRoPE, whose three position streams coincide for text.
     Family("qwen2_vl", ("Qwen2VLForConditionalGeneration",), **_QWEN2_VL),
     Family("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), **_QWEN2_VL),
+    # gpt-oss: attention sinks, every-other sliding layers, yarn, biases everywhere in attention, and
+    # a biased top-k-softmax MoE with the clamped SwiGLU (models/moe.py) on every layer.
+    Family("gpt_oss", ("GptOssForCausalLM",), qkv_bias="attention_bias", o_bias="attention_bias", sinks=True,
+           moe="gpt_oss", windows="period", window_period=2, experts_layout="gpt_oss",
+           aliases={"mlp.router.weight": "mlp.gate.weight", "mlp.router.bias": "mlp.gate.bias"},
+           defaults={"attention_bias": True, "sliding_window": 128, "rope_theta": 150000.0,
+                     "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "rms_norm_eps": 1e-5,
+                     "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                         "truncate": False, "original_max_position_embeddings": 4096}}),
 )})
 
 # Architectures ropekv refuses, with the feature that is not modelled yet (docs/architectures.md).
 REFUSED: dict[str, str] = {
-    "hunyuan_v1_dense": "q/k norm applied after RoPE (the cached key is not a rotation of a raw key)",
-    "gpt_oss": "attention sinks and mixture of experts",
 }
 
 _CLASS_TO_FAMILY = {c: f.name for f in FAMILIES.values() for c in f.classes}
@@ -498,6 +534,8 @@ def canonical_weights(config, weights: Mapping[str, torch.Tensor], source: str) 
         out[prefix + canonical] = torch.stack([by_head[h] for h in range(len(by_head))])  # [heads, D]
     if experts:
         out.update(_stack_experts(family, experts, source))
+    if family.experts_layout == "gpt_oss":
+        out = {name: _gpt_oss_experts(name, t) for name, t in out.items()}
     return out
 
 
@@ -516,11 +554,28 @@ def _ungroup_qkv(tensor: torch.Tensor, num_heads: int, groups: int, num_kv_heads
     repeat = num_kv_heads // groups
     return (q, k.repeat_interleave(repeat, dim=0).reshape(num_kv_heads * head_dim, *rest),
             v.repeat_interleave(repeat, dim=0).reshape(num_kv_heads * head_dim, *rest))
+
+
 def _renamed_prefix(family: Family, name: str) -> str:
     for old, new in family.prefixes.items():
         if name.startswith(old):
             return new + name[len(old):]
     return name
+
+
+def _gpt_oss_experts(name: str, t: torch.Tensor) -> torch.Tensor:
+    """gpt_oss's stored expert tensors in the canonical layout: ``gate_up_proj [E, hidden, 2I]``
+    (gate and up interleaved along the last dim) -> ``[E, 2I, hidden]`` gate rows then up rows;
+    ``gate_up_proj_bias [E, 2I]`` de-interleaved the same way; ``down_proj [E, I, hidden]`` ->
+    ``[E, hidden, I]``. Any other tensor (or one of another rank) is returned unchanged."""
+    if name.endswith("mlp.experts.gate_up_proj") and t.dim() == 3:
+        t = t.transpose(1, 2)
+        return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1).contiguous()
+    if name.endswith("mlp.experts.gate_up_proj_bias") and t.dim() == 2:
+        return torch.cat([t[:, 0::2], t[:, 1::2]], dim=1).contiguous()
+    if name.endswith("mlp.experts.down_proj") and t.dim() == 3:
+        return t.transpose(1, 2).contiguous()
+    return t
 
 
 def _stack_experts(family: Family, experts: dict, source: str) -> dict[str, torch.Tensor]:

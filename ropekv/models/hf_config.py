@@ -47,6 +47,8 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
         if value is not None and value is not False:
             warnings.append(f"{name}={value!r} is ignored: transformers' {arch} implementation never reads it")
     config = _with_defaults(fam, _renamed(fam, config))
+    if fam.ntk_alpha:
+        config = _ntk_alpha(config, source, warnings)
 
     def need(name: str, kind: type = int) -> Any:
         if name not in config or config[name] is None:
@@ -129,7 +131,7 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
         sliding = optional_int("sliding_window", 1)
         if sliding is None:
             raise ConfigError(f"{source}: sliding_attention layers need a 'sliding_window'")
-    elif config.get("sliding_window") and fam.windows != "none" and fam.windows != "qwen2":
+    elif config.get("sliding_window") and fam.windows not in ("none", "qwen2", "qwen2_moe"):
         warnings.append(f"sliding_window={config['sliding_window']!r} is ignored: no layer of this {arch} config "
                         "is a sliding_attention layer")
 
@@ -197,6 +199,9 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
     moe = read_moe(fam.moe, config, num_layers, source) if fam.moe else None
     if fam.name == "deepseek_v2" and flag("norm_topk_prob"):
         warnings.append("norm_topk_prob=True is ignored: transformers' deepseek_v2 router never renormalizes")
+    if flag("use_bidirectional_attention"):  # gemma's embedding variants: not a causal decoder
+        raise ConfigError(f"{source}: use_bidirectional_attention is true: every query sees later tokens too, so "
+                          "no cached decode can match the full forward; ropekv checks causal decoders only")
     fields = dict(
         tie_word_embeddings=flag("tie_word_embeddings"), attention_bias=rule(fam.qkv_bias), o_bias=rule(fam.o_bias),
         mlp_bias=rule(fam.mlp_bias),
@@ -205,6 +210,7 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
         residual_scale=number(fam.residual_scale_key, 1.0) if fam.residual_scale_key else 1.0,
         **block,
         clip_qkv=number(fam.clip_qkv_key, None) if fam.clip_qkv_key else None,
+        attention_sinks=fam.sinks,
     )
     try:
         return cls(
@@ -317,7 +323,13 @@ def _with_defaults(fam: Family, config: Mapping[str, Any]) -> dict[str, Any]:
     A field present as null keeps its null (gemma2's ``attn_logit_softcapping: null`` means no cap)."""
     out = dict(config)
     for key, value in fam.defaults.items():
-        if key == "rope_parameters":  # a whole RoPE default (gemma3's per-layer-type thetas)
+        if key == "rope_parameters" and "rope_type" in value:
+            # A flat default scaling (gpt_oss's yarn): the config class sets it whenever the config names
+            # no scaling, and a legacy rope_theta is its theta.
+            if config.get("rope_parameters") is None and config.get("rope_scaling") is None:
+                theta = config.get("rope_theta", fam.defaults.get("rope_theta"))
+                out[key] = {**value, **({} if theta is None else {"rope_theta": theta})}
+        elif key == "rope_parameters":  # a whole RoPE default (gemma3's per-layer-type thetas)
             if not any(k in config for k in ("rope_parameters", "rope_scaling", "rope_theta", "rope_local_base_freq")):
                 out[key] = value
         elif key == "partial_rotary_factor":
@@ -326,6 +338,38 @@ def _with_defaults(fam: Family, config: Mapping[str, Any]) -> dict[str, Any]:
         elif key not in config:  # rope_theta too: a flat rope_parameters' own theta still wins
             out[key] = value
     return out
+
+
+def _ntk_alpha(config: Mapping[str, Any], source: str, warnings: list[str]) -> Mapping[str, Any]:
+    """hunyuan's RoPE: ``rope_type`` "dynamic" with a truthy ``alpha`` is NTK scaling by a fixed alpha,
+    ``base = rope_theta * alpha ** (head_dim / (head_dim - 2))`` over the whole head, independent of
+    the sequence length; any other field of that RoPE dict (``factor``, ``mscale``, ...) is never read.
+    Returned as the equivalent plain RoPE at that base, so every side computes the same frequencies;
+    without an alpha the config is left to be read as dynamic NTK."""
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = config.get(key)
+        if isinstance(rope, Mapping) and rope:
+            break
+    else:
+        return config
+    if rope.get("rope_type", rope.get("type")) != "dynamic" or not rope.get("alpha"):
+        return config
+    alpha, head_dim = rope["alpha"], config.get("head_dim")
+    if not (_is_real(alpha) and _finite(alpha) and alpha > 0):
+        raise ConfigError(f"{source}: field {key}.alpha must be a finite number > 0, got {alpha!r}")
+    if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 2:
+        raise ConfigError(f"{source}: hunyuan's NTK-alpha RoPE needs an integer 'head_dim' > 2 (transformers "
+                          f"reads config.head_dim), got {head_dim!r}")
+    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+    if not (_is_real(theta) and _finite(theta) and theta > 0):
+        raise ConfigError(f"{source}: field 'rope_theta' must be a finite number > 0, got {theta!r}")
+    unread = sorted(k for k in rope if k not in ("rope_type", "type", "alpha", "rope_theta"))
+    if unread:
+        warnings.append(f"{', '.join(key + '.' + k for k in unread)} ignored: transformers' hunyuan_v1_dense reads "
+                        "a dynamic RoPE with alpha as a fixed NTK base, rope_theta * alpha ** (d / (d - 2)), nothing else")
+    base = float(theta) * float(alpha) ** (head_dim / (head_dim - 2))
+    return {**config, "rope_parameters": {"rope_type": "default", "rope_theta": base}, "rope_scaling": None,
+            "rope_theta": base}
 
 
 def _partial_factor(config: Mapping[str, Any]) -> Any:
@@ -343,9 +387,14 @@ def _partial_factor(config: Mapping[str, Any]) -> Any:
 
 
 def _layer_types(fam: Family, config: Mapping[str, Any], num_layers: int, source: str, optional_int, flag) -> list[str]:
-    """Each layer's attention kind, as the architecture derives it when ``layer_types`` is absent."""
+    """Each layer's attention kind: ``layer_types`` where the architecture reads it, else derived from
+    the other fields exactly as its transformers 5 config class derives it (``Family.windows``)."""
     given = config.get("layer_types")
-    if given is not None:
+    if fam.windows in ("qwen2", "qwen2_moe", "smollm3") and given is not None and "sliding_attention" in given \
+            and not flag("use_sliding_window"):
+        raise ConfigError(f"{source}: layer_types names sliding_attention layers but use_sliding_window is false: "
+                          f"transformers' {fam.name} then keeps no window and cannot run them; set one of the two")
+    if given is not None and fam.windows != "qwen3_moe":  # qwen3_moe's modeling never reads layer_types
         from .config import LAYER_TYPES
 
         if not isinstance(given, list):
@@ -357,28 +406,37 @@ def _layer_types(fam: Family, config: Mapping[str, Any], num_layers: int, source
             raise ConfigError(f"{source}: unknown layer type(s) {bad[:5]}; supported: {', '.join(LAYER_TYPES)}")
         return list(given)
     if fam.windows == "llama4":  # Llama4TextConfig: chunked where the layer rotates, full on NoPE layers
-        flags = config.get("no_rope_layers")
-        if not flags:
-            interval = config.get("no_rope_layer_interval", 4)
-            flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
-        if not isinstance(flags, list) or len(flags) != num_layers:
-            raise ConfigError(f"{source}: field 'no_rope_layers' must list one 0/1 per layer")
+        flags = config.get("no_rope_layers") or None  # an empty list too takes the interval's default
+        flags = _no_rope_flags({**config, "no_rope_layers": flags}, num_layers, source)
         return ["chunked_attention" if f else "full_attention" for f in flags]
-    if fam.windows == "mistral":
-        sliding = optional_int("sliding_window", 1)
-        return ["sliding_attention" if sliding else "full_attention"] * num_layers
-    if fam.windows == "qwen3_moe":  # its config drops sliding_window unless use_sliding_window
-        sliding = optional_int("sliding_window", 1) if flag("use_sliding_window") else None
-        return ["sliding_attention" if sliding else "full_attention"] * num_layers
-    if fam.windows == "qwen2":
-        sliding = optional_int("sliding_window", 1) if flag("use_sliding_window") else None
+    window = optional_int("sliding_window", 1)
+    rule = fam.windows
+    if rule == "mistral":
+        return ["sliding_attention" if window else "full_attention"] * num_layers
+    if rule == "qwen3_moe":  # its config drops sliding_window unless use_sliding_window
+        return ["sliding_attention" if window and flag("use_sliding_window") else "full_attention"] * num_layers
+    if rule in ("qwen2", "qwen2_moe"):
+        use = flag("use_sliding_window")
         mwl = optional_int("max_window_layers", 0)
-        mwl = num_layers if mwl is None else mwl
-        return ["sliding_attention" if (sliding and i >= mwl) else "full_attention" for i in range(num_layers)]
-    if fam.windows == "layer_types" and config.get("sliding_window") and fam.name in (
-            "gemma2", "gemma3_text", "cohere2", "exaone4", "olmo3", "ministral"):
-        raise ConfigError(f"{source}: {fam.name} config with a sliding_window but no 'layer_types': ropekv reads "
-                          "the layer pattern only from layer_types (save the config with transformers 5)")
+        if mwl is None and use:
+            raise ConfigError(f"{source}: field 'max_window_layers' is null: transformers cannot derive the "
+                              "sliding layers from it")
+        if rule == "qwen2":
+            slides = [bool(use and window and i >= mwl) for i in range(num_layers)]
+        else:
+            slides = [bool(use and i < mwl and i % 2 == 0) for i in range(num_layers)]
+        return ["sliding_attention" if s else "full_attention" for s in slides]
+    if rule == "period":
+        period = config.get(fam.window_period_key, fam.window_period) if fam.window_period_key else fam.window_period
+        if not isinstance(period, int) or isinstance(period, bool) or period < 1:
+            raise ConfigError(f"{source}: {fam.name} config without 'layer_types' and {fam.window_period_key} = "
+                              f"{period!r}: transformers derives the layers only from an integer period >= 1 (a "
+                              "string pattern fails there); give layer_types")
+        return ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(num_layers)]
+    if rule == "smollm3":  # sliding iff use_sliding_window, a window, and a NoPE layer
+        nope = _no_rope_flags(config, num_layers, source)
+        use = flag("use_sliding_window") and window is not None
+        return ["sliding_attention" if use and not f else "full_attention" for f in nope]
     return ["full_attention"] * num_layers
 
 
@@ -398,6 +456,18 @@ def _text_config(config: Mapping[str, Any], source: str) -> tuple[dict[str, Any]
         notes.append("vision_config is not checked: ropekv checks the text model at text positions, where the "
                      "three mRoPE position streams are one (image and video tokens are outside the check)")
     return out, notes
+def _no_rope_flags(config: Mapping[str, Any], num_layers: int, source: str) -> list[int]:
+    """smollm3's ``no_rope_layers`` (1: the layer rotates), or its config class's default from
+    ``no_rope_layer_interval`` (every 4th layer NoPE)."""
+    flags = config.get("no_rope_layers")
+    if flags is None:
+        interval = config.get("no_rope_layer_interval", 4)
+        if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
+            raise ConfigError(f"{source}: field 'no_rope_layer_interval' must be an integer >= 1, got {interval!r}")
+        flags = [int((i + 1) % interval != 0) for i in range(num_layers)]
+    if not isinstance(flags, list) or len(flags) != num_layers:
+        raise ConfigError(f"{source}: field 'no_rope_layers' must list one 0/1 per layer")
+    return flags
 
 
 def _rope(config: Mapping[str, Any], layer_type: str | None, layout: str, fam: Family, source: str) -> RopeSpec:
@@ -423,12 +493,7 @@ def _layer_ropes(fam: Family, config: Mapping[str, Any], layer_types: list[str],
         per_type["sliding_attention"] = _rope(local, None, layout, fam, source)
     ropes: list[RopeSpec | None] = [per_type[t] for t in layer_types]
     if fam.rope_layers == "no_rope_layers":
-        flags = config.get("no_rope_layers")
-        if flags is None:
-            interval = config.get("no_rope_layer_interval", 4)
-            flags = [int((i + 1) % interval != 0) for i in range(len(layer_types))]
-        if not isinstance(flags, list) or len(flags) != len(layer_types):
-            raise ConfigError(f"{source}: field 'no_rope_layers' must list one 0/1 per layer")
+        flags = _no_rope_flags(config, len(layer_types), source)
         ropes = [r if f else None for r, f in zip(ropes, flags)]
     elif fam.rope_layers == "sliding_only" or (
             fam.rope_layers == "sliding_only_if_window" and config.get("sliding_window") is not None):

@@ -1,5 +1,5 @@
 """Mixture-of-experts MLPs as data: the router and the experts of mixtral, qwen2_moe, qwen3_moe, granitemoe,
-deepseek_v2, deepseek_v3, glm4_moe and llama4.
+deepseek_v2, deepseek_v3, glm4_moe, llama4 and gpt_oss.
 
 MoE changes nothing about RoPE or the cache, but a decoder that cannot run its MLP cannot be checked.
 :class:`MoeSpec` holds every number the MLP uses; both the float64 reference and the engine compute
@@ -12,7 +12,7 @@ Routers (transformers' ``*TopKRouter``):
 
 - ``softmax_topk`` (mixtral, qwen2_moe, qwen3_moe): softmax over all experts, keep the top k,
   renormalize them to sum 1 iff ``normalize``;
-- ``topk_softmax`` (granitemoe): top k router logits, softmax over those k;
+- ``topk_softmax`` (granitemoe, gpt_oss): top k router logits, softmax over those k;
 - ``sigmoid_group`` (deepseek_v3, glm4_moe): ``s = sigmoid(logits)``; choice scores ``s + bias``
   (``mlp.gate.e_score_correction_bias [E]``); the ``n_group`` groups ranked by the sum of their two
   best choice scores, the best ``topk_group`` kept; top k experts by choice score among those; weights
@@ -22,14 +22,21 @@ Routers (transformers' ``*TopKRouter``):
   never renormalized (deepseek_v2's router ignores ``norm_topk_prob``);
 - ``softmax_group_limited`` (deepseek_v2 ``group_limited_greedy``): groups ranked by their best
   softmax score, the best ``topk_group`` kept, the others' scores set to 0, then top k, times
-  ``routed_scaling_factor``.
-
-``shared_experts_size`` (deepseek, glm4_moe): an ungated shared MLP ``mlp.shared_experts.{gate,up,down}_proj``
-of intermediate size ``n_shared_experts * moe_intermediate_size``, added to the routed output.
+  ``routed_scaling_factor``;
 - ``topk_sigmoid_input`` (llama4's ``Llama4Router``): top k router logits, their sigmoid is each
   chosen expert's score, and the score multiplies the expert's *input* (``expert(h * score)``, not
   ``score * expert(h)``: the experts are not linear); a shared expert of ``shared_expert_size`` is
   added ungated (``shared_expert_gated=False``).
+
+``shared_experts_size`` (deepseek, glm4_moe): an ungated shared MLP ``mlp.shared_experts.{gate,up,down}_proj``
+of intermediate size ``n_shared_experts * moe_intermediate_size``, added to the routed output.
+
+gpt_oss adds biases (``gate.bias [E]``, ``experts.gate_up_proj_bias [E, 2 * I]``,
+``experts.down_proj_bias [E, hidden]``) and its experts' clamped SwiGLU instead of ``act(gate) * up``:
+``gate = min(gate, limit)``, ``up = clamp(up, -limit, limit)``, ``(up + 1) * gate * sigmoid(alpha * gate)``
+(``GptOssExperts._apply_gate``; ``hidden_act`` is not read). Its checkpoint stores gate and up
+interleaved and transposed; :func:`~ropekv.models.families.canonical_weights` maps them to the
+canonical gate-then-up rows.
 """
 
 from __future__ import annotations
@@ -61,6 +68,9 @@ class MoeSpec:
     shared_experts_size: int | None = None  # deepseek / glm4_moe: ungated shared experts of this size
     correction_bias: bool = False  # sigmoid_group: the router has e_score_correction_bias
     shared_expert_gated: bool = True  # qwen2_moe: times sigmoid(shared_expert_gate(h)); llama4: plain sum
+    bias: bool = False  # gpt_oss: router and expert projections carry biases
+    swiglu_limit: float | None = None  # gpt_oss: the clamped SwiGLU with this limit (None: act(gate) * up)
+    swiglu_alpha: float | None = None  # its sigmoid gain
 
     def __post_init__(self) -> None:
         if self.router not in ROUTERS:
@@ -91,6 +101,13 @@ class MoeSpec:
         if isinstance(self.routed_scale, bool) or not isinstance(self.routed_scale, (int, float)) \
                 or not math.isfinite(self.routed_scale):
             raise ConfigError(f"MoE routed_scaling_factor must be a finite number, got {self.routed_scale!r}")
+        if (self.swiglu_limit is None) != (self.swiglu_alpha is None):
+            raise ConfigError("MoE clamped SwiGLU needs both swiglu_limit and swiglu_alpha")
+        for name in ("swiglu_limit", "swiglu_alpha"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                                  or v <= 0):
+                raise ConfigError(f"MoE {name} must be a finite number > 0, got {v!r}")
 
     def to_dict(self) -> dict[str, Any]:
         d = {"router": self.router, "num_experts": self.num_experts, "top_k": self.top_k,
@@ -101,6 +118,8 @@ class MoeSpec:
                       "shared_experts_size": self.shared_experts_size, "correction_bias": self.correction_bias})
         if not self.shared_expert_gated:  # written only where it differs: earlier fingerprints stay
             d["shared_expert_gated"] = False
+        if self.bias or self.swiglu_limit is not None:  # gpt_oss; left out elsewhere (fingerprints unchanged)
+            d.update(bias=self.bias, swiglu_limit=self.swiglu_limit, swiglu_alpha=self.swiglu_alpha)
         return d
 
 
@@ -150,6 +169,16 @@ def read_moe(kind: str, config: Mapping[str, Any], num_layers: int, source: str)
     if kind == "granitemoe":
         return MoeSpec("topk_softmax", experts, top_k, integer("intermediate_size"), normalize=False,
                        sparse_layers=layers)
+    if kind == "gpt_oss":
+        def positive(name: str) -> float:
+            value = config.get(name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"{source}: field {name!r} must be a finite number > 0, got {value!r}")
+            return float(value)
+
+        return MoeSpec("topk_softmax", experts, top_k, integer("intermediate_size"), normalize=False,
+                       sparse_layers=layers, bias=True, swiglu_limit=positive("swiglu_limit"),
+                       swiglu_alpha=positive("swiglu_alpha"))
     raise ConfigError(f"{source}: unknown MoE kind {kind!r}")
 
 

@@ -12,8 +12,9 @@ family differs): token embedding times ``embedding_scale``; per layer
 (``s`` = ``residual_scale``; absent norm slots are the identity; ``parallel`` families add attention
 and MLP of the same input norm); the MLP is gated (``down(act(gate(h)) * up(h))``), plain
 (``down(act(up(h)))``) or a mixture of experts (:mod:`ropekv.models.moe`); q/k norms per head or
-over the whole projection, before RoPE; each layer turns with its own RoPE or none (NoPE); scores
-times ``attn_scale``, soft-capped where the family caps; final norm; lm_head, times
+over the whole projection, before RoPE (hunyuan: per head, after it); each layer turns with its own
+RoPE or none (NoPE); scores times ``attn_scale``, soft-capped where the family caps; learned sink logits in the softmax
+denominator where the model has them (gpt_oss); final norm; lm_head, times
 ``logits_scale``, soft-capped. Query head ``h`` reads key/value head ``h // (num_heads //
 num_kv_heads)`` (grouped-query attention).
 
@@ -119,10 +120,14 @@ class ReferenceDecoder:
                 # llama4 normalizes after RoPE, as here; the probes' raw q/k are the normalized ones before
                 # RoPE (what a raw-key cache holds), equal to these turned back since a rotation keeps norms.
                 q_rot, k_rot, q, k = _l2(q_rot, cfg), _l2(k_rot, cfg), _l2(q, cfg), _l2(k, cfg)
+            if cfg.qk_norm and fam.qk_norm == "head_after_rope":  # hunyuan: the kernel sees norm(R(p) x)
+                q_rot = self._norm(q_rot, p, "self_attn.q_norm")
+                k_rot = self._norm(k_rot, p, "self_attn.k_norm")
 
             attn = torch.empty(T, cfg.num_heads, v.shape[-1], dtype=self.dtype)
             kv_head = torch.arange(cfg.num_heads) // (cfg.num_heads // cfg.num_kv_heads)  # [H]
             k_heads, v_heads = k_rot[:, kv_head], v[:, kv_head]  # [T, H, D]: query head h reads KV head kv_head[h]
+            sinks = self._w[p + "self_attn.sinks"] if cfg.attention_sinks else None  # [H] learned logits
             block = self._query_block(T)
             for start in range(0, T, block):
                 stop = min(T, start + block)  # causal: no query of the block sees a key at or past `stop`
@@ -130,7 +135,7 @@ class ReferenceDecoder:
                                            windows[layer], sink_tokens, chunks[layer], positions)
                 if key_mask is not None:  # [block, stop] extra visibility (evicted keys)
                     scores = scores.masked_fill(~key_mask[start:stop, :stop][None], float("-inf"))
-                attn[start:stop] = self._attend(scores, v_heads[:stop])
+                attn[start:stop] = self._attend(scores, v_heads[:stop], sinks)
             attn_out = self._norm(self._linear(attn.reshape(T, -1), p + "self_attn.o_proj"), p, attn_out_norm)
             if cfg.parallel:  # attention and MLP both read the block input (through one norm, or each its own)
                 mlp_h = self._norm(hidden_in, p, mlp_in) if mlp_in is not None else h
@@ -260,17 +265,30 @@ class ReferenceDecoder:
         """Route each token ``h [T, hidden]`` to its top-k experts and sum their gated MLPs by weight
         (models/moe.py); token by token, expert by expert."""
         router_logits = h @ self._w[p + "mlp.gate.weight"].T  # [T, E]
+        if moe.bias:  # gpt_oss
+            router_logits = router_logits + self._w[p + "mlp.gate.bias"]
         weights, experts = self._route(router_logits, p, moe)  # [T, k] each
         gate_up, down = self._w[p + "mlp.experts.gate_up_proj"], self._w[p + "mlp.experts.down_proj"]
+        gate_up_b = self._w.get(p + "mlp.experts.gate_up_proj_bias")  # [E, 2I] (gpt_oss) or None
+        down_b = self._w.get(p + "mlp.experts.down_proj_bias")  # [E, hidden] or None
         out = torch.zeros_like(h)
         for t in range(h.shape[0]):
             for e, w in zip(experts[t].tolist(), weights[t]):
-                if moe.router == "topk_sigmoid_input":  # the score scales the expert's input
-                    gate, up = (gate_up[e] @ (w * h[t])).chunk(2)
-                    out[t] += down[e] @ (_activation(gate, self.config.hidden_act) * up)
+                scale_input = moe.router == "topk_sigmoid_input"  # llama4: the score scales the expert's input
+                gu = gate_up[e] @ (w * h[t] if scale_input else h[t])
+                if gate_up_b is not None:
+                    gu = gu + gate_up_b[e]
+                gate, up = gu.chunk(2)
+                if moe.swiglu_limit is not None:  # gpt_oss: clamp, then (up + 1) * gate * sigmoid(alpha * gate)
+                    gate = gate.clamp(max=moe.swiglu_limit)
+                    up = up.clamp(min=-moe.swiglu_limit, max=moe.swiglu_limit)
+                    mixed = (up + 1) * gate * torch.sigmoid(moe.swiglu_alpha * gate)
                 else:
-                    gate, up = (gate_up[e] @ h[t]).chunk(2)
-                    out[t] += w * (down[e] @ (_activation(gate, self.config.hidden_act) * up))
+                    mixed = _activation(gate, self.config.hidden_act) * up
+                y = down[e] @ mixed
+                if down_b is not None:
+                    y = y + down_b[e]
+                out[t] += y if scale_input else w * y
         if moe.shared_expert_size is not None:
             shared = self._dense_mlp(h, p + "mlp.shared_expert.")
             if moe.shared_expert_gated:
@@ -333,9 +351,17 @@ class ReferenceDecoder:
         mask = visible(rows, k_heads.shape[0], window, sinks, chunk, positions)
         return scores.masked_fill(~mask, float("-inf"))
 
-    def _attend(self, scores: torch.Tensor, v_heads: torch.Tensor) -> torch.Tensor:
-        """Softmax ``scores [H, R, T]`` over keys and mix ``v_heads [T, H, D]`` -> ``[R, H, D]``."""
-        return torch.einsum("hrt,thd->rhd", torch.softmax(scores, dim=-1), v_heads)
+    def _attend(self, scores: torch.Tensor, v_heads: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
+        """Softmax ``scores [H, R, T]`` over keys and mix ``v_heads [T, H, D]`` -> ``[R, H, D]``.
+
+        ``sinks [H]`` (gpt_oss): head ``h``'s learned logit is one more column of the softmax, dropped
+        after it, so the weights on the keys sum to ``1 - p_sink``."""
+        if sinks is None:
+            probs = torch.softmax(scores, dim=-1)
+        else:
+            sink = sinks[:, None, None].expand(scores.shape[0], scores.shape[1], 1)  # [H, R, 1]
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        return torch.einsum("hrt,thd->rhd", probs, v_heads)
 
     # ------------------------------------------------------------------ argument checks
 
