@@ -165,7 +165,7 @@ def test_config_field_of_the_wrong_type_or_range(ck, field, value):
 
 
 @pytest.mark.parametrize("arch,model_type", [("GPT2LMHeadModel", "gpt2"), ("MambaForCausalLM", "mamba"),
-                                             (None, "falcon")])
+                                             (None, "bloom")])
 def test_unknown_architecture(ck, arch, model_type):
     def change(c):
         c["model_type"] = model_type

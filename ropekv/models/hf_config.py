@@ -106,8 +106,9 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
     block: dict[str, Any] = {"parallel": rule(fam.parallel), "parallel_mlp_norm": fam.parallel_mlp_norm}
     if fam.heads_rule == "falcon":
         num_kv_heads, block = _falcon_layout(config, num_heads, source, flag)
+    kv_rule = "multi_query / new_decoder_architecture" if fam.heads_rule == "falcon" else "one KV head per query head"
     for key, used, why in (("head_dim", head_dim, "hidden_size // num_attention_heads"),
-                           ("num_key_value_heads", num_kv_heads, "its own KV head rule")):
+                           ("num_key_value_heads", num_kv_heads, kv_rule)):
         if config.get(key) not in (None, used):
             warnings.append(f"{key}={config[key]!r} is ignored: transformers' {arch} uses {used} ({why})")
     if fam.head_dim_key is None:  # what the RoPE reads below too
