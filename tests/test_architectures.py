@@ -11,6 +11,10 @@ norm offset, a partial rotary, a scale) measured 1e-2..1 when we tried.
 
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -183,14 +187,30 @@ def cases_for(cfg) -> list[Case]:
     return cases
 
 
+# The figures the sweep asserts on, per variant; written as JSON where ROPEKV_ARCH_FIGURES names a file
+# (scripts/findings/architecture_table.py renders docs/architectures.md's measured table from it).
+_FIGURES: dict[str, dict[str, float]] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _write_figures():
+    yield
+    out = os.environ.get("ROPEKV_ARCH_FIGURES")
+    if out and _FIGURES:
+        Path(out).write_text(json.dumps(_FIGURES, indent=1, sort_keys=True) + "\n")
+
+
 @pytest.mark.parametrize("arch,overrides", [v[1:] for v in VARIANTS], ids=[v[0] for v in VARIANTS])
-def test_reference_engine_and_hf_adapter_match_transformers(arch, overrides, make_arch_checkpoint, hf_model, tokens):
+def test_reference_engine_and_hf_adapter_match_transformers(arch, overrides, make_arch_checkpoint, hf_model, tokens,
+                                                            request):
+    figures = _FIGURES.setdefault(request.node.callspec.id, {"arch": arch})
     path = make_arch_checkpoint(arch, **overrides)
     ckpt = load_checkpoint(path)
     model = hf_model(path)
     with torch.no_grad():
         hf = model(tokens[None]).logits[0]  # [T, vocab] float32, transformers' own forward
     ref = ReferenceDecoder(ckpt).forward(tokens).logits  # [T, vocab] float64
+    figures["reference_vs_transformers"] = scaled(hf, ref)
     assert scaled(hf, ref) < TOL, f"reference vs transformers: {scaled(hf, ref):.2e}"
 
     # Length-dependent RoPE: rotated keys are refused, and chunks that cross LongRoPE's switch length
@@ -205,6 +225,7 @@ def test_reference_engine_and_hf_adapter_match_transformers(arch, overrides, mak
         engine.prefill("s", tokens[:PREFILL], chunk_size=None if dependent else CHUNK)
         for t in range(PREFILL, LENGTH):
             err = scaled(engine.decode("s", int(tokens[t])).logits[0], ref[t])
+            figures["engine_decode_vs_reference"] = max(err, figures.get("engine_decode_vs_reference", 0.0))
             assert err < TOL, f"{form} keys, decode at {t}: {err:.2e}"
 
     # The same model through the harness: transformers' cached path (HFEngine, attention recorded
@@ -216,15 +237,18 @@ def test_reference_engine_and_hf_adapter_match_transformers(arch, overrides, mak
         with pytest.raises(UsageError, match="computes attention inline"):
             HFEngine(model)
         report = check(native, cases=cases)
+        figures["check_attention_engine"] = max(c.max_attn_error for c in report.cases)
         assert report.passed and max(c.max_attn_error for c in report.cases) < TOL, report.table()
         return
     hf_engine = HFEngine(model)
-    for adapter in (hf_engine, native):
+    for adapter, key in ((hf_engine, "check_attention_hf"), (native, "check_attention_engine")):
         report = check(adapter, cases=cases)
+        figures[key] = max(c.max_attn_error for c in report.cases)
         assert report.passed, report.table()
         assert max(c.max_attn_error for c in report.cases) < TOL
         assert max(max(c.logit_errors) for c in report.cases) < TOL
     cross = cross_engine_parity(hf_engine, length=24)
+    figures["cross_engine"] = max(max(cross.attn), cross.logits)
     assert cross.passed and max(cross.attn) < TOL and cross.logits < TOL, cross.to_dict()
 
 
@@ -462,3 +486,12 @@ def test_gpt_oss_without_rope_parameters_reads_its_config_class_yarn():
     assert cfg == ModelConfig.from_hf_config(full)
     assert (cfg.rope.theta, cfg.rope.scaling.rope_type, cfg.rope.scaling.factor, cfg.rope.scaling.truncate) == (
         1e4, "yarn", 32.0, False)
+
+
+def test_a_prefix_hit_on_a_model_with_its_own_window_is_checked(make_arch_checkpoint):
+    """The default matrix's prefix-cache hit (P=13) on mistral with its own window 5: the earlier request
+    must not run past the prefix (its ring would overwrite slots the hit still needs, and the fork is
+    refused); before, `ropekv check DIR` stopped there with exit 2."""
+    ckpt = load_checkpoint(make_arch_checkpoint("mistral", sliding_window=W))
+    report = check(NativeAdapter(ckpt), cases=[Case(length=30, prefix=13, block_size=7)])
+    assert report.passed and report.cases[0].max_attn_error < TOL, report.table()

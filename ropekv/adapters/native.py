@@ -102,7 +102,7 @@ def prefill_case(engine: Engine, case: Case, tokens: torch.Tensor, seq_id: Hasha
     end = case.prefix + case.length
     if case.prefix:
         parent = tokens[: case.prefix]
-        if case.window is None:
+        if engine.contract.window is None:  # no ring (neither the case nor the model has a window)
             parent = torch.cat([parent, (tokens[:3] + 1) % engine.config.vocab_size])
         engine.prefill("earlier-request", parent, chunk_size=case.chunk)
         engine.fork(seq_id, "earlier-request", case.prefix)

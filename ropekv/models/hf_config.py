@@ -391,6 +391,8 @@ def _layer_types(fam: Family, config: Mapping[str, Any], num_layers: int, source
     """Each layer's attention kind: ``layer_types`` where the architecture reads it, else derived from
     the other fields exactly as its transformers 5 config class derives it (``Family.windows``)."""
     given = config.get("layer_types")
+    if given is not None and not isinstance(given, list):
+        raise ConfigError(f"{source}: field 'layer_types' must be a list")
     if fam.windows in ("qwen2", "qwen2_moe", "smollm3") and given is not None and "sliding_attention" in given \
             and not flag("use_sliding_window"):
         raise ConfigError(f"{source}: layer_types names sliding_attention layers but use_sliding_window is false: "
