@@ -34,7 +34,7 @@ from .transformer import DecoderWeights, after_rope, embed, final_logits, finish
 
 @dataclass(frozen=True, eq=False)
 class StepOutput:
-    logits: torch.Tensor  # [n, vocab] float32 (decode: n = 1)
+    logits: torch.Tensor  # [n, vocab] float32 (decode: n = 1; prefill: its last row; [R, vocab] of logits_rows)
     positions: torch.Tensor  # [n]
     layers: tuple[LayerProbe, ...] = ()  # per layer when probed (see _probe)
 
@@ -91,7 +91,7 @@ class Engine:
             step = chunk_size or tokens.numel()
             out = None
             for start in range(0, tokens.numel(), step):
-                out = self._step(seq_id, tokens[start:start + step], phase="prefill", probe=False)
+                out = self._step(seq_id, tokens[start:start + step], phase="prefill", probe=False, last_logits=True)
         except Exception:
             if created and self.cache.num_tokens(seq_id) == 0:
                 self.free(seq_id)
@@ -169,10 +169,14 @@ class Engine:
         self._op_facts[seq_id] = dataclasses.replace(
             facts, **{k: getattr(facts, k) + v for k, v in counts.items()})
 
-    def forward_full(self, tokens: torch.Tensor, *, probe_rows: list[int] | None = None) -> StepOutput:
-        """The engine's own cache-free forward over ``tokens [T]`` at positions ``0..T-1``."""
+    def forward_full(self, tokens: torch.Tensor, *, probe_rows: list[int] | None = None,
+                     logits_rows: list[int] | None = None) -> StepOutput:
+        """The engine's own cache-free forward over ``tokens [T]`` at positions ``0..T-1``. Logits
+        ``[T, vocab]``, or ``[R, vocab]`` of ``logits_rows`` only (a check compares a few rows: at
+        8,190 tokens all rows are 1.6 GB of float32 logits)."""
         tokens = self._check_tokens(tokens)
-        return self._run(tokens, torch.arange(tokens.numel()), None, phase="full", probe_rows=probe_rows)
+        return self._run(tokens, torch.arange(tokens.numel()), None, phase="full", probe_rows=probe_rows,
+                         logits_rows=logits_rows)
 
     # ------------------------------------------------------------------ internals
 
@@ -222,15 +226,16 @@ class Engine:
             raise UsageError(f"token ids must be in [0, {self.config.vocab_size})")
         return tokens.to(torch.int64)
 
-    def _step(self, seq_id, tokens: torch.Tensor, *, phase: str, probe: bool) -> StepOutput:
+    def _step(self, seq_id, tokens: torch.Tensor, *, phase: str, probe: bool, last_logits: bool = False) -> StepOutput:
         start = self.cache.last_position(seq_id) + 1
         positions = torch.arange(start, start + tokens.numel(), dtype=torch.int64)
         self._check_positions(int(positions[-1]))
         rows = list(range(tokens.numel())) if probe else None
-        return self._run(tokens, positions, seq_id, phase=phase, probe_rows=rows)
+        return self._run(tokens, positions, seq_id, phase=phase, probe_rows=rows,
+                         logits_rows=[tokens.numel() - 1] if last_logits else None)
 
     def _run(self, tokens: torch.Tensor, positions: torch.Tensor, seq_id, *, phase: str,
-             probe_rows: list[int] | None) -> StepOutput:
+             probe_rows: list[int] | None, logits_rows: list[int] | None = None) -> StepOutput:
         cfg, c, rot = self.config, self.contract, self.rotation
         n = tokens.numel()
         groups = self._step_groups(seq_id, positions, probe_rows is not None)
@@ -283,6 +288,8 @@ class Engine:
             h = finish_layer(cfg, lw, h, out)
         if seq_id is not None:
             self.cache.append(seq_id, positions, new_keys, new_values, key_form=c.key_form)
+        if logits_rows is not None:  # only the rows a caller reads ([R, hidden] -> [R, vocab] logits)
+            h = h[torch.as_tensor(logits_rows, dtype=torch.int64)]
         return StepOutput(final_logits(cfg, self.weights, h), positions, tuple(traces))
 
     def _step_groups(self, seq_id, positions: torch.Tensor, probed: bool) -> dict[LayerAttention, "_StepGroup"]:
@@ -330,7 +337,10 @@ class Engine:
         work = torch.float64 if self.dtype == torch.float64 else torch.float32
         buf = self._key_scratch
         if buf is None or buf.shape[0] < rows or buf.dtype != work:
-            buf = torch.empty((rows + rows // 4 + 16, c.num_kv_heads, c.head_dim), dtype=work, device=self.device)
+            # head-major like the pool ([KVH, rows, D] seen as [rows, KVH, D]): the attention
+            # matmuls read each head's rotated keys as one contiguous matrix
+            size = rows + rows // 4 + 16
+            buf = torch.empty((c.num_kv_heads, size, c.head_dim), dtype=work, device=self.device).transpose(0, 1)
             self._key_scratch = buf
         return buf
 

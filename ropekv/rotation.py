@@ -25,29 +25,35 @@ from .rope import RopeSpec, apply_rotation
 
 @dataclass(frozen=True, eq=False)
 class RopeTable:
-    """cos/sin of one positions tensor under one spec in one working dtype, expanded to ``heads``
-    (contiguous ``[T, heads, rotary_dim / 2]``: the elementwise passes over keys then run on plain
-    contiguous operands, about three times faster than broadcasting a ``[T, 1, n]`` table)."""
+    """cos/sin of one positions tensor under one spec in one working dtype (``[T, 1, rotary_dim / 2]``).
+
+    A key table (``heads > 0``, for a rotate-on-read backend turning a layer's cached keys) also
+    holds them head-major: ``cos_wide`` ``[1, T, 2n]`` (cos for both halves) and ``sin_heads``
+    ``[1, T, n]``, broadcast over the heads. The pool lays each KV head's keys out contiguously
+    (``ropekv.cache.paged``), so a key rotation is three passes, the first over whole contiguous
+    rows, and writes keys the attention matmuls read fastest."""
 
     rope: RopeSpec
     positions: torch.Tensor  # [T] int64
-    cos: torch.Tensor  # [T, heads or 1, rotary_dim / 2], rope.cos_sin rows cast to the working dtype
+    cos: torch.Tensor  # [T, 1, rotary_dim / 2], rope.cos_sin rows cast to the working dtype
     sin: torch.Tensor
     kernel: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None  # compiled neox_rotate
     heads: int = 0  # the KV heads a key table serves (0: a query table)
+    cos_wide: torch.Tensor | None = None  # [1, T, 2n] (key tables of the eager path)
+    sin_heads: torch.Tensor | None = None  # [1, T, n]
 
     def serves(self, rope: RopeSpec, positions: torch.Tensor, x: torch.Tensor) -> bool:
         """Whether this table is ``rope.cos_sin(positions)`` for ``x [T, heads, D]`` (the engine hands
         every layer the very ``positions`` tensor it built the table from)."""
         return (positions is self.positions and (rope is self.rope or rope == self.rope) and x.dim() == 3
-                and x.shape[0] == self.cos.shape[0] and self.cos.shape[1] in (x.shape[1], 1)
-                and self.heads in (0, x.shape[1])
+                and x.shape[0] == self.cos.shape[0] and self.heads in (0, x.shape[1])
                 and (x.dtype == self.cos.dtype or x.dtype in (torch.bfloat16, torch.float16)))
 
     def rotate(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``rope.rotate(x, positions)`` for ``x [T, heads, D]``, written into ``out`` when given (same
         shape, the working dtype; it must not overlap ``x``). Full-width neox rotary takes the lean
-        path below; other layouts and partial rotary take :func:`~ropekv.rope.apply_rotation`."""
+        path below (head-major for a key table); other layouts and partial rotary take
+        :func:`~ropekv.rope.apply_rotation`."""
         n = self.cos.shape[-1]
         work = self.cos.dtype
         if self.rope.layout != "neox" or x.shape[-1] != 2 * n:
@@ -56,7 +62,15 @@ class RopeTable:
         if x.dtype != work:
             x = x.to(work)
         if self.kernel is not None:  # one fused pass (torch.compile); ``out`` would only add a copy
-            return self.kernel(x, self.cos, self.sin)
+            return self.kernel(x.transpose(0, 1), self.cos.transpose(0, 1), self.sin.transpose(0, 1)).transpose(0, 1)
+        if self.cos_wide is not None:  # a key table: every operand seen head-major, [heads, T, .]
+            if out is None:  # head-major, as the pool
+                out = torch.empty((x.shape[1], x.shape[0], x.shape[2]), dtype=work, device=x.device).transpose(0, 1)
+            xh, oh = x.transpose(0, 1), out.transpose(0, 1)
+            torch.mul(xh, self.cos_wide, out=oh)  # [a * cos, b * cos]
+            oh[..., :n].addcmul_(xh[..., n:], self.sin_heads, value=-1.0)  # a * cos - b * sin
+            oh[..., n:].addcmul_(xh[..., :n], self.sin_heads)  # b * cos + a * sin
+            return out
         if out is None:
             out = torch.empty(x.shape, dtype=work, device=x.device)
         a, b = x[..., :n], x[..., n:]
@@ -97,15 +111,16 @@ class RopeTables:
             self._sin = sin.to(device=self.device, dtype=self.dtype)
         index = positions.to(self.device)
         cos, sin = self._cos.index_select(0, index)[:, None], self._sin.index_select(0, index)[:, None]
-        kernel = self._kernel if heads > 1 else None
-        if heads > 1 and kernel is None:  # eager passes run faster on plain contiguous operands
-            shape = (positions.numel(), heads, self._cos.shape[1])
-            cos, sin = cos.expand(shape).contiguous(), sin.expand(shape).contiguous()
-        return RopeTable(self.rope, positions, cos, sin, kernel, heads if heads > 1 else 0)
+        if heads <= 1:
+            return RopeTable(self.rope, positions, cos, sin)
+        if self._kernel is not None:
+            return RopeTable(self.rope, positions, cos, sin, self._kernel, heads)
+        cos_wide = torch.cat((cos, cos), dim=-1).transpose(0, 1)  # [1, T, 2n], broadcast over the heads
+        return RopeTable(self.rope, positions, cos, sin, None, heads, cos_wide, sin.transpose(0, 1))
 
 
 def neox_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Full-width neox rotation of ``x [T, heads, 2n]`` by ``cos/sin [T, 1 or heads, n]`` (the same
+    """Full-width neox rotation of ``x [heads, T, 2n]`` by ``cos/sin [1, T, n]`` (the same
     products, differences and sums as :func:`~ropekv.rope.apply_rotation`); what ``torch.compile``
     fuses into one pass for the key tables."""
     n = cos.shape[-1]

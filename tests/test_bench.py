@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import subprocess
 import sys
 
@@ -16,9 +17,10 @@ import pytest
 import torch
 
 from ropekv.attention import attend
-from ropekv.bench.run import GOALS
+from ropekv.bench.run import GOALS, measured_contexts
 from ropekv.cache.paged import PagedKVCache
 from ropekv.contract import CacheContract
+from ropekv.errors import UsageError
 from ropekv.rope import RopeScaling, RopeSpec
 from ropekv.rotation import RopeTables, StepContext, rotate
 from ropekv.transformer import rms_norm
@@ -87,6 +89,30 @@ def test_quick_bench_prints_a_table_and_a_plot(bench_run) -> None:
     proc, _, plot_path = bench_run
     assert "decode, one sequence" in proc.stdout and "goals" in proc.stdout
     assert plot_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_quick_bench_states_the_matvec_ceilings(bench_run) -> None:
+    """The two decode goals' ceilings are the matvec floor's own figures at the goal's context, over
+    transformers' tokens/s and over the bandwidth limit (recomputed here from the raw step times),
+    and the table prints them under the goals and the time each engine spends above the floor."""
+    proc, doc, _ = bench_run
+    ctx = doc["goal_contexts"]["decode_vs_transformers_1024"]
+    i = doc["contexts"].index(ctx)
+    floor = doc["weights_matvec_floor"]["runs"][i]["step_seconds"]
+    hf = doc["decode"]["transformers"]["runs"][i]["step_seconds"]
+    limit = doc["decode"]["ropekv"]["rotated"]["runs"][i]["bandwidth_limit_tokens_per_s"]
+    assert doc["ceilings"]["decode_vs_transformers_1024"] == pytest.approx(statistics.median(hf) / statistics.median(floor))
+    assert doc["ceilings"]["decode_fraction_of_bandwidth_limit_1024"] == pytest.approx(1 / statistics.median(floor) / limit)
+    assert f"ceiling of 'decode speed vs transformers' at context {ctx}" in proc.stdout
+    assert "time per step above the matvec floor" in proc.stdout
+
+
+def test_contexts_past_the_model_start_where_their_steps_still_fit() -> None:
+    assert measured_contexts([1024, 4096, 8192], 8192, 14) == [1024, 4096, 8178]
+    assert measured_contexts([8192, 9000], 8192, 14) == [8178]
+    assert measured_contexts([128], 8192, 14) == [128]
+    with pytest.raises(UsageError, match="no room"):
+        measured_contexts([16], 10, 14)
 
 
 # ---------------------------------------------------------------------- the hot paths the bench drove
@@ -287,3 +313,43 @@ def test_compiled_rotation_keeps_the_eager_step(tiny_llama_dir) -> None:
     for t in range(30, 40):
         torch.testing.assert_close(compiled.decode("s", int(tokens[t])).logits,
                                    eager.decode("s", int(tokens[t])).logits, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------- logits only where a check reads them
+
+
+def test_logits_of_the_rows_a_check_reads_are_those_rows_of_all_logits(tiny_llama_dir) -> None:
+    """A long check computes logits only at its probed rows (all rows of 8,190 tokens are GBs): the
+    reference's ``logits_for="probed"``, the engine's ``forward_full(logits_rows=)`` and a prefill's
+    last-row logits are those rows of the all-rows forward (to the rounding of a matmul over fewer rows)."""
+    from ropekv.engine import Engine
+    from ropekv.models import ReferenceDecoder, load_checkpoint
+
+    ckpt = load_checkpoint(str(tiny_llama_dir))
+    tokens = torch.arange(40) % ckpt.config.vocab_size
+    rows = [39, 7, 20]
+    ref = ReferenceDecoder(ckpt)
+    every, probed = ref.forward(tokens, probe_rows=rows), ref.forward(tokens, probe_rows=rows, logits_for="probed")
+    assert probed.probed_logits and not every.probed_logits and probed.logits.shape[0] == 3
+    torch.testing.assert_close(probed.logits, every.logits[rows], rtol=1e-12, atol=1e-12)
+    with pytest.raises(UsageError, match="logits_for"):
+        ref.forward(tokens, logits_for="probed")  # no probe rows to compute
+    contract = CacheContract.for_model(ckpt.config, key_form="rotated", block_size=8)
+    engine = Engine(ckpt, contract, num_blocks=16)
+    full = engine.forward_full(tokens)
+    torch.testing.assert_close(engine.forward_full(tokens, logits_rows=rows).logits, full.logits[rows],
+                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(engine.prefill("s", tokens), full.logits[-1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_check_reports_the_seconds_of_its_unavoidable_parts(tiny_llama_dir) -> None:
+    from ropekv.adapters.native import NativeAdapter
+    from ropekv.models import load_checkpoint
+    from ropekv.parity.harness import check
+
+    report = check(NativeAdapter(load_checkpoint(str(tiny_llama_dir))), lengths=[30], block_sizes=[8],
+                   prefix_offsets=[0], decode_steps=2)
+    parts = report.phase_seconds
+    assert set(parts) == {"float64_reference_forwards", "engine_full_forwards", "cached_runs"}
+    assert all(v > 0 for v in parts.values()) and sum(parts.values()) < report.seconds
+    assert report.to_dict()["phase_seconds"].keys() == parts.keys()

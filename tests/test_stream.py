@@ -168,7 +168,7 @@ def test_round_trip_is_exact(c, n, fragment):
     assert not isinstance(got, Exception), got
     assert_same_sequence(source, target)
     assert source.state_digest() == before  # the sender only read its pool
-    assert got.chunks == sent.chunks == len(chunk_plan(c, n, max(1, 64 // (2 * 8 * c.torch_dtype.itemsize))))
+    assert got.chunks == sent.chunks == len(chunk_plan(c, n, max(1, 64 // (8 * c.torch_dtype.itemsize))))  # rows of one head
     if not fragment and not c.window_layers:
         assert got.in_place_chunks == got.chunks  # straight into the pool, no staging copy
 
@@ -177,7 +177,7 @@ def test_chunks_land_straight_in_the_pool_rows_the_sequence_owns():
     c = contract()
     source, target = filled(c, 10), PagedKVCache(c, 8)
     _, got = transfer(source, target, chunk_bytes=4 << 20)
-    assert got.in_place_chunks == got.chunks == 2 * c.num_layers  # one chunk per tensor
+    assert got.in_place_chunks == got.chunks == 2 * c.num_layers * c.num_kv_heads  # one chunk per head
     assert target.block_table("s") == (0, 1, 2)
     assert torch.equal(target.keys[1][:3].reshape(12, 2, 8)[:10], source.view("s", 1).keys)
 

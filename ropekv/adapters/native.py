@@ -91,8 +91,8 @@ class NativeAdapter:
 
     def full_forward(self, tokens: torch.Tensor, rows: list[int], case: Case) -> FullRun:
         engine = self.make_engine(case, num_blocks=1)
-        out = engine.forward_full(tokens, probe_rows=rows)
-        return FullRun(rows=torch.as_tensor(rows), logits=out.logits[rows], layers=out.layers)
+        out = engine.forward_full(tokens, probe_rows=rows, logits_rows=rows)
+        return FullRun(rows=torch.as_tensor(rows), logits=out.logits, layers=out.layers)
 
 
 def prefill_case(engine: Engine, case: Case, tokens: torch.Tensor, seq_id: Hashable) -> None:

@@ -169,7 +169,7 @@ def _chunk_bytes(cache, count: int) -> list[int]:
     from ..transfer.stream import DEFAULT_CHUNK_BYTES, chunk_plan
 
     c = cache.contract
-    row = c.num_kv_heads * c.head_dim * c.torch_dtype.itemsize
+    row = c.head_dim * c.torch_dtype.itemsize  # one row of one KV head (stream.chunk_plan)
     plan = chunk_plan(c, cache.num_tokens("source"), max(1, DEFAULT_CHUNK_BYTES // row))
     assert len(plan) == count
     return [(ch.stop - ch.start) * row for ch in plan]

@@ -45,7 +45,9 @@ GOALS: dict[str, tuple[str, float | None, int | None]] = {
     "decode_vs_transformers_1024": (">=", 1.5, 1024),
     "decode_fraction_of_bandwidth_limit_1024": (">=", 0.6, 1024),
     "cache_bytes_over_ideal": ("<=", None, None),  # target: 5% over ideal plus one partly filled block
-    "sweep_over_longest_prefill": ("<=", 3.0, None),
+    # restated (issue 16): was "check s / one prefill of its longest case <= 3", below its own floor
+    # (the longest case's float64 reference forward alone is ~2 prefills); docs/performance.md
+    "check_over_its_parts": ("<=", 1.5, None),
     "naive_over_sweep": (">=", 3.0, None),
 }
 # name -> (what the figure says, as a user reads it; what the ratio divides)
@@ -56,7 +58,8 @@ GOAL_LABELS: dict[str, tuple[str, str]] = {
     "decode_fraction_of_bandwidth_limit_1024": ("decode speed vs the memory-bandwidth limit",
                                                 "tokens/s / limit"),
     "cache_bytes_over_ideal": ("KV cache memory vs the ideal", "bytes held / ideal"),
-    "sweep_over_longest_prefill": ("parity check vs one prefill of its longest case", "check s / prefill s"),
+    "check_over_its_parts": ("parity check vs its unavoidable parts",
+                             "check s / (reference + full + cached s)"),
     "naive_over_sweep": ("shared full forwards: what they save", "naive check s / check s"),
 }
 # key form -> the backend that honours it (ropekv.attention.backend_for), the name figures are keyed by
@@ -102,6 +105,16 @@ class BenchSettings:
         return s
 
 
+def measured_contexts(asked: list[int], positions: int, room: int) -> list[int]:
+    """The contexts a run measures: each asked one, but one whose ``room`` decode steps would pass the
+    model's last position (8,192 on the default model) starts them ``room`` earlier, at the latest
+    context that fits; the table and JSON name the context measured."""
+    last = positions - room
+    if last < 1:
+        raise UsageError(f"the model's {positions} positions leave no room for {room} decode steps")
+    return sorted({min(c, last) for c in asked if c >= 1})
+
+
 def run_bench(settings: BenchSettings, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     from ..models import load_checkpoint
     from ..parity.cases import token_stream
@@ -127,10 +140,13 @@ def run_bench(settings: BenchSettings, progress: Callable[[str], None] | None = 
     checkpoint = load_checkpoint(settings.model)
     cfg = checkpoint.config
     room = settings.warmup + settings.steps
-    contexts = [c for c in settings.contexts if 1 <= c and c + room <= cfg.max_position_embeddings]
-    if not contexts:
-        raise UsageError(f"no context in {settings.contexts} fits the model's {cfg.max_position_embeddings} positions")
+    contexts = measured_contexts(settings.contexts, cfg.max_position_embeddings, room)
+    for c in settings.contexts:
+        if c not in contexts:
+            say(f"context {c}: the model has {cfg.max_position_embeddings} positions, so its {room} steps "
+                f"start at {max(contexts)}")
     doc["contexts"] = contexts
+    doc["contexts_asked"] = list(settings.contexts)
     doc["model"] = {"name": cfg.name, "architecture": cfg.architecture, "fingerprint": checkpoint.fingerprint,
                     "source": checkpoint.source, "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads,
                     "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size, "dtype": settings.dtype}
@@ -213,6 +229,7 @@ def run_bench(settings: BenchSettings, progress: Callable[[str], None] | None = 
         seconds["handoff"] = time.perf_counter() - t0
 
     goals, contexts_used = _goals(doc, decode, hf)
+    doc["ceilings"] = _ceilings(doc, decode, hf)
     doc["goals"] = goals
     doc["goal_contexts"] = contexts_used
     doc["goal_targets"] = {name: _target(name, doc) for name in GOALS}
@@ -312,14 +329,27 @@ def _goals(doc: dict[str, Any], decode: dict[str, Any], hf: dict[str, Any] | Non
     raw4 = next(x for x in raw if x["context"] == r4["context"])
     used["rotate_on_read_over_rotated_4096"] = r4["context"]
     goals["rotate_on_read_over_rotated_4096"] = raw4["median_step_seconds"] / r4["median_step_seconds"]
-    goals["sweep_over_longest_prefill"] = doc["sweep"]["sweep_over_longest_prefill"]
+    goals["check_over_its_parts"] = doc["sweep"]["check_over_its_parts"]
     goals["naive_over_sweep"] = doc["sweep"]["naive_over_sweep"]
     goals["handoff_over_bare_sendrecv"] = doc["handoff"]["handoff_over_bare_sendrecv"]
     goals["cache_bytes_over_ideal"] = doc["memory"]["cache"]["held_over_ideal"]
-    for name in ("sweep_over_longest_prefill", "naive_over_sweep", "handoff_over_bare_sendrecv",
+    for name in ("check_over_its_parts", "naive_over_sweep", "handoff_over_bare_sendrecv",
                  "cache_bytes_over_ideal"):
         used[name] = None
     return goals, used
+
+
+def _ceilings(doc: dict[str, Any], decode: dict[str, Any], hf: dict[str, Any] | None) -> dict[str, float | None]:
+    """The best any engine running the step's weight matvecs with these kernels could reach on the two
+    decode goals, at their context: the matvec floor's own tokens/s over transformers', and over the
+    bandwidth limit. A goal above its ceiling cannot be met without other matvec kernels (or dtype)."""
+    floor_runs = doc["weights_matvec_floor"]["runs"]
+    rot = decode["rotated"]["runs"]
+    r = _nearest(rot, 1024)
+    i = rot.index(r)
+    f = floor_runs[i]
+    return {"decode_vs_transformers_1024": f["tokens_per_s"] / hf["runs"][i]["tokens_per_s"] if hf else None,
+            "decode_fraction_of_bandwidth_limit_1024": f["tokens_per_s"] / r["bandwidth_limit_tokens_per_s"]}
 
 
 def _target(name: str, doc: dict[str, Any]) -> dict[str, Any]:
@@ -375,10 +405,24 @@ def format_table(doc: dict[str, Any]) -> str:
             f"{b['median_step_seconds'] / a['median_step_seconds']:.2f}x",
         ])
     lines += _grid(header, rows)
+    lines += ["", "time per step above the matvec floor (ms: median step minus the floor's median step; "
+                  "norms, rotations, attention, the MLP's elementwise ops, dispatch)"]
+    rows = []
+    for i, (a, b) in enumerate(zip(rot, ror)):
+        f = floor[i]["median_step_seconds"]
+        h = hf[i] if hf else None
+        rows.append([str(a["context"]), f"{1000 * (a['median_step_seconds'] - f):.1f}",
+                     f"{1000 * (b['median_step_seconds'] - f):.1f}",
+                     f"{1000 * (h['median_step_seconds'] - f):.1f}" if h else "-", f"{1000 * f:.1f}"])
+    lines += _grid(["context", "rotated", "rotate_on_read", "transformers", "floor step"], rows)
     s = doc["sweep"]
     lines += ["", f"parity sweep ({s['num_cases']} cases, {'passed' if s['check_passed'] else 'FAILED'}): "
                   f"check {s['check_seconds']:.1f} s; one cached prefill of its longest case ({s['longest_case']}) "
                   f"{s['longest_prefill_seconds']:.2f} s -> {s['sweep_over_longest_prefill']:.2f}x"]
+    parts = s["check_phase_seconds"]
+    lines.append(f"  of the check: float64 reference forwards {parts['float64_reference_forwards']:.1f} s, engine full "
+                 f"forwards {parts['engine_full_forwards']:.1f} s, cached runs {parts['cached_runs']:.1f} s -> check / "
+                 f"its parts {s['check_over_its_parts']:.2f}x")
     if s.get("longest_case_components_seconds"):
         lines.append("  its longest case alone: " + ", ".join(
             f"{k.replace('_', ' ')} {v:.1f} s" for k, v in s["longest_case_components_seconds"].items()))
@@ -415,8 +459,25 @@ def format_table(doc: dict[str, Any]) -> str:
         rows.append([label, ratio, "-" if value is None else f"{value:.3f}", f"{t['op']} {t['value']:.3g}",
                      {True: "met", False: "MISSED", None: "n/a"}[met], _goal_context(name, ctx, doc)])
     lines += _grid(["goal", "ratio", "value", "target", "verdict", "taken at"], rows)
+    lines += _ceiling_lines(doc)
     lines += ["", "seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in doc["seconds"].items())]
     return "\n".join(lines)
+
+
+def _ceiling_lines(doc: dict[str, Any]) -> list[str]:
+    """Under the goals: the most the two decode goals can reach with these matvec kernels."""
+    c = doc.get("ceilings") or {}
+    ctx = doc["goal_contexts"].get("decode_vs_transformers_1024")
+    out = []
+    for name, what in (("decode_vs_transformers_1024", "decode speed vs transformers"),
+                       ("decode_fraction_of_bandwidth_limit_1024", "decode speed vs the memory-bandwidth limit")):
+        if c.get(name) is None:
+            continue
+        target = GOALS[name][1]
+        verdict = "so the target cannot be met with these kernels" if c[name] < target else "room left"
+        out.append(f"ceiling of '{what}' at context {ctx}: {c[name]:.3f} (the matvec floor alone, nothing else "
+                   f"in the step; target {target:g}): {verdict}")
+    return [""] + out if out else []
 
 
 def _goal_context(name: str, context: int | None, doc: dict[str, Any]) -> str:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Literal, Sequence
 
 import torch
 
@@ -41,8 +41,9 @@ _QUERY_BLOCK = 256  # queries per attention block: bounds memory at [H, block, T
 
 @dataclass(frozen=True, eq=False)
 class ReferenceOutput:
-    logits: torch.Tensor  # [T, vocab] in the decoder's dtype
+    logits: torch.Tensor  # [T, vocab] in the decoder's dtype; [R, vocab] of the probed rows under logits="probed"
     rows: torch.Tensor | None = None  # [R] the probed positions, when probe_rows was given
+    probed_logits: bool = False  # logits holds the probed rows only, in probe_rows order
     layers: tuple[LayerProbe, ...] = ()  # one per layer when probe_rows was given, else empty
 
 
@@ -69,6 +70,7 @@ class ReferenceDecoder:
         sink_tokens: int = 0,
         positions: torch.Tensor | Sequence[int] | None = None,
         key_mask: torch.Tensor | None = None,
+        logits_for: Literal["all", "probed"] = "all",
     ) -> ReferenceOutput:
         """Logits ``[T, vocab]`` for ``tokens [T]`` at positions ``0..T-1``, plus per-layer probes.
 
@@ -83,6 +85,9 @@ class ReferenceDecoder:
         mask stays by token order, and ``rows`` in the output are then the probed tokens' positions)
         and ``key_mask [T, T]`` (bool, False hides key ``j`` from query ``i`` on top of the causal and
         window mask: evicted keys for the rows after an eviction).
+
+        ``logits_for="probed"`` (with ``probe_rows``) computes the logits of the probed rows only: a check
+        compares a few rows, and all rows of an 8,190-token forward are 3.2 GB of float64 logits.
         """
         cfg = self.config
         tokens = self._check_tokens(tokens)
@@ -150,15 +155,21 @@ class ReferenceDecoder:
                     q=q_rot[rows].clone(), k=k_rot, key_positions=positions, hidden_in=hidden_in[rows].clone(),
                     q_raw=q[rows].clone(), k_raw=k, v=v))
 
+        if logits_for not in ("all", "probed") or (logits_for == "probed" and rows is None):
+            raise UsageError(f"logits_for must be 'all', or 'probed' with probe_rows; got {logits_for!r}")
+        logits_of_rows = logits_for == "probed"
+        if logits_of_rows:
+            x = x[rows]  # [R, hidden]
         x = self._norm(x, "", fam.final_norm)
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        logits = x @ self._w[head].T  # [T, vocab]
+        logits = x @ self._w[head].T  # [T or R, vocab]
         if "lm_head.bias" in self._w:  # phi, gptj
             logits = logits + self._w["lm_head.bias"]
         logits = logits * cfg.logits_scale
         if cfg.final_softcap is not None:
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
-        return ReferenceOutput(logits=logits, rows=None if rows is None else positions[rows], layers=tuple(probes))
+        return ReferenceOutput(logits=logits, rows=None if rows is None else positions[rows], layers=tuple(probes),
+                               probed_logits=logits_of_rows)
 
     def next_token(self, tokens: torch.Tensor | Sequence[int]) -> int:
         """Greedy next token after ``tokens`` (argmax of the last row of the logits)."""

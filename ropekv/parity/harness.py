@@ -80,7 +80,10 @@ def check(engine: EngineAdapter, *, lengths: list[int] | None = None,
             bar.describe(f"case {n + 1}/{len(cases)} {case.label()}: cached run")
             t0 = time.perf_counter()
             ignored = check_ignored(adapter, case, adapter.ignored(case))
-            run = check_case_run(adapter, tier, cfg, case, adapter.run_case(case, tokens))
+            r0 = time.perf_counter()
+            raw_run = adapter.run_case(case, tokens)
+            refs.seconds["cached_runs"] += time.perf_counter() - r0
+            run = check_case_run(adapter, tier, cfg, case, raw_run)
             bar.advance(case.total)
             ref_rows = [refs.reference_row(case, s.position) for s in run.steps]
             self_rows = [refs.self_row(case, s.position) for s in run.steps]
@@ -135,6 +138,7 @@ def check(engine: EngineAdapter, *, lengths: list[int] | None = None,
         engine=adapter.describe(), reference=reference, tier=tier.value, limits=tier_limits(tier, results),
         tolerances={"reference": tol_ref.to_dict(), "self": tol_self.to_dict()},
         cases=tuple(results), diagnosis=diagnosis, seconds=time.perf_counter() - started, seed=seed,
+        phase_seconds=dict(refs.seconds),
         provenance=provenance(f"ropekv.check({adapter.name!r}, {len(cases)} cases, seed={seed}, reference={reference!r})"))
 
 
@@ -222,6 +226,7 @@ class _References:
         self.cfg = adapter.checkpoint.config
         self.per_position = self.cfg.rope.length_dependent
         self.bar = None
+        self.seconds = {"float64_reference_forwards": 0.0, "engine_full_forwards": 0.0, "cached_runs": 0.0}
         self._rows: dict[tuple, list[int]] = {}
         self._cases: dict[tuple, Case] = {}
         for c in cases:
@@ -255,7 +260,9 @@ class _References:
             if key not in self._ref:
                 if self.bar:
                     self.bar.describe(f"float64 reference forward for {case.op.label()}")
+                t0 = time.perf_counter()
                 self._ref[key] = ops.own_reference(self.decoder, case, self.tokens)
+                self.seconds["float64_reference_forwards"] += time.perf_counter() - t0
                 if self.bar:
                     self.bar.advance(max(case.decode_positions) + 1 - case.shift)
             out = self._ref[key]
@@ -267,8 +274,10 @@ class _References:
             if self.bar:
                 self.bar.describe(f"float64 reference forward over {n} tokens")
             window = "model" if case.window is None else case.window
+            t0 = time.perf_counter()
             self._ref[key] = self.decoder.forward(self.tokens[:n], probe_rows=rows, window=window,
-                                                  sink_tokens=case.sink_tokens)
+                                                  sink_tokens=case.sink_tokens, logits_for="probed")
+            self.seconds["float64_reference_forwards"] += time.perf_counter() - t0
             if self.bar:
                 self.bar.advance(n)
         out = self._ref[key]
@@ -276,8 +285,8 @@ class _References:
 
     def reference_row(self, case: Case, t: int) -> RefRow:
         out, i = self.reference_output(case, t)
-        return ops.hide_evicted(case, _row(out.layers, out.rows, i, NextToken(out.logits[t - case.shift]), case,
-                                           self.cfg))
+        logits = out.logits[i] if out.probed_logits else out.logits[t - case.shift]
+        return ops.hide_evicted(case, _row(out.layers, out.rows, i, NextToken(logits), case, self.cfg))
 
     def self_row(self, case: Case, t: int) -> RefRow:
         if ops.self_from_reference(case):
@@ -295,7 +304,9 @@ class _References:
             if self.bar:
                 self.bar.describe(f"engine full forward over {n} tokens")
             group_case = self._cases[self._group(case)]
+            t0 = time.perf_counter()
             run = self.adapter.full_forward(self.tokens[:n], rows, group_case)
+            self.seconds["engine_full_forwards"] += time.perf_counter() - t0
             self._self[key] = check_full_run(self.adapter, self.tier, self.cfg, group_case, rows, n, run)
             if self.bar:
                 self.bar.advance(n)

@@ -112,6 +112,9 @@ class ParityReport:
     tier: str = "forensics"  # the tier the engine ran at (ropekv.parity.protocol.Tier)
     limits: str = ""  # what that tier cannot conclude
     provenance: dict[str, Any] = field(default_factory=dict)  # versions, machine, call, time (see provenance())
+    # wall seconds of the check's unavoidable parts: float64 reference forwards, the engine's own
+    # full forwards (self-parity) and the cached runs; the rest of ``seconds`` is the harness itself
+    phase_seconds: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -130,6 +133,7 @@ class ParityReport:
             "diagnosis": None if self.diagnosis is None else {
                 "kind": self.diagnosis.kind, "evidence": self.diagnosis.evidence, "details": self.diagnosis.details},
             "provenance": self.provenance,
+            "phase_seconds": {k: round(v, 3) for k, v in self.phase_seconds.items()},
         }
 
     def to_json(self, indent: int | None = 2) -> str:

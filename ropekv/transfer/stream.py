@@ -7,8 +7,8 @@ Wire protocol, per sequence, over a :class:`~ropekv.transfer.handshake.Channel` 
    contract, ``seq_id``, ``num_tokens``, ``json_bytes``, ``chunk_rows``, ``hash`` and one ``xxh3_64``
    checksum per chunk, and the sha256 (32 bytes) covers everything before it.
 2. receiver -> sender: ``{"step": "go"}``, or a refusal (the same message as 4.) having reserved nothing.
-3. sender -> receiver: the chunks, each a ``[rows, KVH * D]`` run of one layer's keys or values
-   (:func:`chunk_plan`), sent as views of the pool wherever its rows are consecutive.
+3. sender -> receiver: the chunks, each a ``[rows, D]`` run of one KV head of one layer's keys or
+   values (:func:`chunk_plan`), sent as views of the (head-major) pool wherever its rows are consecutive.
 4. receiver -> sender: ``{"step": "ack", "ok": true}`` or ``{"ok": false, "error_class", "message", "fields"}``.
 
 The sender hashes every chunk before the header that carries the checksums goes out (xxh3: about
@@ -31,7 +31,7 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-from ..cache.paged import PagedKVCache, Reservation, pool_rows
+from ..cache.paged import PagedKVCache, Reservation, head_rows, pool_rows
 from ..contract import CacheContract
 from ..errors import ALL_ERRORS, ContractMismatch, PayloadError, RopeKVError, TransportError, UsageError
 from .handshake import Channel, Posted
@@ -39,7 +39,7 @@ from .importer import ImportPolicy, all_positions, plan_import
 from .payload import MAX_TOKENS, _contract, _is_int, window_rows
 
 FORMAT = "ropekv.stream"
-VERSION = 1
+VERSION = 2  # 2: a chunk is a run of one KV head's rows (the pool is head-major); 1 sent [rows, KVH * D]
 KIND_STREAM = 3  # a frame kind of its own (handshake.py: 1 JSON, 2 payload)
 HASH = "xxh3_64"
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -50,25 +50,28 @@ _ERRORS = {cls.__name__: cls for cls in ALL_ERRORS}
 
 @dataclass(frozen=True)
 class Chunk:
-    """Rows ``[start, stop)`` of one layer's keys (``part == 0``) or values (``part == 1``)."""
+    """Rows ``[start, stop)`` of KV head ``head`` of one layer's keys (``part == 0``) or values (``part == 1``)."""
 
     layer: int
     part: int
+    head: int
     start: int
     stop: int
 
     def label(self) -> str:
-        return f"layer {self.layer} {('keys', 'values')[self.part]} rows {self.start}..{self.stop}"
+        return f"layer {self.layer} {('keys', 'values')[self.part]} head {self.head} rows {self.start}..{self.stop}"
 
 
 def chunk_plan(c: CacheContract, num_tokens: int, chunk_rows: int) -> list[Chunk]:
-    """Chunks in wire order: for each layer its keys, then its values, ``chunk_rows`` rows at a time.
+    """Chunks in wire order: for each layer its keys, then its values, each KV head in turn,
+    ``chunk_rows`` rows (of ``D`` values) at a time: one head's rows lie contiguously in the pool.
     A windowed layer carries only the rows its ring holds (``window_rows``), as the payload does."""
     out = []
     for layer in range(c.num_layers):
         rows = len(window_rows(num_tokens, c.window, c.sink_tokens)) if layer in c.window_layers else num_tokens
         for part in (0, 1):
-            out += [Chunk(layer, part, a, min(rows, a + chunk_rows)) for a in range(0, rows, chunk_rows)]
+            for head in range(c.num_kv_heads):
+                out += [Chunk(layer, part, head, a, min(rows, a + chunk_rows)) for a in range(0, rows, chunk_rows)]
     return out
 
 
@@ -198,7 +201,7 @@ def send_sequence(channel: Channel, peer: int, cache: PagedKVCache, seq_id: Hash
     tokens = torch.as_tensor(tokens)
     if tokens.dim() != 1 or tokens.numel() != n or tokens.is_floating_point() or n == 0:
         raise UsageError(f"stream of {seq_id!r}: tokens must be 1-D integer ids, one per cached token ({n})")
-    row_bytes = c.num_kv_heads * c.head_dim * c.torch_dtype.itemsize
+    row_bytes = c.head_dim * c.torch_dtype.itemsize  # one row of one KV head
     chunk_rows = max(1, chunk_bytes // row_bytes)
     plan = chunk_plan(c, n, chunk_rows)
     data = [_sender_rows(cache, seq_id, ch) for ch in plan]  # views of the pool where rows are consecutive
@@ -228,8 +231,8 @@ def send_sequence(channel: Channel, peer: int, cache: PagedKVCache, seq_id: Hash
 
 
 def _sender_rows(cache: PagedKVCache, seq_id: Hashable, ch: Chunk) -> torch.Tensor:
-    """The chunk's rows ``[rows, KVH * D]``: a view of the pool when they are consecutive, else a copy."""
-    pool = pool_rows((cache.keys, cache.values)[ch.part][ch.layer])
+    """The chunk's rows ``[rows, D]``: a view of the pool when they are consecutive, else a copy."""
+    pool = head_rows((cache.keys, cache.values)[ch.part][ch.layer])[ch.head]  # [pool rows, D], contiguous
     return _rows(pool, cache.flat_rows(seq_id, ch.layer)[ch.start:ch.stop]).cpu()
 
 
@@ -315,13 +318,13 @@ def _receive_chunks(channel: Channel, peer: int, cache: PagedKVCache, res: Reser
     first failure (the rest is still received, so the stream stays in step), or None."""
     c = cache.contract
     plan = header.plan()
-    width = c.num_kv_heads * c.head_dim
+    width = c.head_dim
     pending: deque[tuple[int, Posted, torch.Tensor, torch.Tensor | None]] = deque()
     failure: PayloadError | None = None
 
     def post(i: int) -> None:
         ch = plan[i]
-        pool = pool_rows((cache.keys, cache.values)[ch.part][ch.layer])
+        pool = head_rows((cache.keys, cache.values)[ch.part][ch.layer])[ch.head]  # [pool rows, D]
         flat = cache.reserved_rows(res, ch.layer)[ch.start:ch.stop]
         first, count = int(flat[0]), flat.numel()
         if pool.device.type == "cpu" and _consecutive(flat):
@@ -341,7 +344,7 @@ def _receive_chunks(channel: Channel, peer: int, cache: PagedKVCache, res: Reser
         if failure is None:
             failure = _check_chunk(i, plan[i], dest, header)
         if failure is None and scatter is not None:
-            pool = pool_rows((cache.keys, cache.values)[plan[i].part][plan[i].layer])
+            pool = head_rows((cache.keys, cache.values)[plan[i].part][plan[i].layer])[plan[i].head]
             pool.index_copy_(0, scatter, dest.to(pool.device))
     return failure
 
@@ -366,14 +369,14 @@ def _finish(cache: PagedKVCache, res: Reservation, header: StreamHeader, convers
     rope = c.rope
     touches_keys = conversion is not None or type(policy).imported_keys is not ImportPolicy.imported_keys
     for layer in range(c.num_layers if touches_keys else 0):
-        pool = pool_rows(cache.keys[layer])
+        pool = pool_rows(cache.keys[layer])  # [pool rows, KVH, D]
         flat = cache.reserved_rows(res, layer)
         pos = header.layer_positions(layer)
-        k = pool.index_select(0, flat).view(-1, c.num_kv_heads, c.head_dim)  # [rows, KVH, D]
+        k = pool.index_select(0, flat)  # [rows, KVH, D]
         turned = rope.rotate(k, pos) if conversion == "rotate" else rope.unrotate(k, pos) if conversion else k
         turned = policy.imported_keys(rope, turned, pos)
         if turned is not k:
-            pool.index_copy_(0, flat, turned.to(pool.dtype).reshape(-1, pool.shape[1]))
+            pool.index_copy_(0, flat, turned.to(pool.dtype))
     try:
         cache.commit(res, header.positions.to(cache.device))
     except RopeKVError as exc:
