@@ -103,7 +103,7 @@ def run_part(model: str | None, part: str, length: int, decode_steps: int) -> fl
         if part == "float64_reference_forward":
             reference = ReferenceDecoder(checkpoint, dtype=torch.float64)
             t0 = time.perf_counter()
-            reference.forward(tokens[: case.total], probe_rows=rows)
+            reference.forward(tokens[: case.total], probe_rows=rows, logits_for="probed")  # as the check runs it
         elif part == "engine_full_forward":
             t0 = time.perf_counter()
             adapter.full_forward(tokens[: case.total], rows, case)

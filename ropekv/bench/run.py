@@ -45,8 +45,10 @@ GOALS: dict[str, tuple[str, float | None, int | None]] = {
     "decode_vs_transformers_1024": (">=", 1.5, 1024),
     "decode_fraction_of_bandwidth_limit_1024": (">=", 0.6, 1024),
     "cache_bytes_over_ideal": ("<=", None, None),  # target: 5% over ideal plus one partly filled block
-    # restated (issue 16): was "check s / one prefill of its longest case <= 3", below its own floor
-    # (the longest case's float64 reference forward alone is ~2 prefills); docs/performance.md
+    # issue 7's goal, kept under its JSON name: below its own floor (the longest case alone needs its
+    # float64 reference forward, ~2 prefills, its full forward and its cached run: ~4 prefills)
+    "sweep_over_longest_prefill": ("<=", 3.0, None),
+    # what a user waits for beyond those parts (issue 16's restatement); docs/performance.md
     "check_over_its_parts": ("<=", 1.5, None),
     "naive_over_sweep": (">=", 3.0, None),
 }
@@ -58,6 +60,8 @@ GOAL_LABELS: dict[str, tuple[str, str]] = {
     "decode_fraction_of_bandwidth_limit_1024": ("decode speed vs the memory-bandwidth limit",
                                                 "tokens/s / limit"),
     "cache_bytes_over_ideal": ("KV cache memory vs the ideal", "bytes held / ideal"),
+    "sweep_over_longest_prefill": ("parity check vs one prefill of its longest case",
+                                   "check s / prefill s"),
     "check_over_its_parts": ("parity check vs its unavoidable parts",
                              "check s / (reference + full + cached s)"),
     "naive_over_sweep": ("shared full forwards: what they save", "naive check s / check s"),
@@ -329,12 +333,13 @@ def _goals(doc: dict[str, Any], decode: dict[str, Any], hf: dict[str, Any] | Non
     raw4 = next(x for x in raw if x["context"] == r4["context"])
     used["rotate_on_read_over_rotated_4096"] = r4["context"]
     goals["rotate_on_read_over_rotated_4096"] = raw4["median_step_seconds"] / r4["median_step_seconds"]
+    goals["sweep_over_longest_prefill"] = doc["sweep"]["sweep_over_longest_prefill"]
     goals["check_over_its_parts"] = doc["sweep"]["check_over_its_parts"]
     goals["naive_over_sweep"] = doc["sweep"]["naive_over_sweep"]
     goals["handoff_over_bare_sendrecv"] = doc["handoff"]["handoff_over_bare_sendrecv"]
     goals["cache_bytes_over_ideal"] = doc["memory"]["cache"]["held_over_ideal"]
-    for name in ("check_over_its_parts", "naive_over_sweep", "handoff_over_bare_sendrecv",
-                 "cache_bytes_over_ideal"):
+    for name in ("sweep_over_longest_prefill", "check_over_its_parts", "naive_over_sweep",
+                 "handoff_over_bare_sendrecv", "cache_bytes_over_ideal"):
         used[name] = None
     return goals, used
 
