@@ -27,11 +27,11 @@ from hypothesis import strategies as st
 from ropekv.errors import ConfigError
 from ropekv.rope import RopeScaling, RopeSpec, layout_permutation
 
-transformers = pytest.importorskip("transformers")
-from transformers import LlamaConfig  # noqa: E402
-from transformers import modeling_rope_utils  # noqa: E402
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # noqa: E402
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding  # noqa: E402
+import transformers  # a test dependency (scripts/setup.sh): missing, the suite fails
+from transformers import LlamaConfig
+from transformers import modeling_rope_utils
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 transformers.logging.set_verbosity_error()  # HF warns about unusual but valid random configs
 
