@@ -466,24 +466,22 @@ class HFEngine:
 
     def _decoder_layers(self) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
         """The decoder layers and their attention modules, where the architecture's description says
-        they are (``Family.layers_prefix`` / ``attn_module``; llama's names for an undescribed one); a
-        multimodal model's text layers under ``model.language_model`` (Qwen2-VL)."""
+        they are (``Family.hf_layers`` or ``layers_prefix``, and ``attn_module``; llama's names for an
+        undescribed one)."""
         config = self.model.config
         name = family_of(list(getattr(config, "architectures", None) or []), getattr(config, "model_type", None))
         fam = FAMILIES.get(name) if name is not None else None
-        where, attn_name = (fam.layers_prefix, fam.attn_module) if fam else ("model.layers", "self_attn")
+        where, attn_name = ((fam.hf_layers or fam.layers_prefix, fam.attn_module) if fam
+                            else ("model.layers", "self_attn"))
         self._attention_method = fam.hf_attention_method if fam else None
         if fam is not None and fam.hf_attention_inline:
             raise UsageError(f"{type(self.model).__name__}: transformers' {fam.name} computes attention inline (no "
                              "attention interface, no attention method), so the transformers adapter cannot record "
                              "it; check the checkpoint with ropekv's engine (ropekv check DIR)")
-        layers = None
-        for path in (where, "model.language_model.layers"):
-            try:
-                layers = self.model.get_submodule(path)
-                break
-            except AttributeError:
-                continue
+        try:
+            layers = self.model.get_submodule(where)
+        except AttributeError:
+            layers = None
         if layers is None or not all(hasattr(l, attn_name) for l in layers):
             raise UsageError(f"{type(self.model).__name__}: expected decoder layers {where} with a {attn_name} module")
         return list(layers), [getattr(l, attn_name) for l in layers]

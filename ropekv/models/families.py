@@ -120,8 +120,6 @@ class Family:
     # not dynamic NTK (HunYuanDenseV1RotaryEmbedding's ntk_alpha); hf_config._ntk_alpha reads it.
     ntk_alpha: bool = False
     dense_size_key: str = "intermediate_size"  # the dense MLP's size (llama4: intermediate_size_mlp)
-    # llama4 stores experts as [E, hidden, 2I] / [E, I, hidden]: transposed to the canonical layout
-    experts_transposed: bool = False
     # llama4's attention temperature tuning on NoPE layers (attn_temperature_tuning, floor_scale, attn_scale)
     attn_temperature: bool = False
     mrope: bool = False  # Qwen2-VL: rope_parameters.mrope_section (RopeSpec.mrope_section)
@@ -129,6 +127,9 @@ class Family:
     # Whole-name prefixes: renamed (a live multimodal model's "model.language_model." -> "model.") or
     # dropped (the vision tower, which ropekv does not check: docs/architectures.md).
     prefixes: Mapping[str, str] = field(default_factory=dict)
+    # where a live transformers model holds its decoder layers, where not at layers_prefix (Qwen2-VL's
+    # image-text class: model.language_model.layers); the transformers adapter reads it
+    hf_layers: str | None = None
     dropped_prefixes: tuple[str, ...] = ()
     embedding_scale: Literal["none", "sqrt_hidden", "embedding_multiplier"] = "none"
     residual_scale_key: str | None = None  # granite: residual_multiplier
@@ -160,9 +161,10 @@ class Family:
     # stacked into the canonical experts.gate_up_proj / experts.down_proj (models/moe.py).
     experts: tuple[str, tuple[str, str, str]] | None = None
     # Stacked expert tensors as stored: "rows" is the canonical [E, 2I, hidden] gate-then-up /
-    # [E, hidden, I]; "gpt_oss" stores them transposed ([E, hidden, 2I] / [E, I, hidden]) with gate and
-    # up interleaved (gate = [..., 0::2], up = [..., 1::2]), biases likewise interleaved.
-    experts_layout: Literal["rows", "gpt_oss"] = "rows"
+    # [E, hidden, I]; "transposed" (llama4) stores [E, hidden, 2I] / [E, I, hidden]; "gpt_oss" stores
+    # them transposed with gate and up interleaved (gate = [..., 0::2], up = [..., 1::2]), biases
+    # likewise interleaved.
+    experts_layout: Literal["rows", "transposed", "gpt_oss"] = "rows"
 
 
 _LLAMA_BIAS = dict(qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias")
@@ -422,7 +424,7 @@ FAMILIES.update({f.name: f for f in (
     Family("llama4_text", ("Llama4ForCausalLM",), layout="gptj", rope_layers="no_rope_layers", qk_norm="l2",
            qk_norm_flag="use_qk_norm",
            qkv_bias="attention_bias", o_bias="attention_bias", windows="llama4", moe="llama4",
-           dense_size_key="intermediate_size_mlp", experts_transposed=True, attn_temperature=True,
+           dense_size_key="intermediate_size_mlp", experts_layout="transposed", attn_temperature=True,
            names={**_LLAMA4_NAMES, "mlp.gate": "feed_forward.router"},
            defaults={"rope_theta": 500000.0, "attention_chunk_size": 8192, "use_qk_norm": True,
                      "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1,
@@ -431,6 +433,7 @@ FAMILIES.update({f.name: f for f in (
 )})
 
 _QWEN2_VL = dict(qkv_bias=True, windows="qwen2", mrope=True, text_config=True, head_dim_key=None,
+                hf_layers="model.language_model.layers",
                 prefixes={"model.language_model.": "model."}, dropped_prefixes=("visual.", "model.visual."),
                 defaults={"rope_theta": 1000000.0})
 
@@ -511,7 +514,7 @@ def canonical_weights(config, weights: Mapping[str, torch.Tensor], source: str) 
             heads.setdefault((prefix, f"{family.stacked[group]}.{last}"), {})[int(index)] = tensor
             continue
         stem, _, suffix = rest.rpartition(".")
-        if family.experts_transposed and renamed.get(stem, stem) == "mlp.experts" and tensor.dim() == 3:
+        if family.experts_layout == "transposed" and renamed.get(stem, stem) == "mlp.experts" and tensor.dim() == 3:
             tensor = tensor.transpose(1, 2)  # [E, hidden, 2I] -> [E, 2I, hidden]; [E, I, hidden] -> [E, hidden, I]
         if stem in family.fused:
             parts, sizes = family.fused[stem], split_sizes[stem]

@@ -409,8 +409,7 @@ def _layer_types(fam: Family, config: Mapping[str, Any], num_layers: int, source
             raise ConfigError(f"{source}: unknown layer type(s) {bad[:5]}; supported: {', '.join(LAYER_TYPES)}")
         return list(given)
     if fam.windows == "llama4":  # Llama4TextConfig: chunked where the layer rotates, full on NoPE layers
-        flags = config.get("no_rope_layers") or None  # an empty list too takes the interval's default
-        flags = _no_rope_flags({**config, "no_rope_layers": flags}, num_layers, source)
+        flags = _no_rope_flags(config, num_layers, source, empty_is_default=True)
         return ["chunked_attention" if f else "full_attention" for f in flags]
     window = optional_int("sliding_window", 1)
     rule = fam.windows
@@ -459,11 +458,12 @@ def _text_config(config: Mapping[str, Any], source: str) -> tuple[dict[str, Any]
         notes.append("vision_config is not checked: ropekv checks the text model at text positions, where the "
                      "three mRoPE position streams are one (image and video tokens are outside the check)")
     return out, notes
-def _no_rope_flags(config: Mapping[str, Any], num_layers: int, source: str) -> list[int]:
-    """smollm3's ``no_rope_layers`` (1: the layer rotates), or its config class's default from
-    ``no_rope_layer_interval`` (every 4th layer NoPE)."""
+def _no_rope_flags(config: Mapping[str, Any], num_layers: int, source: str, *,
+                   empty_is_default: bool = False) -> list[int]:
+    """``no_rope_layers`` (1: the layer rotates; smollm3, llama4), or the config class's default from
+    ``no_rope_layer_interval`` (every 4th layer NoPE) where absent (llama4's config class: or empty)."""
     flags = config.get("no_rope_layers")
-    if flags is None:
+    if flags is None or (empty_is_default and flags == []):
         interval = config.get("no_rope_layer_interval", 4)
         if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
             raise ConfigError(f"{source}: field 'no_rope_layer_interval' must be an integer >= 1, got {interval!r}")

@@ -93,6 +93,8 @@ class ReferenceDecoder:
         tokens = self._check_tokens(tokens)
         T = tokens.shape[0]
         rows = None if probe_rows is None else self._check_rows(probe_rows, T)
+        if logits_for not in ("all", "probed") or (logits_for == "probed" and rows is None):  # before any work
+            raise UsageError(f"logits_for must be 'all', or 'probed' with probe_rows; got {logits_for!r}")
         windows = self._layer_windows(window)
         chunks = [self.config.layer_chunk(i) if window == "model" else None for i in range(cfg.num_layers)]
         if not isinstance(sink_tokens, int) or isinstance(sink_tokens, bool) or sink_tokens < 0:
@@ -155,8 +157,6 @@ class ReferenceDecoder:
                     q=q_rot[rows].clone(), k=k_rot, key_positions=positions, hidden_in=hidden_in[rows].clone(),
                     q_raw=q[rows].clone(), k_raw=k, v=v))
 
-        if logits_for not in ("all", "probed") or (logits_for == "probed" and rows is None):
-            raise UsageError(f"logits_for must be 'all', or 'probed' with probe_rows; got {logits_for!r}")
         logits_of_rows = logits_for == "probed"
         if logits_of_rows:
             x = x[rows]  # [R, hidden]
