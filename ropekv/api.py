@@ -16,16 +16,44 @@ from .parity.protocol import EngineAdapter
 from .parity.report import ParityReport
 
 
-def check(engine: EngineAdapter | Checkpoint, *, lengths: list[int] | None = None,
-          block_sizes: list[int] | None = None, prefix_offsets: list[int] | None = None, window: int | None = None,
-          sink_tokens: int = 0, chunk: int | None = None, decode_steps: int | None = None, dtype: str | None = None,
-          reference: str = "float64", key_form: str | None = None, backend: str | None = None, seed: int = 0,
-          cases: list[Case] | None = None, progress: bool | str = False,
-          tolerance: Tolerance | None = None) -> ParityReport:
+def check(
+    engine: EngineAdapter | Checkpoint,
+    *,
+    lengths: list[int] | None = None,
+    block_sizes: list[int] | None = None,
+    prefix_offsets: list[int] | None = None,
+    window: int | None = None,
+    sink_tokens: int = 0,
+    chunk: int | None = None,
+    decode_steps: int | None = None,
+    dtype: str | None = None,
+    reference: str = "float64",
+    key_form: str | None = None,
+    backend: str | None = None,
+    seed: int = 0,
+    cases: list[Case] | None = None,
+    progress: bool | str = False,
+    tolerance: Tolerance | None = None,
+) -> ParityReport:
     """:func:`ropekv.parity.harness.check` on ``engine``; a :class:`Checkpoint` runs on ropekv's own
     engine with ``key_form`` (default rotated), ``backend`` and ``dtype`` (default float32)."""
     if isinstance(engine, Checkpoint):
         engine = NativeAdapter(engine, key_form=key_form or "rotated", backend=backend, dtype=dtype or "float32")
-    return _check(engine, lengths=lengths, block_sizes=block_sizes, prefix_offsets=prefix_offsets, window=window,
-                  sink_tokens=sink_tokens, chunk=chunk, decode_steps=decode_steps, dtype=dtype, reference=reference,
-                  key_form=key_form, backend=backend, seed=seed, cases=cases, progress=progress, tolerance=tolerance)
+    return _check(
+        engine,
+        lengths=lengths,
+        block_sizes=block_sizes,
+        prefix_offsets=prefix_offsets,
+        window=window,
+        sink_tokens=sink_tokens,
+        chunk=chunk,
+        decode_steps=decode_steps,
+        dtype=dtype,
+        reference=reference,
+        key_form=key_form,
+        backend=backend,
+        seed=seed,
+        cases=cases,
+        progress=progress,
+        tolerance=tolerance,
+    )

@@ -12,7 +12,7 @@ from .errors import UsageError
 class RaisingParser(argparse.ArgumentParser):
     """argparse that raises UsageError instead of exiting, so usage errors share the one-line path."""
 
-    def error(self, message: str):  # noqa: D401
+    def error(self, message: str):
         raise UsageError(f"{self.prog}: {message}")
 
 
@@ -46,5 +46,9 @@ def positive_int(text: str) -> int:
 
 
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", nargs="?", default=None,
-                        help="a transformers directory or a .gguf file (default: the embedded SmolLM2-135M)")
+    parser.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="a transformers directory or a .gguf file (default: the embedded SmolLM2-135M)",
+    )

@@ -2,7 +2,7 @@
 
 A KV cache can hold keys *rotated* (``R(j) k_j``, what HF transformers, vLLM and llama.cpp store) or
 *raw* (``k_j`` after ``k_proj``/``k_norm``; the attention kernel rotates on read, FlashInfer-style).
-Both are right; mixing them is the bug (docs/contract.md, ROPE_KV_PRIMER.md section 4). A
+Both are right; mixing them is the bug (docs/contract.md). A
 :class:`CacheContract` records the form and everything else that decides what a cached key means, so
 that an append, an import or a prefill->decode handoff can refuse keys written under another
 convention (:meth:`CacheContract.require_compatible`) instead of silently computing wrong attention.
@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 
+from .attention_kind import LayerAttention
 from .errors import ConfigError, ContractMismatch
 from .rope import RopeSpec
 
@@ -28,7 +29,6 @@ KeyForm = Literal["raw", "rotated"]  # closed sets are types; the tuples follow 
 RotationIndex = Literal["logical", "cache"]
 MlaForm = Literal["expanded", "latent"]
 MLA_FORMS: tuple[str, ...] = get_args(MlaForm)
-AttentionKindName = Literal["full", "sliding", "chunked"]
 KEY_FORMS: tuple[str, ...] = get_args(KeyForm)
 ROTATION_INDICES: tuple[str, ...] = get_args(RotationIndex)
 DTYPES: dict[str, torch.dtype] = {
@@ -90,8 +90,7 @@ _CONSEQUENCES: dict[str, str] = {
         "position-free channels would turn, or the rope part would not"
     ),
     "mla": (
-        "one side is multi-head latent attention and the other is not: cache rows would be read as another "
-        "kind of key"
+        "one side is multi-head latent attention and the other is not: cache rows would be read as another kind of key"
     ),
     "mla.cached": (
         "one side caches MLA's compressed latent plus the rope part, the other expanded per-head keys and "
@@ -143,7 +142,7 @@ class MlaCache:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @classmethod
-    def from_dict(cls, data: Any) -> "MlaCache":
+    def from_dict(cls, data: Any) -> MlaCache:
         names = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(data, dict) or set(data) != names:
             raise ConfigError(f"cache contract JSON: mla must be an object with exactly {sorted(names)}")
@@ -157,35 +156,6 @@ class FieldDiff:
     field: str
     ours: Any
     theirs: Any
-
-
-@dataclass(frozen=True)
-class LayerAttention:
-    """Which keys one layer's queries see: ``full`` (every earlier key), ``sliding`` (the last ``size``
-    keys, the query's own included: HF's ``i - W < j <= i``) or ``chunked`` (llama4's
-    ``attention_chunk_size``: a query at position ``p`` sees the keys at positions
-    ``[floor(p / size) * size, p]``, its own chunk). Written ``full``, ``sliding(W=5)``, ``chunked(C=8)``."""
-
-    kind: AttentionKindName
-    size: int | None = None
-
-    def __post_init__(self) -> None:
-        if self.kind not in get_args(AttentionKindName):
-            raise ConfigError(f"attention kind must be one of {get_args(AttentionKindName)}, got {self.kind!r}")
-        if (self.kind == "full") != (self.size is None):
-            raise ConfigError(f"attention kind {self.kind!r} with size {self.size!r}: full attention has no size, "
-                              "sliding and chunked attention need one")
-
-    @property
-    def window(self) -> int | None:
-        return self.size if self.kind == "sliding" else None
-
-    @property
-    def chunk(self) -> int | None:
-        return self.size if self.kind == "chunked" else None
-
-    def __str__(self) -> str:
-        return "full" if self.kind == "full" else f"{self.kind}({'W' if self.kind == 'sliding' else 'C'}={self.size})"
 
 
 def key_form_consequence(stored: str, reader: str) -> str:
@@ -205,10 +175,12 @@ def consequence(diff: FieldDiff) -> str:
         return key_form_consequence(stored=diff.theirs, reader=diff.ours)
     field = diff.field
     if field.startswith("layers."):  # layers.{i}.rope...: the same consequence, on that layer
-        layer, _, field = field[len("layers."):].partition(".")
+        layer, _, field = field[len("layers.") :].partition(".")
         if field == "rope":
-            return (f"layer {layer} has no position embedding (NoPE) on one side and turns its keys on the "
-                    "other: its keys would be rotated where they must not be, or never rotated")
+            return (
+                f"layer {layer} has no position embedding (NoPE) on one side and turns its keys on the "
+                "other: its keys would be rotated where they must not be, or never rotated"
+            )
         return f"on layer {layer}: " + consequence(FieldDiff(field, diff.ours, diff.theirs))
     if field.startswith("rope.scaling."):
         return _CONSEQUENCES["rope.scaling"]
@@ -282,8 +254,13 @@ class CacheContract:
                 "contract: rotation_index='cache' needs key_form='raw'; a rotated key's index is fixed when it "
                 "is written and cannot follow the cache index as tokens are evicted without re-rotating it"
             )
-        for name, low in (("num_layers", 1), ("num_kv_heads", 1), ("head_dim", 1), ("block_size", 1),
-                          ("sink_tokens", 0)):
+        for name, low in (
+            ("num_layers", 1),
+            ("num_kv_heads", 1),
+            ("head_dim", 1),
+            ("block_size", 1),
+            ("sink_tokens", 0),
+        ):
             _check_int(name, getattr(self, name), low)
         if self.head_dim != self.rope.head_dim:
             raise ConfigError(f"contract head_dim {self.head_dim} != rope.head_dim {self.rope.head_dim}")
@@ -295,8 +272,10 @@ class CacheContract:
         self._check_layers("chunk_size", "chunk_layers")
         both = sorted(set(self.window_layers) & set(self.chunk_layers))
         if both:
-            raise ConfigError(f"contract layer(s) {both} are both sliding (window_layers) and chunked (chunk_layers): "
-                              "a layer has one attention kind")
+            raise ConfigError(
+                f"contract layer(s) {both} are both sliding (window_layers) and chunked (chunk_layers): "
+                "a layer has one attention kind"
+            )
         if self.sink_tokens > 0 and self.window is None:
             raise ConfigError(f"contract sink_tokens={self.sink_tokens} needs a window (sinks are what a window keeps)")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
@@ -307,11 +286,15 @@ class CacheContract:
             object.__setattr__(self, "layer_ropes", tuple(self.layer_ropes))
         if self.layer_ropes is not None:
             if not isinstance(self.layer_ropes, tuple) or len(self.layer_ropes) != self.num_layers:
-                raise ConfigError(f"contract layer_ropes must hold one RoPE spec (or None) per layer "
-                                  f"({self.num_layers}), got {self.layer_ropes!r}")
+                raise ConfigError(
+                    f"contract layer_ropes must hold one RoPE spec (or None) per layer "
+                    f"({self.num_layers}), got {self.layer_ropes!r}"
+                )
             for i, spec in enumerate(self.layer_ropes):
                 if spec is not None and not isinstance(spec, RopeSpec):
-                    raise ConfigError(f"contract layer_ropes[{i}] must be a RopeSpec or None, got {type(spec).__name__}")
+                    raise ConfigError(
+                        f"contract layer_ropes[{i}] must be a RopeSpec or None, got {type(spec).__name__}"
+                    )
                 if spec is not None and spec.head_dim != self.head_dim:
                     raise ConfigError(f"contract layer_ropes[{i}].head_dim {spec.head_dim} != head_dim {self.head_dim}")
             if all(spec == self.rope for spec in self.layer_ropes):
@@ -326,14 +309,18 @@ class CacheContract:
             raise ConfigError(f"contract mla must be an MlaCache or None, got {type(m).__name__}")
         offset, row = m.row()
         if self.head_dim != row or (m.cached == "latent" and self.num_kv_heads != 1):
-            raise ConfigError(f"contract mla.cached={m.cached!r} holds rows of {row} channels"
-                              f"{' in one head' if m.cached == 'latent' else ''}, got head_dim {self.head_dim}, "
-                              f"num_kv_heads {self.num_kv_heads}")
+            raise ConfigError(
+                f"contract mla.cached={m.cached!r} holds rows of {row} channels"
+                f"{' in one head' if m.cached == 'latent' else ''}, got head_dim {self.head_dim}, "
+                f"num_kv_heads {self.num_kv_heads}"
+            )
         for i in range(self.num_layers):
             spec = self.layer_rope(i)
             if spec is None or spec.rotary_offset != offset or spec.rotary_dim != m.qk_rope_head_dim:
-                raise ConfigError(f"contract mla.cached={m.cached!r}: layer {i} must rotate exactly the rope part, "
-                                  f"channels {offset}..{row - 1}")
+                raise ConfigError(
+                    f"contract mla.cached={m.cached!r}: layer {i} must rotate exactly the rope part, "
+                    f"channels {offset}..{row - 1}"
+                )
 
     def _check_layers(self, size_name: str, layers_name: str) -> None:
         """``layers_name`` is a sorted tuple of layer indices, non-empty exactly when ``size_name`` is set."""
@@ -383,7 +370,7 @@ class CacheContract:
         rotation_index: str = "logical",
         model_fingerprint: str = "",
         mla_form: MlaForm = "expanded",
-    ) -> "CacheContract":
+    ) -> CacheContract:
         """The contract for ``config``. ``window="model"``: the config's sliding and chunked layers with
         their window and chunk size; an int: that window on every layer (and no chunks); None: full
         attention on every layer. The kernel rotates iff keys are raw. ``mla_form`` (MLA models only):
@@ -400,8 +387,13 @@ class CacheContract:
             layers, size = tuple(range(config.num_layers)), window
         else:
             raise ConfigError(f"window must be 'model', an int or None, got {window!r}")
-        rope, layer_ropes, kv_heads, head_dim, mla = (config.rope, config.layer_ropes, config.num_kv_heads,
-                                                      config.head_dim, None)
+        rope, layer_ropes, kv_heads, head_dim, mla = (
+            config.rope,
+            config.layer_ropes,
+            config.num_kv_heads,
+            config.head_dim,
+            None,
+        )
         m = getattr(config, "mla", None)
         if m is not None:
             mla = MlaCache(mla_form, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim, m.kv_lora_rank)
@@ -410,6 +402,7 @@ class CacheContract:
 
             def row(spec: RopeSpec | None) -> RopeSpec | None:
                 return None if spec is None else spec.replace(head_dim=head_dim, rotary_offset=offset)
+
             rope = row(rope)
             layer_ropes = None if layer_ropes is None else tuple(row(r) for r in layer_ropes)
         return cls(
@@ -431,10 +424,10 @@ class CacheContract:
             model_fingerprint=model_fingerprint,
         )
 
-    def replace(self, **changes: Any) -> "CacheContract":
+    def replace(self, **changes: Any) -> CacheContract:
         return dataclasses.replace(self, **changes)
 
-    def with_key_form(self, key_form: KeyForm) -> "CacheContract":
+    def with_key_form(self, key_form: KeyForm) -> CacheContract:
         """The same contract with ``key_form`` (``kernel_rotates`` follows it)."""
         return dataclasses.replace(self, key_form=key_form)
 
@@ -453,7 +446,7 @@ class CacheContract:
 
     # ------------------------------------------------------------------ comparison
 
-    def diff(self, other: "CacheContract") -> list[FieldDiff]:
+    def diff(self, other: CacheContract) -> list[FieldDiff]:
         """Every field that differs, in declaration order; the RoPE spec is compared field by field."""
         per_layer = self.layer_ropes is not None or other.layer_ropes is not None
         ours, theirs = _flat(self, per_layer), _flat(other, per_layer)
@@ -469,7 +462,7 @@ class CacheContract:
                 diffs.append(FieldDiff(f"layers.{i}.attention", str(a), str(b)))
         return diffs
 
-    def require_compatible(self, other: "CacheContract", *, ours: str = "cache", theirs: str = "writer") -> None:
+    def require_compatible(self, other: CacheContract, *, ours: str = "cache", theirs: str = "writer") -> None:
         """Raise :class:`ContractMismatch` naming every differing field, both values and the consequence.
 
         ``other`` (labelled ``theirs``) is the side that produced the keys; ``self`` (``ours``) reads them.
@@ -510,7 +503,7 @@ class CacheContract:
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"), allow_nan=False)
 
     @classmethod
-    def from_json(cls, s: str | bytes) -> "CacheContract":
+    def from_json(cls, s: str | bytes) -> CacheContract:
         """Inverse of :meth:`to_json`. Malformed input raises ConfigError naming the problem."""
         try:
             data = json.loads(s)
@@ -522,8 +515,10 @@ class CacheContract:
             raise ConfigError(f"cache contract JSON has format {data.get('format')!r}, expected {FORMAT!r}")
         version = data.get("version")
         if version not in READABLE_VERSIONS or isinstance(version, bool):
-            raise ConfigError(f"cache contract JSON version {version!r} is not supported (readable: "
-                              f"{', '.join(map(str, READABLE_VERSIONS))})")
+            raise ConfigError(
+                f"cache contract JSON version {version!r} is not supported (readable: "
+                f"{', '.join(map(str, READABLE_VERSIONS))})"
+            )
         if version == 1:  # version 1 wrote kernel_rotates; it must agree with key_form
             data = dict(data)
             kr = data.pop("kernel_rotates", None)
@@ -532,8 +527,12 @@ class CacheContract:
             if kr != (data.get("key_form") == "raw"):
                 raise ConfigError(
                     f"cache contract JSON (version 1): kernel_rotates={kr} with key_form={data.get('key_form')!r}: "
-                    + ("stored keys would be rotated a second time (keys at twice their position)" if kr else
-                       "nothing would rotate raw keys on read (every key at position 0)"))
+                    + (
+                        "stored keys would be rotated a second time (keys at twice their position)"
+                        if kr
+                        else "nothing would rotate raw keys on read (every key at position 0)"
+                    )
+                )
         expected = {f.name for f in dataclasses.fields(cls)} | {"format", "version"}
         optional = {"layer_ropes", "mla"}
         if version != 3:  # chunked attention exists from version 3 on; a version 3 document always has it
@@ -547,8 +546,10 @@ class CacheContract:
         kwargs["window_layers"] = tuple(kwargs["window_layers"])
         if "chunk_layers" in kwargs:
             if not isinstance(kwargs["chunk_layers"], list) or not kwargs["chunk_layers"]:
-                raise ConfigError(f"cache contract JSON (version 3): chunk_layers must be a non-empty list, got "
-                                  f"{kwargs['chunk_layers']!r} (a contract without chunks is written as version 2)")
+                raise ConfigError(
+                    f"cache contract JSON (version 3): chunk_layers must be a non-empty list, got "
+                    f"{kwargs['chunk_layers']!r} (a contract without chunks is written as version 2)"
+                )
             kwargs["chunk_layers"] = tuple(kwargs["chunk_layers"])
         rope = kwargs["rope"]
         if not isinstance(rope, dict) or not isinstance(rope.get("scaling"), dict):
@@ -557,9 +558,10 @@ class CacheContract:
             if not isinstance(rope.get(name), int) or isinstance(rope.get(name), bool):
                 raise ConfigError(f"cache contract JSON: rope.{name} must be an integer, got {rope.get(name)!r}")
         ropes = kwargs.get("layer_ropes")
-        if ropes is not None and (not isinstance(ropes, list)
-                                  or not all(r is None or isinstance(r, dict) and isinstance(r.get("scaling"), dict)
-                                             for r in ropes)):
+        if ropes is not None and (
+            not isinstance(ropes, list)
+            or not all(r is None or isinstance(r, dict) and isinstance(r.get("scaling"), dict) for r in ropes)
+        ):
             raise ConfigError("cache contract JSON: layer_ropes must be a list of RoPE objects or nulls")
         try:
             kwargs["rope"] = RopeSpec.from_dict(rope)
@@ -586,8 +588,9 @@ def _flat(c: CacheContract, per_layer: bool = False) -> dict[str, Any]:
         if f.name == "layer_ropes":
             if per_layer:
                 # The summary (each layer's spec fingerprint, None for NoPE), then every differing detail.
-                out["layer_ropes"] = tuple(None if c.layer_rope(i) is None else c.layer_rope(i).fingerprint()
-                                           for i in range(c.num_layers))
+                out["layer_ropes"] = tuple(
+                    None if c.layer_rope(i) is None else c.layer_rope(i).fingerprint() for i in range(c.num_layers)
+                )
                 for i in range(c.num_layers):
                     spec = c.layer_rope(i)
                     if spec is None:

@@ -22,8 +22,9 @@ import dataclasses
 import hashlib
 import json
 import math
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Mapping, get_args
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -101,9 +102,7 @@ class RopeScaling:
 
     def __post_init__(self) -> None:
         if not isinstance(self.rope_type, str) or self.rope_type not in SCALING_TYPES:
-            raise ConfigError(
-                f"unknown RoPE scaling type {self.rope_type!r}; supported: {', '.join(SCALING_TYPES)}"
-            )
+            raise ConfigError(f"unknown RoPE scaling type {self.rope_type!r}; supported: {', '.join(SCALING_TYPES)}")
         allowed = set(_REQUIRED[self.rope_type]) | set(_OPTIONAL[self.rope_type])
         for f in dataclasses.fields(self):
             if f.name == "rope_type":
@@ -124,7 +123,9 @@ class RopeScaling:
         if orig is not None and not (_is_int(orig) and 1 <= orig <= MAX_POSITIONS):
             raise ConfigError(f"RoPE original_max_position_embeddings must be an integer in [1, 2**40], got {orig!r}")
         if self.truncate is not None and not isinstance(self.truncate, bool):
-            raise ConfigError(f"RoPE scaling truncate has the wrong type: true or false is needed, got {self.truncate!r}")
+            raise ConfigError(
+                f"RoPE scaling truncate has the wrong type: true or false is needed, got {self.truncate!r}"
+            )
         if self.rope_type == "llama3" and self.low_freq_factor == self.high_freq_factor:
             raise ConfigError("llama3 RoPE needs low_freq_factor != high_freq_factor")
         for name in ("short_factor", "long_factor"):
@@ -147,7 +148,7 @@ class RopeScaling:
         return out
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "RopeScaling":
+    def from_dict(cls, data: Mapping[str, Any]) -> RopeScaling:
         if not isinstance(data, Mapping):
             raise ConfigError(f"RoPE scaling must be an object, got {type(data).__name__}")
         names = {f.name for f in dataclasses.fields(cls)}
@@ -199,11 +200,18 @@ class RopeSpec:
         if not _is_int(self.head_dim) or not 2 <= self.head_dim <= MAX_HEAD_DIM or self.head_dim % 2:
             raise ConfigError(f"RoPE head_dim must be an even integer in [2, {MAX_HEAD_DIM}], got {self.head_dim!r}")
         if not _is_int(self.rotary_dim) or not (2 <= self.rotary_dim <= self.head_dim) or self.rotary_dim % 2:
-            raise ConfigError(f"RoPE rotary_dim must be even and in [2, head_dim={self.head_dim}], got {self.rotary_dim!r}")
-        if not _is_int(self.rotary_offset) or self.rotary_offset < 0 \
-                or self.rotary_offset + self.rotary_dim > self.head_dim:
-            raise ConfigError(f"RoPE rotary_offset must be an integer >= 0 with rotary_offset + rotary_dim <= head_dim "
-                              f"({self.head_dim}), got {self.rotary_offset!r} (rotary_dim {self.rotary_dim})")
+            raise ConfigError(
+                f"RoPE rotary_dim must be even and in [2, head_dim={self.head_dim}], got {self.rotary_dim!r}"
+            )
+        if (
+            not _is_int(self.rotary_offset)
+            or self.rotary_offset < 0
+            or self.rotary_offset + self.rotary_dim > self.head_dim
+        ):
+            raise ConfigError(
+                f"RoPE rotary_offset must be an integer >= 0 with rotary_offset + rotary_dim <= head_dim "
+                f"({self.head_dim}), got {self.rotary_offset!r} (rotary_dim {self.rotary_dim})"
+            )
         _check_number("RoPE theta", self.theta, 1, strict=True)
         if not isinstance(self.layout, str) or self.layout not in LAYOUTS:
             raise ConfigError(f"unknown RoPE layout {self.layout!r}; supported: {', '.join(LAYOUTS)}")
@@ -220,8 +228,9 @@ class RopeSpec:
         if self.mrope_section is not None:
             m = self.mrope_section
             if not isinstance(m, tuple) or not m or not all(_is_int(x) and x >= 1 for x in m) or sum(m) != n:
-                raise ConfigError(f"RoPE mrope_section must be positive integers summing to rotary_dim/2 = {n}, "
-                                  f"got {m!r}")
+                raise ConfigError(
+                    f"RoPE mrope_section must be positive integers summing to rotary_dim/2 = {n}, got {m!r}"
+                )
         s = self.scaling
         for name in ("short_factor", "long_factor"):
             value = getattr(s, name)
@@ -257,9 +266,14 @@ class RopeSpec:
 
     @classmethod
     def from_hf_config(
-        cls, config: Mapping[str, Any], layer_type: str | None = None, layout: str = "neox", *,
-        partial_rotary: bool = True, mrope: bool = False,
-    ) -> "RopeSpec":
+        cls,
+        config: Mapping[str, Any],
+        layer_type: str | None = None,
+        layout: str = "neox",
+        *,
+        partial_rotary: bool = True,
+        mrope: bool = False,
+    ) -> RopeSpec:
         """Read a transformers ``config.json`` (as a dict).
 
         Understands transformers 5's ``rope_parameters`` (flat, or nested by layer type such as
@@ -333,9 +347,7 @@ class RopeSpec:
                 rope.pop("type", None)
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type not in SCALING_TYPES:
-            raise ConfigError(
-                f"unknown RoPE type {rope_type!r} in config; supported: {', '.join(SCALING_TYPES)}"
-            )
+            raise ConfigError(f"unknown RoPE type {rope_type!r} in config; supported: {', '.join(SCALING_TYPES)}")
         if rope_type in ("llama3", "yarn", "longrope"):
             rope.setdefault(
                 "original_max_position_embeddings",
@@ -352,7 +364,8 @@ class RopeSpec:
                 raise ConfigError(
                     f"partial_rotary_factor {partial!r} with RoPE type {rope_type!r} on an architecture that rotates "
                     "the whole head: transformers computes frequencies for part of the head and cannot apply them; "
-                    "ropekv refuses to check it under another reading")
+                    "ropekv refuses to check it under another reading"
+                )
             partial = 1.0
         rotary_dim = int(head_dim * partial)
         rotary_dim -= rotary_dim % 2
@@ -391,7 +404,7 @@ class RopeSpec:
             mrope_section=None if mrope_section is None else tuple(mrope_section),
         )
 
-    def replace(self, **changes: Any) -> "RopeSpec":
+    def replace(self, **changes: Any) -> RopeSpec:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -413,8 +426,16 @@ class RopeSpec:
         return out
 
     @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "RopeSpec":
-        expected = {"head_dim", "rotary_dim", "theta", "layout", "scaling", "attention_factor", "max_position_embeddings"}
+    def from_dict(cls, data: Mapping[str, Any]) -> RopeSpec:
+        expected = {
+            "head_dim",
+            "rotary_dim",
+            "theta",
+            "layout",
+            "scaling",
+            "attention_factor",
+            "max_position_embeddings",
+        }
         if isinstance(data, Mapping) and "rotary_offset" in data:
             expected = expected | {"rotary_offset"}
         if isinstance(data, Mapping) and "mrope_section" in data:
@@ -465,9 +486,7 @@ class RopeSpec:
         positions = _as_positions(positions)
         return positions.to(torch.float64)[:, None] * self.inv_freq(seq_len).to(positions.device)[None, :]
 
-    def cos_sin(
-        self, positions: torch.Tensor, seq_len: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, positions: torch.Tensor, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin`` of :meth:`angles`, scaled by ``attention_factor``; float64 ``[num_tokens, rotary_dim // 2]``."""
         ang = self.angles(positions, seq_len)
         return torch.cos(ang) * self.attention_factor, torch.sin(ang) * self.attention_factor
@@ -487,8 +506,7 @@ class RopeSpec:
 # ---------------------------------------------------------------------- pure functions
 
 
-def apply_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str,
-                   offset: int = 0) -> torch.Tensor:
+def apply_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str, offset: int = 0) -> torch.Tensor:
     """Rotate channel pairs of ``x [..., num_tokens, num_heads, head_dim]`` by ``cos/sin [num_tokens, n]``.
 
     Channels ``offset .. offset + 2n - 1`` rotate (``offset`` 0: the leading channels; partial rotary
@@ -554,11 +572,14 @@ def _resolve_attention_factor(scaling: RopeScaling, given: Any, max_pos: int) ->
         _check_number("RoPE attention_factor", given, 0, strict=True)
         return float(given)
     if scaling.rope_type == "yarn":
+
         def get_mscale(scale: float, m: float = 1.0) -> float:
             return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
         if scaling.mscale and scaling.mscale_all_dim:
-            return float(get_mscale(scaling.factor, scaling.mscale) / get_mscale(scaling.factor, scaling.mscale_all_dim))
+            return float(
+                get_mscale(scaling.factor, scaling.mscale) / get_mscale(scaling.factor, scaling.mscale_all_dim)
+            )
         return get_mscale(scaling.factor)
     if scaling.rope_type == "longrope":
         orig = scaling.original_max_position_embeddings
@@ -566,7 +587,9 @@ def _resolve_attention_factor(scaling: RopeScaling, given: Any, max_pos: int) ->
         if factor <= 1.0:
             return 1.0
         if orig < 2:  # transformers divides by log(original_max_position_embeddings)
-            raise ConfigError(f"longrope original_max_position_embeddings must be >= 2 to scale by {factor:g}, got {orig}")
+            raise ConfigError(
+                f"longrope original_max_position_embeddings must be >= 2 to scale by {factor:g}, got {orig}"
+            )
         return math.sqrt(1 + math.log(factor) / math.log(orig))
     return 1.0
 

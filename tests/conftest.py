@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -132,9 +133,18 @@ def hf_model() -> Callable[[Path], torch.nn.Module]:
 # ---------------------------------------------------------------------- every described architecture
 
 ARCH_BASE: dict[str, Any] = dict(
-    vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
-    pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
 )
 
 
@@ -147,15 +157,34 @@ def arch_kwargs(arch: str, overrides: dict[str, Any]) -> dict[str, Any]:
     if isinstance(getattr(CONFIG_MAPPING[arch], "head_dim", None), property):
         kwargs.pop("head_dim")
     return kwargs
+
+
 # Multimodal architectures checked as their text model: the text fields go to text_config, a tiny
 # vision tower keeps the checkpoint whole (ropekv drops it), the model class is the image-text one.
 MULTIMODAL = {"qwen2_vl", "qwen2_5_vl"}
 TINY_VISION: dict[str, dict[str, Any]] = {
-    "qwen2_vl": dict(depth=1, embed_dim=16, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=2,
-                     spatial_merge_size=1, temporal_patch_size=1),
-    "qwen2_5_vl": dict(depth=1, hidden_size=16, out_hidden_size=64, intermediate_size=32, num_heads=2,
-                       patch_size=2, spatial_merge_size=1, temporal_patch_size=1, window_size=4,
-                       fullatt_block_indexes=[0]),
+    "qwen2_vl": dict(
+        depth=1,
+        embed_dim=16,
+        hidden_size=64,
+        num_heads=2,
+        mlp_ratio=2,
+        patch_size=2,
+        spatial_merge_size=1,
+        temporal_patch_size=1,
+    ),
+    "qwen2_5_vl": dict(
+        depth=1,
+        hidden_size=16,
+        out_hidden_size=64,
+        intermediate_size=32,
+        num_heads=2,
+        patch_size=2,
+        spatial_merge_size=1,
+        temporal_patch_size=1,
+        window_size=4,
+        fullatt_block_indexes=[0],
+    ),
 }
 
 
@@ -168,8 +197,15 @@ def build_arch_model(arch: str, overrides: dict[str, Any]) -> torch.nn.Module:
     fields = arch_kwargs(arch, overrides)
     if arch in MULTIMODAL:
         top = {k: fields.pop(k) for k in ("tie_word_embeddings",) if k in fields}
-        config = AutoConfig.for_model(arch, text_config=fields, vision_config=TINY_VISION[arch], **top,
-                                      image_token_id=93, video_token_id=94, vision_start_token_id=95)
+        config = AutoConfig.for_model(
+            arch,
+            text_config=fields,
+            vision_config=TINY_VISION[arch],
+            **top,
+            image_token_id=93,
+            video_token_id=94,
+            vision_start_token_id=95,
+        )
         torch.manual_seed(seed)
         model = AutoModelForImageTextToText.from_config(config, dtype=torch.float32, attn_implementation="eager")
         randomize(model, seed)

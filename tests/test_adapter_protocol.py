@@ -8,12 +8,12 @@ import dataclasses
 import pytest
 import torch
 
+from ropekv import check
 from ropekv.adapters.native import NativeAdapter
 from ropekv.errors import AdapterError, UsageError
+from ropekv.faults.catalogue import FAULTS
 from ropekv.models import load_checkpoint
 from ropekv.parity.cases import Case
-from ropekv.adapters.faults import FAULTS
-from ropekv import check
 from ropekv.parity.protocol import CaseRun, FullRun, Tier
 from ropekv.testing import assert_parity
 
@@ -78,8 +78,9 @@ class FewerLayers(Wrapper):
 
 class ExtraLayer(Wrapper):
     def run_case(self, case, tokens):
-        return _steps(super().run_case(case, tokens),
-                      lambda i, s: dataclasses.replace(s, layers=s.layers + s.layers[-1:]))
+        return _steps(
+            super().run_case(case, tokens), lambda i, s: dataclasses.replace(s, layers=s.layers + s.layers[-1:])
+        )
 
 
 class TransposedQuery(Wrapper):  # [H, 1, D] instead of [1, H, D]
@@ -94,14 +95,16 @@ class FlatLogits(Wrapper):  # logits of another vocabulary size
 
 class PositionsOffByOne(Wrapper):
     def run_case(self, case, tokens):
-        return _steps(super().run_case(case, tokens),
-                      lambda i, s: _layer(s, 1, key_positions=s.layers[1].key_positions + 1))
+        return _steps(
+            super().run_case(case, tokens), lambda i, s: _layer(s, 1, key_positions=s.layers[1].key_positions + 1)
+        )
 
 
 class StepPositionWrong(Wrapper):
     def run_case(self, case, tokens):
-        return _steps(super().run_case(case, tokens),
-                      lambda i, s: dataclasses.replace(s, position=s.position + (i == 1)))
+        return _steps(
+            super().run_case(case, tokens), lambda i, s: dataclasses.replace(s, position=s.position + (i == 1))
+        )
 
 
 class NaNKeys(Wrapper):
@@ -110,6 +113,7 @@ class NaNKeys(Wrapper):
             k = s.layers[0].k.clone()
             k[0, 0, 0] = float("nan")
             return _layer(s, 0, k=k)
+
         return _steps(super().run_case(case, tokens), nan)
 
 
@@ -118,13 +122,15 @@ class OtherHeadCount(Wrapper):  # keys with 3 heads where the model has 2 (and 4
         def heads(i, s):
             k = s.layers[0].k
             return _layer(s, 0, k=torch.cat([k, k[:, :1]], dim=1))
+
         return _steps(super().run_case(case, tokens), heads)
 
 
 class FloatPositions(Wrapper):
     def run_case(self, case, tokens):
-        return _steps(super().run_case(case, tokens),
-                      lambda i, s: _layer(s, 0, key_positions=s.layers[0].key_positions.double()))
+        return _steps(
+            super().run_case(case, tokens), lambda i, s: _layer(s, 0, key_positions=s.layers[0].key_positions.double())
+        )
 
 
 class KeyOutsideWindow(Wrapper):
@@ -315,6 +321,7 @@ def test_top_k_logprobs_are_compared_on_common_ids(native):
                 values = values.clone()
                 values[..., 0] += self.shift  # a wrong engine: one log-probability off
                 return dataclasses.replace(s, logits=values.clamp(max=0), token_ids=ids)
+
             return _steps(super().run_case(case, tokens), top)
 
         def full_forward(self, tokens, rows, case):

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import MULTIMODAL, TINY_VISION, build_arch_model
+
+from ropekv import check
 from ropekv.adapters.hf import HFEngine
 from ropekv.adapters.native import NativeAdapter
 from ropekv.contract import CacheContract
@@ -28,7 +29,6 @@ from ropekv.models import ReferenceDecoder, load_checkpoint
 from ropekv.models.families import FAMILIES, REFUSED
 from ropekv.parity.cases import Case
 from ropekv.parity.cross_engine import cross_engine_parity
-from ropekv import check
 
 TOL = 1e-5
 LENGTH, PREFILL, CHUNK, BLOCK = 30, 20, 6, 7
@@ -38,16 +38,42 @@ PARTIAL = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor
 MOE = {"num_experts_per_tok": 2}
 # Multi-head latent attention: heads of 8 + 8 (position-free + rope part), values of 12, one rope head
 # shared by all four; head_dim is the rope part's (what transformers sizes the frequencies by).
-MLA = {"num_key_value_heads": 4, "head_dim": 8, "kv_lora_rank": 20, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
-       "v_head_dim": 12, "n_routed_experts": 4, "moe_intermediate_size": 32, "first_k_dense_replace": 1, **MOE}
-YARN_MSCALE = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 1e4,
-               "mscale": 0.707, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
+MLA = {
+    "num_key_value_heads": 4,
+    "head_dim": 8,
+    "kv_lora_rank": 20,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 12,
+    "n_routed_experts": 4,
+    "moe_intermediate_size": 32,
+    "first_k_dense_replace": 1,
+    **MOE,
+}
+YARN_MSCALE = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "rope_theta": 1e4,
+    "mscale": 0.707,
+    "mscale_all_dim": 1.0,
+    "beta_fast": 32,
+    "beta_slow": 1,
+}
 # llama4: chunks of 8 (30 tokens cross three boundaries), RoPE/NoPE alternating, the temperature rising
 # every 4 positions, MoE on layers 1 and 3 (4 experts, top 1, shared expert), dense layers of 80.
 # Qwen2-VL's text model: mRoPE sections over the 8 frequency pairs of a 16-wide head (t, h, w streams).
 MROPE = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}
-LLAMA4 = {"num_hidden_layers": 4, "attention_chunk_size": 8, "no_rope_layer_interval": 2, "floor_scale": 4,
-          "attn_scale": 0.5, "num_local_experts": 4, "interleave_moe_layer_step": 2, "intermediate_size_mlp": 80}
+LLAMA4 = {
+    "num_hidden_layers": 4,
+    "attention_chunk_size": 8,
+    "no_rope_layer_interval": 2,
+    "floor_scale": 4,
+    "attn_scale": 0.5,
+    "num_local_experts": 4,
+    "interleave_moe_layer_step": 2,
+    "intermediate_size_mlp": 80,
+}
 
 # (id, model_type, config overrides)
 VARIANTS = [
@@ -55,15 +81,46 @@ VARIANTS = [
     ("llama-biases", "llama", {"attention_bias": True, "mlp_bias": True}),
     ("llama-partial-ignored", "llama", {"rope_parameters": PARTIAL}),
     ("llama-linear", "llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}),
-    ("llama-llama3", "llama", {"rope_parameters": {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16, "rope_theta": 1e4}}),
-    ("llama-yarn", "llama", {"rope_parameters": {
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 1e4}}),
+    (
+        "llama-llama3",
+        "llama",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "rope_theta": 1e4,
+            }
+        },
+    ),
+    (
+        "llama-yarn",
+        "llama",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "rope_theta": 1e4,
+            }
+        },
+    ),
     ("llama-dynamic", "llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}}),
-    ("llama-longrope", "llama", {"rope_parameters": {
-        "rope_type": "longrope", "short_factor": [1 + i / 10 for i in range(8)],
-        "long_factor": [2 + i / 10 for i in range(8)], "original_max_position_embeddings": 16, "rope_theta": 1e4}}),
+    (
+        "llama-longrope",
+        "llama",
+        {
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "short_factor": [1 + i / 10 for i in range(8)],
+                "long_factor": [2 + i / 10 for i in range(8)],
+                "original_max_position_embeddings": 16,
+                "rope_theta": 1e4,
+            }
+        },
+    ),
     ("mistral-window", "mistral", {"sliding_window": W}),
     ("mistral-attention-bias-ignored", "mistral", {"attention_bias": True}),
     ("ministral", "ministral", SW),
@@ -76,13 +133,25 @@ VARIANTS = [
     ("smollm3-nope", "smollm3", {"no_rope_layers": [1, 0]}),
     ("ernie4_5", "ernie4_5", {"use_bias": True}),
     ("arcee", "arcee", {}),
-    ("granite", "granite", {"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.3,
-                            "logits_scaling": 4.0}),
+    (
+        "granite",
+        "granite",
+        {"embedding_multiplier": 2.0, "residual_multiplier": 0.5, "attention_multiplier": 0.3, "logits_scaling": 4.0},
+    ),
     ("gemma", "gemma", {}),
     ("gemma2", "gemma2", {"sliding_window": W, "query_pre_attn_scalar": 16}),
-    ("gemma3_text", "gemma3_text", {**SW, "query_pre_attn_scalar": 16, "rope_parameters": {
-        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}}),
+    (
+        "gemma3_text",
+        "gemma3_text",
+        {
+            **SW,
+            "query_pre_attn_scalar": 16,
+            "rope_parameters": {
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+                "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+            },
+        },
+    ),
     ("apertus", "apertus", {}),
     ("olmo", "olmo", {}),
     ("olmo-clip-qkv", "olmo", {"clip_qkv": 0.5, "attention_bias": True}),
@@ -99,16 +168,36 @@ VARIANTS = [
     ("glm", "glm", {}),
     ("glm4", "glm4", {}),
     ("hunyuan_v1_dense", "hunyuan_v1_dense", {"attention_bias": True}),
-    ("hunyuan_v1_dense-ntk-alpha", "hunyuan_v1_dense", {"rope_parameters": {
-        "rope_type": "dynamic", "alpha": 50.0, "factor": 2.0, "rope_theta": 1e4}}),
+    (
+        "hunyuan_v1_dense-ntk-alpha",
+        "hunyuan_v1_dense",
+        {"rope_parameters": {"rope_type": "dynamic", "alpha": 50.0, "factor": 2.0, "rope_theta": 1e4}},
+    ),
     ("phi3", "phi3", {}),
-    ("phi3-longrope", "phi3", {"original_max_position_embeddings": 16, "rope_parameters": {
-        "rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 0.5,
-        "short_factor": [1.0, 1.1, 1.2, 1.3], "long_factor": [2.0, 2.1, 2.2, 2.3]}}),
+    (
+        "phi3-longrope",
+        "phi3",
+        {
+            "original_max_position_embeddings": 16,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 1e4,
+                "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.1, 1.2, 1.3],
+                "long_factor": [2.0, 2.1, 2.2, 2.3],
+            },
+        },
+    ),
     ("gpt_neox", "gpt_neox", {}),
-    ("gpt_neox-sequential", "gpt_neox", {"use_parallel_residual": False, "attention_bias": False,
-                                         "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
-                                                             "partial_rotary_factor": 0.5}}),
+    (
+        "gpt_neox-sequential",
+        "gpt_neox",
+        {
+            "use_parallel_residual": False,
+            "attention_bias": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+        },
+    ),
     ("persimmon", "persimmon", {}),
     ("persimmon-no-qk-layernorm", "persimmon", {"qk_layernorm": False}),
     ("phi", "phi", {}),
@@ -117,52 +206,163 @@ VARIANTS = [
     ("gptj-whole-head", "gptj", {"rotary_dim": 16, "n_inner": 80}),
     ("falcon", "falcon", {}),
     ("falcon-new-architecture", "falcon", {"new_decoder_architecture": True, "num_kv_heads": 2}),
-    ("falcon-new-architecture-one-norm", "falcon", {"new_decoder_architecture": True, "num_kv_heads": 2,
-                                                    "num_ln_in_parallel_attn": 1, "bias": True}),
+    (
+        "falcon-new-architecture-one-norm",
+        "falcon",
+        {"new_decoder_architecture": True, "num_kv_heads": 2, "num_ln_in_parallel_attn": 1, "bias": True},
+    ),
     ("falcon-sequential", "falcon", {"multi_query": False, "parallel_attn": False, "bias": True}),
     ("mixtral", "mixtral", {"num_local_experts": 4, **MOE}),
-    ("qwen2_moe", "qwen2_moe", {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
-                                "mlp_only_layers": [0], **MOE}),
+    (
+        "qwen2_moe",
+        "qwen2_moe",
+        {
+            "num_experts": 4,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "mlp_only_layers": [0],
+            **MOE,
+        },
+    ),
     ("qwen3_moe", "qwen3_moe", {"num_experts": 4, "moe_intermediate_size": 32, "norm_topk_prob": True, **MOE}),
-    ("granitemoe", "granitemoe", {"num_local_experts": 4, "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
-                                  **MOE}),
+    (
+        "granitemoe",
+        "granitemoe",
+        {"num_local_experts": 4, "embedding_multiplier": 2.0, "residual_multiplier": 0.5, **MOE},
+    ),
     # v3: q through q_a_proj / q_a_layernorm / q_b_proj, interleaved rope part, sigmoid routing with the
     # correction bias over 2 groups (1 kept), renormalized, times 2.5 (the class default).
     ("deepseek_v3", "deepseek_v3", {**MLA, "q_lora_rank": 24, "n_group": 2, "topk_group": 1}),
     # v3 with q_proj, rotate_half rope part, attention biases, yarn whose mscale_all_dim changes the softmax scale.
-    ("deepseek_v3-yarn-neox", "deepseek_v3", {**MLA, "q_lora_rank": None, "rope_interleave": False,
-                                              "attention_bias": True, "n_group": 1, "topk_group": 1,
-                                              "norm_topk_prob": False, "rope_parameters": YARN_MSCALE}),
+    (
+        "deepseek_v3-yarn-neox",
+        "deepseek_v3",
+        {
+            **MLA,
+            "q_lora_rank": None,
+            "rope_interleave": False,
+            "attention_bias": True,
+            "n_group": 1,
+            "topk_group": 1,
+            "norm_topk_prob": False,
+            "rope_parameters": YARN_MSCALE,
+        },
+    ),
     # v2: complex-pair (interleaved) rope part, softmax greedy routing, two shared experts, MLP biases.
     ("deepseek_v2", "deepseek_v2", {**MLA, "q_lora_rank": None, "mlp_bias": True, "routed_scaling_factor": 1.5}),
-    ("deepseek_v2-group-limited", "deepseek_v2", {**MLA, "q_lora_rank": 24, "attention_bias": True,
-                                                  "topk_method": "group_limited_greedy", "n_group": 2,
-                                                  "topk_group": 1}),
+    (
+        "deepseek_v2-group-limited",
+        "deepseek_v2",
+        {
+            **MLA,
+            "q_lora_rank": 24,
+            "attention_bias": True,
+            "topk_method": "group_limited_greedy",
+            "n_group": 2,
+            "topk_group": 1,
+        },
+    ),
     # GLM-4.5 MoE: rotate_half partial rotary 0.5 (its default), deepseek_v3's sigmoid grouped routing.
-    ("glm4_moe", "glm4_moe", {"n_routed_experts": 4, "moe_intermediate_size": 32, "n_group": 2, "topk_group": 1,
-                              "routed_scaling_factor": 1.5, "attention_bias": True, **MOE}),
-    ("glm4_moe-qk-norm", "glm4_moe", {"n_routed_experts": 4, "moe_intermediate_size": 32, "use_qk_norm": True,
-                                      "norm_topk_prob": False, "first_k_dense_replace": 0, **MOE}),
+    (
+        "glm4_moe",
+        "glm4_moe",
+        {
+            "n_routed_experts": 4,
+            "moe_intermediate_size": 32,
+            "n_group": 2,
+            "topk_group": 1,
+            "routed_scaling_factor": 1.5,
+            "attention_bias": True,
+            **MOE,
+        },
+    ),
+    (
+        "glm4_moe-qk-norm",
+        "glm4_moe",
+        {
+            "n_routed_experts": 4,
+            "moe_intermediate_size": 32,
+            "use_qk_norm": True,
+            "norm_topk_prob": False,
+            "first_k_dense_replace": 0,
+            **MOE,
+        },
+    ),
     ("llama4_text", "llama4_text", LLAMA4),
     ("qwen2_vl", "qwen2_vl", {"rope_parameters": MROPE}),
     ("qwen2_5_vl", "qwen2_5_vl", {"rope_parameters": MROPE}),
     # Sinks, every-other windows (layer_types left to its config class), yarn without truncation,
     # biased MoE; a small swiglu_limit so the clamp bites on unit-scale weights.
-    ("gpt_oss", "gpt_oss", {"num_local_experts": 4, "sliding_window": W, "swiglu_limit": 0.5, "swiglu_alpha": 1.3,
-                            "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                                                "truncate": False, "original_max_position_embeddings": 64,
-                                                "rope_theta": 1e4}, **MOE}),
+    (
+        "gpt_oss",
+        "gpt_oss",
+        {
+            "num_local_experts": 4,
+            "sliding_window": W,
+            "swiglu_limit": 0.5,
+            "swiglu_alpha": 1.3,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+                "rope_theta": 1e4,
+            },
+            **MOE,
+        },
+    ),
 ]
 
 BY_ID = {v[0]: v[1:] for v in VARIANTS}
 
 # Architectures named in the issue (tests/test_architectures.py keeps the list honest).
-NAMED_IN_ISSUE = (
-    "llama mistral qwen2 qwen3 mixtral qwen2_moe qwen3_moe gemma gemma2 gemma3_text phi3 phi gpt_neox stablelm "
-    "persimmon cohere cohere2 olmo olmo2 olmo3 granite granitemoe starcoder2 glm glm4 glm4_moe deepseek_v2 "
-    "deepseek_v3 gpt_oss llama4_text smollm3 ernie4_5 exaone4 nemotron helium ministral seed_oss hunyuan_v1_dense "
-    "arcee apertus falcon gptj qwen2_vl"
-).split()
+NAMED_IN_ISSUE = [
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "phi3",
+    "phi",
+    "gpt_neox",
+    "stablelm",
+    "persimmon",
+    "cohere",
+    "cohere2",
+    "olmo",
+    "olmo2",
+    "olmo3",
+    "granite",
+    "granitemoe",
+    "starcoder2",
+    "glm",
+    "glm4",
+    "glm4_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "gpt_oss",
+    "llama4_text",
+    "smollm3",
+    "ernie4_5",
+    "exaone4",
+    "nemotron",
+    "helium",
+    "ministral",
+    "seed_oss",
+    "hunyuan_v1_dense",
+    "arcee",
+    "apertus",
+    "falcon",
+    "gptj",
+    "qwen2_vl",
+]
 
 
 def scaled(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -201,8 +401,9 @@ def _write_figures():
 
 
 @pytest.mark.parametrize("arch,overrides", [v[1:] for v in VARIANTS], ids=[v[0] for v in VARIANTS])
-def test_reference_engine_and_hf_adapter_match_transformers(arch, overrides, make_arch_checkpoint, hf_model, tokens,
-                                                            request):
+def test_reference_engine_and_hf_adapter_match_transformers(
+    arch, overrides, make_arch_checkpoint, hf_model, tokens, request
+):
     figures = _FIGURES.setdefault(request.node.callspec.id, {"arch": arch})
     path = make_arch_checkpoint(arch, **overrides)
     ckpt = load_checkpoint(path)
@@ -293,8 +494,10 @@ def test_partial_rotary_with_scaling_on_a_whole_head_architecture_is_refused(mak
     implementation runs this config, so ropekv refuses it instead of checking another reading."""
     import json
 
-    config = {**json.loads((make_tiny_checkpoint("llama") / "config.json").read_text()),
-              "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4, "partial_rotary_factor": 0.5}}
+    config = {
+        **json.loads((make_tiny_checkpoint("llama") / "config.json").read_text()),
+        "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ConfigError, match="partial_rotary_factor 0.5 with RoPE type 'linear'"):
         load_checkpoint(tmp_path)
@@ -336,25 +539,56 @@ def test_switch_length_is_where_the_frequencies_change():
     """LongRoPE switches at original_max_position_embeddings, dynamic NTK at max_position_embeddings."""
     from ropekv.rope import RopeScaling, RopeSpec
 
-    longrope = RopeSpec(16, 16, 1e4, scaling=RopeScaling("longrope", short_factor=(1.0,) * 8, long_factor=(2.0,) * 8,
-                                                         original_max_position_embeddings=16),
-                        max_position_embeddings=256)
+    longrope = RopeSpec(
+        16,
+        16,
+        1e4,
+        scaling=RopeScaling(
+            "longrope", short_factor=(1.0,) * 8, long_factor=(2.0,) * 8, original_max_position_embeddings=16
+        ),
+        max_position_embeddings=256,
+    )
     assert longrope.switch_length == 16
     assert not torch.equal(longrope.inv_freq(16), longrope.inv_freq(17))
     dynamic = RopeSpec(16, 16, 1e4, scaling=RopeScaling("dynamic", factor=2.0), max_position_embeddings=64)
     assert dynamic.switch_length == 64
-    assert torch.equal(dynamic.inv_freq(64), dynamic.inv_freq(10)) and not torch.equal(dynamic.inv_freq(65),
-                                                                                          dynamic.inv_freq(64))
+    assert torch.equal(dynamic.inv_freq(64), dynamic.inv_freq(10)) and not torch.equal(
+        dynamic.inv_freq(65), dynamic.inv_freq(64)
+    )
     assert RopeSpec(16, 16, 1e4).switch_length is None
 
 
 # Fields a minimal config.json keeps: sizes and structure; everything else is left to the defaults.
-_STRUCTURE = {"model_type", "architectures", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-              "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings", "layer_types",
-              "num_local_experts", "num_experts", "moe_intermediate_size", "shared_expert_intermediate_size",
-              "num_experts_per_tok", "original_max_position_embeddings", "rms_norm_eps", "layer_norm_eps",
-              "norm_epsilon", "norm_eps", "n_embd", "n_head", "n_layer", "n_positions", "n_inner", "layer_norm_epsilon",
-              "rotary_dim"}
+_STRUCTURE = {
+    "model_type",
+    "architectures",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "max_position_embeddings",
+    "layer_types",
+    "num_local_experts",
+    "num_experts",
+    "moe_intermediate_size",
+    "shared_expert_intermediate_size",
+    "num_experts_per_tok",
+    "original_max_position_embeddings",
+    "rms_norm_eps",
+    "layer_norm_eps",
+    "norm_epsilon",
+    "norm_eps",
+    "n_embd",
+    "n_head",
+    "n_layer",
+    "n_positions",
+    "n_inner",
+    "layer_norm_epsilon",
+    "rotary_dim",
+}
 _STRUCTURE_OVERRIDES = {"gptj": {"rotary_dim": 8}}  # its default 64 exceeds the tiny head
 
 
@@ -362,22 +596,28 @@ _STRUCTURE_OVERRIDES = {"gptj": {"rotary_dim": 8}}  # its default 64 exceeds the
 def test_omitted_fields_read_as_the_architectures_own_defaults(arch):
     """A config.json that omits optional fields (biases, tied embeddings, softcaps, scalars, RoPE theta
     and partial factor, windows) reads as the full config of transformers' own config class."""
+    from conftest import arch_kwargs
     from transformers import AutoConfig
 
-    from conftest import arch_kwargs
     from ropekv.models.config import ModelConfig
 
-    kwargs = {k: v for k, v in arch_kwargs(arch, _STRUCTURE_OVERRIDES.get(arch, {})).items() if k != "tie_word_embeddings"}
+    kwargs = {
+        k: v for k, v in arch_kwargs(arch, _STRUCTURE_OVERRIDES.get(arch, {})).items() if k != "tie_word_embeddings"
+    }
     if FAMILIES[arch].attention == "mla":  # one KV head per query head; head_dim: the config class sets the rope part's
         kwargs.update(num_key_value_heads=kwargs["num_attention_heads"], num_experts_per_tok=2)
         kwargs.pop("head_dim", None)
     if arch in MULTIMODAL:  # the text model's fields under text_config; the mRoPE sections are structure
         sections = {"rope_type": "default", "mrope_section": MROPE["mrope_section"]}  # theta: the class default
-        full = AutoConfig.for_model(arch, text_config={**kwargs, "rope_parameters": sections},
-                                    vision_config=TINY_VISION[arch]).to_dict()
+        full = AutoConfig.for_model(
+            arch, text_config={**kwargs, "rope_parameters": sections}, vision_config=TINY_VISION[arch]
+        ).to_dict()
         text = {k: v for k, v in full["text_config"].items() if k in _STRUCTURE}
-        minimal = {"model_type": arch, "architectures": [],
-                   "text_config": {**text, "rope_parameters": {"mrope_section": MROPE["mrope_section"]}}}
+        minimal = {
+            "model_type": arch,
+            "architectures": [],
+            "text_config": {**text, "rope_parameters": {"mrope_section": MROPE["mrope_section"]}},
+        }
     else:
         full = AutoConfig.for_model(arch, **kwargs).to_dict()
         minimal = {k: v for k, v in full.items() if k in _STRUCTURE}
@@ -419,13 +659,17 @@ def test_gptj_reads_no_rope_field(make_arch_checkpoint, hf_model, tokens):
     assert scaled(hf, ReferenceDecoder(ckpt).forward(tokens).logits) < TOL
 
 
-@pytest.mark.parametrize("overrides,feature", [
-    ({"alibi": True}, "refused: alibi"),
-    ({"new_decoder_architecture": True, "parallel_attn": False}, "cannot run that layer"),
-    ({"parallel_attn": True, "num_ln_in_parallel_attn": 2}, "cannot run that layer"),
-])
-def test_falcon_configs_without_rope_or_without_a_runnable_layer_are_refused(overrides, feature, make_arch_checkpoint,
-                                                                            tmp_path):
+@pytest.mark.parametrize(
+    "overrides,feature",
+    [
+        ({"alibi": True}, "refused: alibi"),
+        ({"new_decoder_architecture": True, "parallel_attn": False}, "cannot run that layer"),
+        ({"parallel_attn": True, "num_ln_in_parallel_attn": 2}, "cannot run that layer"),
+    ],
+)
+def test_falcon_configs_without_rope_or_without_a_runnable_layer_are_refused(
+    overrides, feature, make_arch_checkpoint, tmp_path
+):
     import json
 
     config = {**json.loads((make_arch_checkpoint("falcon") / "config.json").read_text()), **overrides}
@@ -452,12 +696,35 @@ def test_apertus_xielu_parameters_are_read_per_layer(make_arch_checkpoint, hf_mo
 
 GPT_OSS_ROPES = [
     ("config-class-default", {"rope_theta": 1e4}),  # no rope_parameters: yarn x32 from 4096, as GptOssConfig sets
-    ("yarn-truncate-attention-factor", {"rope_parameters": {
-        "rope_type": "yarn", "factor": 4.0, "truncate": True, "attention_factor": 1.3,
-        "original_max_position_embeddings": 64, "rope_theta": 1e4}}),
-    ("yarn-mscale", {"rope_parameters": {
-        "rope_type": "yarn", "factor": 8.0, "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 16.0, "beta_slow": 2.0,
-        "truncate": False, "original_max_position_embeddings": 32, "rope_theta": 5e4}}),
+    (
+        "yarn-truncate-attention-factor",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "truncate": True,
+                "attention_factor": 1.3,
+                "original_max_position_embeddings": 64,
+                "rope_theta": 1e4,
+            }
+        },
+    ),
+    (
+        "yarn-mscale",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 8.0,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.5,
+                "beta_fast": 16.0,
+                "beta_slow": 2.0,
+                "truncate": False,
+                "original_max_position_embeddings": 32,
+                "rope_theta": 5e4,
+            }
+        },
+    ),
 ]
 
 
@@ -475,9 +742,9 @@ def test_gpt_oss_yarn_is_read_as_transformers_reads_it(overrides, make_arch_chec
 def test_gpt_oss_without_rope_parameters_reads_its_config_class_yarn():
     """A config.json with a legacy rope_theta and no scaling is yarn x32 on gpt_oss (GptOssConfig's
     default), not plain RoPE at that theta."""
+    from conftest import ARCH_BASE
     from transformers import AutoConfig
 
-    from conftest import ARCH_BASE
     from ropekv.models.config import ModelConfig
 
     full = AutoConfig.for_model("gpt_oss", **ARCH_BASE, rope_theta=1e4).to_dict()
@@ -485,7 +752,11 @@ def test_gpt_oss_without_rope_parameters_reads_its_config_class_yarn():
     cfg = ModelConfig.from_hf_config({**legacy, "rope_theta": 1e4})
     assert cfg == ModelConfig.from_hf_config(full)
     assert (cfg.rope.theta, cfg.rope.scaling.rope_type, cfg.rope.scaling.factor, cfg.rope.scaling.truncate) == (
-        1e4, "yarn", 32.0, False)
+        1e4,
+        "yarn",
+        32.0,
+        False,
+    )
 
 
 def test_a_prefix_hit_on_a_model_with_its_own_window_is_checked(make_arch_checkpoint):

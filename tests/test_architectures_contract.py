@@ -16,8 +16,17 @@ GLOBAL = RopeSpec(head_dim=8, rotary_dim=8, theta=1e6, scaling=RopeScaling("line
 
 
 def make(layer_ropes=(LOCAL, GLOBAL, LOCAL), **changes) -> CacheContract:
-    base = dict(key_form="rotated", rope=LOCAL, num_layers=3, num_kv_heads=2, head_dim=8,
-                window=5, window_layers=(0, 2), block_size=4, layer_ropes=layer_ropes)
+    base = dict(
+        key_form="rotated",
+        rope=LOCAL,
+        num_layers=3,
+        num_kv_heads=2,
+        head_dim=8,
+        window=5,
+        window_layers=(0, 2),
+        block_size=4,
+        layer_ropes=layer_ropes,
+    )
     base.update(changes)
     return CacheContract(**base)
 
@@ -29,11 +38,14 @@ def test_layer_rope_per_layer_and_uniform_normalizes_to_none():
     assert make(layer_ropes=(LOCAL, None, LOCAL)).layer_rope(1) is None
 
 
-@pytest.mark.parametrize("ropes,match", [
-    ((LOCAL, GLOBAL), "one RoPE spec"),
-    ((LOCAL, "rope", LOCAL), "RopeSpec or None"),
-    ((LOCAL, RopeSpec(head_dim=16, rotary_dim=16, theta=1e4), LOCAL), "head_dim"),
-])
+@pytest.mark.parametrize(
+    "ropes,match",
+    [
+        ((LOCAL, GLOBAL), "one RoPE spec"),
+        ((LOCAL, "rope", LOCAL), "RopeSpec or None"),
+        ((LOCAL, RopeSpec(head_dim=16, rotary_dim=16, theta=1e4), LOCAL), "head_dim"),
+    ],
+)
 def test_bad_layer_ropes_raise(ropes, match):
     with pytest.raises(ConfigError, match=match):
         make(layer_ropes=ropes)
@@ -91,9 +103,21 @@ def test_for_model_carries_the_models_layer_ropes(make_arch_checkpoint):
 
 # ---------------------------------------------------------------------- multi-head latent attention
 
-MLA_V3 = {"num_key_value_heads": 4, "head_dim": 8, "kv_lora_rank": 20, "qk_nope_head_dim": 8, "qk_rope_head_dim": 8,
-          "v_head_dim": 12, "n_routed_experts": 4, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
-          "num_experts_per_tok": 2, "q_lora_rank": 24, "n_group": 2, "topk_group": 1}
+MLA_V3 = {
+    "num_key_value_heads": 4,
+    "head_dim": 8,
+    "kv_lora_rank": 20,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 8,
+    "v_head_dim": 12,
+    "n_routed_experts": 4,
+    "moe_intermediate_size": 32,
+    "first_k_dense_replace": 1,
+    "num_experts_per_tok": 2,
+    "q_lora_rank": 24,
+    "n_group": 2,
+    "topk_group": 1,
+}
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +136,10 @@ def test_mla_contract_says_which_part_is_rotated_and_what_is_cached(mla_config):
     assert (latent.head_dim, latent.num_kv_heads, latent.rope.rotary_offset) == (28, 1, 20)  # [latent 20, k_pe 8]
     for contract in (c, latent):
         data = json.loads(contract.to_json())
-        assert data["mla"]["cached"] == contract.mla.cached and data["rope"]["rotary_offset"] == contract.rope.rotary_offset
+        assert (
+            data["mla"]["cached"] == contract.mla.cached
+            and data["rope"]["rotary_offset"] == contract.rope.rotary_offset
+        )
         assert CacheContract.from_json(contract.to_json()) == contract
 
 
@@ -124,8 +151,9 @@ def test_mla_mismatches_are_named(mla_config):
     assert {"mla.cached", "rope.rotary_offset", "head_dim", "num_kv_heads"} <= set(info.value.fields)
     assert "compressed latent" in str(info.value)
     # The rotated slice alone: a writer that rotated the leading channels instead of the trailing ones.
-    trailing = CacheContract(key_form="rotated", rope=RopeSpec(16, 8, 1e4, rotary_offset=8), num_layers=2,
-                             num_kv_heads=4, head_dim=16)
+    trailing = CacheContract(
+        key_form="rotated", rope=RopeSpec(16, 8, 1e4, rotary_offset=8), num_layers=2, num_kv_heads=4, head_dim=16
+    )
     with pytest.raises(ContractMismatch) as info:
         trailing.require_compatible(trailing.replace(rope=trailing.rope.replace(rotary_offset=0)))
     assert info.value.fields == ("rope.rotary_offset",) and "another slice of each key" in str(info.value)

@@ -6,22 +6,44 @@ from __future__ import annotations
 import pytest
 import torch
 
+from ropekv import check
 from ropekv.errors import UsageError
+from ropekv.faults.catalogue import ARCH_FAULTS, FAULTS, get_fault
 from ropekv.models import ReferenceDecoder, load_checkpoint
 from ropekv.parity.cases import Case, token_stream
-from ropekv.adapters.faults import ARCH_FAULTS, FAULTS, get_fault
-from ropekv import check
 from ropekv.parity.layer_forensics import diagnose_layer
 
 CASES = [Case(length=17, block_size=7, decode_steps=3), Case(length=12, chunk=5, block_size=3, decode_steps=2)]
-LLAMA4 = {"num_hidden_layers": 2, "attention_chunk_size": 8, "no_rope_layer_interval": 2, "floor_scale": 4,
-          "attn_scale": 0.5, "num_local_experts": 4, "interleave_moe_layer_step": 2, "intermediate_size_mlp": 80}
+LLAMA4 = {
+    "num_hidden_layers": 2,
+    "attention_chunk_size": 8,
+    "no_rope_layer_interval": 2,
+    "floor_scale": 4,
+    "attn_scale": 0.5,
+    "num_local_experts": 4,
+    "interleave_moe_layer_step": 2,
+    "intermediate_size_mlp": 80,
+}
 SW = {"sliding_window": 5, "layer_types": ["sliding_attention", "full_attention"]}
-GEMMA3 = {**SW, "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-                                    "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6}}}
-MLA = {"num_key_value_heads": 4, "head_dim": 16, "kv_lora_rank": 20, "qk_nope_head_dim": 8, "qk_rope_head_dim": 16,
-       "v_head_dim": 12, "n_routed_experts": 4, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
-       "num_experts_per_tok": 2}
+GEMMA3 = {
+    **SW,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+    },
+}
+MLA = {
+    "num_key_value_heads": 4,
+    "head_dim": 16,
+    "kv_lora_rank": 20,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 16,
+    "v_head_dim": 12,
+    "n_routed_experts": 4,
+    "moe_intermediate_size": 32,
+    "first_k_dense_replace": 1,
+    "num_experts_per_tok": 2,
+}
 V3 = {**MLA, "q_lora_rank": 24, "n_group": 2, "topk_group": 1}
 V2 = {**MLA, "q_lora_rank": None}
 # (fault, model_type, overrides, the layer it breaks first)
@@ -49,9 +71,17 @@ def _name_from_records(adapter, report):
     view = adapter.run_case(result.case, tokens).steps[fd.step].layers[fd.layer]
     t = fd.query_position
     probe = ReferenceDecoder(ckpt).forward(tokens[: t + 1], probe_rows=[t]).layers[fd.layer]
-    return fd, diagnose_layer(ckpt.config, fd.layer, q_raw=probe.q_raw[0], q_eff=view.q[0],
-                              k_raw=probe.k_raw[view.key_positions], k_eff=view.k,
-                              key_positions=view.key_positions, query_position=t, seq_len=t + 1)
+    return fd, diagnose_layer(
+        ckpt.config,
+        fd.layer,
+        q_raw=probe.q_raw[0],
+        q_eff=view.q[0],
+        k_raw=probe.k_raw[view.key_positions],
+        k_eff=view.k,
+        key_positions=view.key_positions,
+        query_position=t,
+        seq_len=t + 1,
+    )
 
 
 @pytest.mark.parametrize("fault,arch,overrides,layer", RUNS, ids=[f"{r[0]}-{r[1]}" for r in RUNS])
@@ -77,10 +107,20 @@ def _assert_clean_records_name_nothing(ckpt) -> None:
     for step in run.steps:
         probe_layers = ReferenceDecoder(ckpt).forward(tokens[: step.position + 1], probe_rows=[step.position]).layers
         for layer, (view, probe) in enumerate(zip(step.layers, probe_layers)):
-            assert diagnose_layer(ckpt.config, layer, q_raw=probe.q_raw[0], q_eff=view.q[0],
-                                  k_raw=probe.k_raw[view.key_positions], k_eff=view.k,
-                                  key_positions=view.key_positions, query_position=step.position,
-                                  seq_len=step.position + 1) is None
+            assert (
+                diagnose_layer(
+                    ckpt.config,
+                    layer,
+                    q_raw=probe.q_raw[0],
+                    q_eff=view.q[0],
+                    k_raw=probe.k_raw[view.key_positions],
+                    k_eff=view.k,
+                    key_positions=view.key_positions,
+                    query_position=step.position,
+                    seq_len=step.position + 1,
+                )
+                is None
+            )
 
 
 @pytest.mark.parametrize("arch,overrides", [("stablelm", {}), ("gemma3_text", GEMMA3), ("cohere2", SW)])
@@ -133,8 +173,15 @@ def test_mla_fault_turns_only_the_rope_part(make_arch_checkpoint):
 # MLA kind; double rotation is the one exception, because on MLA it is exactly this bug (only the rope
 # part turns, so a key rotated on write and again on read is the rope part rotated twice).
 MLA_CASES = [*CASES, Case(length=10, prefix=3, chunk=4, block_size=3, decode_steps=2)]
-ON_MLA = ["missing-rotation", "ignored-prefix-offset", "block-local-position", "decode-position-off-by-one",
-          "scaling-mismatch", "layout-mismatch", "partial-rotary-all-channels"]
+ON_MLA = [
+    "missing-rotation",
+    "ignored-prefix-offset",
+    "block-local-position",
+    "decode-position-off-by-one",
+    "scaling-mismatch",
+    "layout-mismatch",
+    "partial-rotary-all-channels",
+]
 
 
 @pytest.mark.parametrize("fault", ON_MLA)
@@ -156,5 +203,8 @@ def test_mla_kind_names_no_clean_run_and_no_fault_elsewhere(make_arch_checkpoint
     """Clean MLA records name nothing; on models without MLA the kind cannot come up at all."""
     ckpt = load_checkpoint(make_arch_checkpoint("deepseek_v3", **V3))
     _assert_clean_records_name_nothing(ckpt)
-    assert all(f.kind != "mla_rope_rotated_twice" for f in [*FAULTS.values(), *ARCH_FAULTS.values()]
-               if f.name != "mla-rope-rotated-twice")
+    assert all(
+        f.kind != "mla_rope_rotated_twice"
+        for f in [*FAULTS.values(), *ARCH_FAULTS.values()]
+        if f.name != "mla-rope-rotated-twice"
+    )

@@ -1,4 +1,4 @@
-"""``ropekv bench --quick`` runs end to end and writes valid JSON (issue 7).
+"""``ropekv bench --quick`` runs end to end and writes valid JSON.
 
 Only that it runs and what it writes: no figure is asserted (timings on a shared CI machine mean
 nothing, and the goal ratios are for the default model on the reference machine, see
@@ -16,14 +16,14 @@ import sys
 import pytest
 import torch
 
-from ropekv.attention import attend
 from ropekv.bench.run import GOALS, measured_contexts
 from ropekv.cache.paged import PagedKVCache
 from ropekv.contract import CacheContract
+from ropekv.engine.attention import attend
+from ropekv.engine.rotation import RopeTables, StepContext, rotate
+from ropekv.engine.transformer import rms_norm
 from ropekv.errors import UsageError
 from ropekv.rope import RopeScaling, RopeSpec
-from ropekv.rotation import RopeTables, StepContext, rotate
-from ropekv.transformer import rms_norm
 
 CONTEXTS = (16, 64)
 
@@ -33,10 +33,30 @@ def bench_run(tiny_llama_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     json_path, plot_path = out / "bench.json", out / "bench.png"
     proc = subprocess.run(
-        [sys.executable, "-m", "ropekv.cli.main", "bench", str(tiny_llama_dir), "--quick", "--threads", "1",
-         "--contexts", ",".join(map(str, CONTEXTS)), "--steps", "2", "--bandwidth-mib", "64",
-         "--json", str(json_path), "--plot", str(plot_path)],
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "ropekv.cli.main",
+            "bench",
+            str(tiny_llama_dir),
+            "--quick",
+            "--threads",
+            "1",
+            "--contexts",
+            ",".join(map(str, CONTEXTS)),
+            "--steps",
+            "2",
+            "--bandwidth-mib",
+            "64",
+            "--json",
+            str(json_path),
+            "--plot",
+            str(plot_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc, json.loads(json_path.read_text()), plot_path
 
@@ -56,9 +76,15 @@ def test_quick_bench_writes_every_goal(bench_run) -> None:
     _, doc, _ = bench_run
     assert doc["format"] == "ropekv.bench" and doc["quick"] is True
     assert set(doc["goals"]) == set(GOALS)
-    assert {"decode_vs_transformers_1024", "decode_fraction_of_bandwidth_limit_1024", "rotate_on_read_over_rotated_4096",
-            "sweep_over_longest_prefill", "naive_over_sweep", "handoff_over_bare_sendrecv",
-            "cache_bytes_over_ideal"} <= set(GOALS)  # issue 7's JSON names stay
+    assert {
+        "decode_vs_transformers_1024",
+        "decode_fraction_of_bandwidth_limit_1024",
+        "rotate_on_read_over_rotated_4096",
+        "sweep_over_longest_prefill",
+        "naive_over_sweep",
+        "handoff_over_bare_sendrecv",
+        "cache_bytes_over_ideal",
+    } <= set(GOALS)  # the earlier JSON names stay
     for name, value in doc["goals"].items():
         if name == "naive_over_sweep":  # --quick skips the naive sweep and says so with null
             assert value is None
@@ -104,8 +130,12 @@ def test_quick_bench_states_the_matvec_ceilings(bench_run) -> None:
     floor = doc["weights_matvec_floor"]["runs"][i]["step_seconds"]
     hf = doc["decode"]["transformers"]["runs"][i]["step_seconds"]
     limit = doc["decode"]["ropekv"]["rotated"]["runs"][i]["bandwidth_limit_tokens_per_s"]
-    assert doc["ceilings"]["decode_vs_transformers_1024"] == pytest.approx(statistics.median(hf) / statistics.median(floor))
-    assert doc["ceilings"]["decode_fraction_of_bandwidth_limit_1024"] == pytest.approx(1 / statistics.median(floor) / limit)
+    assert doc["ceilings"]["decode_vs_transformers_1024"] == pytest.approx(
+        statistics.median(hf) / statistics.median(floor)
+    )
+    assert doc["ceilings"]["decode_fraction_of_bandwidth_limit_1024"] == pytest.approx(
+        1 / statistics.median(floor) / limit
+    )
     assert f"ceiling of 'decode speed vs transformers' at context {ctx}" in proc.stdout
     assert "time per step above the matvec floor" in proc.stdout
 
@@ -153,7 +183,7 @@ def test_step_table_rotation_is_rope_rotate(layout, rotary_dim, dtype, heads) ->
 
 def test_rotation_keeps_no_state_between_steps() -> None:
     """Nothing is memoized in module state: the policy reads only the tables its step hands it."""
-    import ropekv.rotation as rotation
+    import ropekv.engine.rotation as rotation
 
     spec = RopeSpec(head_dim=8, rotary_dim=8, theta=10000.0)
     positions = torch.arange(5)
@@ -189,8 +219,17 @@ def test_attend_without_mask_is_attend_with_everything_visible() -> None:
 
 def _cache_contract(window=None, sinks=0) -> CacheContract:
     rope = RopeSpec(head_dim=8, rotary_dim=8, theta=10000.0)
-    return CacheContract(key_form="rotated", rope=rope, num_layers=2, num_kv_heads=2, head_dim=8,
-                         window=window, window_layers=(1,) if window else (), sink_tokens=sinks, block_size=4)
+    return CacheContract(
+        key_form="rotated",
+        rope=rope,
+        num_layers=2,
+        num_kv_heads=2,
+        head_dim=8,
+        window=window,
+        window_layers=(1,) if window else (),
+        sink_tokens=sinks,
+        block_size=4,
+    )
 
 
 def test_uncopied_cache_views_hold_what_copied_ones_hold() -> None:
@@ -235,7 +274,7 @@ def test_uncopied_cache_views_hold_what_copied_ones_hold() -> None:
 def test_attend_in_query_blocks_matches_attend_at_once(window, sinks) -> None:
     """A long prefill without logits goes in query blocks that read only the keys they can see; it must
     agree with the one-block computation within float32 rounding (written out independently here)."""
-    from ropekv.attention import visibility
+    from ropekv.engine.attention import visibility
 
     g = torch.Generator().manual_seed(4)
     n, cached = 700, 300
@@ -244,7 +283,7 @@ def test_attend_in_query_blocks_matches_attend_at_once(window, sinks) -> None:
     positions = torch.arange(cached, cached + n)
     mask = visibility(positions, torch.arange(cached + n), window, sinks)
     expected, _ = attend(q, k, v, mask)
-    import ropekv.attention as attention
+    import ropekv.engine.attention as attention
 
     old = attention._BLOCK_BYTES
     attention._BLOCK_BYTES = 6 * (cached + n) * 4 * 64  # 64 query rows a block
@@ -254,15 +293,16 @@ def test_attend_in_query_blocks_matches_attend_at_once(window, sinks) -> None:
         attention._BLOCK_BYTES = old
     assert logits is None
     scores = torch.einsum("nhd,mhd->hnm", q.double(), k.double().repeat_interleave(3, dim=1)) / 4.0
-    reference = torch.einsum("hnm,mhd->nhd", scores.masked_fill(~mask, float("-inf")).softmax(-1),
-                             v.double().repeat_interleave(3, dim=1))
+    reference = torch.einsum(
+        "hnm,mhd->nhd", scores.masked_fill(~mask, float("-inf")).softmax(-1), v.double().repeat_interleave(3, dim=1)
+    )
     torch.testing.assert_close(blocked.double(), reference, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(blocked, expected, rtol=1e-5, atol=1e-6)
 
 
 def test_attend_over_segments_is_attend_over_the_joined_keys() -> None:
     """A decode step reads the cached keys/values in place (segments) instead of joining them first."""
-    from ropekv.attention import attend_segments
+    from ropekv.engine.attention import attend_segments
 
     g = torch.Generator().manual_seed(5)
     q = torch.randn(1, 9, 64, generator=g)
@@ -283,8 +323,9 @@ def test_unprobed_decode_reads_like_the_probed_one(tiny_llama_dir, key_form, win
     from ropekv.models import load_checkpoint
 
     ckpt = load_checkpoint(tiny_llama_dir)
-    contract = CacheContract.for_model(ckpt.config, key_form=key_form, block_size=4, dtype="float32",
-                                       model_fingerprint=ckpt.fingerprint)
+    contract = CacheContract.for_model(
+        ckpt.config, key_form=key_form, block_size=4, dtype="float32", model_fingerprint=ckpt.fingerprint
+    )
     if window is not None:
         contract = contract.replace(window=window, window_layers=(0,))
     tokens = torch.randint(0, ckpt.config.vocab_size, (30,), generator=torch.Generator().manual_seed(6))
@@ -307,15 +348,17 @@ def test_compiled_rotation_keeps_the_eager_step(tiny_llama_dir) -> None:
     from ropekv.models import load_checkpoint
 
     ckpt = load_checkpoint(tiny_llama_dir)
-    contract = CacheContract.for_model(ckpt.config, key_form="raw", block_size=4, dtype="float32",
-                                       model_fingerprint=ckpt.fingerprint)
+    contract = CacheContract.for_model(
+        ckpt.config, key_form="raw", block_size=4, dtype="float32", model_fingerprint=ckpt.fingerprint
+    )
     tokens = torch.randint(0, ckpt.config.vocab_size, (40,), generator=torch.Generator().manual_seed(7))
     eager, compiled = Engine(ckpt, contract, 16), Engine(ckpt, contract, 16, compile_rotation=True)
     for engine in (eager, compiled):
         engine.prefill("s", tokens[:30])
     for t in range(30, 40):
-        torch.testing.assert_close(compiled.decode("s", int(tokens[t])).logits,
-                                   eager.decode("s", int(tokens[t])).logits, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            compiled.decode("s", int(tokens[t])).logits, eager.decode("s", int(tokens[t])).logits, rtol=1e-5, atol=1e-5
+        )
 
 
 # ---------------------------------------------------------------------- logits only where a check reads them
@@ -340,8 +383,9 @@ def test_logits_of_the_rows_a_check_reads_are_those_rows_of_all_logits(tiny_llam
     contract = CacheContract.for_model(ckpt.config, key_form="rotated", block_size=8)
     engine = Engine(ckpt, contract, num_blocks=16)
     full = engine.forward_full(tokens)
-    torch.testing.assert_close(engine.forward_full(tokens, logits_rows=rows).logits, full.logits[rows],
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        engine.forward_full(tokens, logits_rows=rows).logits, full.logits[rows], rtol=1e-5, atol=1e-5
+    )
     torch.testing.assert_close(engine.prefill("s", tokens), full.logits[-1], rtol=1e-5, atol=1e-5)
 
 
@@ -350,8 +394,13 @@ def test_a_check_reports_the_seconds_of_its_unavoidable_parts(tiny_llama_dir) ->
     from ropekv.models import load_checkpoint
     from ropekv.parity.harness import check
 
-    report = check(NativeAdapter(load_checkpoint(str(tiny_llama_dir))), lengths=[30], block_sizes=[8],
-                   prefix_offsets=[0], decode_steps=2)
+    report = check(
+        NativeAdapter(load_checkpoint(str(tiny_llama_dir))),
+        lengths=[30],
+        block_sizes=[8],
+        prefix_offsets=[0],
+        decode_steps=2,
+    )
     parts = report.phase_seconds
     assert set(parts) == {"float64_reference_forwards", "engine_full_forwards", "cached_runs"}
     assert all(v > 0 for v in parts.values()) and sum(parts.values()) < report.seconds

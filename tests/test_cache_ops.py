@@ -1,4 +1,4 @@
-"""Cache operations at the cache and engine level (issue 14): rollback (full group and a wrapped ring,
+"""Cache operations at the cache and engine level: rollback (full group and a wrapped ring,
 restored from the overwrite journal), eviction holes, shift, save/restore, batched decode. Every
 refusal leaves ``state_digest`` unchanged. Expected values come from what was appended (kept here)
 or from ropekv.rope's pure rotation, never from the operation under test."""
@@ -21,16 +21,26 @@ ROPE = RopeSpec(head_dim=D, rotary_dim=D, theta=10000.0)
 
 
 def make(window=None, sinks=0, block_size=3, key_form="rotated", depth=16, rope=ROPE, num_blocks=64):
-    c = CacheContract(key_form=key_form, rope=rope, num_layers=2,
-                      num_kv_heads=KVH, head_dim=D, window=window,
-                      window_layers=(1,) if window else (), sink_tokens=sinks, block_size=block_size,
-                      dtype="float32")
+    c = CacheContract(
+        key_form=key_form,
+        rope=rope,
+        num_layers=2,
+        num_kv_heads=KVH,
+        head_dim=D,
+        window=window,
+        window_layers=(1,) if window else (),
+        sink_tokens=sinks,
+        block_size=block_size,
+        dtype="float32",
+    )
     return PagedKVCache(c, num_blocks, rollback_depth=depth)
 
 
 def data(n, seed):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randn(n, KVH, D, generator=g) for _ in range(2)], [torch.randn(n, KVH, D, generator=g) for _ in range(2)]
+    return [torch.randn(n, KVH, D, generator=g) for _ in range(2)], [
+        torch.randn(n, KVH, D, generator=g) for _ in range(2)
+    ]
 
 
 def put(cache, sid, start, n, seed):
@@ -125,7 +135,9 @@ def test_shift_refusals_leave_the_cache_unchanged():
     with pytest.raises(CacheError):
         cache.shift("s", 5, 100)  # nothing at or after 100
     assert cache.state_digest() == digest
-    dyn = make(rope=ROPE.replace(scaling=RopeScaling("dynamic", factor=2.0), max_position_embeddings=16), key_form="raw")
+    dyn = make(
+        rope=ROPE.replace(scaling=RopeScaling("dynamic", factor=2.0), max_position_embeddings=16), key_form="raw"
+    )
     dyn.create("s")
     put(dyn, "s", 0, 4, seed=1)
     digest = dyn.state_digest()

@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from ropekv import check
-from ropekv.adapters.faults import ARCH_FAULTS
 from ropekv.adapters.native import NativeAdapter
-from ropekv.attention import visibility
-from ropekv.contract import CacheContract, LayerAttention
+from ropekv.attention_kind import LayerAttention
+from ropekv.contract import CacheContract
 from ropekv.engine import Engine
+from ropekv.engine.attention import visibility
 from ropekv.errors import ConfigError, ContractMismatch
+from ropekv.faults.catalogue import ARCH_FAULTS
 from ropekv.models import ReferenceDecoder, load_checkpoint
 from ropekv.parity.cases import Case
 from ropekv.parity.recorder import visible_keys
@@ -23,13 +24,25 @@ from ropekv.rope import RopeSpec
 
 ROPE = RopeSpec(head_dim=8, rotary_dim=8, theta=1e4)
 C = 8  # chunk size: 17 + 3 tokens cross two chunk boundaries
-CASES = [Case(length=17, block_size=7, decode_steps=3), Case(length=10, prefix=3, chunk=4, block_size=3,
-                                                              decode_steps=2)]
+CASES = [
+    Case(length=17, block_size=7, decode_steps=3),
+    Case(length=10, prefix=3, chunk=4, block_size=3, decode_steps=2),
+]
 
 
 def make(**changes) -> CacheContract:
-    base = dict(key_form="rotated", rope=ROPE, num_layers=4, num_kv_heads=2, head_dim=8, window=5,
-                window_layers=(0,), chunk_size=C, chunk_layers=(1, 3), block_size=4)
+    base = dict(
+        key_form="rotated",
+        rope=ROPE,
+        num_layers=4,
+        num_kv_heads=2,
+        head_dim=8,
+        window=5,
+        window_layers=(0,),
+        chunk_size=C,
+        chunk_layers=(1, 3),
+        block_size=4,
+    )
     base.update(changes)
     return CacheContract(**base)
 
@@ -44,14 +57,17 @@ def test_each_layer_has_one_attention_kind():
     assert c.layer_attention(0).window == 5 and c.layer_attention(2).window is None
 
 
-@pytest.mark.parametrize("changes,match", [
-    (dict(chunk_layers=(0, 1)), r"layer\(s\) \[0\] are both sliding"),
-    (dict(chunk_size=None), "a chunk size needs the layers"),
-    (dict(chunk_layers=()), "a chunk size needs the layers"),
-    (dict(chunk_size=0), "chunk_size must be an integer >= 1"),
-    (dict(chunk_layers=(3, 1)), "chunk_layers must be sorted"),
-    (dict(chunk_layers=(4,)), r"not a layer index in \[0, 4\)"),
-])
+@pytest.mark.parametrize(
+    "changes,match",
+    [
+        (dict(chunk_layers=(0, 1)), r"layer\(s\) \[0\] are both sliding"),
+        (dict(chunk_size=None), "a chunk size needs the layers"),
+        (dict(chunk_layers=()), "a chunk size needs the layers"),
+        (dict(chunk_size=0), "chunk_size must be an integer >= 1"),
+        (dict(chunk_layers=(3, 1)), "chunk_layers must be sorted"),
+        (dict(chunk_layers=(4,)), r"not a layer index in \[0, 4\)"),
+    ],
+)
 def test_bad_chunks_raise(changes, match):
     with pytest.raises(ConfigError, match=match):
         make(**changes)
@@ -116,10 +132,15 @@ def test_reference_masks_earlier_chunks(chunked_llama):
     b = ref.forward(changed, probe_rows=[17]).layers
     # Layer 1's input at 17 is layer 0's output there, which reads only the keys 16 and 17 (chunk [16, 24)).
     assert torch.allclose(a[1].hidden_in, b[1].hidden_in)
-    full = ReferenceDecoder(chunked_llama.with_config(chunked_llama.config.replace(
-        layer_types=("full_attention", "full_attention"), attention_chunk_size=None)))
-    assert not torch.allclose(full.forward(tokens, probe_rows=[17]).layers[1].hidden_in,
-                              full.forward(changed, probe_rows=[17]).layers[1].hidden_in)
+    full = ReferenceDecoder(
+        chunked_llama.with_config(
+            chunked_llama.config.replace(layer_types=("full_attention", "full_attention"), attention_chunk_size=None)
+        )
+    )
+    assert not torch.allclose(
+        full.forward(tokens, probe_rows=[17]).layers[1].hidden_in,
+        full.forward(changed, probe_rows=[17]).layers[1].hidden_in,
+    )
 
 
 @pytest.mark.parametrize("key_form", ["rotated", "raw"])
@@ -150,8 +171,16 @@ def test_check_passes_on_chunked_layers_and_the_fault_is_named(chunked_llama):
 
 # ---------------------------------------------------------------------- llama4: chunks from the config
 
-LLAMA4 = {"num_hidden_layers": 2, "attention_chunk_size": C, "no_rope_layer_interval": 2, "floor_scale": 4,
-          "attn_scale": 0.5, "num_local_experts": 4, "interleave_moe_layer_step": 2, "intermediate_size_mlp": 80}
+LLAMA4 = {
+    "num_hidden_layers": 2,
+    "attention_chunk_size": C,
+    "no_rope_layer_interval": 2,
+    "floor_scale": 4,
+    "attn_scale": 0.5,
+    "num_local_experts": 4,
+    "interleave_moe_layer_step": 2,
+    "intermediate_size_mlp": 80,
+}
 
 
 @pytest.fixture(scope="module")
@@ -167,12 +196,15 @@ def test_llama4_contract_has_its_chunked_layers(llama4):
     assert contract.layer_rope(1) is None  # the full layer is the NoPE one
 
 
-@pytest.mark.parametrize("fault,kind,layer", [
-    ("chunked-layers-read-earlier-chunks", "chunk_mismatch", 0),
-    ("layout-mismatch", "layout_mismatch", 0),  # llama4 pairs channels 2m, 2m+1 (complex pairs)
-])
+@pytest.mark.parametrize(
+    "fault,kind,layer",
+    [
+        ("chunked-layers-read-earlier-chunks", "chunk_mismatch", 0),
+        ("layout-mismatch", "layout_mismatch", 0),  # llama4 pairs channels 2m, 2m+1 (complex pairs)
+    ],
+)
 def test_llama4_faults_are_named(llama4, fault, kind, layer):
-    from ropekv.adapters.faults import get_fault
+    from ropekv.faults.catalogue import get_fault
 
     report = check(get_fault(fault).adapter(llama4), cases=CASES)
     assert not report.passed and report.diagnosis.kind == kind, report.table()
@@ -201,8 +233,12 @@ def test_l2_qk_norm_with_a_rope_attention_factor_is_refused(make_arch_checkpoint
     from ropekv.models.config import ModelConfig
 
     config = _config(make_arch_checkpoint("llama4_text", **LLAMA4))
-    config["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-                                 "rope_theta": 1e4}
+    config["rope_parameters"] = {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "rope_theta": 1e4,
+    }
     with pytest.raises(ConfigError, match="L2 q/k norm after RoPE with a RoPE attention factor"):
         ModelConfig.from_hf_config(config)
     config["use_qk_norm"] = False
@@ -212,7 +248,10 @@ def test_l2_qk_norm_with_a_rope_attention_factor_is_refused(make_arch_checkpoint
 def test_chunked_layers_on_an_architecture_without_them_are_refused(make_arch_checkpoint):
     from ropekv.models.config import ModelConfig
 
-    config = {**_config(make_arch_checkpoint("llama")), "layer_types": ["chunked_attention", "full_attention"],
-              "attention_chunk_size": 8}
+    config = {
+        **_config(make_arch_checkpoint("llama")),
+        "layer_types": ["chunked_attention", "full_attention"],
+        "attention_chunk_size": 8,
+    }
     with pytest.raises(ConfigError, match="transformers' llama has no chunked attention"):
         ModelConfig.from_hf_config(config)

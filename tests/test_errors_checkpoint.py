@@ -1,4 +1,4 @@
-"""Bad checkpoints (issue 8): every refusal is a RopeKVError subclass whose message names the file and
+"""Bad checkpoints: every refusal is a RopeKVError subclass whose message names the file and
 the field or tensor at fault.
 
 Each test corrupts a copy of the conftest tiny llama checkpoint in a tmp dir (or writes a tiny GGUF with
@@ -12,8 +12,9 @@ import json
 import pickle
 import shutil
 import struct
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -96,8 +97,13 @@ def test_missing_shard(ck):
     weight_map = {name: "model-00001-of-00001.safetensors" for name in tensors}
     weight_map["model.norm.weight"] = "model-00002-of-00002.safetensors"
     (ck / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    refused(CheckpointError, ck, str(ck / "model.safetensors.index.json"), "model-00002-of-00002.safetensors",
-            "model.norm.weight")
+    refused(
+        CheckpointError,
+        ck,
+        str(ck / "model.safetensors.index.json"),
+        "model-00002-of-00002.safetensors",
+        "model.norm.weight",
+    )
 
 
 def test_missing_gguf_file(tmp_path):
@@ -119,8 +125,18 @@ def test_config_json_that_is_not_an_object(ck, text):
     refused(ConfigError, ck, str(ck / "config.json"), "JSON object")
 
 
-@pytest.mark.parametrize("field", ["num_attention_heads", "hidden_size", "num_hidden_layers", "vocab_size",
-                                   "intermediate_size", "rms_norm_eps", "max_position_embeddings"])
+@pytest.mark.parametrize(
+    "field",
+    [
+        "num_attention_heads",
+        "hidden_size",
+        "num_hidden_layers",
+        "vocab_size",
+        "intermediate_size",
+        "rms_norm_eps",
+        "max_position_embeddings",
+    ],
+)
 def test_config_lacking_a_field(ck, field):
     file = edit_config(ck, lambda c: c.pop(field))
     refused(ConfigError, ck, str(file), field)
@@ -132,26 +148,29 @@ def test_config_lacking_both_architecture_fields(ck):
     refused(ConfigError, ck, str(file), "model_type", "architectures")
 
 
-@pytest.mark.parametrize("field,value", [
-    ("num_attention_heads", "four"),
-    ("hidden_size", 64.5),
-    ("num_hidden_layers", True),
-    ("num_hidden_layers", 10**9),
-    ("num_hidden_layers", -2),
-    ("vocab_size", [96]),
-    ("rms_norm_eps", "tiny"),
-    ("rms_norm_eps", 10**400),
-    ("max_position_embeddings", 0),
-    ("num_key_value_heads", 0),
-    ("num_key_value_heads", 3),
-    ("head_dim", "16"),
-    ("rope_theta", "ten thousand"),
-    ("rope_theta", 0.5),
-    ("partial_rotary_factor", float("nan")),
-    ("tie_word_embeddings", "no"),
-    ("hidden_act", "quick_gelu"),  # not modelled (gelu, relu2, ... are)
-    ("layer_types", ["full_attention", ["sliding_attention"]]),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("num_attention_heads", "four"),
+        ("hidden_size", 64.5),
+        ("num_hidden_layers", True),
+        ("num_hidden_layers", 10**9),
+        ("num_hidden_layers", -2),
+        ("vocab_size", [96]),
+        ("rms_norm_eps", "tiny"),
+        ("rms_norm_eps", 10**400),
+        ("max_position_embeddings", 0),
+        ("num_key_value_heads", 0),
+        ("num_key_value_heads", 3),
+        ("head_dim", "16"),
+        ("rope_theta", "ten thousand"),
+        ("rope_theta", 0.5),
+        ("partial_rotary_factor", float("nan")),
+        ("tie_word_embeddings", "no"),
+        ("hidden_act", "quick_gelu"),  # not modelled (gelu, relu2, ... are)
+        ("layer_types", ["full_attention", ["sliding_attention"]]),
+    ],
+)
 def test_config_field_of_the_wrong_type_or_range(ck, field, value):
     def change(c):
         # transformers 5 writes rope_theta (and partial_rotary_factor) inside rope_parameters
@@ -159,13 +178,18 @@ def test_config_field_of_the_wrong_type_or_range(ck, field, value):
 
     file = edit_config(ck, change)
     message = refused(ConfigError, ck, str(file))
-    named = {"num_key_value_heads": "num_key_value_heads", "rope_theta": "theta", "layer_types": "layer type",
-             "partial_rotary_factor": "partial_rotary_factor"}.get(field, field)
+    named = {
+        "num_key_value_heads": "num_key_value_heads",
+        "rope_theta": "theta",
+        "layer_types": "layer type",
+        "partial_rotary_factor": "partial_rotary_factor",
+    }.get(field, field)
     assert named in message, message
 
 
-@pytest.mark.parametrize("arch,model_type", [("GPT2LMHeadModel", "gpt2"), ("MambaForCausalLM", "mamba"),
-                                             (None, "bloom")])
+@pytest.mark.parametrize(
+    "arch,model_type", [("GPT2LMHeadModel", "gpt2"), ("MambaForCausalLM", "mamba"), (None, "bloom")]
+)
 def test_unknown_architecture(ck, arch, model_type):
     def change(c):
         c["model_type"] = model_type
@@ -175,11 +199,14 @@ def test_unknown_architecture(ck, arch, model_type):
     refused(ConfigError, ck, str(file), arch or model_type, "unsupported architecture")
 
 
-@pytest.mark.parametrize("field,rope", [
-    ("rope_parameters", {"rope_type": "wavy", "rope_theta": 10000.0}),
-    ("rope_scaling", {"type": "su2", "factor": 2.0}),
-    ("rope_parameters", {"full_attention": {"rope_type": "ntk-by-parts", "rope_theta": 10000.0}}),
-])
+@pytest.mark.parametrize(
+    "field,rope",
+    [
+        ("rope_parameters", {"rope_type": "wavy", "rope_theta": 10000.0}),
+        ("rope_scaling", {"type": "su2", "factor": 2.0}),
+        ("rope_parameters", {"full_attention": {"rope_type": "ntk-by-parts", "rope_theta": 10000.0}}),
+    ],
+)
 def test_unknown_rope_type(ck, field, rope):
     def change(c):
         c.pop("rope_parameters", None)
@@ -190,16 +217,29 @@ def test_unknown_rope_type(ck, field, rope):
     refused(ConfigError, ck, str(file), kind, "unknown RoPE type")
 
 
-@pytest.mark.parametrize("rope,named", [
-    ({"rope_type": "linear", "rope_theta": 10000.0}, "factor"),
-    ({"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 0,
-      "high_freq_factor": 4.0}, "low_freq_factor"),
-    ({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": -1}, "beta_fast"),
-    ({"rope_type": "yarn", "rope_theta": 10000.0, "original_max_position_embeddings": "big"},
-     "original_max_position_embeddings"),
-    ({"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 1e300}, "not finite and positive"),
-    ({"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0, "wobble": 1}, "wobble"),
-])
+@pytest.mark.parametrize(
+    "rope,named",
+    [
+        ({"rope_type": "linear", "rope_theta": 10000.0}, "factor"),
+        (
+            {
+                "rope_type": "llama3",
+                "rope_theta": 10000.0,
+                "factor": 8.0,
+                "low_freq_factor": 0,
+                "high_freq_factor": 4.0,
+            },
+            "low_freq_factor",
+        ),
+        ({"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": -1}, "beta_fast"),
+        (
+            {"rope_type": "yarn", "rope_theta": 10000.0, "original_max_position_embeddings": "big"},
+            "original_max_position_embeddings",
+        ),
+        ({"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 1e300}, "not finite and positive"),
+        ({"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0, "wobble": 1}, "wobble"),
+    ],
+)
 def test_bad_rope_parameters(ck, rope, named):
     file = edit_config(ck, lambda c: c.update({"rope_parameters": rope}))
     refused(ConfigError, ck, str(file), named)
@@ -208,16 +248,33 @@ def test_bad_rope_parameters(ck, rope, named):
 # ----------------------------------------------------------------------------------- tensors
 
 
-@pytest.mark.parametrize("change,names", [
-    (lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"), ["missing", "model.layers.1.self_attn.k_proj.weight"]),
-    (lambda t: t.pop("lm_head.weight"), ["missing", "lm_head.weight"]),
-    (lambda t: t.update({"model.layers.0.mystery.weight": torch.zeros(3)}), ["unexpected", "model.layers.0.mystery.weight"]),
-    (lambda t: t.update({"model.layers.7.mlp.up_proj.weight": torch.zeros(96, 64)}), ["unexpected", "model.layers.7"]),
-    (lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(96, 63)}),
-     ["model.layers.0.mlp.up_proj.weight", "(96, 63)", "(96, 64)"]),
-    (lambda t: t.update({"model.embed_tokens.weight": torch.zeros(96, 64, 1)}), ["model.embed_tokens.weight", "(96, 64, 1)"]),
-    (lambda t: t.update({"model.norm.weight": torch.ones(64, dtype=torch.int32)}), ["model.norm.weight", "int32"]),
-])
+@pytest.mark.parametrize(
+    "change,names",
+    [
+        (
+            lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"),
+            ["missing", "model.layers.1.self_attn.k_proj.weight"],
+        ),
+        (lambda t: t.pop("lm_head.weight"), ["missing", "lm_head.weight"]),
+        (
+            lambda t: t.update({"model.layers.0.mystery.weight": torch.zeros(3)}),
+            ["unexpected", "model.layers.0.mystery.weight"],
+        ),
+        (
+            lambda t: t.update({"model.layers.7.mlp.up_proj.weight": torch.zeros(96, 64)}),
+            ["unexpected", "model.layers.7"],
+        ),
+        (
+            lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(96, 63)}),
+            ["model.layers.0.mlp.up_proj.weight", "(96, 63)", "(96, 64)"],
+        ),
+        (
+            lambda t: t.update({"model.embed_tokens.weight": torch.zeros(96, 64, 1)}),
+            ["model.embed_tokens.weight", "(96, 64, 1)"],
+        ),
+        (lambda t: t.update({"model.norm.weight": torch.ones(64, dtype=torch.int32)}), ["model.norm.weight", "int32"]),
+    ],
+)
 def test_missing_extra_or_misshaped_tensors(ck, change, names):
     edit_weights(ck, change)
     refused(CheckpointError, ck, str(ck), *names)
@@ -283,7 +340,10 @@ CORRUPTIONS: dict[str, tuple[Callable[[bytes], bytes], str | None]] = {
     "header length past the end": (lambda d: struct.pack("<Q", len(d)) + d[8:], "header claims"),
     "header not JSON": (lambda d: d[:8] + b"#" * 16 + d[24:], "corrupt safetensors header"),
     "header not an object": (lambda d: _with_header([1, 2], _header(d)[1]), "not a JSON object"),  # type: ignore[arg-type]
-    "header nested too deep": (lambda d: struct.pack("<Q", 100_000) + b"[" * 100_000 + d[8:], "corrupt safetensors header"),
+    "header nested too deep": (
+        lambda d: struct.pack("<Q", 100_000) + b"[" * 100_000 + d[8:],
+        "corrupt safetensors header",
+    ),
     "shape lies": (_lying_shape, TENSOR),
     "dtype lies": (_lying_dtype, TENSOR),
     "offsets past the end": (_offsets_past_the_end, TENSOR),
@@ -305,16 +365,31 @@ def test_truncated_or_lying_safetensors(ck, corruption):
 # ----------------------------------------------------------------------------------- GGUF
 
 
-def write_tiny_gguf(path: Path, ckpt_dir: Path, arch: str = "llama",
-                    override: dict[str, tuple[np.ndarray, GGMLQuantizationType | None]] | None = None) -> Path:
+def write_tiny_gguf(
+    path: Path,
+    ckpt_dir: Path,
+    arch: str = "llama",
+    override: dict[str, tuple[np.ndarray, GGMLQuantizationType | None]] | None = None,
+) -> Path:
     """The tiny checkpoint as an F32 GGUF (Q/K rows are not permuted: only refusals are tested here)."""
     config = json.loads((ckpt_dir / "config.json").read_text())
     tensors = load_file(ckpt_dir / "model.safetensors")
-    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-             "lm_head.weight": "output.weight"}
-    layer = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    names = {
+        "model.embed_tokens.weight": "token_embd.weight",
+        "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight",
+    }
+    layer = {
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+    }
     w = GGUFWriter(str(path), arch)
     w.add_block_count(config["num_hidden_layers"])
     w.add_context_length(config["max_position_embeddings"])
@@ -357,8 +432,10 @@ def test_gguf_of_an_unsupported_architecture(tiny_llama_dir, tmp_path, arch):
     refused(ConfigError, path, str(path), arch, load_fn=load_config)
 
 
-@pytest.mark.parametrize("qtype", [GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.Q8_1,
-                                   GGMLQuantizationType.I32, GGMLQuantizationType.F64])
+@pytest.mark.parametrize(
+    "qtype",
+    [GGMLQuantizationType.IQ4_NL, GGMLQuantizationType.Q8_1, GGMLQuantizationType.I32, GGMLQuantizationType.F64],
+)
 def test_gguf_of_an_unsupported_quantization(tiny_llama_dir, tmp_path, qtype):
     name = "blk.0.ffn_up.weight"  # [96, 64]
     if qtype in (GGMLQuantizationType.I32, GGMLQuantizationType.F64):  # typed by the numpy dtype
@@ -442,10 +519,13 @@ def test_trust_remote_code_is_refused(ck):
         refused(ConfigError, ck, "trust_remote_code=True is refused", load_fn=fn)
 
 
-@pytest.mark.parametrize("change", [
-    {"auto_map": {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}},
-    {"trust_remote_code": True},
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"auto_map": {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}},
+        {"trust_remote_code": True},
+    ],
+)
 def test_config_asking_for_remote_code_is_refused(ck, tmp_path, change):
     (ck / "modeling_evil.py").write_text(f"open({str(tmp_path / 'RAN')!r}, 'w')\n")
     file = edit_config(ck, lambda c: c.update(change))

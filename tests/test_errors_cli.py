@@ -1,4 +1,4 @@
-"""CLI error paths (issue 8): each bad input is one line on stderr and an exit code, before any heavy work.
+"""CLI error paths: each bad input is one line on stderr and an exit code, before any heavy work.
 
 ``main([...])`` runs in-process. "Before any heavy work" is proven by replacing the weight loader and the
 parity harness (and, where the input can be judged without the model, even the config reader) with
@@ -61,7 +61,10 @@ def assert_one_line_error(code: int, err: str, expected_code: int = 2, *named: s
 def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], list[str]]]:
     """name -> (flags after ``check MODEL``, strings the error must name); ``tmp_path/a_file`` must exist."""
     return {
-        "unknown fault": (["--inject", "quadruple-rotation"], ["unknown fault 'quadruple-rotation'", "double-rotation"]),
+        "unknown fault": (
+            ["--inject", "quadruple-rotation"],
+            ["unknown fault 'quadruple-rotation'", "double-rotation"],
+        ),
         "json folder missing": (["--json", str(tmp_path / "no" / "r.json")], ["--json", str(tmp_path / "no")]),
         "json is a directory": (["--json", str(tmp_path)], ["--json", "is a directory"]),
         "json under a file": (["--json", str(tmp_path / "a_file" / "r.json")], ["--json", "is not a directory"]),
@@ -117,8 +120,9 @@ def test_length_beyond_the_model_positions(tiny_llama_dir, capsys, no_weights):
 def test_window_larger_than_the_context(tiny_llama_dir, capsys, no_weights):
     code, out, err = run_cli(capsys, ["check", str(tiny_llama_dir), "--lengths", "10", "--window", "50"])
     assert_one_line_error(code, err, 2, "--window 50", "longest context (13 tokens)")
-    code, out, err = run_cli(capsys, ["check", str(tiny_llama_dir), "--lengths", "10", "--window", "12",
-                                      "--sinks", "1"])
+    code, out, err = run_cli(
+        capsys, ["check", str(tiny_llama_dir), "--lengths", "10", "--window", "12", "--sinks", "1"]
+    )
     assert_one_line_error(code, err, 2, "--window 12")
 
 
@@ -143,8 +147,9 @@ def test_run_refuses_bad_prompts_before_loading_weights(tiny_llama_dir, capsys, 
 @pytest.mark.parametrize("command", ["check", "run"])
 def test_missing_model_path_is_named(command, tmp_path, capsys, no_weights):
     missing = tmp_path / "models" / "not-here"
-    code, out, err = run_cli(capsys, [command, str(missing), "--token-ids", "1"] if command == "run"
-                             else [command, str(missing)])
+    code, out, err = run_cli(
+        capsys, [command, str(missing), "--token-ids", "1"] if command == "run" else [command, str(missing)]
+    )
     assert_one_line_error(code, err, 2, str(missing), "no such file or directory")
 
 
@@ -162,12 +167,15 @@ def test_broken_config_is_named(tiny_llama_dir, tmp_path, capsys, no_weights):
     assert_one_line_error(code, err, 2, str(ck / "config.json"), "not valid JSON")
 
 
-@pytest.mark.parametrize("argv,named", [
-    (["frobnicate"], "invalid choice: 'frobnicate'"),
-    (["check", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
-    (["--no-such-flag", "check"], "--no-such-flag"),
-    (["check", "--lengths"], "expected one argument"),
-])
+@pytest.mark.parametrize(
+    "argv,named",
+    [
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["check", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["--no-such-flag", "check"], "--no-such-flag"),
+        (["check", "--lengths"], "expected one argument"),
+    ],
+)
 def test_unknown_subcommand_or_flag(argv, named, capsys, nothing_read):
     code, out, err = run_cli(capsys, argv)
     assert_one_line_error(code, err, 2, named)
@@ -181,12 +189,15 @@ def test_no_subcommand_prints_usage_and_exits_2(capsys):
 # ----------------------------------------------------------------------------------- exit codes, --debug
 
 
-@pytest.mark.parametrize("error,code", [
-    (ContractMismatch("cache and writer cache contracts differ in 1 field(s): key_form", ("key_form",)), 3),
-    (TransportError("prefill worker went silent"), 4),
-    (PayloadError("payload checksum mismatch"), 2),
-    (UsageError("two\nlines"), 2),
-])
+@pytest.mark.parametrize(
+    "error,code",
+    [
+        (ContractMismatch("cache and writer cache contracts differ in 1 field(s): key_form", ("key_form",)), 3),
+        (TransportError("prefill worker went silent"), 4),
+        (PayloadError("payload checksum mismatch"), 2),
+        (UsageError("two\nlines"), 2),
+    ],
+)
 def test_errors_raised_inside_a_command(error, code, tiny_llama_dir, capsys, monkeypatch):
     def raising(*args, **kwargs):
         raise error
@@ -204,8 +215,11 @@ def test_errors_raised_inside_a_command(error, code, tiny_llama_dir, capsys, mon
 @pytest.mark.parametrize("where", ["first", "after the subcommand", "last"])
 def test_debug_prints_a_traceback(where, tiny_llama_dir, capsys, nothing_read):
     argv = ["check", str(tiny_llama_dir), "--inject", "nope"]
-    argv = {"first": ["--debug", *argv], "after the subcommand": ["check", "--debug", *argv[1:]],
-            "last": [*argv, "--debug"]}[where]
+    argv = {
+        "first": ["--debug", *argv],
+        "after the subcommand": ["check", "--debug", *argv[1:]],
+        "last": [*argv, "--debug"],
+    }[where]
     code, out, err = run_cli(capsys, argv)
     assert code == 2
     assert err.startswith("Traceback (most recent call last)") and "UsageError" in err

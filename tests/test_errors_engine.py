@@ -1,4 +1,4 @@
-"""Engine refusals (issue 8): every bad request is refused with a RopeKVError and the cache unchanged.
+"""Engine refusals: every bad request is refused with a RopeKVError and the cache unchanged.
 
 "Unchanged" is checked three ways after each refusal: ``cache.state_digest()`` (every pool, positions
 tensor, allocator and block table), a ``torch.equal`` of a copy of every key/value pool tensor, and the
@@ -32,8 +32,9 @@ def llama(tiny_llama_dir):
 
 
 def contract_for(ckpt, key_form: str, layout: str) -> CacheContract:
-    c = CacheContract.for_model(ckpt.config, key_form=key_form, block_size=BLOCK, window=None,
-                                model_fingerprint=ckpt.fingerprint)
+    c = CacheContract.for_model(
+        ckpt.config, key_form=key_form, block_size=BLOCK, window=None, model_fingerprint=ckpt.fingerprint
+    )
     if layout == "window":
         c = c.replace(window=WINDOW, window_layers=tuple(range(c.num_layers)), sink_tokens=SINKS)
     elif layout == "mixed":
@@ -67,8 +68,11 @@ def snapshot(engine: Engine) -> Snapshot:
         keys=[t.clone() for t in cache.keys],
         values=[t.clone() for t in cache.values],
         views={(s, layer): cache.view(s, layer) for s in cache.seq_ids() for layer in layers},
-        tables={(s, g): (cache.num_tokens(s), cache.last_position(s), cache.block_table(s, g))
-                for s in cache.seq_ids() for g in cache.groups},
+        tables={
+            (s, g): (cache.num_tokens(s), cache.last_position(s), cache.block_table(s, g))
+            for s in cache.seq_ids()
+            for g in cache.groups
+        },
         free={g: cache.num_free_blocks(g) for g in cache.groups},
     )
 
@@ -156,23 +160,49 @@ def test_position_that_does_not_increase(served):
     c = served.contract
     for positions, match in NOT_INCREASING:
         n = len(positions)
-        refused(served, CacheError, match, lambda: served.cache.append(
-            "s", torch.tensor(positions), kv(served, n), kv(served, n), key_form=c.key_form))
+        refused(
+            served,
+            CacheError,
+            match,
+            lambda: served.cache.append(
+                "s", torch.tensor(positions), kv(served, n), kv(served, n), key_form=c.key_form
+            ),
+        )
 
 
 def test_malformed_positions_and_keys(served):
     c = served.contract
-    for positions, match in [(torch.tensor([12.0]), "integers"), (torch.tensor([[12]]), "1-D"),
-                             (torch.tensor([], dtype=torch.int64), "1-D"), ([12], "tensor")]:
-        refused(served, CacheError, match,
-                lambda: served.cache.append("s", positions, kv(served, 1), kv(served, 1), key_form=c.key_form))
-    for keys, match in [(kv(served, 1, float("nan")), "NaN or infinite"), (kv(served, 1, float("inf")), "NaN or infinite"),
-                        (kv(served, 2), "shape"), (kv(served, 1)[:1], "one tensor per layer"),
-                        ([t.to(torch.int32) for t in kv(served, 1)], "floating-point")]:
-        refused(served, CacheError, match,
-                lambda: served.cache.append("s", torch.tensor([PREFILL]), keys, kv(served, 1), key_form=c.key_form))
-        refused(served, CacheError, match,
-                lambda: served.cache.append("s", torch.tensor([PREFILL]), kv(served, 1), keys, key_form=c.key_form))
+    for positions, match in [
+        (torch.tensor([12.0]), "integers"),
+        (torch.tensor([[12]]), "1-D"),
+        (torch.tensor([], dtype=torch.int64), "1-D"),
+        ([12], "tensor"),
+    ]:
+        refused(
+            served,
+            CacheError,
+            match,
+            lambda: served.cache.append("s", positions, kv(served, 1), kv(served, 1), key_form=c.key_form),
+        )
+    for keys, match in [
+        (kv(served, 1, float("nan")), "NaN or infinite"),
+        (kv(served, 1, float("inf")), "NaN or infinite"),
+        (kv(served, 2), "shape"),
+        (kv(served, 1)[:1], "one tensor per layer"),
+        ([t.to(torch.int32) for t in kv(served, 1)], "floating-point"),
+    ]:
+        refused(
+            served,
+            CacheError,
+            match,
+            lambda: served.cache.append("s", torch.tensor([PREFILL]), keys, kv(served, 1), key_form=c.key_form),
+        )
+        refused(
+            served,
+            CacheError,
+            match,
+            lambda: served.cache.append("s", torch.tensor([PREFILL]), kv(served, 1), keys, key_form=c.key_form),
+        )
 
 
 def test_position_beyond_the_model(llama):
@@ -188,13 +218,20 @@ def test_position_beyond_the_model(llama):
 def test_key_form_the_contract_does_not_allow(served):
     ours = served.contract.key_form
     other = "raw" if ours == "rotated" else "rotated"
-    err = refused(served, ContractMismatch, f"key_form={other!r}",
-                  lambda: served.cache.append("s", torch.tensor([PREFILL]), kv(served, 1), kv(served, 1),
-                                              key_form=other))
+    err = refused(
+        served,
+        ContractMismatch,
+        f"key_form={other!r}",
+        lambda: served.cache.append("s", torch.tensor([PREFILL]), kv(served, 1), kv(served, 1), key_form=other),
+    )
     assert err.fields == ("key_form",) and err.exit_code == 3
     assert ("twice their position" if other == "rotated" else "position 0") in str(err)
-    refused(served, ContractMismatch, "key_form='sideways'",
-            lambda: served.cache.append("s", torch.tensor([PREFILL]), kv(served, 1), kv(served, 1), key_form="sideways"))
+    refused(
+        served,
+        ContractMismatch,
+        "key_form='sideways'",
+        lambda: served.cache.append("s", torch.tensor([PREFILL]), kv(served, 1), kv(served, 1), key_form="sideways"),
+    )
 
 
 @pytest.mark.parametrize("key_form", KEY_FORMS)
@@ -213,8 +250,9 @@ def test_contracts_that_cannot_exist(llama):
 
 
 def test_rotated_keys_for_length_dependent_rope_are_refused(make_tiny_checkpoint):
-    ckpt = load_checkpoint(make_tiny_checkpoint(
-        "llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}))
+    ckpt = load_checkpoint(
+        make_tiny_checkpoint("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    )
     with pytest.raises(ContractMismatch, match="stale frequencies"):
         make_engine(ckpt, "rotated", "full")
     make_engine(ckpt, "raw", "full")  # rotate on read: accepted
@@ -233,8 +271,14 @@ def test_decode_for_an_unknown_sequence(served):
     refused(served, CacheError, "unknown sequence 'nope'", lambda: served.decode("nope", 5))
     refused(served, CacheError, "unknown sequence", lambda: served.free("nope"))
     refused(served, CacheError, "unknown sequence 'nope'", lambda: served.fork("g", "nope", 1))
-    refused(served, CacheError, "unknown sequence", lambda: served.cache.append(
-        "nope", torch.tensor([0]), kv(served, 1), kv(served, 1), key_form=served.contract.key_form))
+    refused(
+        served,
+        CacheError,
+        "unknown sequence",
+        lambda: served.cache.append(
+            "nope", torch.tensor([0]), kv(served, 1), kv(served, 1), key_form=served.contract.key_form
+        ),
+    )
     refused(served, CacheError, "unknown sequence", lambda: served.decode(["not", "hashable"], 5))
     served.free("f")
     refused(served, CacheError, "unknown sequence 'f'", lambda: served.decode("f", 5))

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ropekv.parity.cases import Case
 from ropekv import check
+from ropekv.parity.cases import Case
 from ropekv.testing.tiny import tiny_model
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "adapters"
@@ -26,6 +26,7 @@ def _off_by_one(cls):
     class Buggy(cls):  # one-token forwards run one position too far (a 1-token prompt shifts as a whole: no error)
         def forward(self, ids, start, cache):
             return super().forward(ids, start + (1 if cache is not None and len(ids) == 1 else 0), cache)
+
     return Buggy
 
 

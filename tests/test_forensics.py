@@ -5,7 +5,7 @@ name it. Specs cover both layouts, theta 1e4 and 1e5, and partial rotary (32 of 
 from __future__ import annotations
 
 import json
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -26,14 +26,23 @@ Positions = Callable[[torch.Tensor], torch.Tensor]
 
 def _raw(spec: RopeSpec, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    q = torch.randn(H, spec.head_dim, generator=g, dtype=torch.float64)        # [H, D]
-    k = torch.randn(n, KVH, spec.head_dim, generator=g, dtype=torch.float64)   # [N, KVH, D]
+    q = torch.randn(H, spec.head_dim, generator=g, dtype=torch.float64)  # [H, D]
+    k = torch.randn(n, KVH, spec.head_dim, generator=g, dtype=torch.float64)  # [N, KVH, D]
     return q, k
 
 
-def make_case(spec: RopeSpec, t: int, key_at: Positions = lambda j: j, query_at: int | None = None, *,
-              positions: torch.Tensor | None = None, slots: torch.Tensor | None = None, bf16: bool = False,
-              seed: int = 0, **kwargs) -> ForensicInput:
+def make_case(
+    spec: RopeSpec,
+    t: int,
+    key_at: Positions = lambda j: j,
+    query_at: int | None = None,
+    *,
+    positions: torch.Tensor | None = None,
+    slots: torch.Tensor | None = None,
+    bf16: bool = False,
+    seed: int = 0,
+    **kwargs,
+) -> ForensicInput:
     """Keys at logical ``positions`` (default 0..t) rotated to ``key_at(positions)``, the query to ``query_at``."""
     positions = torch.arange(t + 1) if positions is None else positions
     q, k = _raw(spec, positions.numel(), seed)
@@ -64,7 +73,7 @@ def test_effective_positions_recovers_random_integers(name: str) -> None:
     g = torch.Generator().manual_seed(7)
     truth = torch.randint(-300, 2000, (50,), generator=g)
     _, k = _raw(spec, 50, 1)
-    eff = spec.replace(attention_factor=1.3).rotate(k, truth)   # the attention factor cancels
+    eff = spec.replace(attention_factor=1.3).rotate(k, truth)  # the attention factor cancels
     pos, fit = effective_positions(k, eff, spec.inv_freq(), spec.layout, spec.rotary_dim, torch.arange(-400, 2100))
     assert torch.equal(pos, truth)
     assert torch.allclose(fit, torch.ones(50, dtype=torch.float64), atol=1e-9)
@@ -91,10 +100,11 @@ def test_missing_rotation(name: str) -> None:
 @pytest.mark.parametrize("bf16", [False, True])
 def test_slot_as_position_after_the_window_wrapped(name: str, bf16: bool) -> None:
     W, t = 7, 40
-    positions = torch.arange(t - W + 1, t + 1)                   # the W visible keys
-    slots = positions % W                                        # ring slots
-    d = check(make_case(SPECS[name], t, lambda j: j % W, positions=positions, slots=slots, bf16=bf16),
-              "slot_as_position")
+    positions = torch.arange(t - W + 1, t + 1)  # the W visible keys
+    slots = positions % W  # ring slots
+    d = check(
+        make_case(SPECS[name], t, lambda j: j % W, positions=positions, slots=slots, bf16=bf16), "slot_as_position"
+    )
     assert d.key_effective == tuple((positions % W).tolist())
     assert "slot 5, effective 5" in d.evidence
 
@@ -137,8 +147,7 @@ def test_global_shift_changes_no_logit() -> None:
 
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_rotate_on_transfer(name: str) -> None:
-    d = check(make_case(SPECS[name], 40, lambda j: torch.where(j < 20, 2 * j, j), handoff_len=20),
-              "rotate_on_transfer")
+    d = check(make_case(SPECS[name], 40, lambda j: torch.where(j < 20, 2 * j, j), handoff_len=20), "rotate_on_transfer")
     assert d.key_effective[19] == 38 and d.key_effective[20] == 20
 
 
@@ -146,12 +155,14 @@ def test_rotate_on_transfer(name: str) -> None:
 def test_frequency_mismatch_at_decode(name: str) -> None:
     spec, t, prompt = SPECS[name], 120, 110
     inp = make_case(spec, t)
-    wrong = spec.replace(theta=spec.theta * 1.5)                 # query and the keys written at decode
+    wrong = spec.replace(theta=spec.theta * 1.5)  # query and the keys written at decode
     k_eff = inp.k_eff.clone()
     k_eff[prompt:] = wrong.rotate(inp.k_raw[prompt:], torch.arange(prompt, t + 1))
     q_eff = wrong.rotate(inp.q_raw[None], torch.tensor([t]))[0]
-    d = check(ForensicInput(spec, inp.q_raw, q_eff, inp.k_raw, k_eff, t, inp.key_positions, inp.key_slots),
-              "frequency_mismatch")
+    d = check(
+        ForensicInput(spec, inp.q_raw, q_eff, inp.k_raw, k_eff, t, inp.key_positions, inp.key_slots),
+        "frequency_mismatch",
+    )
     assert d.details["theta_estimate"] == pytest.approx(spec.theta * 1.5, rel=2e-3)
 
 
@@ -160,9 +171,19 @@ def test_layout_mismatch(name: str) -> None:
     spec, t = SPECS[name], 40
     other = spec.replace(layout="gptj" if spec.layout == "neox" else "neox")
     inp = make_case(spec, t)
-    d = check(ForensicInput(spec, inp.q_raw, other.rotate(inp.q_raw[None], torch.tensor([t]))[0], inp.k_raw,
-                            other.rotate(inp.k_raw, inp.key_positions), t, inp.key_positions, inp.key_slots),
-              "layout_mismatch")
+    d = check(
+        ForensicInput(
+            spec,
+            inp.q_raw,
+            other.rotate(inp.q_raw[None], torch.tensor([t]))[0],
+            inp.k_raw,
+            other.rotate(inp.k_raw, inp.key_positions),
+            t,
+            inp.key_positions,
+            inp.key_slots,
+        ),
+        "layout_mismatch",
+    )
     assert d.details["effective_layout"] == other.layout and d.key_effective[33] == 33
 
 
@@ -172,8 +193,11 @@ def _low_precision(spec: RopeSpec, x: torch.Tensor, positions: torch.Tensor, dty
     return apply_rotation(x, torch.cos(ang), torch.sin(ang), spec.layout)
 
 
-@pytest.mark.parametrize("name, t, dtype", [(name, 300, torch.float16) for name in sorted(SPECS)]
-                         + [("neox-1e4", 1100, torch.bfloat16), ("partial-gptj-1e4", 1100, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "name, t, dtype",
+    [(name, 300, torch.float16) for name in sorted(SPECS)]
+    + [("neox-1e4", 1100, torch.bfloat16), ("partial-gptj-1e4", 1100, torch.bfloat16)],
+)
 def test_low_precision_angles(name: str, t: int, dtype: torch.dtype) -> None:
     # bf16 at ~1100 breaks integer fits (caught by the bf16 angle model); fp16 at 300 keeps the right
     # integers and is caught by the residual phase growing with position.
@@ -181,8 +205,12 @@ def test_low_precision_angles(name: str, t: int, dtype: torch.dtype) -> None:
     inp = make_case(spec, t)
     q_eff = _low_precision(spec, inp.q_raw[None], torch.tensor([t]), dtype)[0]
     k_eff = _low_precision(spec, inp.k_raw, inp.key_positions, dtype)
-    check(ForensicInput(spec, inp.q_raw, q_eff, inp.k_raw, k_eff, t, inp.key_positions, inp.key_slots,
-                        self_parity_passed=True), "low_precision_angles")
+    check(
+        ForensicInput(
+            spec, inp.q_raw, q_eff, inp.k_raw, k_eff, t, inp.key_positions, inp.key_slots, self_parity_passed=True
+        ),
+        "low_precision_angles",
+    )
 
 
 @pytest.mark.parametrize("layout", ["neox", "gptj"])
@@ -191,12 +219,15 @@ def test_stale_dynamic_scaling(layout: str) -> None:
     t, prompt = 89, 70
     inp = make_case(spec, t)
     # HF-style: prompt keys keep inv_freq(70); each decode key the frequencies of its own step.
-    k_eff = torch.cat([spec.rotate(inp.k_raw[:prompt], torch.arange(prompt), seq_len=prompt)]
-                      + [spec.rotate(inp.k_raw[j:j + 1], torch.tensor([j]), seq_len=j + 1)
-                         for j in range(prompt, t + 1)])
+    k_eff = torch.cat(
+        [spec.rotate(inp.k_raw[:prompt], torch.arange(prompt), seq_len=prompt)]
+        + [spec.rotate(inp.k_raw[j : j + 1], torch.tensor([j]), seq_len=j + 1) for j in range(prompt, t + 1)]
+    )
     q_eff = spec.rotate(inp.q_raw[None], torch.tensor([t]), seq_len=t + 1)[0]
-    d = check(ForensicInput(spec, inp.q_raw, q_eff, inp.k_raw, k_eff, t, inp.key_positions, inp.key_slots),
-              "stale_dynamic_scaling")
+    d = check(
+        ForensicInput(spec, inp.q_raw, q_eff, inp.k_raw, k_eff, t, inp.key_positions, inp.key_slots),
+        "stale_dynamic_scaling",
+    )
     assert d.details["key_seq_len"] == prompt and d.details["first_position"] == 64
     assert "length 70" in d.evidence
 
@@ -214,9 +245,16 @@ def test_clean_row_is_unknown_with_a_perfect_fit(name: str, bf16: bool) -> None:
 def test_garbage_is_unknown() -> None:
     inp = make_case(SPECS["neox-1e4"], 40)
     g = torch.Generator().manual_seed(12345)  # not a seed make_case uses: the noise must not equal the raw data
-    noise = ForensicInput(inp.rope, inp.q_raw, torch.randn(inp.q_raw.shape, generator=g, dtype=torch.float64),
-                          inp.k_raw, torch.randn(inp.k_raw.shape, generator=g, dtype=torch.float64), 40,
-                          inp.key_positions, inp.key_slots)
+    noise = ForensicInput(
+        inp.rope,
+        inp.q_raw,
+        torch.randn(inp.q_raw.shape, generator=g, dtype=torch.float64),
+        inp.k_raw,
+        torch.randn(inp.k_raw.shape, generator=g, dtype=torch.float64),
+        40,
+        inp.key_positions,
+        inp.key_slots,
+    )
     d = check(noise, "unknown")
     assert d.fit < 0.5
 
@@ -229,14 +267,14 @@ def test_long_contexts_are_subsampled(n: int) -> None:
     spec = RopeSpec(64, 64, 500000.0)
     d = check(make_case(spec, n - 1, lambda j: 2 * j), "double_rotation")
     assert d.details["examined_keys"] <= 256
-    assert d.key_effective[n // 3] == 2 * (n // 3)   # keys outside the sample come from the hypotheses
+    assert d.key_effective[n // 3] == 2 * (n // 3)  # keys outside the sample come from the hypotheses
 
 
 def test_bad_shapes_are_refused() -> None:
     inp = make_case(SPECS["neox-1e4"], 10)
     with pytest.raises(UsageError):
-        ForensicInput(inp.rope, inp.q_raw, inp.q_eff[:, :32], inp.k_raw, inp.k_eff, 10, inp.key_positions,
-                      inp.key_slots)
+        ForensicInput(
+            inp.rope, inp.q_raw, inp.q_eff[:, :32], inp.k_raw, inp.k_eff, 10, inp.key_positions, inp.key_slots
+        )
     with pytest.raises(UsageError):
-        ForensicInput(inp.rope, inp.q_raw, inp.q_eff, inp.k_raw, inp.k_eff, 10, inp.key_positions[:-1],
-                      inp.key_slots)
+        ForensicInput(inp.rope, inp.q_raw, inp.q_eff, inp.k_raw, inp.k_eff, 10, inp.key_positions[:-1], inp.key_slots)

@@ -1,4 +1,4 @@
-"""Fuzzing of config parsing (issue 8): only RopeKVError may escape, and what is accepted is consistent.
+"""Fuzzing of config parsing: only RopeKVError may escape, and what is accepted is consistent.
 
 Inputs are mutated from valid transformers configs (llama, mistral with a window, qwen2 with bias,
 qwen3) the way half-converted checkpoints and other frameworks get them wrong: fields dropped, wrong
@@ -32,41 +32,99 @@ from ropekv.rope import SCALING_TYPES, RopeScaling, RopeSpec
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 _LLAMA = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 96, "hidden_size": 64,
-    "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "head_dim": 16, "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "hidden_act": "silu",
-    "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 96,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+    "mlp_bias": False,
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
 }
 BASES = [
     _LLAMA,
     {**_LLAMA, "architectures": ["MistralForCausalLM"], "model_type": "mistral", "sliding_window": 5},
-    {**_LLAMA, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "use_sliding_window": True,
-     "sliding_window": 7, "max_window_layers": 1},
+    {
+        **_LLAMA,
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "use_sliding_window": True,
+        "sliding_window": 7,
+        "max_window_layers": 1,
+    },
     {**_LLAMA, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_size": 48},
-    {**_LLAMA, "rope_parameters": None, "rope_theta": 500000.0,
-     "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 64}},
+    {
+        **_LLAMA,
+        "rope_parameters": None,
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    },
 ]
 
-FIELDS = sorted({k for base in BASES for k in base} | {
-    "layer_types", "partial_rotary_factor", "rope_theta", "original_max_position_embeddings", "auto_map",
-    "_name_or_path", "use_sliding_window", "max_window_layers", "sliding_window", "num_key_value_heads"})
-SCALING_FIELDS = ["rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings",
-                  "low_freq_factor", "high_freq_factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
-                  "truncate", "short_factor", "long_factor", "attention_factor", "partial_rotary_factor"]
+FIELDS = sorted(
+    {k for base in BASES for k in base}
+    | {
+        "layer_types",
+        "partial_rotary_factor",
+        "rope_theta",
+        "original_max_position_embeddings",
+        "auto_map",
+        "_name_or_path",
+        "use_sliding_window",
+        "max_window_layers",
+        "sliding_window",
+        "num_key_value_heads",
+    }
+)
+SCALING_FIELDS = [
+    "rope_type",
+    "type",
+    "rope_theta",
+    "factor",
+    "original_max_position_embeddings",
+    "low_freq_factor",
+    "high_freq_factor",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "truncate",
+    "short_factor",
+    "long_factor",
+    "attention_factor",
+    "partial_rotary_factor",
+]
 
 huge_ints = st.sampled_from([0, -1, -(2**31), 2**31, 2**63, 2**64, 10**30, 10**400])
 numbers = st.one_of(
-    st.integers(-3, 600), huge_ints,
-    st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, -0.0, 1.0, 1e-300, 5e-324, 1e300]),
+    st.integers(-3, 600),
+    huge_ints,
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0.0, -0.0, 1.0, 1e-300, 5e-324, 1e300]),
 )
-scalars = st.one_of(st.none(), st.booleans(), numbers, st.text(max_size=8),
-                    numbers.map(str))  # strings where numbers belong
-weird = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(
-    st.text(max_size=6), inner, max_size=3), max_leaves=6)
-factor_lists = st.one_of(st.lists(st.floats(0.5, 4.0), min_size=8, max_size=8),
-                         st.lists(numbers, max_size=9), weird)
+scalars = st.one_of(
+    st.none(), st.booleans(), numbers, st.text(max_size=8), numbers.map(str)
+)  # strings where numbers belong
+weird = st.recursive(
+    scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=6,
+)
+factor_lists = st.one_of(st.lists(st.floats(0.5, 4.0), min_size=8, max_size=8), st.lists(numbers, max_size=9), weird)
 
 
 @st.composite
@@ -114,14 +172,20 @@ def configs(draw) -> dict[str, Any]:
             config.pop("rope_parameters", None)
             config["rope_scaling"] = draw(st.none() | rope_dicts())
         elif op == "nested":
-            names = draw(st.lists(st.sampled_from(LAYER_TYPES + ("chunked_attention",)), min_size=1, max_size=3,
-                                  unique=True))
+            names = draw(
+                st.lists(st.sampled_from(LAYER_TYPES + ("chunked_attention",)), min_size=1, max_size=3, unique=True)
+            )
             config["rope_parameters"] = {name: draw(st.none() | rope_dicts()) for name in names}
         else:
             n = config.get("num_hidden_layers", 2)
             n = n if isinstance(n, int) and 0 <= n <= 8 else 2
-            config["layer_types"] = draw(st.lists(st.sampled_from(LAYER_TYPES + ("chunked_attention",)) | weird,
-                                                  min_size=max(0, n - 1), max_size=n + 1))
+            config["layer_types"] = draw(
+                st.lists(
+                    st.sampled_from(LAYER_TYPES + ("chunked_attention",)) | weird,
+                    min_size=max(0, n - 1),
+                    max_size=n + 1,
+                )
+            )
     return config
 
 
@@ -152,8 +216,16 @@ def check_rope(rope: RopeSpec) -> None:
 
 
 def check_model(cfg: ModelConfig) -> None:
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                 "head_dim", "max_position_embeddings"):
+    for name in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "max_position_embeddings",
+    ):
         assert _positive_int(getattr(cfg, name)), name
     assert cfg.num_heads % cfg.num_kv_heads == 0
     assert cfg.head_dim == cfg.rope.head_dim
@@ -162,11 +234,15 @@ def check_model(cfg: ModelConfig) -> None:
     sliding = "sliding_attention" in cfg.layer_types
     assert (cfg.sliding_window is not None) == sliding
     assert cfg.sliding_window is None or _positive_int(cfg.sliding_window)
-    assert all(cfg.layer_window(i) == (cfg.sliding_window if t == "sliding_attention" else None)
-               for i, t in enumerate(cfg.layer_types))
+    assert all(
+        cfg.layer_window(i) == (cfg.sliding_window if t == "sliding_attention" else None)
+        for i, t in enumerate(cfg.layer_types)
+    )
     assert math.isfinite(cfg.rms_norm_eps) and cfg.rms_norm_eps >= 0
-    assert all(isinstance(v, bool) for v in (cfg.tie_word_embeddings, cfg.attention_bias, cfg.o_bias, cfg.mlp_bias,
-                                             cfg.qk_norm))
+    assert all(
+        isinstance(v, bool)
+        for v in (cfg.tie_word_embeddings, cfg.attention_bias, cfg.o_bias, cfg.mlp_bias, cfg.qk_norm)
+    )
     assert _positive_int(cfg.position_limit) and cfg.position_limit >= cfg.max_position_embeddings
     shapes = cfg.expected_shapes()
     assert all(all(_positive_int(d) for d in shape) for shape in shapes.values())
@@ -193,8 +269,11 @@ def test_model_config_parsing(config):
 
 
 @FUZZ
-@given(configs(), st.sampled_from([None, "full_attention", "sliding_attention", "chunked_attention"]),
-       st.sampled_from(["neox", "gptj", "half"]))
+@given(
+    configs(),
+    st.sampled_from([None, "full_attention", "sliding_attention", "chunked_attention"]),
+    st.sampled_from(["neox", "gptj", "half"]),
+)
 def test_rope_spec_parsing(config, layer_type, layout):
     try:
         rope = RopeSpec.from_hf_config(config, layer_type=layer_type, layout=layout)
@@ -306,7 +385,12 @@ def test_contract_json_from_noise(data):
 
 
 def test_deep_nesting_and_huge_numbers_in_contract_json():
-    for text in ["[" * 100_000, '{"a":' * 100_000, "1" * 5000, CONTRACTS[0].to_json().replace("16,", "1" + "0" * 400 + ",")]:
+    for text in [
+        "[" * 100_000,
+        '{"a":' * 100_000,
+        "1" * 5000,
+        CONTRACTS[0].to_json().replace("16,", "1" + "0" * 400 + ","),
+    ]:
         try:
             CacheContract.from_json(text)
         except RopeKVError:

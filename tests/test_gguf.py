@@ -9,8 +9,9 @@ checks that both layouts give the same model.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -23,22 +24,30 @@ from ropekv.models.reference import ReferenceDecoder
 from ropekv.rope import RopeSpec, layout_permutation
 
 _GGUF_LAYER = {
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
 }
-_GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-                "lm_head.weight": "output.weight"}
+_GGUF_GLOBAL = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
 
 
 def llama_cpp_permute(w: np.ndarray, n_head: int, n_head_kv: int | None = None) -> np.ndarray:
     """llama.cpp convert_hf_to_gguf.py ``LlamaModel.permute``, verbatim: the reference for our inverse."""
     if n_head_kv is not None and n_head != n_head_kv:
         n_head = n_head_kv
-    return (w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
-            .swapaxes(1, 2)
-            .reshape(w.shape))
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
 def gguf_name(hf_name: str) -> str:
@@ -48,9 +57,16 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{parts[2]}.{_GGUF_LAYER['.'.join(parts[3:-1])]}.{parts[-1]}"
 
 
-def write_gguf(path: Path, arch: str, config: Any, state: dict[str, torch.Tensor], *,
-               extra: Callable[[GGUFWriter], None] | None = None, skip: tuple[str, ...] = (),
-               override: dict[str, tuple[np.ndarray, GGMLQuantizationType | None]] | None = None) -> Path:
+def write_gguf(
+    path: Path,
+    arch: str,
+    config: Any,
+    state: dict[str, torch.Tensor],
+    *,
+    extra: Callable[[GGUFWriter], None] | None = None,
+    skip: tuple[str, ...] = (),
+    override: dict[str, tuple[np.ndarray, GGMLQuantizationType | None]] | None = None,
+) -> Path:
     """Write ``state`` (HF names) as llama.cpp would: metadata from ``config``, F32 tensors, llama Q/K permuted."""
     w = GGUFWriter(str(path), arch)
     w.add_name(f"tiny {arch}")
@@ -78,8 +94,9 @@ def write_gguf(path: Path, arch: str, config: Any, state: dict[str, torch.Tensor
             continue
         a = tensor.detach().numpy().astype(np.float32)
         if arch == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
-            a = llama_cpp_permute(a, config.num_attention_heads,
-                                  config.num_key_value_heads if ".k_proj." in hf_name else None)
+            a = llama_cpp_permute(
+                a, config.num_attention_heads, config.num_key_value_heads if ".k_proj." in hf_name else None
+            )
         w.add_tensor(name, a)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -204,7 +221,11 @@ def test_rope_scaling_metadata(tiny_gguf) -> None:
     assert (scaling.rope_type, scaling.factor) == ("linear", 4.0)
     scaling = load_gguf(tiny_gguf("llama", extra=yarn)[0]).config.rope.scaling
     assert (scaling.rope_type, scaling.factor, scaling.original_max_position_embeddings, scaling.beta_fast) == (
-        "yarn", 2.0, 128, 16.0)
+        "yarn",
+        2.0,
+        128,
+        16.0,
+    )
 
 
 # ---------------------------------------------------------------------------------- refusals
@@ -268,7 +289,9 @@ def test_wrong_or_missing_tensors(tiny_gguf) -> None:
     with pytest.raises(CheckpointError, match=r"missing tensor\(s\) for model\.layers\.1\.mlp\.down_proj\.weight"):
         load_gguf(path)
     path, _ = tiny_gguf("llama", override={"blk.0.attn_v.weight": (np.zeros((16, 64), np.float32), None)})
-    with pytest.raises(CheckpointError, match=r"tensor 'blk\.0\.attn_v\.weight' has shape \(16, 64\), config needs \(32, 64\)"):
+    with pytest.raises(
+        CheckpointError, match=r"tensor 'blk\.0\.attn_v\.weight' has shape \(16, 64\), config needs \(32, 64\)"
+    ):
         load_gguf(path)
 
 
@@ -300,7 +323,9 @@ def test_malformed_metadata_is_a_config_error(tmp_path: Path) -> None:
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ConfigError, match=r"odd\.gguf: GGUF metadata llama\.attention\.head_count must be a single positive int"):
+    with pytest.raises(
+        ConfigError, match=r"odd\.gguf: GGUF metadata llama\.attention\.head_count must be a single positive int"
+    ):
         load_gguf(path)
 
 

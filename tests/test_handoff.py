@@ -14,13 +14,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from ropekv import check
 from ropekv.cli.main import main
 from ropekv.contract import CacheContract, MlaCache
 from ropekv.engine import Engine
 from ropekv.errors import CacheError, CapacityError, ContractMismatch, PayloadError, RopeKVError, UsageError
 from ropekv.models import load_checkpoint
 from ropekv.parity.cases import Case
-from ropekv import check
 from ropekv.rope import RopeScaling, RopeSpec
 from ropekv.transfer import Handoff, read_payload, write_payload
 from ropekv.transfer.adapter import HandoffAdapter, get_handoff_fault
@@ -133,10 +133,13 @@ def variants(base: CacheContract) -> dict[str, CacheContract]:
         # a writer whose layer 1 has no position embedding (NoPE)
         "layer_ropes": base.replace(layer_ropes=(rope, None) + (rope,) * (base.num_layers - 2)),
         # a writer rotating the trailing half of each key, and one that is multi-head latent attention
-        "rope.rotary_offset": base.replace(rope=rope.replace(rotary_dim=rope.head_dim // 2,
-                                                             rotary_offset=rope.head_dim // 2)),
-        "mla": base.replace(rope=rope.replace(rotary_dim=rope.head_dim // 2, rotary_offset=rope.head_dim // 2),
-                            mla=MlaCache("expanded", rope.head_dim // 2, rope.head_dim // 2, 8, 16)),
+        "rope.rotary_offset": base.replace(
+            rope=rope.replace(rotary_dim=rope.head_dim // 2, rotary_offset=rope.head_dim // 2)
+        ),
+        "mla": base.replace(
+            rope=rope.replace(rotary_dim=rope.head_dim // 2, rotary_offset=rope.head_dim // 2),
+            mla=MlaCache("expanded", rope.head_dim // 2, rope.head_dim // 2, 8, 16),
+        ),
     }
 
 
@@ -148,8 +151,14 @@ def synthetic(c: CacheContract, n: int = 9, seq_id="incoming") -> Handoff:
         rows = len(window_rows(n, c.window, c.sink_tokens)) if layer in c.window_layers else n
         for part in parts.values():
             part.append(torch.randn(rows, c.num_kv_heads, c.head_dim, generator=g).to(c.torch_dtype))
-    return Handoff(contract=c, seq_id=seq_id, tokens=tokens(n), positions=torch.arange(n),
-                   keys=tuple(parts["keys"]), values=tuple(parts["values"]))
+    return Handoff(
+        contract=c,
+        seq_id=seq_id,
+        tokens=tokens(n),
+        positions=torch.arange(n),
+        keys=tuple(parts["keys"]),
+        values=tuple(parts["values"]),
+    )
 
 
 def test_variants_cover_every_contract_field(base):
@@ -281,8 +290,12 @@ def _worker_args(model_dir, *extra):
 def test_killed_decode_worker_then_a_restart(tiny_llama_dir, tmp_path):
     t0 = time.monotonic()
     (tmp_path / "killed").mkdir()
-    outcomes = launch(_worker_args(tiny_llama_dir, "--test-fault", "kill-decode-mid-transfer:1"), 2, timeout=20,
-                      workdir=tmp_path / "killed")
+    outcomes = launch(
+        _worker_args(tiny_llama_dir, "--test-fault", "kill-decode-mid-transfer:1"),
+        2,
+        timeout=20,
+        workdir=tmp_path / "killed",
+    )
     elapsed = time.monotonic() - t0
     prefill, decode = outcomes
     assert decode.exitcode == -9  # SIGKILL after the header of the second payload
@@ -294,8 +307,9 @@ def test_killed_decode_worker_then_a_restart(tiny_llama_dir, tmp_path):
     # The same sequences again; the first copy of seq1 is damaged on the wire, refused by its checksum
     # without touching the decode worker's cache, and sent again.
     (tmp_path / "restart").mkdir()
-    outcomes = launch(_worker_args(tiny_llama_dir, "--test-fault", "corrupt-in-flight:1"), 2, timeout=20,
-                      workdir=tmp_path / "restart")
+    outcomes = launch(
+        _worker_args(tiny_llama_dir, "--test-fault", "corrupt-in-flight:1"), 2, timeout=20, workdir=tmp_path / "restart"
+    )
     prefill, decode = outcomes
     assert (prefill.exitcode, decode.exitcode) == (0, 0), prefill.log + decode.log
     assert [t["attempts"] for t in prefill.result["transfers"]] == [1, 2]
@@ -313,8 +327,20 @@ def _run_cli(capsys, *args):
 
 def test_cli_passes_with_conversion_and_two_decode_workers(tiny_llama_dir, tmp_path, capsys):
     report, saved = tmp_path / "report.json", tmp_path / "first.payload"
-    code, out, err = _run_cli(capsys, *_worker_args(tiny_llama_dir), "--key-form-decode", "raw", "--convert",
-                              "explicit", "--decode-workers", "2", "--json", str(report), "--save-payload", str(saved))
+    code, out, err = _run_cli(
+        capsys,
+        *_worker_args(tiny_llama_dir),
+        "--key-form-decode",
+        "raw",
+        "--convert",
+        "explicit",
+        "--decode-workers",
+        "2",
+        "--json",
+        str(report),
+        "--save-payload",
+        str(saved),
+    )
     assert code == 0, err
     assert out.count("parity holds") == 2 and "key form converted at import (unrotate)" in out
     doc = json.loads(report.read_text())
@@ -326,10 +352,13 @@ def test_cli_passes_with_conversion_and_two_decode_workers(tiny_llama_dir, tmp_p
     assert first.num_tokens == 5 and first.contract.key_form == "rotated"
 
 
-@pytest.mark.parametrize("flags, field", [
-    (["--key-form-decode", "raw"], "key_form"),
-    (["--decode-rope-theta", "20000"], "rope.theta"),
-])
+@pytest.mark.parametrize(
+    "flags, field",
+    [
+        (["--key-form-decode", "raw"], "key_form"),
+        (["--decode-rope-theta", "20000"], "rope.theta"),
+    ],
+)
 def test_cli_refuses_a_mismatch_with_exit_3(tiny_llama_dir, tmp_path, capsys, flags, field):
     report = tmp_path / "report.json"
     code, out, err = _run_cli(capsys, *_worker_args(tiny_llama_dir), *flags, "--json", str(report))
@@ -342,18 +371,21 @@ def test_cli_refuses_a_mismatch_with_exit_3(tiny_llama_dir, tmp_path, capsys, fl
 
 def test_cli_catches_rotate_on_transfer(tiny_llama_dir, tmp_path, capsys):
     report = tmp_path / "report.json"
-    code, out, err = _run_cli(capsys, *_worker_args(tiny_llama_dir), "--inject", "rotate-on-transfer",
-                              "--json", str(report))
+    code, out, err = _run_cli(
+        capsys, *_worker_args(tiny_llama_dir), "--inject", "rotate-on-transfer", "--json", str(report)
+    )
     assert code == 1, err
     assert "diagnosis: rotate_on_transfer" in out
     assert json.loads(report.read_text())["runs"][0]["parity"]["diagnosis"]["kind"] == "rotate_on_transfer"
 
 
 def test_cli_checks_paths_and_flags_before_starting_workers(tiny_llama_dir, tmp_path, capsys):
-    for flags, match in ((["--json", str(tmp_path / "missing" / "r.json")], "does not exist"),
-                         (["--save-payload", str(tmp_path)], "is a directory"),
-                         (["--decode-workers", "3"], "distinct length"),
-                         (["--lengths", "0,4"], "positive")):
+    for flags, match in (
+        (["--json", str(tmp_path / "missing" / "r.json")], "does not exist"),
+        (["--save-payload", str(tmp_path)], "is a directory"),
+        (["--decode-workers", "3"], "distinct length"),
+        (["--lengths", "0,4"], "positive"),
+    ):
         code, _, err = _run_cli(capsys, *_worker_args(tiny_llama_dir), *flags)
         assert code == 2 and match in err, (flags, err)
 
@@ -375,13 +407,17 @@ def test_cli_block_sizes_run_one_handoff_each_and_faults_are_listed(tiny_llama_d
     args = [a for a in _worker_args(tiny_llama_dir)]
     if "--block-sizes" in args:
         i = args.index("--block-sizes")
-        del args[i:i + 2]
+        del args[i : i + 2]
     code, out, err = _run_cli(capsys, *args, "--block-sizes", "3,5", "--json", str(report))
     assert code == 0, err
     assert "block size 3:" in out and "block size 5:" in out and out.count("parity holds") == 2
     doc = json.loads(report.read_text())
     assert [r["block_size"] for r in doc["runs"]] == [3, 5] and doc["passed"]
-    assert {r["handoff"]["transfers"][0]["contract"]["block_size"] if "contract" in r["handoff"]["transfers"][0]
-            else r["block_size"] for r in doc["runs"]} == {3, 5}
+    assert {
+        r["handoff"]["transfers"][0]["contract"]["block_size"]
+        if "contract" in r["handoff"]["transfers"][0]
+        else r["block_size"]
+        for r in doc["runs"]
+    } == {3, 5}
     assert main(["handoff", "--list-faults"]) == 0
     assert "rotate-on-transfer" in capsys.readouterr().out

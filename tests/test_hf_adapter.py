@@ -9,24 +9,23 @@ unchanged. One slow test runs the real SmolLM2-135M.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
-
 import transformers  # a test dependency (scripts/setup.sh): missing, the suite fails
 from transformers.models.llama import modeling_llama
 
-from ropekv.parity.protocol import EngineAdapter  # noqa: E402
-from ropekv.adapters.hf import HFEngine  # noqa: E402
-from ropekv.parity.cross_engine import cross_engine_parity  # noqa: E402
-from ropekv.errors import CheckpointError, UsageError  # noqa: E402
-from ropekv.models import load_checkpoint  # noqa: E402
-from ropekv.models.reference import ReferenceDecoder  # noqa: E402
-from ropekv.parity.cases import Case, token_stream  # noqa: E402
-from ropekv import check  # noqa: E402
-from ropekv.rope import RopeSpec  # noqa: E402
+from ropekv import check
+from ropekv.adapters.hf import HFEngine
+from ropekv.errors import CheckpointError, UsageError
+from ropekv.models import load_checkpoint
+from ropekv.models.reference import ReferenceDecoder
+from ropekv.parity.cases import Case, token_stream
+from ropekv.parity.cross_engine import cross_engine_parity
+from ropekv.parity.protocol import EngineAdapter
+from ropekv.rope import RopeSpec
 
 SHORT = [Case(length=1), Case(length=17), Case(length=40, prefix=13, chunk=9)]
 
@@ -47,8 +46,9 @@ def _failure(report) -> str:
 # ---------------------------------------------------------------------- clean models pass
 
 
-@pytest.mark.parametrize("arch,attn", [("llama", "sdpa"), ("llama", "eager"), ("mistral", "sdpa"),
-                                       ("qwen2", "eager"), ("qwen3", "sdpa")])
+@pytest.mark.parametrize(
+    "arch,attn", [("llama", "sdpa"), ("llama", "eager"), ("mistral", "sdpa"), ("qwen2", "eager"), ("qwen3", "sdpa")]
+)
 def test_tiny_models_pass_short_matrix(make_tiny_checkpoint: Callable[..., Path], arch: str, attn: str) -> None:
     engine = HFEngine(_model(make_tiny_checkpoint(arch), attn))
     assert isinstance(engine, EngineAdapter)
@@ -105,8 +105,13 @@ def test_model_restored_after_check_and_on_errors(tiny_llama_dir: Path) -> None:
 
 
 def test_dynamic_rope_state_restored(make_tiny_checkpoint: Callable[..., Path]) -> None:
-    model = _model(make_tiny_checkpoint("llama", max_position_embeddings=32,
-                                        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}))
+    model = _model(
+        make_tiny_checkpoint(
+            "llama",
+            max_position_embeddings=32,
+            rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4},
+        )
+    )
     rotary = model.model.rotary_emb
     inv_freq = rotary.inv_freq.clone()
     HFEngine(model).run_case(Case(length=40), token_stream(96, 43))
@@ -126,8 +131,15 @@ def test_checkpoint_built_from_the_object_matches_the_saved_one(tiny_qwen3_dir: 
 
 
 def test_model_never_saved_to_disk() -> None:
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    config = transformers.LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     report = check(HFEngine(model), cases=[Case(length=9, prefix=4)])
@@ -193,35 +205,47 @@ FOUR_THETA, GPTJ = ROPE.replace(theta=4e4), ROPE.replace(layout="gptj")
 
 def _newest(spec: RopeSpec):
     """The query and the newest key rotated under ``spec`` instead (the decode side's own spec)."""
+
     def fault(q, k, t, j):
         k = torch.cat([k[:, :, :-1], _turn(spec, k[:, :, -1:], j[-1:], back=ROPE)], dim=2)
         return _turn(spec, q, torch.tensor([t]), back=ROPE), k
+
     return fault
 
 
 FAULTS = {
     "double_rotation": (Case(length=17, decode_steps=2), lambda q, k, t, j: (q, _turn(ROPE, k, j))),
     "missing_rotation": (Case(length=17, decode_steps=2), lambda q, k, t, j: (q, _turn(ROPE, k, -j))),
-    "ignored_prefix_offset": (Case(length=17, prefix=P, decode_steps=2), lambda q, k, t, j: (
-        _turn(ROPE, q, torch.tensor([-P])), _turn(ROPE, k, torch.where(j >= P, -P, 0)))),
-    "block_local_position": (Case(length=17, block_size=B, decode_steps=2),
-                             lambda q, k, t, j: (q, _turn(ROPE, k, j % B - j))),
-    "query_position_offset": (Case(length=17, decode_steps=2),
-                              lambda q, k, t, j: (_turn(ROPE, q, torch.tensor([1])), k)),
+    "ignored_prefix_offset": (
+        Case(length=17, prefix=P, decode_steps=2),
+        lambda q, k, t, j: (_turn(ROPE, q, torch.tensor([-P])), _turn(ROPE, k, torch.where(j >= P, -P, 0))),
+    ),
+    "block_local_position": (
+        Case(length=17, block_size=B, decode_steps=2),
+        lambda q, k, t, j: (q, _turn(ROPE, k, j % B - j)),
+    ),
+    "query_position_offset": (
+        Case(length=17, decode_steps=2),
+        lambda q, k, t, j: (_turn(ROPE, q, torch.tensor([1])), k),
+    ),
     "frequency_mismatch": (Case(length=17, decode_steps=2), _newest(FOUR_THETA)),
-    "layout_mismatch": (Case(length=17, decode_steps=2), lambda q, k, t, j: (
-        _turn(GPTJ, q, torch.tensor([t]), back=ROPE), _turn(GPTJ, k, j, back=ROPE))),
+    "layout_mismatch": (
+        Case(length=17, decode_steps=2),
+        lambda q, k, t, j: (_turn(GPTJ, q, torch.tensor([t]), back=ROPE), _turn(GPTJ, k, j, back=ROPE)),
+    ),
 }
 
 
 @pytest.mark.parametrize("kind", sorted(FAULTS))
-def test_decode_path_faults_are_caught_and_named(llama: torch.nn.Module, monkeypatch: pytest.MonkeyPatch,
-                                                 kind: str) -> None:
+def test_decode_path_faults_are_caught_and_named(
+    llama: torch.nn.Module, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
     case, fault = FAULTS[kind]
     engine = HFEngine(llama)
     assert engine.checkpoint.config.rope == ROPE
-    monkeypatch.setattr(modeling_llama, "ALL_ATTENTION_FUNCTIONS",
-                        _DecodeFault(modeling_llama.ALL_ATTENTION_FUNCTIONS, fault))
+    monkeypatch.setattr(
+        modeling_llama, "ALL_ATTENTION_FUNCTIONS", _DecodeFault(modeling_llama.ALL_ATTENTION_FUNCTIONS, fault)
+    )
     report = check(engine, cases=[case])
     assert not report.passed
     result = report.cases[0]
@@ -237,8 +261,13 @@ ORIGINAL = 32  # max_position_embeddings of the dynamic variant; the case decode
 
 @pytest.fixture(scope="module")
 def ntk_report(make_tiny_checkpoint: Callable[..., Path]):
-    model = _model(make_tiny_checkpoint("llama", max_position_embeddings=ORIGINAL,
-                                        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}))
+    model = _model(
+        make_tiny_checkpoint(
+            "llama",
+            max_position_embeddings=ORIGINAL,
+            rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4},
+        )
+    )
     return check(HFEngine(model), cases=[Case(length=28, decode_steps=8)])
 
 
@@ -269,8 +298,14 @@ def test_dynamic_ntk_is_named_with_its_start(ntk_report) -> None:
 @pytest.mark.slow
 def test_smollm2_passes_reduced_matrix() -> None:
     engine = HFEngine.load(None)
-    report = check(engine, cases=[Case(length=17, decode_steps=2), Case(length=20, prefix=13, chunk=7, decode_steps=2),
-                                  Case(length=20, window=13, decode_steps=2)])
+    report = check(
+        engine,
+        cases=[
+            Case(length=17, decode_steps=2),
+            Case(length=20, prefix=13, chunk=7, decode_steps=2),
+            Case(length=20, window=13, decode_steps=2),
+        ],
+    )
     assert report.passed, _failure(report)
     assert report.model["architecture"] == "llama" and report.engine["model_class"] == "LlamaForCausalLM"
 

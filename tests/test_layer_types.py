@@ -9,13 +9,12 @@ import json
 
 import pytest
 import torch
-
 from conftest import ARCH_BASE, build_arch_model
+from test_architectures import MOE, TOL, scaled
+
 from ropekv.errors import ConfigError
 from ropekv.models import ReferenceDecoder, load_checkpoint
 from ropekv.models.config import ModelConfig
-
-from test_architectures import MOE, TOL, scaled
 
 W = 5
 QWEN2_MOE = {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, **MOE}
@@ -40,8 +39,11 @@ DERIVED = [
     ("smollm3", "smollm3", {"sliding_window": W, "use_sliding_window": True}),
     ("smollm3-interval", "smollm3", {"sliding_window": W, "use_sliding_window": True, "no_rope_layer_interval": 2}),
     ("mistral", "mistral", {"sliding_window": W}),
-    ("qwen3_moe", "qwen3_moe", {"sliding_window": W, "use_sliding_window": True, "num_experts": 4,
-                                "moe_intermediate_size": 32, **MOE}),
+    (
+        "qwen3_moe",
+        "qwen3_moe",
+        {"sliding_window": W, "use_sliding_window": True, "num_experts": 4, "moe_intermediate_size": 32, **MOE},
+    ),
 ]
 
 
@@ -63,16 +65,27 @@ def test_layer_types_are_derived_as_the_config_class_derives_them(arch, fields):
     layers = 30 if arch == "qwen2" and "max_window_layers" not in fields else 8  # the default 28 then shows
     theirs = AutoConfig.for_model(arch, **{**ARCH_BASE, "num_hidden_layers": layers, **fields})
     ours = ModelConfig.from_hf_config(_config_json(arch, fields, layers))
-    expected = tuple(getattr(theirs, "layer_types", None) or (
-        ["sliding_attention" if theirs.sliding_window else "full_attention"] * layers))  # qwen3_moe has none
+    expected = tuple(
+        getattr(theirs, "layer_types", None)
+        or (["sliding_attention" if theirs.sliding_window else "full_attention"] * layers)
+    )  # qwen3_moe has none
     assert ours.layer_types == expected
     if "sliding_attention" in expected:
         assert ours.sliding_window == W
     assert len(set(expected)) == 2 or arch in ("ministral", "mistral", "qwen3_moe")  # the rule is exercised
 
 
-NUMERIC = ["gemma2", "gemma3-pattern", "cohere2-pattern", "exaone4-default-period", "olmo3", "gpt_oss", "qwen2",
-           "qwen2_moe", "smollm3-interval"]
+NUMERIC = [
+    "gemma2",
+    "gemma3-pattern",
+    "cohere2-pattern",
+    "exaone4-default-period",
+    "olmo3",
+    "gpt_oss",
+    "qwen2",
+    "qwen2_moe",
+    "smollm3-interval",
+]
 
 
 @pytest.mark.parametrize("case", NUMERIC)
@@ -93,10 +106,13 @@ def test_derived_layers_match_transformers_numerically(case, tmp_path):
     assert scaled(hf, ReferenceDecoder(ckpt).forward(tokens).logits) < TOL
 
 
-@pytest.mark.parametrize("fields,message", [
-    ({"sliding_window": W, "sliding_window_pattern": "LLLG"}, "derives the layers only from an integer period"),
-    ({"sliding_window": None}, "sliding_attention layers need a 'sliding_window'"),
-])
+@pytest.mark.parametrize(
+    "fields,message",
+    [
+        ({"sliding_window": W, "sliding_window_pattern": "LLLG"}, "derives the layers only from an integer period"),
+        ({"sliding_window": None}, "sliding_attention layers need a 'sliding_window'"),
+    ],
+)
 def test_exaone4_patterns_transformers_cannot_derive_are_refused(fields, message):
     from transformers import AutoConfig
 
@@ -110,8 +126,12 @@ def test_exaone4_patterns_transformers_cannot_derive_are_refused(fields, message
 @pytest.mark.parametrize("arch", ["qwen2", "smollm3"])
 def test_sliding_layers_without_use_sliding_window_are_refused(arch):
     """transformers keeps no window then and fails building its cache; ropekv does not guess one."""
-    config = {**_config_json(arch, {}, 2), "sliding_window": W, "use_sliding_window": False,
-              "layer_types": ["sliding_attention", "full_attention"]}
+    config = {
+        **_config_json(arch, {}, 2),
+        "sliding_window": W,
+        "use_sliding_window": False,
+        "layer_types": ["sliding_attention", "full_attention"],
+    }
     with pytest.raises(ConfigError, match="use_sliding_window is false"):
         ModelConfig.from_hf_config(config)
 

@@ -27,10 +27,14 @@ def _hf_cos_sin(arch: str, streams: torch.Tensor) -> tuple[torch.Tensor, torch.T
     from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl
     from transformers.models.qwen2_vl import modeling_qwen2_vl
 
-    text = AutoConfig.for_model(arch, text_config=dict(hidden_size=64, num_attention_heads=4, rope_parameters=MROPE,
-                                                       max_position_embeddings=256)).text_config
-    module = {"qwen2_vl": modeling_qwen2_vl.Qwen2VLRotaryEmbedding,
-              "qwen2_5_vl": modeling_qwen2_5_vl.Qwen2_5_VLRotaryEmbedding}[arch](text)
+    text = AutoConfig.for_model(
+        arch,
+        text_config=dict(hidden_size=64, num_attention_heads=4, rope_parameters=MROPE, max_position_embeddings=256),
+    ).text_config
+    module = {
+        "qwen2_vl": modeling_qwen2_vl.Qwen2VLRotaryEmbedding,
+        "qwen2_5_vl": modeling_qwen2_5_vl.Qwen2_5_VLRotaryEmbedding,
+    }[arch](text)
     cos, sin = module(torch.zeros(1, dtype=torch.float32), streams[:, None, :])
     return cos[0].double(), sin[0].double()
 
@@ -87,8 +91,9 @@ def _hf_cos_sin_with(rope_parameters):
     from transformers import AutoConfig
     from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding
 
-    text = AutoConfig.for_model("qwen2_vl", text_config=dict(hidden_size=64, num_attention_heads=4,
-                                                             rope_parameters=rope_parameters)).text_config
+    text = AutoConfig.for_model(
+        "qwen2_vl", text_config=dict(hidden_size=64, num_attention_heads=4, rope_parameters=rope_parameters)
+    ).text_config
     return Qwen2VLRotaryEmbedding(text)(torch.zeros(1), torch.arange(4).expand(3, 1, -1))
 
 

@@ -1,4 +1,4 @@
-"""Cache operations through the parity harness (issue 14): each passes in both key forms across
+"""Cache operations through the parity harness: each passes in both key forms across
 lengths that cross a block and a wrapped window, against its own float64 reference; each catalogued
 operation fault is caught and named; an adapter that cannot run an operation is refused, not passed.
 
@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 
+from ropekv import check
 from ropekv.adapters.native import NativeAdapter
 from ropekv.errors import UsageError
+from ropekv.faults.ops import OP_FAULTS
 from ropekv.models import load_checkpoint
-from ropekv.parity.cases import Case, CacheOp
-from ropekv import check
-from ropekv.adapters.op_faults import OP_FAULTS
+from ropekv.parity.cases import CacheOp, Case
 
 # Lengths cross a block (B=7) and the W=13 window wraps (40 + draft/decode tokens > 13 + 2 sinks).
 OP_CASES = [
@@ -69,8 +69,13 @@ def test_hf_rollback_via_crop_passes_and_other_ops_are_refused(tiny_llama_dir):
     from ropekv.adapters.hf import HFEngine
 
     hf = HFEngine.load(tiny_llama_dir)
-    report = check(hf, cases=[Case(length=17, op=CacheOp("rollback", 3)),
-                              Case(length=40, window=13, sink_tokens=2, op=CacheOp("rollback", 4))])
+    report = check(
+        hf,
+        cases=[
+            Case(length=17, op=CacheOp("rollback", 3)),
+            Case(length=40, window=13, sink_tokens=2, op=CacheOp("rollback", 4)),
+        ],
+    )
     assert report.passed, report.table()
     assert any("crop" in n for n in report.cases[0].notes)
     with pytest.raises(UsageError, match="cannot run the cache operation"):
@@ -85,10 +90,17 @@ def test_operation_faults_do_not_show_without_their_operation(llama):
         assert report.passed, f"{name} on plain cases:\n{report.table()}"
 
 
-@pytest.mark.parametrize("ops,named", [
-    ("rollback", "needs an amount"), ("evict:x", "integer"), ("spin:3", "unknown operation"),
-    ("batch:1", ">= 2"), ("rollback:3,,restore", "empty item"), ("restore:2", "no amount"),
-])
+@pytest.mark.parametrize(
+    "ops,named",
+    [
+        ("rollback", "needs an amount"),
+        ("evict:x", "integer"),
+        ("spin:3", "unknown operation"),
+        ("batch:1", ">= 2"),
+        ("rollback:3,,restore", "empty item"),
+        ("restore:2", "no amount"),
+    ],
+)
 def test_ops_flag_parse_errors_are_one_line_before_anything_is_read(tiny_llama_dir, capsys, monkeypatch, ops, named):
     import ropekv.models
     from ropekv.cli.main import main
@@ -106,8 +118,17 @@ def test_ops_flag_parse_errors_are_one_line_before_anything_is_read(tiny_llama_d
 def test_ops_flag_runs_the_operations_and_inject_names_an_operation_fault(tiny_llama_dir, capsys):
     from ropekv.cli.main import main
 
-    argv = ["check", str(tiny_llama_dir), "--lengths", "17,40", "--block-sizes", "7", "--ops", "evict:3,shift:50",
-            "--no-progress"]
+    argv = [
+        "check",
+        str(tiny_llama_dir),
+        "--lengths",
+        "17,40",
+        "--block-sizes",
+        "7",
+        "--ops",
+        "evict:3,shift:50",
+        "--no-progress",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert out.count("evict:3") == 2 and out.count("shift:50") == 2 and "parity holds in all 4 cases" in out

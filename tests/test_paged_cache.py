@@ -19,8 +19,15 @@ def contract(block_size=4, num_layers=2, window=None, window_layers=None, sinks=
     if window is not None and window_layers is None:
         window_layers = tuple(range(num_layers))
     return CacheContract(
-        key_form=key_form, rope=ROPE, num_layers=num_layers, num_kv_heads=KVH,
-        head_dim=D, window=window, window_layers=window_layers or (), sink_tokens=sinks, block_size=block_size,
+        key_form=key_form,
+        rope=ROPE,
+        num_layers=num_layers,
+        num_kv_heads=KVH,
+        head_dim=D,
+        window=window,
+        window_layers=window_layers or (),
+        sink_tokens=sinks,
+        block_size=block_size,
         dtype=dtype,
     )
 
@@ -48,12 +55,18 @@ class Ref:
 
     def create(self, sid):
         self.cache.create(sid)
-        self.pos[sid], self.keys[sid], self.values[sid] = [], [[] for _ in range(self.c.num_layers)], [[] for _ in range(self.c.num_layers)]
+        self.pos[sid], self.keys[sid], self.values[sid] = (
+            [],
+            [[] for _ in range(self.c.num_layers)],
+            [[] for _ in range(self.c.num_layers)],
+        )
 
     def data(self, n):
         shape = (n, KVH, D)
-        return ([torch.randn(shape, generator=self.gen) for _ in range(self.c.num_layers)],
-                [torch.randn(shape, generator=self.gen) for _ in range(self.c.num_layers)])
+        return (
+            [torch.randn(shape, generator=self.gen) for _ in range(self.c.num_layers)],
+            [torch.randn(shape, generator=self.gen) for _ in range(self.c.num_layers)],
+        )
 
     def append(self, sid, n, start=None):
         first = (self.pos[sid][-1] + 1) if self.pos[sid] else (start if start is not None else 0)
@@ -356,25 +369,79 @@ def _inf_values():
 @pytest.mark.parametrize(
     "call, error, match",
     [
-        (lambda c: c.append("nope", torch.arange(30, 32), *_kv(2), key_form="rotated"), CacheError, "unknown sequence 'nope'"),
-        (lambda c: c.append("s", torch.arange(30, 32), *_kv(2), key_form="raw"), ContractMismatch, "every key would sit at position 0"),
-        (lambda c: c.append("s", torch.tensor([30, 30]), *_kv(2), key_form="rotated"), CacheError, "position 30 follows 30"),
+        (
+            lambda c: c.append("nope", torch.arange(30, 32), *_kv(2), key_form="rotated"),
+            CacheError,
+            "unknown sequence 'nope'",
+        ),
+        (
+            lambda c: c.append("s", torch.arange(30, 32), *_kv(2), key_form="raw"),
+            ContractMismatch,
+            "every key would sit at position 0",
+        ),
+        (
+            lambda c: c.append("s", torch.tensor([30, 30]), *_kv(2), key_form="rotated"),
+            CacheError,
+            "position 30 follows 30",
+        ),
         (lambda c: c.append("s", torch.tensor([31, 30]), *_kv(2), key_form="rotated"), CacheError, "strictly increase"),
-        (lambda c: c.append("s", torch.tensor([25, 26]), *_kv(2), key_form="rotated"), CacheError, "first position 25 does not follow the last cached position 25"),
+        (
+            lambda c: c.append("s", torch.tensor([25, 26]), *_kv(2), key_form="rotated"),
+            CacheError,
+            "first position 25 does not follow the last cached position 25",
+        ),
         (lambda c: c.append("s", torch.tensor([3]), *_kv(1), key_form="rotated"), CacheError, "first position 3"),
-        (lambda c: c.append("s", torch.tensor([30.0, 31.0]), *_kv(2), key_form="rotated"), CacheError, "positions must be integers"),
+        (
+            lambda c: c.append("s", torch.tensor([30.0, 31.0]), *_kv(2), key_form="rotated"),
+            CacheError,
+            "positions must be integers",
+        ),
         (lambda c: c.append("s", torch.tensor([[30, 31]]), *_kv(2), key_form="rotated"), CacheError, "1-D"),
-        (lambda c: c.append("s", torch.tensor([], dtype=torch.long), *_kv(0), key_form="rotated"), CacheError, "n >= 1"),
+        (
+            lambda c: c.append("s", torch.tensor([], dtype=torch.long), *_kv(0), key_form="rotated"),
+            CacheError,
+            "n >= 1",
+        ),
         (lambda c: c.append("s", [30, 31], *_kv(2), key_form="rotated"), CacheError, "positions must be a tensor"),
-        (lambda c: c.append("s", torch.arange(30, 33), *_kv(2), key_form="rotated"), CacheError, r"keys\[0\] has shape \(2, 2, 4\), expected \(3, 2, 4\)"),
+        (
+            lambda c: c.append("s", torch.arange(30, 33), *_kv(2), key_form="rotated"),
+            CacheError,
+            r"keys\[0\] has shape \(2, 2, 4\), expected \(3, 2, 4\)",
+        ),
         (lambda c: c.append("s", torch.arange(30, 32), *_kv(2, kvh=1), key_form="rotated"), CacheError, "expected"),
         (lambda c: c.append("s", torch.arange(30, 32), *_kv(2, d=8), key_form="rotated"), CacheError, "expected"),
-        (lambda c: c.append("s", torch.arange(30, 32), *_kv(2, layers=1), key_form="rotated"), CacheError, "one tensor per layer"),
-        (lambda c: c.append("s", torch.arange(30, 32), torch.randn(2, 2, KVH, D), _kv(2)[1], key_form="rotated"), CacheError, "one tensor per layer"),
-        (lambda c: c.append("s", torch.arange(30, 32), [torch.ones(2, KVH, D, dtype=torch.int64)] * 2, _kv(2)[1], key_form="rotated"), CacheError, "floating-point"),
-        (lambda c: c.append("s", torch.arange(30, 32), *_nan_keys(), key_form="rotated"), CacheError, r"keys\[1\] holds NaN"),
-        (lambda c: c.append("s", torch.arange(30, 32), *_inf_values(), key_form="rotated"), CacheError, r"values\[0\] holds NaN or infinite"),
-        (lambda c: c.append("s", torch.arange(30, 60), *_kv(30), key_form="rotated"), CapacityError, r"needs 7 block\(s\) in the full group \(7 new, 0 copy-on-write\) with 6 free"),
+        (
+            lambda c: c.append("s", torch.arange(30, 32), *_kv(2, layers=1), key_form="rotated"),
+            CacheError,
+            "one tensor per layer",
+        ),
+        (
+            lambda c: c.append("s", torch.arange(30, 32), torch.randn(2, 2, KVH, D), _kv(2)[1], key_form="rotated"),
+            CacheError,
+            "one tensor per layer",
+        ),
+        (
+            lambda c: c.append(
+                "s", torch.arange(30, 32), [torch.ones(2, KVH, D, dtype=torch.int64)] * 2, _kv(2)[1], key_form="rotated"
+            ),
+            CacheError,
+            "floating-point",
+        ),
+        (
+            lambda c: c.append("s", torch.arange(30, 32), *_nan_keys(), key_form="rotated"),
+            CacheError,
+            r"keys\[1\] holds NaN",
+        ),
+        (
+            lambda c: c.append("s", torch.arange(30, 32), *_inf_values(), key_form="rotated"),
+            CacheError,
+            r"values\[0\] holds NaN or infinite",
+        ),
+        (
+            lambda c: c.append("s", torch.arange(30, 60), *_kv(30), key_form="rotated"),
+            CapacityError,
+            r"needs 7 block\(s\) in the full group \(7 new, 0 copy-on-write\) with 6 free",
+        ),
         (lambda c: c.view("nope", 0), CacheError, "unknown sequence"),
         (lambda c: c.free("nope"), CacheError, "unknown sequence"),
         (lambda c: c.create("s"), CacheError, "already exists"),
@@ -392,7 +459,9 @@ def test_rejected_calls_raise_typed_errors_and_change_nothing(call, error, match
 def test_key_form_mismatch_names_the_field_and_the_consequence():
     cache = PagedKVCache(contract(key_form="raw"), num_blocks=4)
     cache.create("r")
-    with pytest.raises(ContractMismatch, match="stored keys are rotated, reader rotates again: keys would sit at twice their position") as info:
+    with pytest.raises(
+        ContractMismatch, match="stored keys are rotated, reader rotates again: keys would sit at twice their position"
+    ) as info:
         cache.append("r", torch.arange(2), *_kv(2), key_form="rotated")
     assert info.value.fields == ("key_form",)
 
@@ -403,7 +472,9 @@ def test_capacity_error_leaves_state_unchanged():
     ref.create("a")
     ref.append("a", 9)  # 3 blocks: pool full, last block has room for 3 more
     digest = cache.state_digest()
-    with pytest.raises(CapacityError, match=r"needs 1 block\(s\) in the full group \(1 new, 0 copy-on-write\) with 0 free"):
+    with pytest.raises(
+        CapacityError, match=r"needs 1 block\(s\) in the full group \(1 new, 0 copy-on-write\) with 0 free"
+    ):
         ref.append("a", 4)
     assert cache.state_digest() == digest
     ref.pos["a"] = ref.pos["a"][:9]

@@ -1,4 +1,4 @@
-"""The parity harness (issue 4): clean engines pass, every catalogued fault fails with its own kind.
+"""The parity harness: clean engines pass, every catalogued fault fails with its own kind.
 
 The harness compares against the float64 reference decoder, which tests/test_reference.py checks
 against transformers; none of the expectations here are computed by the code under test.
@@ -10,12 +10,12 @@ import json
 
 import pytest
 
+from ropekv import check
 from ropekv.adapters.native import NativeAdapter
+from ropekv.faults.catalogue import FAULTS, dynamic_variant
 from ropekv.models import load_checkpoint
 from ropekv.parity import harness
 from ropekv.parity.cases import Case, build_matrix, default_matrix
-from ropekv.adapters.faults import FAULTS, dynamic_variant
-from ropekv import check
 
 # A small matrix that exercises every bug class on the tiny models (256 positions).
 TINY_CASES = [
@@ -43,7 +43,9 @@ def test_clean_engine_passes(llama, key_form, backend, dtype):
     assert max(c.max_attn_error for c in report.cases) < tol / 5
 
 
-@pytest.mark.parametrize("name", sorted(n for n, f in FAULTS.items() if not hasattr(f, "op")))  # op faults: test_ops_parity
+@pytest.mark.parametrize(
+    "name", sorted(n for n, f in FAULTS.items() if not hasattr(f, "op"))
+)  # op faults: test_ops_parity
 def test_each_fault_is_caught_and_named(llama, name):
     fault = FAULTS[name]
     report = check(fault.adapter(llama), cases=TINY_CASES)
@@ -57,8 +59,10 @@ def test_each_fault_is_caught_and_named(llama, name):
 
 def test_faults_only_show_where_their_bug_class_can(llama):
     """Each bug hides where the primer says it hides; the harness must not blame other cases."""
-    by_case = {name: [c.passed for c in check(FAULTS[name].adapter(llama), cases=TINY_CASES).cases]
-               for name in ("slot-as-position", "ignored-prefix-offset", "block-local-position")}
+    by_case = {
+        name: [c.passed for c in check(FAULTS[name].adapter(llama), cases=TINY_CASES).cases]
+        for name in ("slot-as-position", "ignored-prefix-offset", "block-local-position")
+    }
     assert by_case["slot-as-position"] == [True, True, True, False, True]  # only the wrapped window
     assert by_case["ignored-prefix-offset"] == [True, True, False, True, True]  # only the prefix hit
     assert by_case["block-local-position"][0] is True  # one token never leaves the first block
@@ -144,8 +148,12 @@ def test_matrix_flags_make_a_product_and_refuse_lengths_past_the_model():
 @pytest.mark.slow
 def test_default_checkpoint_passes_reduced_matrix_in_both_key_forms():
     ckpt = load_checkpoint(None)
-    cases = [Case(length=1), Case(length=17, block_size=7, prefix=5), Case(length=48, block_size=7, window=37),
-             Case(length=300, chunk=128, decode_steps=2)]
+    cases = [
+        Case(length=1),
+        Case(length=17, block_size=7, prefix=5),
+        Case(length=48, block_size=7, window=37),
+        Case(length=300, chunk=128, decode_steps=2),
+    ]
     for key_form in ("rotated", "raw"):
         report = check(ckpt, key_form=key_form, cases=cases)
         assert report.passed, report.table()

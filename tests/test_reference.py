@@ -13,14 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from ropekv.parity.recorder import attention_logits
 from safetensors.torch import load_file, save_file
 
 from ropekv.errors import CheckpointError, ConfigError, UsageError
 from ropekv.models import ReferenceDecoder, load, load_checkpoint
 from ropekv.models.reference import visible
 from ropekv.models.safetensors_dir import load_safetensors_dir
+from ropekv.parity.recorder import attention_logits
 
 ARCHES = ["llama", "mistral", "qwen2", "qwen3"]
 T = 23  # longer than mistral's window (5), several windows long
@@ -30,15 +29,42 @@ ATOL = 1e-4
 VARIANTS = {
     "llama-dynamic": ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}),
     "llama-linear": ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 3.0, "rope_theta": 5000.0}}),
-    "llama-yarn": ("llama", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
-                                                 "original_max_position_embeddings": 64}}),
-    "llama-llama3": ("llama", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                   "high_freq_factor": 4.0, "rope_theta": 500000.0,
-                                                   "original_max_position_embeddings": 64}}),
-    "llama-longrope": ("llama", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0,
-                                                     "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
-                                                     "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0],
-                                                     "original_max_position_embeddings": 64}}),
+    "llama-yarn": (
+        "llama",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "rope_theta": 10000.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
+    "llama-llama3": (
+        "llama",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "rope_theta": 500000.0,
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
+    "llama-longrope": (
+        "llama",
+        {
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+                "long_factor": [1.0, 1.5, 2.5, 4.0, 6.0, 9.0, 13.0, 18.0],
+                "original_max_position_embeddings": 64,
+            }
+        },
+    ),
     "llama-biases": ("llama", {"attention_bias": True, "mlp_bias": True}),
     "llama-tied": ("llama", {"tie_word_embeddings": True}),
     "qwen3-bias": ("qwen3", {"attention_bias": True}),
@@ -108,8 +134,9 @@ def test_mistral_window_is_what_transformers_does(tiny_mistral_dir, hf_model):
 
 def test_int_window_equals_a_sliding_config(tiny_llama_dir):
     checkpoint = load_checkpoint(tiny_llama_dir)
-    sliding = checkpoint.with_config(checkpoint.config.replace(
-        sliding_window=7, layer_types=("sliding_attention",) * checkpoint.config.num_layers))
+    sliding = checkpoint.with_config(
+        checkpoint.config.replace(sliding_window=7, layer_types=("sliding_attention",) * checkpoint.config.num_layers)
+    )
     tokens = tokens_of(T)
     a = ReferenceDecoder(checkpoint).forward(tokens, window=7).logits
     b = ReferenceDecoder(sliding).forward(tokens).logits
@@ -175,7 +202,7 @@ def test_probes_are_consistent(arch_dir, hf_model):
                 for j in range(T):
                     seen = j <= i and (window is None or i - window < j)
                     got = attn_logits[head, r, j]
-                    assert (torch.isclose(got, want[j], rtol=1e-12, atol=1e-12) if seen else got == float("-inf"))
+                    assert torch.isclose(got, want[j], rtol=1e-12, atol=1e-12) if seen else got == float("-inf")
         # Softmax of the logits is transformers' attention pattern.
         probs = torch.softmax(attn_logits, dim=-1)
         assert (probs - hf.attentions[layer][0][:, rows].double()).abs().max() < 1e-5
@@ -275,26 +302,32 @@ def test_sharded_checkpoint_loads_identically(tiny_qwen3_dir, tmp_path):
     assert sharded.fingerprint == single.fingerprint
     assert all(torch.equal(sharded.weights[n], single.weights[n]) for n in names)
     tokens = tokens_of(9)
-    assert torch.equal(ReferenceDecoder(sharded).forward(tokens).logits, ReferenceDecoder(single).forward(tokens).logits)
+    assert torch.equal(
+        ReferenceDecoder(sharded).forward(tokens).logits, ReferenceDecoder(single).forward(tokens).logits
+    )
 
 
-@pytest.mark.parametrize("weight_map,match", [
-    ([], "weight_map"),
-    ({"model.norm.weight": 3}, "model.norm.weight"),
-    ({"model.norm.weight": "../outside.safetensors"}, "outside the checkpoint"),
-    ({"model.norm.weight": "/etc/passwd"}, "outside the checkpoint"),
-    ({"model.norm.weight": "sub/../../x.safetensors"}, "outside the checkpoint"),
-    ({"model.norm.weight": "missing.safetensors"}, "does not exist"),
-    ({"model.norm.weight": "a.safetensors", "lm_head.weight": "a.safetensors"}, "lm_head.weight"),
-    ({"model.norm.weight": "b.safetensors"}, "does not map"),
-])
+@pytest.mark.parametrize(
+    "weight_map,match",
+    [
+        ([], "weight_map"),
+        ({"model.norm.weight": 3}, "model.norm.weight"),
+        ({"model.norm.weight": "../outside.safetensors"}, "outside the checkpoint"),
+        ({"model.norm.weight": "/etc/passwd"}, "outside the checkpoint"),
+        ({"model.norm.weight": "sub/../../x.safetensors"}, "outside the checkpoint"),
+        ({"model.norm.weight": "missing.safetensors"}, "does not exist"),
+        ({"model.norm.weight": "a.safetensors", "lm_head.weight": "a.safetensors"}, "lm_head.weight"),
+        ({"model.norm.weight": "b.safetensors"}, "does not map"),
+    ],
+)
 def test_bad_index_is_refused(weight_map, match, tiny_llama_dir, tmp_path):
     path = copy_dir(tiny_llama_dir, tmp_path / "ck")
     tensors = load_file(path / "model.safetensors")
     (path / "model.safetensors").unlink()
     save_file({"model.norm.weight": tensors["model.norm.weight"]}, path / "a.safetensors")
-    save_file({"model.norm.weight": tensors["model.norm.weight"], "extra.weight": torch.zeros(2)},
-              path / "b.safetensors")
+    save_file(
+        {"model.norm.weight": tensors["model.norm.weight"], "extra.weight": torch.zeros(2)}, path / "b.safetensors"
+    )
     (tmp_path / "outside.safetensors").write_bytes((path / "a.safetensors").read_bytes())
     (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     with pytest.raises(CheckpointError, match=match):
@@ -319,11 +352,14 @@ def test_missing_dir_and_files(tiny_llama_dir, tmp_path):
         load_checkpoint(tmp_path / "weights.npz")
 
 
-@pytest.mark.parametrize("text,error,match", [
-    ("{not json", ConfigError, "config.json.*not valid JSON"),
-    ("\xff\xfe", ConfigError, "config.json.*not valid JSON"),
-    ("[1, 2]", ConfigError, "config.json.*JSON object"),
-])
+@pytest.mark.parametrize(
+    "text,error,match",
+    [
+        ("{not json", ConfigError, "config.json.*not valid JSON"),
+        ("\xff\xfe", ConfigError, "config.json.*not valid JSON"),
+        ("[1, 2]", ConfigError, "config.json.*JSON object"),
+    ],
+)
 def test_bad_config_json(text, error, match, tiny_llama_dir, tmp_path):
     path = copy_dir(tiny_llama_dir, tmp_path / "ck")
     (path / "config.json").write_bytes(text.encode("latin-1"))
@@ -331,14 +367,17 @@ def test_bad_config_json(text, error, match, tiny_llama_dir, tmp_path):
         load_checkpoint(path)
 
 
-@pytest.mark.parametrize("change,match", [
-    ({"num_attention_heads": "four"}, "num_attention_heads"),
-    ({"vocab_size": None}, "vocab_size"),
-    ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "GPT2LMHeadModel"),
-    ({"hidden_act": "quick_gelu"}, "hidden_act"),
-    ({"auto_map": {"AutoModelForCausalLM": "modeling_evil.Evil"}}, "custom code"),
-    ({"rope_parameters": {"rope_type": "wavy", "rope_theta": 1e4}}, "wavy"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"num_attention_heads": "four"}, "num_attention_heads"),
+        ({"vocab_size": None}, "vocab_size"),
+        ({"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "GPT2LMHeadModel"),
+        ({"hidden_act": "quick_gelu"}, "hidden_act"),
+        ({"auto_map": {"AutoModelForCausalLM": "modeling_evil.Evil"}}, "custom code"),
+        ({"rope_parameters": {"rope_type": "wavy", "rope_theta": 1e4}}, "wavy"),
+    ],
+)
 def test_bad_config_fields(change, match, tiny_llama_dir, tmp_path):
     path = copy_dir(tiny_llama_dir, tmp_path / "ck")
     config = json.loads((path / "config.json").read_text())
@@ -349,13 +388,18 @@ def test_bad_config_fields(change, match, tiny_llama_dir, tmp_path):
     assert "config.json" in str(info.value)
 
 
-@pytest.mark.parametrize("change,match", [
-    (lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"), "missing.*model.layers.1.self_attn.k_proj.weight"),
-    (lambda t: t.update({"model.layers.0.mystery.weight": torch.zeros(3)}), "unexpected.*model.layers.0.mystery"),
-    (lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(96, 63)}),
-     r"model.layers.0.mlp.up_proj.weight has shape \(96, 63\)"),
-    (lambda t: t.update({"model.norm.weight": torch.ones(64, dtype=torch.int32)}), "model.norm.weight has dtype"),
-])
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        (lambda t: t.pop("model.layers.1.self_attn.k_proj.weight"), "missing.*model.layers.1.self_attn.k_proj.weight"),
+        (lambda t: t.update({"model.layers.0.mystery.weight": torch.zeros(3)}), "unexpected.*model.layers.0.mystery"),
+        (
+            lambda t: t.update({"model.layers.0.mlp.up_proj.weight": torch.zeros(96, 63)}),
+            r"model.layers.0.mlp.up_proj.weight has shape \(96, 63\)",
+        ),
+        (lambda t: t.update({"model.norm.weight": torch.ones(64, dtype=torch.int32)}), "model.norm.weight has dtype"),
+    ],
+)
 def test_wrong_tensors_are_named(change, match, tiny_llama_dir, tmp_path):
     path = copy_dir(tiny_llama_dir, tmp_path / "ck")
     rewrite_weights(path, change)
@@ -384,10 +428,17 @@ def _corrupt_offsets(data: bytes) -> bytes:
     return struct.pack("<Q", len(raw)) + raw + data[8 + n :]
 
 
-@pytest.mark.parametrize("corrupt", [
-    _corrupt_truncate, _corrupt_header_length, _corrupt_header_json, _corrupt_offsets,
-    lambda data: b"", lambda data: data[:5],
-])
+@pytest.mark.parametrize(
+    "corrupt",
+    [
+        _corrupt_truncate,
+        _corrupt_header_length,
+        _corrupt_header_json,
+        _corrupt_offsets,
+        lambda data: b"",
+        lambda data: data[:5],
+    ],
+)
 def test_corrupt_safetensors_file_is_named(corrupt, tiny_llama_dir, tmp_path):
     path = copy_dir(tiny_llama_dir, tmp_path / "ck")
     file = path / "model.safetensors"
@@ -425,10 +476,15 @@ def test_derived_tensors_are_dropped(make_tiny_checkpoint, tmp_path):
     assert "lm_head.weight" not in base.weights
 
     path = copy_dir(tied, tmp_path / "with_copies")
-    rewrite_weights(path, lambda t: t.update({
-        "lm_head.weight": t["model.embed_tokens.weight"].clone(),
-        "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8),
-    }))
+    rewrite_weights(
+        path,
+        lambda t: t.update(
+            {
+                "lm_head.weight": t["model.embed_tokens.weight"].clone(),
+                "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8),
+            }
+        ),
+    )
     loaded = load_checkpoint(path)
     assert set(loaded.weights) == set(base.weights)
     assert loaded.fingerprint == base.fingerprint

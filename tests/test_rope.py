@@ -21,17 +21,15 @@ from unittest import mock
 
 import pytest
 import torch
+import transformers  # a test dependency (scripts/setup.sh): missing, the suite fails
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from transformers import LlamaConfig, modeling_rope_utils
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from ropekv.errors import ConfigError
 from ropekv.rope import RopeScaling, RopeSpec, layout_permutation
-
-import transformers  # a test dependency (scripts/setup.sh): missing, the suite fails
-from transformers import LlamaConfig
-from transformers import modeling_rope_utils
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 transformers.logging.set_verbosity_error()  # HF warns about unusual but valid random configs
 
@@ -78,8 +76,10 @@ def hf_rope(config: LlamaConfig, seq_len: int | None, float64: bool = False) -> 
     if not float64:
         return fn(config, None, seq_len=seq_len)
     # longrope also calls ``Tensor.float()``; patched only for the duration of this call.
-    with mock.patch.object(modeling_rope_utils, "torch", _Float64Torch("torch")), \
-            mock.patch.object(torch.Tensor, "float", torch.Tensor.double):
+    with (
+        mock.patch.object(modeling_rope_utils, "torch", _Float64Torch("torch")),
+        mock.patch.object(torch.Tensor, "float", torch.Tensor.double),
+    ):
         inv_freq, factor = fn(config, None, seq_len=seq_len)
     assert inv_freq.dtype == torch.float64
     return inv_freq, factor
@@ -127,8 +127,14 @@ def test_default_matches_transformers(head_dim, partial, theta, max_pos):
 
 
 @HF_SETTINGS
-@given(head_dim=head_dims, partial=partials, theta=thetas, max_pos=max_positions,
-       factor=st.floats(1.0, 32.0), attention_factor=optional_attention_factor)
+@given(
+    head_dim=head_dims,
+    partial=partials,
+    theta=thetas,
+    max_pos=max_positions,
+    factor=st.floats(1.0, 32.0),
+    attention_factor=optional_attention_factor,
+)
 def test_linear_matches_transformers(head_dim, partial, theta, max_pos, factor, attention_factor):
     # An attention_factor on a type that does not use it is ignored by transformers (with a warning).
     rope = {"rope_type": "linear", "factor": factor, "attention_factor": attention_factor}
@@ -137,8 +143,14 @@ def test_linear_matches_transformers(head_dim, partial, theta, max_pos, factor, 
 
 
 @HF_SETTINGS
-@given(head_dim=head_dims, partial=partials, theta=thetas, max_pos=max_positions,
-       factor=st.floats(1.0, 16.0), extra=st.integers(1, 100000))
+@given(
+    head_dim=head_dims,
+    partial=partials,
+    theta=thetas,
+    max_pos=max_positions,
+    factor=st.floats(1.0, 16.0),
+    extra=st.integers(1, 100000),
+)
 def test_dynamic_matches_transformers_at_every_length(head_dim, partial, theta, max_pos, factor, extra):
     config = hf_config(head_dim, partial, theta, max_pos, {"rope_type": "dynamic", "factor": factor})
     spec = ours(config)
@@ -153,18 +165,43 @@ def test_dynamic_matches_transformers_at_every_length(head_dim, partial, theta, 
 
 @HF_SETTINGS
 @given(
-    head_dim=head_dims, partial=partials, theta=thetas, max_pos=max_positions,
-    factor=st.floats(1.0, 40.0), orig_frac=st.floats(0.05, 1.0),
-    mscale=st.one_of(st.none(), st.floats(0.1, 2.0)), mscale_all_dim=st.one_of(st.none(), st.floats(0.1, 2.0)),
-    beta_fast=st.one_of(st.none(), st.floats(8.0, 64.0)), beta_slow=st.one_of(st.none(), st.floats(0.25, 4.0)),
-    truncate=st.one_of(st.none(), st.booleans()), attention_factor=optional_attention_factor,
+    head_dim=head_dims,
+    partial=partials,
+    theta=thetas,
+    max_pos=max_positions,
+    factor=st.floats(1.0, 40.0),
+    orig_frac=st.floats(0.05, 1.0),
+    mscale=st.one_of(st.none(), st.floats(0.1, 2.0)),
+    mscale_all_dim=st.one_of(st.none(), st.floats(0.1, 2.0)),
+    beta_fast=st.one_of(st.none(), st.floats(8.0, 64.0)),
+    beta_slow=st.one_of(st.none(), st.floats(0.25, 4.0)),
+    truncate=st.one_of(st.none(), st.booleans()),
+    attention_factor=optional_attention_factor,
 )
-def test_yarn_matches_transformers(head_dim, partial, theta, max_pos, factor, orig_frac, mscale, mscale_all_dim,
-                                   beta_fast, beta_slow, truncate, attention_factor):
+def test_yarn_matches_transformers(
+    head_dim,
+    partial,
+    theta,
+    max_pos,
+    factor,
+    orig_frac,
+    mscale,
+    mscale_all_dim,
+    beta_fast,
+    beta_slow,
+    truncate,
+    attention_factor,
+):
     rope = {
-        "rope_type": "yarn", "factor": factor, "original_max_position_embeddings": max(1, int(max_pos * orig_frac)),
-        "mscale": mscale, "mscale_all_dim": mscale_all_dim, "beta_fast": beta_fast, "beta_slow": beta_slow,
-        "truncate": truncate, "attention_factor": attention_factor,
+        "rope_type": "yarn",
+        "factor": factor,
+        "original_max_position_embeddings": max(1, int(max_pos * orig_frac)),
+        "mscale": mscale,
+        "mscale_all_dim": mscale_all_dim,
+        "beta_fast": beta_fast,
+        "beta_slow": beta_slow,
+        "truncate": truncate,
+        "attention_factor": attention_factor,
     }
     config = hf_config(head_dim, partial, theta, max_pos, rope)
     spec = ours(config)
@@ -175,14 +212,24 @@ def test_yarn_matches_transformers(head_dim, partial, theta, max_pos, factor, or
 
 @HF_SETTINGS
 @given(
-    head_dim=head_dims, partial=partials, theta=thetas, max_pos=max_positions,
-    factor=st.floats(1.0, 32.0), low=st.floats(0.25, 4.0), gap=st.floats(0.5, 8.0), orig_frac=st.floats(0.05, 1.0),
+    head_dim=head_dims,
+    partial=partials,
+    theta=thetas,
+    max_pos=max_positions,
+    factor=st.floats(1.0, 32.0),
+    low=st.floats(0.25, 4.0),
+    gap=st.floats(0.5, 8.0),
+    orig_frac=st.floats(0.05, 1.0),
     attention_factor=optional_attention_factor,
 )
 def test_llama3_matches_transformers(head_dim, partial, theta, max_pos, factor, low, gap, orig_frac, attention_factor):
     rope = {
-        "rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": low + gap,
-        "original_max_position_embeddings": max(1, int(max_pos * orig_frac)), "attention_factor": attention_factor,
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": low,
+        "high_freq_factor": low + gap,
+        "original_max_position_embeddings": max(1, int(max_pos * orig_frac)),
+        "attention_factor": attention_factor,
     }
     config = hf_config(head_dim, partial, theta, max_pos, rope)
     assert_freqs_match(ours(config), config, None)
@@ -190,25 +237,40 @@ def test_llama3_matches_transformers(head_dim, partial, theta, max_pos, factor, 
 
 def test_llama31_reference_values():
     """Llama 3.1's published RoPE (theta 5e5, factor 8, 1/4, 8192) at head_dim 128."""
-    rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192}
+    rope = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     config = hf_config(128, 1.0, 500000.0, 131072, rope)
     assert_freqs_match(ours(config), config, None)
 
 
 @HF_SETTINGS
 @given(
-    head_dim=head_dims, partial=partials, theta=thetas, max_pos=max_positions, orig_frac=st.floats(0.05, 1.0),
-    data=st.data(), with_factor=st.booleans(), attention_factor=optional_attention_factor,
+    head_dim=head_dims,
+    partial=partials,
+    theta=thetas,
+    max_pos=max_positions,
+    orig_frac=st.floats(0.05, 1.0),
+    data=st.data(),
+    with_factor=st.booleans(),
+    attention_factor=optional_attention_factor,
 )
-def test_longrope_matches_transformers_short_and_long(head_dim, partial, theta, max_pos, orig_frac, data,
-                                                      with_factor, attention_factor):
+def test_longrope_matches_transformers_short_and_long(
+    head_dim, partial, theta, max_pos, orig_frac, data, with_factor, attention_factor
+):
     n = int(head_dim * partial) // 2
     factors = st.lists(st.floats(0.5, 64.0), min_size=n, max_size=n)
     orig = max(1, int(max_pos * orig_frac))
     rope = {
-        "rope_type": "longrope", "short_factor": data.draw(factors), "long_factor": data.draw(factors),
-        "original_max_position_embeddings": orig, "attention_factor": attention_factor,
+        "rope_type": "longrope",
+        "short_factor": data.draw(factors),
+        "long_factor": data.draw(factors),
+        "original_max_position_embeddings": orig,
+        "attention_factor": attention_factor,
         "factor": data.draw(st.floats(1.0, 64.0)) if with_factor else None,
     }
     config = hf_config(head_dim, partial, theta, max_pos, rope)
@@ -231,15 +293,27 @@ def spec_of(rope_type: str, head_dim: int = 32, rotary_dim: int | None = None, l
         "linear": {"factor": 4.0},
         "dynamic": {"factor": 2.0},
         "yarn": {"factor": 8.0, "original_max_position_embeddings": 64},
-        "llama3": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 64},
-        "longrope": {"short_factor": [1.0 + 0.1 * i for i in range(n)],
-                     "long_factor": [2.0 + 0.3 * i for i in range(n)], "original_max_position_embeddings": 64},
+        "llama3": {
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        "longrope": {
+            "short_factor": [1.0 + 0.1 * i for i in range(n)],
+            "long_factor": [2.0 + 0.3 * i for i in range(n)],
+            "original_max_position_embeddings": 64,
+        },
     }[rope_type]
-    return RopeSpec(head_dim=head_dim, rotary_dim=rotary_dim, theta=10000.0, layout=layout,
-                    scaling=RopeScaling(rope_type=rope_type, **scaling),
-                    attention_factor=1.3 if rope_type in ("yarn", "longrope") else 1.0,
-                    max_position_embeddings=256)
+    return RopeSpec(
+        head_dim=head_dim,
+        rotary_dim=rotary_dim,
+        theta=10000.0,
+        layout=layout,
+        scaling=RopeScaling(rope_type=rope_type, **scaling),
+        attention_factor=1.3 if rope_type in ("yarn", "longrope") else 1.0,
+        max_position_embeddings=256,
+    )
 
 
 ALL_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
@@ -279,8 +353,9 @@ def test_neox_and_gptj_agree_after_layout_permutation(rope_type, rotary_dim):
     assert sorted(perm.tolist()) == list(range(32))
     x = rand(5, 4, 32)
     positions = torch.tensor([3, 0, 77, 1000, 12])
-    torch.testing.assert_close(gptj.rotate(x[..., perm], positions, 500), neox.rotate(x, positions, 500)[..., perm],
-                               rtol=0, atol=1e-12)
+    torch.testing.assert_close(
+        gptj.rotate(x[..., perm], positions, 500), neox.rotate(x, positions, 500)[..., perm], rtol=0, atol=1e-12
+    )
     back = layout_permutation(rotary_dim, 32, "gptj", "neox")
     torch.testing.assert_close(x[..., perm][..., back], x, rtol=0, atol=0)
 
@@ -313,8 +388,7 @@ def test_float32_input_at_large_positions_matches_float64():
     spec = spec_of("default", head_dim=64)
     x = rand(3, 4, 64, seed=5)
     positions = torch.tensor([8000, 65535, 100000])
-    torch.testing.assert_close(spec.rotate(x.float(), positions), spec.rotate(x, positions).float(),
-                               rtol=0, atol=2e-5)
+    torch.testing.assert_close(spec.rotate(x.float(), positions), spec.rotate(x, positions).float(), rtol=0, atol=2e-5)
 
 
 def test_rotation_scales_by_attention_factor():
@@ -332,9 +406,19 @@ BASE = {"hidden_size": 64, "num_attention_heads": 4, "max_position_embeddings": 
 def test_legacy_rope_theta_and_rope_scaling():
     spec = RopeSpec.from_hf_config({**BASE, "rope_theta": 500000.0, "rope_scaling": {"type": "linear", "factor": 4}})
     assert (spec.theta, spec.scaling.rope_type, spec.scaling.factor) == (500000.0, "linear", 4.0)
-    spec = RopeSpec.from_hf_config({**BASE, "rope_theta": 500000.0, "rope_scaling": {
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 1024}})
+    spec = RopeSpec.from_hf_config(
+        {
+            **BASE,
+            "rope_theta": 500000.0,
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 1024,
+            },
+        }
+    )
     assert spec.scaling.rope_type == "llama3" and spec.scaling.original_max_position_embeddings == 1024
     spec = RopeSpec.from_hf_config({**BASE, "rope_scaling": None, "partial_rotary_factor": 0.5})
     assert (spec.theta, spec.rotary_dim, spec.scaling.rope_type) == (10000.0, 8, "default")
@@ -345,15 +429,20 @@ def test_legacy_rope_theta_and_rope_scaling():
 
 def test_legacy_and_new_forms_agree():
     legacy = RopeSpec.from_hf_config({**BASE, "rope_theta": 1e6, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
-    new = RopeSpec.from_hf_config({**BASE, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}})
+    new = RopeSpec.from_hf_config(
+        {**BASE, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}}
+    )
     assert legacy == new and legacy.fingerprint() == new.fingerprint()
 
 
 def test_nested_per_layer_type_rope_parameters():
-    nested = {**BASE, "rope_parameters": {
-        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
-        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
-    }}
+    nested = {
+        **BASE,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    }
     full = RopeSpec.from_hf_config(nested, layer_type="full_attention")
     sliding = RopeSpec.from_hf_config(nested, layer_type="sliding_attention")
     assert (full.scaling.rope_type, full.theta) == ("linear", 1e6)
@@ -362,28 +451,39 @@ def test_nested_per_layer_type_rope_parameters():
         RopeSpec.from_hf_config(nested)
     with pytest.raises(ConfigError, match="chunked_attention"):
         RopeSpec.from_hf_config(nested, layer_type="chunked_attention")
-    same = {**BASE, "rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e4},
-                                        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+    same = {
+        **BASE,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1e4},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    }
     assert RopeSpec.from_hf_config(same).theta == 1e4
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "ntk-by-parts", "factor": 2.0},
-    {"type": "su", "short_factor": [1.0]},
-])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "ntk-by-parts", "factor": 2.0},
+        {"type": "su", "short_factor": [1.0]},
+    ],
+)
 def test_unknown_type_names_it(rope):
     name = rope.get("rope_type", rope.get("type"))
     with pytest.raises(ConfigError, match=name):
         RopeSpec.from_hf_config({**BASE, "rope_parameters": rope})
 
 
-@pytest.mark.parametrize("rope,missing", [
-    ({"rope_type": "linear"}, "factor"),
-    ({"rope_type": "dynamic"}, "factor"),
-    ({"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}, "low_freq_factor"),
-    ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}, "high_freq_factor"),
-    ({"rope_type": "longrope", "long_factor": [1.0] * 8}, "short_factor"),
-])
+@pytest.mark.parametrize(
+    "rope,missing",
+    [
+        ({"rope_type": "linear"}, "factor"),
+        ({"rope_type": "dynamic"}, "factor"),
+        ({"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0}, "low_freq_factor"),
+        ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0}, "high_freq_factor"),
+        ({"rope_type": "longrope", "long_factor": [1.0] * 8}, "short_factor"),
+    ],
+)
 def test_missing_parameter_names_it(rope, missing):
     with pytest.raises(ConfigError, match=missing):
         RopeSpec.from_hf_config({**BASE, "rope_parameters": rope})
@@ -391,8 +491,9 @@ def test_missing_parameter_names_it(rope, missing):
 
 def test_bad_values_raise_config_error():
     with pytest.raises(ConfigError, match="short_factor"):
-        RopeSpec.from_hf_config({**BASE, "rope_parameters": {
-            "rope_type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 8}})
+        RopeSpec.from_hf_config(
+            {**BASE, "rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 8}}
+        )
     with pytest.raises(ConfigError, match="max_position_embeddings"):
         RopeSpec.from_hf_config({"hidden_size": 64, "num_attention_heads": 4})
     with pytest.raises(ConfigError, match="factor"):
@@ -423,6 +524,7 @@ def test_fingerprint_stable_and_sensitive():
 
 
 def test_attention_factor_defaults_follow_transformers():
-    yarn = RopeSpec.from_hf_config({**BASE, "rope_parameters": {"rope_type": "yarn", "factor": 4.0,
-                                                                "original_max_position_embeddings": 1024}})
+    yarn = RopeSpec.from_hf_config(
+        {**BASE, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}}
+    )
     assert yarn.attention_factor == pytest.approx(0.1 * math.log(4.0) + 1.0)

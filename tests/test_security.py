@@ -1,4 +1,4 @@
-"""Security (issue 8): ropekv never executes what it reads, and bounds declared sizes before allocating.
+"""Security: ropekv never executes what it reads, and bounds declared sizes before allocating.
 
 1. The package source holds no unpickling, no ``torch.load``, no ``eval``/``exec`` and never passes
    ``trust_remote_code=True``. Two independent scans over every ``.py`` under ``ropekv/``: the AST
@@ -39,8 +39,7 @@ SOURCES = sorted(PACKAGE.rglob("*.py"))
 UNPICKLING_MODULES = {"pickle", "_pickle", "cPickle", "dill", "cloudpickle", "joblib", "marshal", "shelve"}
 CODE_BUILTINS = {"eval", "exec", "compile", "__import__"}
 # attribute chains that deserialize with pickle or load code
-FORBIDDEN_CHAINS = {"torch.load", "torch.serialization.load", "torch.jit.load", "pd.read_pickle",
-                    "pandas.read_pickle"}
+FORBIDDEN_CHAINS = {"torch.load", "torch.serialization.load", "torch.jit.load", "pd.read_pickle", "pandas.read_pickle"}
 
 
 def _chain(node: ast.AST) -> str | None:
@@ -60,8 +59,9 @@ def ast_findings(source: str, filename: str = "<src>") -> list[str]:
     for node in ast.walk(ast.parse(source, filename)):
         line = getattr(node, "lineno", 0)
         if isinstance(node, ast.Import):
-            found += [f"{filename}:{line}: import {a.name}" for a in node.names
-                      if a.name.split(".")[0] in UNPICKLING_MODULES]
+            found += [
+                f"{filename}:{line}: import {a.name}" for a in node.names if a.name.split(".")[0] in UNPICKLING_MODULES
+            ]
         elif isinstance(node, ast.ImportFrom):
             module = node.module or ""
             if module.split(".")[0] in UNPICKLING_MODULES:
@@ -81,7 +81,9 @@ def ast_findings(source: str, filename: str = "<src>") -> list[str]:
         elif isinstance(node, ast.keyword) and node.arg in ("trust_remote_code", "allow_pickle"):
             if isinstance(node.value, ast.Constant) and node.value.value is True:
                 found.append(f"{filename}:{line}: {node.arg}=True")
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "__import__"):
+        elif (
+            isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "__import__")
+        ):
             texts = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
             if any(t in CODE_BUILTINS or t in UNPICKLING_MODULES or t == "load" for t in texts):
                 found.append(f"{filename}:{line}: getattr/__import__ of {texts}")
@@ -102,8 +104,10 @@ def code_only(source: str) -> str:
 
 
 GREP_PATTERNS = {
-    "import pickle": re.compile(r"\bimport\s+(c?pickle|_pickle|dill|cloudpickle|marshal|shelve)\b"
-                                r"|\bfrom\s+(c?pickle|_pickle|dill|cloudpickle|marshal|shelve)\s+import\b"),
+    "import pickle": re.compile(
+        r"\bimport\s+(c?pickle|_pickle|dill|cloudpickle|marshal|shelve)\b"
+        r"|\bfrom\s+(c?pickle|_pickle|dill|cloudpickle|marshal|shelve)\s+import\b"
+    ),
     "torch.load(": re.compile(r"\btorch\s*\.\s*load\s*\("),
     "eval(": re.compile(r"(?<![\w.])eval\s*\("),
     "exec(": re.compile(r"(?<![\w.])exec\s*\("),
@@ -154,8 +158,10 @@ def test_the_ast_scan_catches_each_planted_pattern(name):
     assert ast_findings(PLANTED[name]), name
 
 
-@pytest.mark.parametrize("name", ["import pickle", "from pickle", "torch.load", "torch.load weights_only", "eval",
-                                  "exec", "trust_remote_code"])
+@pytest.mark.parametrize(
+    "name",
+    ["import pickle", "from pickle", "torch.load", "torch.load weights_only", "eval", "exec", "trust_remote_code"],
+)
 def test_the_grep_catches_each_planted_pattern(name):
     assert grep_findings(PLANTED[name]), name
 
@@ -224,8 +230,9 @@ def test_safetensors_header_length_is_bounded(ck, claimed):
 
 
 def test_safetensors_tensor_offsets_are_bounded(ck):
-    header = json.dumps({"model.norm.weight": {"dtype": "F32", "shape": [2**30, 2**30],
-                                               "data_offsets": [0, 2**62]}}).encode()
+    header = json.dumps(
+        {"model.norm.weight": {"dtype": "F32", "shape": [2**30, 2**30], "data_offsets": [0, 2**62]}}
+    ).encode()
     (ck / "model.safetensors").write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 16)
     with bounded(), pytest.raises(CheckpointError, match="model.norm.weight"):
         load_checkpoint(ck)
@@ -254,19 +261,43 @@ ARCH = _str("general.architecture") + struct.pack("<I", 8) + _str("llama")
 ABSURD_GGUF = {
     "tensor count 2**60": (_gguf(2**60, ARCH), "tensors, more than"),
     "metadata count 2**60": (_gguf(0, ARCH, n_kv=2**60), "metadata entries"),
-    "string of 2**62 bytes": (_gguf(0, _str("general.name") + struct.pack("<I", 8) + struct.pack("<Q", 2**62)),
-                              "4611686018427387904-byte string"),
+    "string of 2**62 bytes": (
+        _gguf(0, _str("general.name") + struct.pack("<I", 8) + struct.pack("<Q", 2**62)),
+        "4611686018427387904-byte string",
+    ),
     "key of 2**62 bytes": (_gguf(0, struct.pack("<Q", 2**62) + b"abc"), "byte string"),
     "array of 2**60 uint32": (_gguf(0, _str("llama.x") + struct.pack("<IIQ", 9, 4, 2**60)), "array elements"),
-    "array of 2**60 strings": (_gguf(0, _str("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 2**60)),
-                               "array elements"),
-    "nested arrays": (_gguf(0, _str("x") + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 10 + struct.pack("<IQ", 4, 0)),
-                      "too deeply nested"),
+    "array of 2**60 strings": (
+        _gguf(0, _str("tokenizer.ggml.tokens") + struct.pack("<IIQ", 9, 8, 2**60)),
+        "array elements",
+    ),
+    "nested arrays": (
+        _gguf(0, _str("x") + struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 10 + struct.pack("<IQ", 4, 0)),
+        "too deeply nested",
+    ),
     "unknown value type": (_gguf(0, _str("x") + struct.pack("<I", 77)), "unknown"),
-    "tensor dims 2**40 x 2**40": (_gguf(1, ARCH, tensor_info=_str("token_embd.weight") + struct.pack("<I", 2)
-                                        + struct.pack("<QQ", 2**40, 2**40) + struct.pack("<IQ", 0, 0)), "corrupt"),
-    "tensor with 2**31 dims": (_gguf(1, ARCH, tensor_info=_str("token_embd.weight") + struct.pack("<I", 2**31)
-                                     + struct.pack("<QQ", 4, 4) + struct.pack("<IQ", 0, 0)), "corrupt"),
+    "tensor dims 2**40 x 2**40": (
+        _gguf(
+            1,
+            ARCH,
+            tensor_info=_str("token_embd.weight")
+            + struct.pack("<I", 2)
+            + struct.pack("<QQ", 2**40, 2**40)
+            + struct.pack("<IQ", 0, 0),
+        ),
+        "corrupt",
+    ),
+    "tensor with 2**31 dims": (
+        _gguf(
+            1,
+            ARCH,
+            tensor_info=_str("token_embd.weight")
+            + struct.pack("<I", 2**31)
+            + struct.pack("<QQ", 4, 4)
+            + struct.pack("<IQ", 0, 0),
+        ),
+        "corrupt",
+    ),
 }
 
 

@@ -12,17 +12,16 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+from test_architectures import BY_ID, TOL, cases_for, scaled
 
 from ropekv import check
 from ropekv.adapters.native import NativeAdapter
-from ropekv.attention import attend, softmax_with_sinks
 from ropekv.contract import CacheContract
 from ropekv.engine import Engine
+from ropekv.engine.attention import attend, softmax_with_sinks
+from ropekv.engine.transformer import DecoderWeights
 from ropekv.models import ReferenceDecoder, load_checkpoint
 from ropekv.models.config import Checkpoint
-from ropekv.transformer import DecoderWeights
-
-from test_architectures import BY_ID, TOL, cases_for, scaled
 
 GPT_OSS = BY_ID["gpt_oss"][1]
 
@@ -86,8 +85,9 @@ class _SinksDropped(NativeAdapter):
     def __init__(self, checkpoint: Checkpoint):
         super().__init__(checkpoint, name="engine without sinks")
         weights = DecoderWeights.from_checkpoint(checkpoint, self.dtype)
-        self._weights = dataclasses.replace(weights, layers=tuple(
-            dataclasses.replace(layer, sinks=None) for layer in weights.layers))
+        self._weights = dataclasses.replace(
+            weights, layers=tuple(dataclasses.replace(layer, sinks=None) for layer in weights.layers)
+        )
 
 
 def test_an_engine_that_drops_the_sinks_fails_the_check(make_arch_checkpoint):

@@ -27,8 +27,9 @@ ROPE = RopeSpec(head_dim=8, rotary_dim=8, theta=10000.0)
 
 
 def contract(**changes) -> CacheContract:
-    base = dict(key_form="rotated", rope=ROPE, num_layers=3, num_kv_heads=2, head_dim=8,
-                block_size=4, model_fingerprint="m")
+    base = dict(
+        key_form="rotated", rope=ROPE, num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, model_fingerprint="m"
+    )
     return CacheContract(**{**base, **changes})
 
 
@@ -38,7 +39,7 @@ class _Sent:
 
 
 class _Recv:
-    def __init__(self, end: "Loopback", tensor: torch.Tensor):
+    def __init__(self, end: Loopback, tensor: torch.Tensor):
         self.end, self.tensor = end, tensor
 
     def wait(self) -> None:
@@ -56,7 +57,7 @@ class Loopback:
         self.inbox, self.outbox, self.drop_after, self.sent_tensors = inbox, outbox, drop_after, 0
 
     @staticmethod
-    def pair(drop_after: int | None = None) -> tuple["Loopback", "Loopback"]:
+    def pair(drop_after: int | None = None) -> tuple[Loopback, Loopback]:
         a, b = queue.Queue(), queue.Queue()
         return Loopback(a, b, drop_after), Loopback(b, a)
 
@@ -95,8 +96,9 @@ class Loopback:
         return _Recv(self, tensor)
 
 
-def filled(c: CacheContract, n: int, *, num_blocks: int = 64, seq_id="s", fragment: bool = False,
-           seed: int = 0) -> PagedKVCache:
+def filled(
+    c: CacheContract, n: int, *, num_blocks: int = 64, seq_id="s", fragment: bool = False, seed: int = 0
+) -> PagedKVCache:
     """A cache holding ``seq_id`` with ``n`` random tokens at positions 0.. (``fragment``: its blocks
     interleaved with another sequence's, so no chunk is consecutive in the pool)."""
     cache = PagedKVCache(c, num_blocks)
@@ -109,16 +111,19 @@ def filled(c: CacheContract, n: int, *, num_blocks: int = 64, seq_id="s", fragme
         for sid in (seq_id, "other") if fragment else (seq_id,):
             last = cache.last_position(sid)
             pos = torch.arange(last + 1, last + 1 + m)
-            keys = [torch.randn(m, c.num_kv_heads, c.head_dim, generator=g).to(c.torch_dtype)
-                    for _ in range(c.num_layers)]
-            values = [torch.randn(m, c.num_kv_heads, c.head_dim, generator=g).to(c.torch_dtype)
-                      for _ in range(c.num_layers)]
+            keys = [
+                torch.randn(m, c.num_kv_heads, c.head_dim, generator=g).to(c.torch_dtype) for _ in range(c.num_layers)
+            ]
+            values = [
+                torch.randn(m, c.num_kv_heads, c.head_dim, generator=g).to(c.torch_dtype) for _ in range(c.num_layers)
+            ]
             cache.append(sid, pos, keys, values, key_form=c.key_form)
     return cache
 
 
-def transfer(source: PagedKVCache, target: PagedKVCache, *, tokens=None, chunk_bytes=64, wire=None,
-             drop_after=None, **receive):
+def transfer(
+    source: PagedKVCache, target: PagedKVCache, *, tokens=None, chunk_bytes=64, wire=None, drop_after=None, **receive
+):
     """Run sender and receiver in two threads; returns (send result or error, receive result or error)."""
     n = source.num_tokens("s")
     tokens = torch.arange(n) + 11 if tokens is None else tokens
@@ -128,12 +133,16 @@ def transfer(source: PagedKVCache, target: PagedKVCache, *, tokens=None, chunk_b
     def run(name, fn):
         try:
             out[name] = fn()
-        except Exception as exc:  # noqa: BLE001 -- the test inspects it
+        except Exception as exc:
             out[name] = exc
 
-    threads = [threading.Thread(target=run, args=("send", lambda: send_sequence(
-                   a, 1, source, "s", tokens, chunk_bytes=chunk_bytes, wire=wire))),
-               threading.Thread(target=run, args=("recv", lambda: receive_sequence(b, 0, target, **receive)))]
+    threads = [
+        threading.Thread(
+            target=run,
+            args=("send", lambda: send_sequence(a, 1, source, "s", tokens, chunk_bytes=chunk_bytes, wire=wire)),
+        ),
+        threading.Thread(target=run, args=("recv", lambda: receive_sequence(b, 0, target, **receive))),
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -152,12 +161,16 @@ def assert_same_sequence(a: PagedKVCache, b: PagedKVCache, seq="s") -> None:
 # ---------------------------------------------------------------------- round trips
 
 
-@pytest.mark.parametrize("c", [
-    contract(),
-    contract(dtype="bfloat16"),
-    contract(window=5, window_layers=(1,), sink_tokens=2),
-    contract(window=3, window_layers=(0, 1, 2)),
-], ids=["float32", "bfloat16", "one-wrapped-ring-with-sinks", "all-sliding"])
+@pytest.mark.parametrize(
+    "c",
+    [
+        contract(),
+        contract(dtype="bfloat16"),
+        contract(window=5, window_layers=(1,), sink_tokens=2),
+        contract(window=3, window_layers=(0, 1, 2)),
+    ],
+    ids=["float32", "bfloat16", "one-wrapped-ring-with-sinks", "all-sliding"],
+)
 @pytest.mark.parametrize("n", [1, 13])
 @pytest.mark.parametrize("fragment", [False, True], ids=["consecutive", "fragmented"])
 def test_round_trip_is_exact(c, n, fragment):
@@ -168,7 +181,9 @@ def test_round_trip_is_exact(c, n, fragment):
     assert not isinstance(got, Exception), got
     assert_same_sequence(source, target)
     assert source.state_digest() == before  # the sender only read its pool
-    assert got.chunks == sent.chunks == len(chunk_plan(c, n, max(1, 64 // (8 * c.torch_dtype.itemsize))))  # rows of one head
+    assert (
+        got.chunks == sent.chunks == len(chunk_plan(c, n, max(1, 64 // (8 * c.torch_dtype.itemsize))))
+    )  # rows of one head
     if not fragment and not c.window_layers:
         assert got.in_place_chunks == got.chunks  # straight into the pool, no staging copy
 
@@ -202,6 +217,7 @@ def _flip(index):
         bad = chunk.clone()
         bad.view(torch.uint8).view(-1)[-1] ^= 0x01
         return bad
+
     return wire
 
 
@@ -243,10 +259,13 @@ def test_non_finite_values_are_refused_with_their_position():
     assert isinstance(sent, PayloadError) and target.state_digest() == before
 
 
-@pytest.mark.parametrize("theirs, error, match", [
-    (contract(rope=ROPE.replace(theta=500000.0)), ContractMismatch, "rope.theta"),
-    (contract(key_form="raw"), ContractMismatch, "key_form"),
-])
+@pytest.mark.parametrize(
+    "theirs, error, match",
+    [
+        (contract(rope=ROPE.replace(theta=500000.0)), ContractMismatch, "rope.theta"),
+        (contract(key_form="raw"), ContractMismatch, "key_form"),
+    ],
+)
 def test_contract_mismatch_is_refused_at_the_header(theirs, error, match):
     source, target = filled(theirs, 5), PagedKVCache(contract(), 8)
     before = target.state_digest()
@@ -305,15 +324,24 @@ def test_every_bit_flip_and_truncation_of_the_header_is_refused():
             StreamHeader.from_bytes(bytes(data[:cut]))
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(positions=torch.tensor([0, 2, 2])), "strictly increase"),
-    (dict(tokens=torch.tensor([0, -1, 2])), "negative"),
-    (dict(checksums=(1, 2)), "checksum"),
-    (dict(chunk_rows=0), "chunk_rows"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(positions=torch.tensor([0, 2, 2])), "strictly increase"),
+        (dict(tokens=torch.tensor([0, -1, 2])), "negative"),
+        (dict(checksums=(1, 2)), "checksum"),
+        (dict(chunk_rows=0), "chunk_rows"),
+    ],
+)
 def test_header_refuses_inconsistent_state(kwargs, match):
     c = contract()
-    fields = dict(contract=c, seq_id="s", tokens=torch.arange(3), positions=torch.arange(3), chunk_rows=2,
-                  checksums=tuple(range(len(chunk_plan(c, 3, 2)))))
+    fields = dict(
+        contract=c,
+        seq_id="s",
+        tokens=torch.arange(3),
+        positions=torch.arange(3),
+        chunk_rows=2,
+        checksums=tuple(range(len(chunk_plan(c, 3, 2)))),
+    )
     with pytest.raises(PayloadError, match=match):
         StreamHeader(**{**fields, **kwargs})

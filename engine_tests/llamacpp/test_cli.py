@@ -12,9 +12,26 @@ from pathlib import Path
 def test_cli_check_passes_on_the_default_f32_gguf(tmp_path):
     cli = Path(sys.executable).with_name("ropekv")
     out = tmp_path / "report.json"
-    proc = subprocess.run([str(cli), "check", "--engine", "llamacpp", "--lengths", "9", "--prefix-offsets", "4",
-                           "--n-batch", "5", "--no-progress", "--json", str(out)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            str(cli),
+            "check",
+            "--engine",
+            "llamacpp",
+            "--lengths",
+            "9",
+            "--prefix-offsets",
+            "4",
+            "--n-batch",
+            "5",
+            "--no-progress",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     report = json.loads(out.read_text())
     assert report["passed"] and report["tier"] == "forensics"

@@ -40,8 +40,12 @@ def test_bad_options_raise_usage_error():
 def test_cli_bad_model_file_is_one_line_and_exit_2(tmp_path):
     cli = Path(sys.executable).with_name("ropekv")
     for path in _bad_files(tmp_path)[:2]:
-        proc = subprocess.run([str(cli), "check", "--engine", "llamacpp", "--gguf", str(path), "--no-progress"],
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [str(cli), "check", "--engine", "llamacpp", "--gguf", str(path), "--no-progress"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 2, proc.stderr
         lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
         assert len(lines) == 1 and "Traceback" not in proc.stderr and str(path) in lines[0], proc.stderr

@@ -34,10 +34,12 @@ def test_f32_gguf_unpermuted_equals_ropekvs_float32_safetensors():
     permutation was kept as the file had it, not applied twice or dropped."""
     mine = {t.name: t for t in open_gguf(default_f32_gguf()).tensors}
     heads, kv_heads = 9, 3  # SmolLM2-135M
-    pairs = {"blk.0.attn_q.weight": ("model.layers.0.self_attn.q_proj.weight", heads),
-             "blk.0.attn_k.weight": ("model.layers.0.self_attn.k_proj.weight", kv_heads),
-             "blk.29.attn_k.weight": ("model.layers.29.self_attn.k_proj.weight", kv_heads),
-             "token_embd.weight": ("model.embed_tokens.weight", None)}
+    pairs = {
+        "blk.0.attn_q.weight": ("model.layers.0.self_attn.q_proj.weight", heads),
+        "blk.0.attn_k.weight": ("model.layers.0.self_attn.k_proj.weight", kv_heads),
+        "blk.29.attn_k.weight": ("model.layers.29.self_attn.k_proj.weight", kv_heads),
+        "token_embd.weight": ("model.embed_tokens.weight", None),
+    }
     with safe_open(str(default_checkpoint_dir() / WEIGHTS_FILE), framework="np") as f:
         for gguf_name, (hf_name, n) in pairs.items():
             ours = np.asarray(mine[gguf_name].data)

@@ -3,9 +3,9 @@ size that splits the prompt), against llama.cpp's own full forward and the float
 
 from __future__ import annotations
 
-import pytest
-
 import argparse
+
+import pytest
 
 from ropekv.adapters.llamacpp import LlamaCppEngine, add_arguments, default_cases, llamacpp_cases
 from ropekv.parity.cases import Case

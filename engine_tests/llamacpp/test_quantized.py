@@ -18,7 +18,7 @@ def test_q4_1_noise_is_large_in_logits_and_absent_from_rope(q4_engine, q4_refere
     position against the float64 raw vectors: the noise is not a RoPE error."""
     L = 40
     one_by_one = q4_engine.run_case(Case(length=L, chunk=1), tokens)  # one token per llama_decode
-    batched = q4_engine.full_forward(tokens[:L + 3], [L, L + 1, L + 2], Case(length=L))
+    batched = q4_engine.full_forward(tokens[: L + 3], [L, L + 1, L + 2], Case(length=L))
     noise = max(float((a.logits - b).abs().max()) for a, b in zip(one_by_one.steps, batched.logits))
     assert 0.05 < noise < 3.0  # measured 0.4 to 1.1
     of = LogitsOf(q4_engine.config, None, 0)
@@ -32,12 +32,21 @@ def test_q4_1_noise_is_large_in_logits_and_absent_from_rope(q4_engine, q4_refere
 
     first, last = self_error(0), self_error(q4_engine.config.num_layers - 1)
     assert first < 1e-4 and last > 10 * first
-    ref = q4_reference.forward(tokens[:L + 1], probe_rows=[L])
+    ref = q4_reference.forward(tokens[: L + 1], probe_rows=[L])
     probe, r = step.layers[0], ref.layers[0]
     order = torch.argsort(probe.key_positions)
-    d = diagnose(ForensicInput(rope=q4_engine.config.rope, q_raw=r.q_raw[0], q_eff=probe.q[0].double(),
-                               k_raw=r.k_raw, k_eff=probe.k[order].double(), query_position=L,
-                               key_positions=probe.key_positions[order], key_slots=probe.key_slots[order]))
+    d = diagnose(
+        ForensicInput(
+            rope=q4_engine.config.rope,
+            q_raw=r.q_raw[0],
+            q_eff=probe.q[0].double(),
+            k_raw=r.k_raw,
+            k_eff=probe.k[order].double(),
+            query_position=L,
+            key_positions=probe.key_positions[order],
+            key_slots=probe.key_slots[order],
+        )
+    )
     assert d.query_effective == L
     assert list(d.key_effective[1:]) == list(range(1, L + 1))
 

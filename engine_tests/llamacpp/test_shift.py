@@ -36,8 +36,10 @@ def test_shift_matches_explicit_positions_on_the_f32_gguf(shift_engine, shift_re
     assert c.layer0_scores_vs_reference < 5e-4
 
 
-@pytest.mark.parametrize("fault, name, key_offset", [("not_rerotated", "shift_not_rerotated", -1),
-                                                      ("rerotated_twice", "shift_rerotated_twice", 1)])
+@pytest.mark.parametrize(
+    "fault, name, key_offset",
+    [("not_rerotated", "shift_not_rerotated", -1), ("rerotated_twice", "shift_rerotated_twice", 1)],
+)
 def test_shift_faults_are_caught_and_named(shift_engine, shift_reference, tokens, fault, name, key_offset):
     delta = 1000
     c = check_shift(shift_engine, shift_reference, tokens.tolist(), N, delta, fault=fault)
@@ -45,8 +47,11 @@ def test_shift_faults_are_caught_and_named(shift_engine, shift_reference, tokens
     assert c.layer0_scores_vs_reference > 0.5  # from layer 0: the keys sit elsewhere
     assert c.logits_vs_explicit > 0.5 and c.explicit_vs_reference < 2e-3
     eff = [p for p in c.diagnosis.key_effective[1:N] if p is not None]
-    assert eff and all(p - j == key_offset * delta for p, j in zip(c.diagnosis.key_effective[1:N], range(delta + 1, delta + N))
-                       if p is not None)
+    assert eff and all(
+        p - j == key_offset * delta
+        for p, j in zip(c.diagnosis.key_effective[1:N], range(delta + 1, delta + N))
+        if p is not None
+    )
     assert c.diagnosis.query_effective == N + delta  # the query is right: only the cached keys moved wrongly
 
 

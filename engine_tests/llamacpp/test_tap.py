@@ -18,7 +18,7 @@ def test_recorded_q_and_k_reproduce_the_kernels_own_scores(f32_engine, tokens):
     ctx.prefill(tokens[:40].tolist(), 0)
     step = f32_engine.decode_step(ctx, int(tokens[40]), 40, keep_scores=True)
     cap = f32_engine.last_capture
-    scale = f32_engine.config.head_dim ** -0.5
+    scale = f32_engine.config.head_dim**-0.5
     for layer, probe in enumerate(step.layers):
         mine = attention_logits(probe, torch.tensor([40]), scale=1.0, mask_by_position=False)[:, 0]  # [H, N]
         kernel = torch.from_numpy(cap.kq[layer][:, 0, probe.key_slots.numpy()]).double()  # [H, N]

@@ -47,8 +47,8 @@ def tol(engine):
 
 @dataclass(frozen=True)
 class Errors:
-    logits: float              # worst scale-aware final-logit error over the decode steps
-    attn: tuple[float, ...]    # per layer, worst over the steps
+    logits: float  # worst scale-aware final-logit error over the decode steps
+    attn: tuple[float, ...]  # per layer, worst over the steps
     max_abs_logit: float
 
     @property
@@ -56,14 +56,20 @@ class Errors:
         return next((i for i, e in enumerate(self.attn) if e > 2e-3), None)
 
 
-def against_reference(reference: ReferenceDecoder, run: CaseRun, case: Case, tokens: torch.Tensor,
-                      window: int | None | str = "case", sink_tokens: int | None = None) -> Errors:
+def against_reference(
+    reference: ReferenceDecoder,
+    run: CaseRun,
+    case: Case,
+    tokens: torch.Tensor,
+    window: int | None | str = "case",
+    sink_tokens: int | None = None,
+) -> Errors:
     """The cached run's decode steps against the float64 reference with the case's window (or another)."""
     w = case.window if window == "case" else window
     s = case.sink_tokens if sink_tokens is None else sink_tokens
     rows = case.decode_positions
     out = reference.forward(tokens[: case.total], probe_rows=rows, window=w, sink_tokens=s)
-    scale = reference.config.head_dim ** -0.5
+    scale = reference.config.head_dim**-0.5
     attn = [0.0] * reference.config.num_layers
     logits = mabs = 0.0
     for si, (step, row) in enumerate(zip(run.steps, rows)):
@@ -73,8 +79,7 @@ def against_reference(reference: ReferenceDecoder, run: CaseRun, case: Case, tok
         for li, probe in enumerate(step.layers):
             mine = attention_logits(probe, torch.tensor([row]), scale=scale, mask_by_position=False)[:, 0]  # [H, N]
             ref_probe = out.layers[li]
-            ref = attention_logits(ref_probe, torch.tensor(rows), scale=scale, window=w,
-                                   sink_tokens=s)[:, si]  # [H, T]
+            ref = attention_logits(ref_probe, torch.tensor(rows), scale=scale, window=w, sink_tokens=s)[:, si]  # [H, T]
             visible = torch.isfinite(ref[0])
             if int(probe.key_positions.max()) >= ref.shape[1]:  # keys the uninterrupted run never had
                 attn[li] = float("inf")
@@ -82,6 +87,7 @@ def against_reference(reference: ReferenceDecoder, run: CaseRun, case: Case, tok
             got = torch.full_like(ref, float("-inf"))
             got[:, probe.key_positions] = mine
             # a key the kernel read that the reference masks (or the reverse) is an error of its own
-            attn[li] = max(attn[li], scaled_error(got, ref) if torch.equal(torch.isfinite(got[0]), visible)
-                           else float("inf"))
+            attn[li] = max(
+                attn[li], scaled_error(got, ref) if torch.equal(torch.isfinite(got[0]), visible) else float("inf")
+            )
     return Errors(logits=logits, attn=tuple(attn), max_abs_logit=mabs)

@@ -4,14 +4,14 @@ save_prompt_cache / load_prompt_cache, and trim_prompt_cache after rejected draf
 from __future__ import annotations
 
 import pytest
+from conftest import against_reference
 
 from ropekv.parity.cases import Case
 
-from conftest import against_reference
 
-
-@pytest.mark.parametrize("case", [Case(length=30, prefix=13), Case(length=20, window=37, chunk=7)],
-                         ids=lambda c: c.label())
+@pytest.mark.parametrize(
+    "case", [Case(length=30, prefix=13), Case(length=20, window=37, chunk=7)], ids=lambda c: c.label()
+)
 def test_save_and_load_prompt_cache(engine, reference, tokens, tol, case):
     run = engine.with_options(restore=True).run_case(case, tokens)
     assert any("load_prompt_cache" in n for n in run.notes)

@@ -17,8 +17,9 @@ from ropekv.errors import CheckpointError, ConfigError, UsageError
 
 def _ropekv(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, "-m", "ropekv.cli.main", *args], capture_output=True, text=True,
-                          env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "ropekv.cli.main", *args], capture_output=True, text=True, env=env, timeout=120
+    )
 
 
 def test_missing_directory(tmp_path):
@@ -50,7 +51,7 @@ def test_cli_one_line_exit_2(tmp_path):
     for model in (str(tmp_path / "missing"), str(tmp_path)):
         proc = _ropekv("check", "--engine", "mlx", model, "--lengths", "5", "--no-progress")
         assert proc.returncode == 2, proc.stderr
-        lines = [l for l in proc.stderr.splitlines() if l.strip()]
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
         assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
 
 
@@ -74,6 +75,10 @@ def test_default_cases_drop_only_the_sinks_and_the_cache_operations():
     assert len(cases) == len(default) == 10 and len(everything) > len(default)
     for mine, theirs in zip(cases, default):
         assert mine.sink_tokens == 0
-        assert (mine.length, mine.window, mine.chunk, mine.prefix) == (theirs.length, theirs.window, theirs.chunk,
-                                                                        theirs.prefix)
+        assert (mine.length, mine.window, mine.chunk, mine.prefix) == (
+            theirs.length,
+            theirs.window,
+            theirs.chunk,
+            theirs.prefix,
+        )
     assert any(c.sink_tokens for c in default)

@@ -3,7 +3,7 @@ and only where its bug class can show."""
 
 from __future__ import annotations
 
-from ropekv.adapters.mlx.faults import decode_keys_rotated_again, offset_counts_kept_rows
+from ropekv.faults.mlx import decode_keys_rotated_again, offset_counts_kept_rows
 from ropekv.parity.cases import Case
 from ropekv.parity.harness import check
 

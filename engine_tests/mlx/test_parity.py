@@ -5,20 +5,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import against_reference
 
 from ropekv.adapters.mlx import MLXEngine
 from ropekv.parity.cases import Case
 from ropekv.parity.compare import tolerance_for
-
-from conftest import against_reference
 
 CASES = [
     Case(length=1),
     Case(length=17),
     Case(length=30, prefix=13),
     Case(length=61, prefix=13, chunk=17),
-    Case(length=48, window=37),                 # RotatingKVCache(37, keep=0): wraps during prefill
-    Case(length=40, window=13, chunk=9),        # keep=0 stays exact when chunked
+    Case(length=48, window=37),  # RotatingKVCache(37, keep=0): wraps during prefill
+    Case(length=40, window=13, chunk=9),  # keep=0 stays exact when chunked
 ]
 
 

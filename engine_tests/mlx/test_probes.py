@@ -17,7 +17,7 @@ def _decode_logits(engine, case, tokens, probed: bool):
     out, layers = [], []
     for t in case.decode_positions:
         probe = ForwardProbe(engine.config.num_layers, "mlx") if probed else None
-        out.append(engine.forward(tokens[t: t + 1], caches, probe))
+        out.append(engine.forward(tokens[t : t + 1], caches, probe))
         layers.append(probe.layers() if probed else None)
     return out, layers
 
@@ -68,7 +68,7 @@ def test_recorded_tensors_reproduce_the_kernel_output(engine, tokens):
     q, k, v = p.q.double(), p.k.double(), p.v.double()  # [1, H, D], [N, KVH, D]
     group = engine.config.num_heads // engine.config.num_kv_heads
     kv = torch.arange(engine.config.num_heads) // group
-    scores = torch.einsum("rhd,nhd->hrn", q, k[:, kv]) * engine.config.head_dim ** -0.5
+    scores = torch.einsum("rhd,nhd->hrn", q, k[:, kv]) * engine.config.head_dim**-0.5
     out = torch.einsum("hrn,nhd->rhd", scores.softmax(-1), v[:, kv]).reshape(1, -1)
     fused = torch.from_numpy(np.array(captured["o_in"][0].astype(mx.float32))).double()
     assert (out - fused).abs().max() < 1e-5

@@ -16,8 +16,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # parity_tools, replay
 
-for key, value in {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1",
-                   "VLLM_CPU_KVCACHE_SPACE": "1"}.items():
+for key, value in {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "OMP_NUM_THREADS": "2",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}.items():
     os.environ.setdefault(key, value)
 
 BLOCK = 32

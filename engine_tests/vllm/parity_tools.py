@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ropekv.adapters.vllm.topk import topk_error, topk_error_vs_logits
 from ropekv.models.reference import ReferenceDecoder, ReferenceOutput
 from ropekv.parity.cases import Case
 from ropekv.parity.compare import scaled_error
 from ropekv.parity.protocol import CaseRun, FullRun
 from ropekv.parity.recorder import attention_logits
-from ropekv.adapters.vllm.topk import topk_error, topk_error_vs_logits
 
 
 @dataclass(frozen=True)
@@ -30,9 +30,14 @@ class CaseErrors:
 
     @property
     def worst(self) -> dict[str, float]:
-        flat = lambda rows: max(max(r) for r in rows)  # noqa: E731
-        return {"logits_ref": max(self.logits_ref), "logits_self": max(self.logits_self),
-                "attn_ref": flat(self.attn_ref), "attn_self": flat(self.attn_self), "hidden_ref": flat(self.hidden_ref)}
+        flat = lambda rows: max(max(r) for r in rows)
+        return {
+            "logits_ref": max(self.logits_ref),
+            "logits_self": max(self.logits_self),
+            "attn_ref": flat(self.attn_ref),
+            "attn_self": flat(self.attn_self),
+            "hidden_ref": flat(self.hidden_ref),
+        }
 
     def first_bad_layer(self, tol: float) -> int | None:
         for layers in self.attn_ref:
@@ -48,7 +53,7 @@ def reference(engine, tokens: torch.Tensor, rows: list[int]) -> ReferenceOutput:
 
 def compare(engine, case: Case, run: CaseRun, full: FullRun, ref: ReferenceOutput) -> CaseErrors:
     cfg = engine.checkpoint.config
-    scale = cfg.head_dim ** -0.5
+    scale = cfg.head_dim**-0.5
     rows = full.rows.tolist()
     l_ref, l_self, a_ref, a_self, h_ref = [], [], [], [], []
     ref_rows = ref.rows.tolist()

@@ -18,7 +18,7 @@ class Replay:
         self._runs: dict = {}
         self._full: dict = {}
 
-    def with_tier(self, tier: Tier) -> "Replay":
+    def with_tier(self, tier: Tier) -> Replay:
         other = Replay(self.engine, tier)
         other._runs, other._full = self._runs, self._full
         return other

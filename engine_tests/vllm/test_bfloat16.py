@@ -7,12 +7,15 @@ import torch
 from conftest import BLOCK, BUDGET
 
 from ropekv.adapters.vllm import vllm_cases
-from ropekv.adapters.vllm.faults import injected
+from ropekv.faults.vllm import injected
 from ropekv.parity.cases import Case
 from ropekv.parity.harness import check
 
-CASES = [c for c in vllm_cases(BLOCK, max_num_batched_tokens=BUDGET, long_context=200, decode_steps=2)
-         if c.length in (BLOCK + 1, 20, 200)]  # above a block, a non-block prefix hit, a chunked prefill
+CASES = [
+    c
+    for c in vllm_cases(BLOCK, max_num_batched_tokens=BUDGET, long_context=200, decode_steps=2)
+    if c.length in (BLOCK + 1, 20, 200)
+]  # above a block, a non-block prefix hit, a chunked prefill
 
 
 def test_the_bfloat16_contract(engine_bf16):

@@ -56,8 +56,13 @@ def test_engine_options_are_checked_first():
 
 def test_the_cli_prints_one_line_and_exits_2(tmp_path):
     env = dict(os.environ)
-    proc = subprocess.run([str(Path(sys.executable).parent / "ropekv"), "check", "--engine", "vllm", str(tmp_path / "nope")],
-                          capture_output=True, text=True, env=env, timeout=300)
+    proc = subprocess.run(
+        [str(Path(sys.executable).parent / "ropekv"), "check", "--engine", "vllm", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr

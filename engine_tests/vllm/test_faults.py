@@ -7,7 +7,7 @@ import pytest
 from conftest import BLOCK
 from replay import Replay
 
-from ropekv.adapters.vllm.faults import FAULTS, injected
+from ropekv.faults.vllm import FAULTS, injected
 from ropekv.parity.cases import Case
 from ropekv.parity.harness import check
 from ropekv.parity.protocol import Tier
@@ -35,9 +35,12 @@ def test_each_fault_is_caught_at_every_tier_and_named(engine_f32, name):
 
 def test_a_fault_is_gone_once_its_block_ends(engine_f32):
     layers = engine_f32.model.model.layers
-    patched = lambda: [  # noqa: E731  the instance attributes a fault sets
-        obj for layer in layers for obj in (layer.self_attn.rotary_emb, layer.self_attn.attn.impl)
-        if "forward" in vars(obj)]
+    patched = lambda: [
+        obj
+        for layer in layers
+        for obj in (layer.self_attn.rotary_emb, layer.self_attn.attn.impl)
+        if "forward" in vars(obj)
+    ]
     for name in FAULTS:
         with injected(engine_f32, name):
             assert patched()

@@ -19,7 +19,8 @@ from ropekv.parity.harness import check
 
 LONG = 400  # the long case: chunked into 64-token forwards (CI time bounds it; docs/engines/vllm.md has 1,500)
 CASES = vllm_cases(BLOCK, max_num_batched_tokens=BUDGET, long_context=LONG, decode_steps=2) + [
-    Case(length=60, block_size=BLOCK, decode_steps=5)]  # multi-step decode across a block boundary
+    Case(length=60, block_size=BLOCK, decode_steps=5)
+]  # multi-step decode across a block boundary
 
 
 @pytest.fixture(scope="module")
@@ -32,9 +33,19 @@ def report(engine_f32):
 def test_the_contract_read_from_vllms_model_is_the_checkpoints(engine_f32):
     c, spec = engine_f32.contract, engine_f32.checkpoint.config.rope
     assert (c.rope_type, c.theta, c.head_dim, c.rotary_dim, c.layout) == (
-        spec.scaling.rope_type, spec.theta, spec.head_dim, spec.rotary_dim, spec.layout)
+        spec.scaling.rope_type,
+        spec.theta,
+        spec.head_dim,
+        spec.rotary_dim,
+        spec.layout,
+    )
     assert (c.block_size, c.dtype, c.kernel_isa, c.cos_sin_dtype, c.key_form) == (
-        BLOCK, "float32", "vec", "float32", "rotated")
+        BLOCK,
+        "float32",
+        "vec",
+        "float32",
+        "rotated",
+    )
     assert c.same_module_all_layers and c.cos_sin_positions == spec.max_position_embeddings
     assert 0 < c.cos_sin_max_error < 1e-3  # float32 angles: nonzero, below the stated tolerance
     assert engine_f32.contract_diff == ()

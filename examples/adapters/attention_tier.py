@@ -1,4 +1,5 @@
 """An attention-tier adapter: the logits-tier one plus what its attention kernel multiplied."""
+
 import dataclasses
 
 import torch

@@ -1,4 +1,5 @@
 """A complete logits-tier adapter: a transformers causal LM decoding with its own DynamicCache."""
+
 import torch
 from transformers import DynamicCache
 
@@ -22,8 +23,9 @@ class MyEngine:
     @torch.no_grad()
     def forward(self, ids, start, cache):  # logits [n, vocab] of ids at positions start..start+n-1
         positions = torch.arange(start, start + len(ids))[None]
-        return self.model(input_ids=ids[None], position_ids=positions, past_key_values=cache,
-                          use_cache=cache is not None).logits[0]
+        return self.model(
+            input_ids=ids[None], position_ids=positions, past_key_values=cache, use_cache=cache is not None
+        ).logits[0]
 
     def decode(self, token, t, cache):  # one decode step: the token at position t
         return StepRecord(position=t, logits=self.forward(token, t, cache)[-1])
@@ -32,8 +34,8 @@ class MyEngine:
         cache, prompt = DynamicCache(), tokens[: case.prefix + case.length]
         chunk = case.chunk or len(prompt)
         for i in range(0, len(prompt), chunk):  # chunked prefill
-            self.forward(prompt[i: i + chunk], i, cache)
-        return CaseRun(tuple(self.decode(tokens[t: t + 1], t, cache) for t in case.decode_positions))
+            self.forward(prompt[i : i + chunk], i, cache)
+        return CaseRun(tuple(self.decode(tokens[t : t + 1], t, cache) for t in case.decode_positions))
 
     def full_forward(self, tokens, rows, case):
         return FullRun(rows=torch.tensor(rows), logits=self.forward(tokens, 0, None)[rows])

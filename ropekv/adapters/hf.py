@@ -41,9 +41,10 @@ import contextlib
 import copy
 import itertools
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -129,8 +130,14 @@ class HFEngine:
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def load(cls, path: str | Path | None = None, dtype: str | None = "float32", *, cache: str | None = None,
-             attn_implementation: str | None = None) -> "HFEngine":
+    def load(
+        cls,
+        path: str | Path | None = None,
+        dtype: str | None = "float32",
+        *,
+        cache: str | None = None,
+        attn_implementation: str | None = None,
+    ) -> HFEngine:
         """Load a transformers directory from disk (None: the embedded default, SmolLM2-135M).
 
         Local files only, safetensors only, never checkpoint code (``trust_remote_code=False``).
@@ -145,8 +152,10 @@ class HFEngine:
             path = default_checkpoint_dir()
         folder = Path(path)
         if not folder.is_dir() or not (folder / "config.json").is_file():
-            raise CheckpointError(f"{folder}: the HF engine needs a transformers directory with config.json "
-                                  "(GGUF files and single weight files are for the ropekv engine)")
+            raise CheckpointError(
+                f"{folder}: the HF engine needs a transformers directory with config.json "
+                "(GGUF files and single weight files are for the ropekv engine)"
+            )
         # ropekv shows its own progress; transformers' loading bars and warnings would interleave with it.
         transformers.utils.logging.disable_progress_bar()
         transformers.utils.logging.set_verbosity_error()
@@ -155,8 +164,13 @@ class HFEngine:
             auto = transformers.AutoModelForImageTextToText
         try:
             model = auto.from_pretrained(
-                folder, dtype=_DTYPES[dtype], local_files_only=True, trust_remote_code=False, use_safetensors=True,
-                attn_implementation=attn_implementation)
+                folder,
+                dtype=_DTYPES[dtype],
+                local_files_only=True,
+                trust_remote_code=False,
+                use_safetensors=True,
+                attn_implementation=attn_implementation,
+            )
         except (OSError, ValueError, KeyError) as exc:
             raise CheckpointError(f"{folder}: transformers could not load it: {exc}") from None
         return cls(model.eval(), cache=cache)
@@ -170,22 +184,30 @@ class HFEngine:
         """
         if self._checkpoint is None:
             source = f"transformers {type(self.model).__name__} {getattr(self.model, 'name_or_path', '') or ''}".strip()
-            self._checkpoint = Checkpoint.from_tensors(self.model.config.to_dict(), self.model.state_dict(),
-                                                       source=source)
+            self._checkpoint = Checkpoint.from_tensors(
+                self.model.config.to_dict(), self.model.state_dict(), source=source
+            )
         return self._checkpoint
 
     # ------------------------------------------------------------------ the protocol
 
     def describe(self) -> dict[str, Any]:
         rope = self.model.config.to_dict().get("rope_parameters")
-        return {"name": self.name, "engine": "transformers", "transformers_version": transformers.__version__,
-                "model_class": type(self.model).__name__, "attn_implementation": self.attn_implementation,
-                "cache": {"dynamic": "DynamicCache", "static": "StaticCache"}[self.cache_kind],
-                "dtype": self.dtype_name, "key_form": self.key_form, "rope_parameters": rope,
-                "ops": ["rollback"],  # DynamicCache.crop
-                "windows": "the model's own when case.window is None; a case window (and sinks) as a custom 4D "
-                           "attention mask over a full DynamicCache",
-                "rope_state": "reset to a fresh model's before each request"}
+        return {
+            "name": self.name,
+            "engine": "transformers",
+            "transformers_version": transformers.__version__,
+            "model_class": type(self.model).__name__,
+            "attn_implementation": self.attn_implementation,
+            "cache": {"dynamic": "DynamicCache", "static": "StaticCache"}[self.cache_kind],
+            "dtype": self.dtype_name,
+            "key_form": self.key_form,
+            "rope_parameters": rope,
+            "ops": ["rollback"],  # DynamicCache.crop
+            "windows": "the model's own when case.window is None; a case window (and sinks) as a custom 4D "
+            "attention mask over a full DynamicCache",
+            "rope_state": "reset to a fresh model's before each request",
+        }
 
     def ignored(self, case: Case) -> tuple[str, ...]:
         """``block_size`` never applies; a case window overrides a static cache (see the module doc)."""
@@ -215,16 +237,17 @@ class HFEngine:
                 if extra:
                     cache.crop(-extra)
                 self._reset_rope()  # the continuation is a new request
-            self._prefill(cache, tokens[start: start + case.length], start, case)
+            self._prefill(cache, tokens[start : start + case.length], start, case)
             notes: tuple[str, ...] = ()
             if case.op is not None and case.op.kind == "rollback":  # a verified draft, all rejected
-                self._prefill(cache, case.draft_tokens(tokens, self.checkpoint.config.vocab_size),
-                              start + case.length, case)
+                self._prefill(
+                    cache, case.draft_tokens(tokens, self.checkpoint.config.vocab_size), start + case.length, case
+                )
                 cache.crop(-case.op.amount)
                 notes = (f"a {case.op.amount}-token draft was prefilled and rolled back with DynamicCache.crop",)
             steps = []
             for t in case.decode_positions:
-                out, layers, _ = self._forward(tokens[t: t + 1], t, cache, case, rows=[0])
+                out, layers, _ = self._forward(tokens[t : t + 1], t, cache, case, rows=[0])
                 steps.append(StepRecord(position=t, logits=out.logits[0, -1], layers=layers))
             return CaseRun(tuple(steps), notes=notes)
 
@@ -244,13 +267,15 @@ class HFEngine:
             self._reset_rope()
             call = self._forward(tokens, 0, None, Case(length=1), rows=None, raw=True)[2]
             if len(call.raw_keys) != len(self.layers):
-                raise UsageError(f"{type(self.model).__name__}: its raw keys have no module of their own to hook "
-                                 "(fused query_key_value, or a per-head k norm)")
+                raise UsageError(
+                    f"{type(self.model).__name__}: its raw keys have no module of their own to hook "
+                    "(fused query_key_value, or a per-head k norm)"
+                )
             return tuple(call.raw_keys[i] for i in range(len(self.layers)))
 
     # ------------------------------------------------------------------ install / restore
 
-    def __enter__(self) -> "HFEngine":
+    def __enter__(self) -> HFEngine:
         self._install()
         return self
 
@@ -325,6 +350,7 @@ class HFEngine:
             if call is not None and call.rows is not None:
                 hidden = args[0] if args else kwargs["hidden_states"]  # [B, q, hidden]
                 call.hidden[layer] = hidden[0, call.rows].detach().clone()
+
         return hook
 
     def _offset_hook(self, layer: int):
@@ -334,6 +360,7 @@ class HFEngine:
             if call is not None and cache is not None:
                 hidden = args[0] if args else kwargs["hidden_states"]
                 call.kv_offset[layer] = int(cache.get_mask_sizes(hidden.shape[1], layer)[1])
+
         return hook
 
     def _raw_key_hook(self, layer: int, head_dim: int):
@@ -341,6 +368,7 @@ class HFEngine:
             call = self._call
             if call is not None and call.raw:
                 call.raw_keys[layer] = output[0].reshape(output.shape[1], -1, head_dim).detach().clone()
+
         return hook
 
     def _mla_raw_key_hooks(self, layer: int, attn: torch.nn.Module) -> list:
@@ -362,8 +390,9 @@ class HFEngine:
                 k_nope = flat.reshape(n, -1, nope + attn.v_head_dim)[..., :nope]  # [T, H, nope]
                 k_pe = parts.pop("k_pe")[:, None, :].expand(n, k_nope.shape[1], rope)
                 call.raw_keys[layer] = torch.cat((k_nope, k_pe), dim=-1).detach().clone()
-        return [attn.kv_a_proj_with_mqa.register_forward_hook(pe_hook),
-                attn.kv_b_proj.register_forward_hook(nope_hook)]
+
+        return [attn.kv_a_proj_with_mqa.register_forward_hook(pe_hook), attn.kv_b_proj.register_forward_hook(nope_hook)]
+
     def _method_probe(self, module: torch.nn.Module):
         """``module``'s own attention method (``Family.hf_attention_method``), recording first."""
         original = getattr(module, self._attention_method)  # the bound class method
@@ -373,13 +402,14 @@ class HFEngine:
             if call is not None and call.rows is not None:
                 self._record(call, module, query, key, attention_mask, {})
             return original(query, key, value, attention_mask, *args, **kwargs)
+
         return probe
 
     def _delegate(self, module: torch.nn.Module):
         impl = self.attn_implementation
         if impl == "eager":  # each model file has its own eager function (softcapping, sinks, ...)
             home = sys.modules[type(module).__module__]
-            return getattr(home, "eager_attention_forward")
+            return home.eager_attention_forward
         return ALL_ATTENTION_FUNCTIONS[impl]
 
     def _probe(self, module, query, key, value, attention_mask, **kwargs):
@@ -403,11 +433,19 @@ class HFEngine:
         visible = _visibility(mask, rows, qpos, kpos, kwargs.get("sliding_window"))  # [R, N]
         written = kpos <= int(call.positions.max())
         if bool(visible[:, ~written].any()):
-            raise RopeKVError(f"layer {layer}: transformers' attention mask lets a query see cache slots past the "
-                              "newest token (unwritten slots)")
+            raise RopeKVError(
+                f"layer {layer}: transformers' attention mask lets a query see cache slots past the "
+                "newest token (unwritten slots)"
+            )
         keep = visible[0] if rows.numel() == 1 else written
-        call.recorder.record(layer, q=q[rows], k=k[keep], key_positions=kpos[keep],
-                             key_slots=torch.arange(num_keys)[keep], hidden_in=call.hidden.get(layer))
+        call.recorder.record(
+            layer,
+            q=q[rows],
+            k=k[keep],
+            key_positions=kpos[keep],
+            key_slots=torch.arange(num_keys)[keep],
+            hidden_in=call.hidden.get(layer),
+        )
 
     # ------------------------------------------------------------------ running
 
@@ -417,25 +455,36 @@ class HFEngine:
         if case.window is not None:
             kv_len = (cache.get_seq_length() if cache is not None else 0) + ids.shape[0]
             mask = self._window_mask(positions, kv_len, case)
-        call = _Call(positions, None if rows is None else torch.as_tensor(rows, dtype=torch.long), raw,
-                     AttentionRecorder(len(self.layers)))
+        call = _Call(
+            positions,
+            None if rows is None else torch.as_tensor(rows, dtype=torch.long),
+            raw,
+            AttentionRecorder(len(self.layers)),
+        )
         self._call = call
         try:
-            out = self.model(input_ids=ids[None], position_ids=positions[None], attention_mask=mask,
-                             past_key_values=cache, use_cache=cache is not None,
-                             logits_to_keep=0 if rows is not None else 1)
+            out = self.model(
+                input_ids=ids[None],
+                position_ids=positions[None],
+                attention_mask=mask,
+                past_key_values=cache,
+                use_cache=cache is not None,
+                logits_to_keep=0 if rows is not None else 1,
+            )
         finally:
             self._call = None
         layers = call.recorder.take()
         if rows is not None and len(layers) != len(self.layers):
-            raise UsageError(f"{type(self.model).__name__}: {len(self.layers) - len(layers)} layers did not call the "
-                             "attention function through transformers' AttentionInterface, so ropekv cannot see them")
+            raise UsageError(
+                f"{type(self.model).__name__}: {len(self.layers) - len(layers)} layers did not call the "
+                "attention function through transformers' AttentionInterface, so ropekv cannot see them"
+            )
         return out, layers, call
 
     def _prefill(self, cache, tokens: torch.Tensor, start: int, case: Case) -> None:
         chunk = case.chunk or tokens.shape[0]
         for i in range(0, tokens.shape[0], chunk):
-            self._forward(tokens[i: i + chunk], start + i, cache, case, rows=None)
+            self._forward(tokens[i : i + chunk], start + i, cache, case, rows=None)
 
     def _new_cache(self, case: Case):
         if case.window is not None:
@@ -457,8 +506,9 @@ class HFEngine:
         i, j = positions[:, None], torch.arange(kv_len)[None, :]
         visible = (j <= i) & ((j > i - case.window) | (j < case.sink_tokens))
         if self.attn_implementation == "eager":
-            return torch.zeros(visible.shape, dtype=self.dtype).masked_fill(
-                ~visible, torch.finfo(self.dtype).min)[None, None]
+            return torch.zeros(visible.shape, dtype=self.dtype).masked_fill(~visible, torch.finfo(self.dtype).min)[
+                None, None
+            ]
         return visible[None, None]
 
     def _reset_rope(self) -> None:
@@ -471,20 +521,23 @@ class HFEngine:
         config = self.model.config
         name = family_of(list(getattr(config, "architectures", None) or []), getattr(config, "model_type", None))
         fam = FAMILIES.get(name) if name is not None else None
-        where, attn_name = ((fam.hf_layers or fam.layers_prefix, fam.attn_module) if fam
-                            else ("model.layers", "self_attn"))
+        where, attn_name = (
+            (fam.hf_layers or fam.layers_prefix, fam.attn_module) if fam else ("model.layers", "self_attn")
+        )
         self._attention_method = fam.hf_attention_method if fam else None
         if fam is not None and fam.hf_attention_inline:
-            raise UsageError(f"{type(self.model).__name__}: transformers' {fam.name} computes attention inline (no "
-                             "attention interface, no attention method), so the transformers adapter cannot record "
-                             "it; check the checkpoint with ropekv's engine (ropekv check DIR)")
+            raise UsageError(
+                f"{type(self.model).__name__}: transformers' {fam.name} computes attention inline (no "
+                "attention interface, no attention method), so the transformers adapter cannot record "
+                "it; check the checkpoint with ropekv's engine (ropekv check DIR)"
+            )
         try:
             layers = self.model.get_submodule(where)
         except AttributeError:
             layers = None
-        if layers is None or not all(hasattr(l, attn_name) for l in layers):
+        if layers is None or not all(hasattr(block, attn_name) for block in layers):
             raise UsageError(f"{type(self.model).__name__}: expected decoder layers {where} with a {attn_name} module")
-        return list(layers), [getattr(l, attn_name) for l in layers]
+        return list(layers), [getattr(block, attn_name) for block in layers]
 
 
 # ---------------------------------------------------------------------- helpers
@@ -507,8 +560,9 @@ def _multimodal(folder: Path) -> bool:
     return family is not None and FAMILIES[family].text_config
 
 
-def _visibility(mask, rows: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor,
-                sliding_window: int | None) -> torch.Tensor:
+def _visibility(
+    mask, rows: torch.Tensor, qpos: torch.Tensor, kpos: torch.Tensor, sliding_window: int | None
+) -> torch.Tensor:
     """``visible [R, N]`` from the mask HF gave the kernel.
 
     None (sdpa's ``is_causal`` path, masks-free kernels): causal by position, within ``sliding_window``
@@ -544,8 +598,11 @@ def _rope_states(model: torch.nn.Module) -> list[tuple[torch.nn.Module, dict]]:
         buffers = {n: b.clone() for n, b in m._buffers.items() if n.endswith("inv_freq") and b is not None}
         if not buffers:
             continue
-        attrs = {a: copy.copy(v) for a, v in vars(m).items()
-                 if a.endswith(("max_seq_len_cached", "long_inv_freq")) or a == "attention_scaling"}
+        attrs = {
+            a: copy.copy(v)
+            for a, v in vars(m).items()
+            if a.endswith(("max_seq_len_cached", "long_inv_freq")) or a == "attention_scaling"
+        }
         out.append((m, {"buffers": buffers, "attrs": attrs}))
     return out
 
@@ -556,8 +613,11 @@ def _fresh(state: dict) -> dict:
     for n in list(buffers):
         if n.endswith("original_inv_freq"):
             buffers[n[: -len("original_inv_freq")] + "inv_freq"] = buffers[n].clone()
-    return {"buffers": buffers, "attrs": {a: v for a, v in attrs.items() if not a.endswith("long_inv_freq")},
-            "original_len": True}
+    return {
+        "buffers": buffers,
+        "attrs": {a: v for a, v in attrs.items() if not a.endswith("long_inv_freq")},
+        "original_len": True,
+    }
 
 
 def _apply_rope(states: list[tuple[torch.nn.Module, dict]]) -> None:

@@ -2,18 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable
+from collections.abc import Callable, Hashable
+from typing import Any
 
 import torch
 
 from ..cache.policy import CacheOpPolicy
-from ..attention import BackendName
 from ..contract import CacheContract, KeyForm
 from ..engine import Engine
+from ..engine.attention import BackendName
+from ..engine.rotation import RotationPolicy
+from ..engine.transformer import DecoderWeights
 from ..models.config import Checkpoint
 from ..parity.cases import OP_KINDS, Case
-from ..rotation import RotationPolicy
-from ..transformer import DecoderWeights
 from ..parity.protocol import CaseRun, FullRun, StepRecord, Tier
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -24,10 +25,19 @@ class NativeAdapter:
 
     tier = Tier.FORENSICS
 
-    def __init__(self, checkpoint: Checkpoint, *, key_form: KeyForm = "rotated", backend: BackendName | None = None,
-                 dtype: str = "float32", rotation: RotationPolicy | None = None, device: str = "cpu",
-                 name: str | None = None, cache_ops: CacheOpPolicy | None = None,
-                 contract_change: Callable[[CacheContract], CacheContract] | None = None):
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        *,
+        key_form: KeyForm = "rotated",
+        backend: BackendName | None = None,
+        dtype: str = "float32",
+        rotation: RotationPolicy | None = None,
+        device: str = "cpu",
+        name: str | None = None,
+        cache_ops: CacheOpPolicy | None = None,
+        contract_change: Callable[[CacheContract], CacheContract] | None = None,
+    ):
         self.checkpoint = checkpoint
         self.key_form = key_form
         self.backend = backend
@@ -48,9 +58,14 @@ class NativeAdapter:
 
     def contract(self, case: Case) -> CacheContract:
         c = CacheContract.for_model(
-            self.checkpoint.config, key_form=self.key_form, block_size=case.block_size, dtype=self.dtype_name,
-            window="model" if case.window is None else case.window, sink_tokens=case.sink_tokens,
-            model_fingerprint=self.checkpoint.fingerprint)
+            self.checkpoint.config,
+            key_form=self.key_form,
+            block_size=case.block_size,
+            dtype=self.dtype_name,
+            window="model" if case.window is None else case.window,
+            sink_tokens=case.sink_tokens,
+            model_fingerprint=self.checkpoint.fingerprint,
+        )
         return c if self.contract_change is None else self.contract_change(c)
 
     def make_engine(self, case: Case, num_blocks: int | None = None) -> Engine:
@@ -62,18 +77,31 @@ class NativeAdapter:
             num_blocks = (rows + 1) * (-(-(case.total + draft) // case.block_size)) + 8
         if self._weights is None:
             self._weights = DecoderWeights.from_checkpoint(self.checkpoint, self.dtype, self.device)
-        return Engine(self.checkpoint, self.contract(case), num_blocks, backend=self.backend,
-                                 rotation=self.rotation, device=self.device, weights=self._weights,
-                                 cache_ops=self.cache_ops)
+        return Engine(
+            self.checkpoint,
+            self.contract(case),
+            num_blocks,
+            backend=self.backend,
+            rotation=self.rotation,
+            device=self.device,
+            weights=self._weights,
+            cache_ops=self.cache_ops,
+        )
 
     def describe(self) -> dict[str, Any]:
         """Facts for the report; ``contract`` is the one of the last case run (its block size and window
         are the case's), ``block_sizes`` every block size the cases used."""
         engine = self.make_engine(self._last_case or Case(length=1), num_blocks=1)
-        return {"name": self.name, "key_form": self.key_form, "backend": engine.backend.name,
-                "dtype": self.dtype_name, "rotation_policy": engine.rotation.name,
-                "contract": engine.contract.to_dict(), "block_sizes": sorted(self._block_sizes),
-                "ops": list(OP_KINDS)}
+        return {
+            "name": self.name,
+            "key_form": self.key_form,
+            "backend": engine.backend.name,
+            "dtype": self.dtype_name,
+            "rotation_policy": engine.rotation.name,
+            "contract": engine.contract.to_dict(),
+            "block_sizes": sorted(self._block_sizes),
+            "ops": list(OP_KINDS),
+        }
 
     def ignored(self, case: Case) -> tuple[str, ...]:
         return ()
@@ -106,7 +134,7 @@ def prefill_case(engine: Engine, case: Case, tokens: torch.Tensor, seq_id: Hasha
             parent = torch.cat([parent, (tokens[:3] + 1) % engine.config.vocab_size])
         engine.prefill("earlier-request", parent, chunk_size=case.chunk)
         engine.fork(seq_id, "earlier-request", case.prefix)
-        engine.prefill(seq_id, tokens[case.prefix: end], chunk_size=case.chunk)
+        engine.prefill(seq_id, tokens[case.prefix : end], chunk_size=case.chunk)
     else:
         engine.prefill(seq_id, tokens[:end], chunk_size=case.chunk)
 

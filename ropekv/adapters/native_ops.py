@@ -17,7 +17,7 @@ from ..parity.protocol import CaseRun, StepRecord
 
 
 def run_op_case(adapter, engine: Engine, case: Case, tokens: torch.Tensor) -> CaseRun:
-    from .native import decode_steps, prefill_case
+    from .native import prefill_case
 
     kind, amount = case.op.kind, case.op.amount
     if kind == "batch":
@@ -59,4 +59,6 @@ def _batch(engine: Engine, case: Case, tokens: torch.Tensor) -> CaseRun:
     for s in range(case.decode_steps):
         outs = engine.decode_batch(ids, torch.stack([tokens[L + s] for L in lengths]), probe=True)
         steps.extend(StepRecord(position=int(o.positions[0]), logits=o.logits[0], layers=o.layers) for o in outs)
-    return CaseRun(tuple(steps), notes=(f"{len(lengths)} sequences of lengths {lengths} decoded in left-padded batches",))
+    return CaseRun(
+        tuple(steps), notes=(f"{len(lengths)} sequences of lengths {lengths} decoded in left-padded batches",)
+    )

@@ -26,13 +26,16 @@ class EngineEntry:
     summary: str
 
 
-ENGINES: dict[str, EngineEntry] = {e.name: e for e in (
-    EngineEntry("ropekv", "ropekv.adapters.native", None, "ropekv's own paged engine (default)"),
-    EngineEntry("hf", "ropekv.adapters.hf", None, "the model's HF transformers implementation"),
-    EngineEntry("vllm", "ropekv.adapters.vllm", ".venv-vllm", "vLLM (CPU build), in process"),
-    EngineEntry("mlx", "ropekv.adapters.mlx", ".venv-mlx", "mlx-lm on MLX's CPU backend"),
-    EngineEntry("llamacpp", "ropekv.adapters.llamacpp", ".venv-llamacpp", "llama.cpp through llama-cpp-python"),
-)}
+ENGINES: dict[str, EngineEntry] = {
+    e.name: e
+    for e in (
+        EngineEntry("ropekv", "ropekv.adapters.native", None, "ropekv's own paged engine (default)"),
+        EngineEntry("hf", "ropekv.adapters.hf", None, "the model's HF transformers implementation"),
+        EngineEntry("vllm", "ropekv.adapters.vllm", ".venv-vllm", "vLLM (CPU build), in process"),
+        EngineEntry("mlx", "ropekv.adapters.mlx", ".venv-mlx", "mlx-lm on MLX's CPU backend"),
+        EngineEntry("llamacpp", "ropekv.adapters.llamacpp", ".venv-llamacpp", "llama.cpp through llama-cpp-python"),
+    )
+}
 
 
 def engine_module(name: str) -> ModuleType:

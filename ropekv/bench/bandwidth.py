@@ -42,8 +42,12 @@ def measure_bandwidth(nbytes: int, repeats: int = 5) -> dict[str, Any]:
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
-        out["kernels"][name] = {"bytes_moved": moved, "best_seconds": min(times),
-                                "bytes_per_s": moved / min(times), "seconds": times}
+        out["kernels"][name] = {
+            "bytes_moved": moved,
+            "best_seconds": min(times),
+            "bytes_per_s": moved / min(times),
+            "seconds": times,
+        }
     best = max(out["kernels"], key=lambda k: out["kernels"][k]["bytes_per_s"])
     out["best_kernel"] = best
     out["bytes_per_s"] = out["kernels"][best]["bytes_per_s"]

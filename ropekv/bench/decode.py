@@ -23,17 +23,18 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ..contract import CacheContract
 from ..engine import Engine
+from ..engine.transformer import DecoderWeights
 from ..models.config import Checkpoint
-from ..transformer import DecoderWeights
 
 PREFILL_CHUNK = 512
 
@@ -55,9 +56,14 @@ class DecodeRun:
         return 1.0 / self.median_seconds
 
     def to_dict(self) -> dict[str, Any]:
-        return {"context": self.context, "tokens_per_s": self.tokens_per_s, "median_step_seconds": self.median_seconds,
-                "min_step_seconds": min(self.step_seconds), "step_seconds": self.step_seconds,
-                "prefill_seconds_to_reach_context": self.prefill_seconds}
+        return {
+            "context": self.context,
+            "tokens_per_s": self.tokens_per_s,
+            "median_step_seconds": self.median_seconds,
+            "min_step_seconds": min(self.step_seconds),
+            "step_seconds": self.step_seconds,
+            "prefill_seconds_to_reach_context": self.prefill_seconds,
+        }
 
 
 @dataclass
@@ -70,8 +76,9 @@ class Driver:
     keep: Any = None
 
 
-def step_bytes(checkpoint: Checkpoint, contract: CacheContract, weights: DecoderWeights,
-               context: int) -> dict[str, int]:
+def step_bytes(
+    checkpoint: Checkpoint, contract: CacheContract, weights: DecoderWeights, context: int
+) -> dict[str, int]:
     """Bytes a decode step at ``context`` cached tokens must read: weights and KV cache."""
     cfg = checkpoint.config
     embed_bytes = weights.embed.numel() * weights.embed.element_size()
@@ -89,8 +96,14 @@ def step_bytes(checkpoint: Checkpoint, contract: CacheContract, weights: Decoder
     return {"weights": weight_bytes, "kv_cache": kv, "total": weight_bytes + kv}
 
 
-def time_interleaved(drivers: dict[str, Driver], contexts: list[int], *, warmup: int, steps: int,
-                     progress: Callable[[str], None] | None = None) -> dict[str, list[DecodeRun]]:
+def time_interleaved(
+    drivers: dict[str, Driver],
+    contexts: list[int],
+    *,
+    warmup: int,
+    steps: int,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, list[DecodeRun]]:
     """Drive every engine's sequence through ``contexts`` (ascending) with interleaved timed steps."""
     runs: dict[str, list[DecodeRun]] = {name: [] for name in drivers}
     names = list(drivers)
@@ -118,23 +131,46 @@ def time_interleaved(drivers: dict[str, Driver], contexts: list[int], *, warmup:
             for name, run in current.items():
                 runs[name].append(run)
             if progress:
-                progress(f"  {context:>6} tokens: " + ", ".join(
-                    f"{name} {run.tokens_per_s:.2f}/s" for name, run in current.items()))
+                progress(
+                    f"  {context:>6} tokens: "
+                    + ", ".join(f"{name} {run.tokens_per_s:.2f}/s" for name, run in current.items())
+                )
     return runs
 
 
-def ropekv_driver(checkpoint: Checkpoint, key_form: str, tokens: torch.Tensor, max_tokens: int, *,
-                  dtype: str = "float32", weights: DecoderWeights | None = None, block_size: int = 16,
-                  compile_rotation: bool = False) -> Driver:
+def ropekv_driver(
+    checkpoint: Checkpoint,
+    key_form: str,
+    tokens: torch.Tensor,
+    max_tokens: int,
+    *,
+    dtype: str = "float32",
+    weights: DecoderWeights | None = None,
+    block_size: int = 16,
+    compile_rotation: bool = False,
+) -> Driver:
     """ropekv's engine with ``key_form`` keys (its backend follows: rotated / rotate_on_read) and room
     for ``max_tokens``; ``keep`` is ``(engine, seq_id)``."""
-    contract = CacheContract.for_model(checkpoint.config, key_form=key_form, block_size=block_size, dtype=dtype,
-                                       model_fingerprint=checkpoint.fingerprint)
-    engine = Engine(checkpoint, contract, num_blocks=-(-max_tokens // block_size) + 2, weights=weights,
-                    compile_rotation=compile_rotation)
+    contract = CacheContract.for_model(
+        checkpoint.config,
+        key_form=key_form,
+        block_size=block_size,
+        dtype=dtype,
+        model_fingerprint=checkpoint.fingerprint,
+    )
+    engine = Engine(
+        checkpoint,
+        contract,
+        num_blocks=-(-max_tokens // block_size) + 2,
+        weights=weights,
+        compile_rotation=compile_rotation,
+    )
     seq = "bench"
-    return Driver(prefill=lambda start, end: engine.prefill(seq, tokens[start:end]),
-                  decode=lambda position: engine.decode(seq, tokens[position]), keep=(engine, seq))
+    return Driver(
+        prefill=lambda start, end: engine.prefill(seq, tokens[start:end]),
+        decode=lambda position: engine.decode(seq, tokens[position]),
+        keep=(engine, seq),
+    )
 
 
 def load_transformers_model(model_dir: Path, dtype: torch.dtype = torch.float32):
@@ -155,18 +191,20 @@ def transformers_driver(model, tokens: torch.Tensor) -> Driver:
         model(input_ids=tokens[None, start:end], past_key_values=cache, use_cache=True, logits_to_keep=1)
 
     def decode(position: int) -> None:
-        model(input_ids=tokens[None, position:position + 1], past_key_values=cache, use_cache=True)
+        model(input_ids=tokens[None, position : position + 1], past_key_values=cache, use_cache=True)
 
     return Driver(prefill=prefill, decode=decode, keep=model)
 
 
 def floor_driver(weights: DecoderWeights) -> Driver:
     """The matvec floor as a pseudo-engine: a "step" is every weight matrix times a zero row."""
+
     def attention(lw) -> tuple:  # MLA has no fused qkv: its latent path's matrices instead
         if lw.mla is None:
             return (lw.qkv,)
         m = lw.mla
         return tuple(t for t in (m.q, m.q_a, m.q_b, m.kv_a, m.kv_b) if t is not None)
+
     mats = [m for lw in weights.layers for m in (*attention(lw), lw.o, lw.gate_up, lw.down)] + [weights.lm_head]
     inputs = {m.shape[1]: torch.zeros(1, m.shape[1], dtype=m.dtype) for m in mats}
 

@@ -27,17 +27,24 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 KINDS = ("handoff", "bare_chunks", "bare")
 
 
-def measure_handoff(payload: bytes, workdir: Path, *, repeats: int = 3, timeout: float = 300.0,
-                    progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def measure_handoff(
+    payload: bytes,
+    workdir: Path,
+    *,
+    repeats: int = 3,
+    timeout: float = 300.0,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Start both ranks on 127.0.0.1 and collect their figures (rank 1 times, both ranks' phases)."""
     payload_path = workdir / "payload.safetensors"
     payload_path.write_bytes(payload)
@@ -46,10 +53,24 @@ def measure_handoff(payload: bytes, workdir: Path, *, repeats: int = 3, timeout:
         port = s.getsockname()[1]
     procs = []
     for rank in (0, 1):
-        argv = [sys.executable, "-m", "ropekv.bench.handoff", "--rank", str(rank), "--port", str(port),
-                "--payload", str(payload_path), "--result", str(workdir / f"rank{rank}.json"),
-                "--repeats", str(repeats), "--timeout", str(timeout)]
-        log = open(workdir / f"rank{rank}.log", "w")
+        argv = [
+            sys.executable,
+            "-m",
+            "ropekv.bench.handoff",
+            "--rank",
+            str(rank),
+            "--port",
+            str(port),
+            "--payload",
+            str(payload_path),
+            "--result",
+            str(workdir / f"rank{rank}.json"),
+            "--repeats",
+            str(repeats),
+            "--timeout",
+            str(timeout),
+        ]
+        log = open(workdir / f"rank{rank}.log", "w")  # noqa: SIM115 -- closed after its process ends, below
         procs.append((subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT), log))
     deadline = time.monotonic() + timeout
     codes = []
@@ -66,7 +87,7 @@ def measure_handoff(payload: bytes, workdir: Path, *, repeats: int = 3, timeout:
                 proc.kill()
                 proc.wait()
             log.close()
-    codes += [proc.returncode for proc, _ in procs[len(codes):]]
+    codes += [proc.returncode for proc, _ in procs[len(codes) :]]
     results = []
     for rank in (0, 1):
         path = workdir / f"rank{rank}.json"
@@ -76,11 +97,18 @@ def measure_handoff(payload: bytes, workdir: Path, *, repeats: int = 3, timeout:
         results.append(json.loads(path.read_text()))
     sender, receiver = results
     nbytes = receiver["stream_bytes"]
-    out: dict[str, Any] = {"payload_bytes": nbytes, "tensor_bytes": receiver["tensor_bytes"],
-                           "header_bytes": nbytes - receiver["tensor_bytes"], "chunks": receiver["chunks"],
-                           "in_place_chunks": receiver["in_place_chunks"], "verified_exact": receiver["verified"],
-                           "tokens": receiver["tokens"], "repeats": repeats, "threads_per_rank": 1,
-                           "transport": "torch.distributed gloo over 127.0.0.1, two processes"}
+    out: dict[str, Any] = {
+        "payload_bytes": nbytes,
+        "tensor_bytes": receiver["tensor_bytes"],
+        "header_bytes": nbytes - receiver["tensor_bytes"],
+        "chunks": receiver["chunks"],
+        "in_place_chunks": receiver["in_place_chunks"],
+        "verified_exact": receiver["verified"],
+        "tokens": receiver["tokens"],
+        "repeats": repeats,
+        "threads_per_rank": 1,
+        "transport": "torch.distributed gloo over 127.0.0.1, two processes",
+    }
     for kind in KINDS:
         seconds = receiver["seconds"][kind]
         out[kind] = {"seconds": seconds, "best_seconds": min(seconds), "bytes_per_s": nbytes / min(seconds)}
@@ -107,8 +135,13 @@ def _rank_main(args: argparse.Namespace) -> int:
     cache = PagedKVCache(c, num_blocks=2 * (-(-handoff.num_tokens // c.block_size)) + 2)
     if rank == 0:
         import_handoff(cache, handoff, seq_id="source")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}", rank=rank, world_size=2,
-                            timeout=timedelta(seconds=args.timeout))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.port}",
+        rank=rank,
+        world_size=2,
+        timeout=timedelta(seconds=args.timeout),
+    )
     channel = Channel(timeout=args.timeout)
     seconds: dict[str, list[float]] = {k: [] for k in KINDS}
     phases: dict[str, list[float]] = {}
@@ -128,8 +161,11 @@ def _rank_main(args: argparse.Namespace) -> int:
                 seconds["handoff"].append(time.perf_counter() - t0)
                 record = got.seconds
                 if rep == 0:
-                    facts.update(verified=_same(cache, f"imported-{rep}", handoff), chunks=got.chunks,
-                                 in_place_chunks=got.in_place_chunks)
+                    facts.update(
+                        verified=_same(cache, f"imported-{rep}", handoff),
+                        chunks=got.chunks,
+                        in_place_chunks=got.in_place_chunks,
+                    )
                 cache.free(f"imported-{rep}")
             for name, value in record.items():
                 phases.setdefault(name, []).append(value)
@@ -159,8 +195,14 @@ def _rank_main(args: argparse.Namespace) -> int:
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    result = {"rank": rank, "seconds": seconds, "phases": phases, "tokens": handoff.num_tokens,
-              "tensor_bytes": handoff.tensor_bytes(), **facts}
+    result = {
+        "rank": rank,
+        "seconds": seconds,
+        "phases": phases,
+        "tokens": handoff.num_tokens,
+        "tensor_bytes": handoff.tensor_bytes(),
+        **facts,
+    }
     Path(args.result).write_text(json.dumps(result))
     return 0
 
@@ -185,9 +227,9 @@ def _exchange_sizes(rank: int, facts: dict[str, Any]) -> dict[str, Any]:
 
 def _same(cache, seq_id: str, handoff) -> bool:
     views = [cache.view(seq_id, layer) for layer in range(handoff.contract.num_layers)]
-    return (torch.equal(cache.positions(seq_id), handoff.positions)
-            and all(torch.equal(v.keys, k) and torch.equal(v.values, x)
-                    for v, k, x in zip(views, handoff.keys, handoff.values)))
+    return torch.equal(cache.positions(seq_id), handoff.positions) and all(
+        torch.equal(v.keys, k) and torch.equal(v.values, x) for v, k, x in zip(views, handoff.keys, handoff.values)
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

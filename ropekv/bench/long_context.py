@@ -20,8 +20,9 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -47,16 +48,38 @@ def _child(argv: list[str], log: Path, threads: int) -> tuple[float, int, int]:
     return time.perf_counter() - t0, usage.ru_maxrss * 1024, os.waitstatus_to_exitcode(status)
 
 
-def measure(model: str | None, lengths: list[int], workdir: Path, *, decode_steps: int = 2, threads: int = 2,
-            progress: Callable[[str], None] = lambda m: None) -> dict[str, Any]:
+def measure(
+    model: str | None,
+    lengths: list[int],
+    workdir: Path,
+    *,
+    decode_steps: int = 2,
+    threads: int = 2,
+    progress: Callable[[str], None] = lambda m: None,
+) -> dict[str, Any]:
     base = [] if model is None else [str(model)]
     runs = []
     for length in lengths:
         entry: dict[str, Any] = {"length": length, "load_average_start": load_average()}
         report = workdir / f"check-{length}.json"
         progress(f"ropekv check --lengths {length} --block-sizes 16 --prefix-offsets 0 --decode-steps {decode_steps}")
-        argv = [sys.executable, "-m", "ropekv.cli.main", "check", *base, "--lengths", str(length), "--block-sizes",
-                "16", "--prefix-offsets", "0", "--decode-steps", str(decode_steps), "--json", str(report)]
+        argv = [
+            sys.executable,
+            "-m",
+            "ropekv.cli.main",
+            "check",
+            *base,
+            "--lengths",
+            str(length),
+            "--block-sizes",
+            "16",
+            "--prefix-offsets",
+            "0",
+            "--decode-steps",
+            str(decode_steps),
+            "--json",
+            str(report),
+        ]
         wall, rss, code = _child(argv, workdir / f"check-{length}.log", threads)
         passed = json.loads(report.read_text()).get("passed") if report.exists() else None
         entry.update(check_seconds=wall, check_peak_rss_bytes=rss, check_exit_code=code, check_passed=passed)
@@ -65,26 +88,56 @@ def measure(model: str | None, lengths: list[int], workdir: Path, *, decode_step
         for part in PARTS:
             progress(f"  {part.replace('_', ' ')} alone")
             out = workdir / f"{part}-{length}.json"
-            argv = [sys.executable, "-m", "ropekv.bench.long_context", *base, "--part", part, "--length",
-                    str(length), "--decode-steps", str(decode_steps), "--threads", str(threads), "--json", str(out)]
+            argv = [
+                sys.executable,
+                "-m",
+                "ropekv.bench.long_context",
+                *base,
+                "--part",
+                part,
+                "--length",
+                str(length),
+                "--decode-steps",
+                str(decode_steps),
+                "--threads",
+                str(threads),
+                "--json",
+                str(out),
+            ]
             wall, rss, code = _child(argv, workdir / f"{part}-{length}.log", threads)
             inner = json.loads(out.read_text()) if out.exists() else {}
-            parts[part] = {"seconds": inner.get("seconds"), "process_seconds": wall, "peak_rss_bytes": rss,
-                           "exit_code": code}
+            parts[part] = {
+                "seconds": inner.get("seconds"),
+                "process_seconds": wall,
+                "peak_rss_bytes": rss,
+                "exit_code": code,
+            }
             progress(f"    {inner.get('seconds', float('nan')):.1f} s, peak RSS {rss / 2**30:.2f} GiB")
         floor = sum(p["seconds"] or 0.0 for p in parts.values())
         # Process start and model load, which the check pays once like each part: the least any part paid.
         startup = min(p["process_seconds"] - (p["seconds"] or 0.0) for p in parts.values())
         work = entry["check_seconds"] - startup
-        entry.update(parts=parts, floor_seconds=floor, startup_seconds=startup,
-                     check_over_floor=work / floor if floor else None, load_average_end=load_average())
+        entry.update(
+            parts=parts,
+            floor_seconds=floor,
+            startup_seconds=startup,
+            check_over_floor=work / floor if floor else None,
+            load_average_end=load_average(),
+        )
         runs.append(entry)
     longest = runs[-1]
-    return {"format": "ropekv.long-context", "version": 1, "threads": threads, "decode_steps": decode_steps,
-            "runs": runs,
-            "goals": {"check_over_floor": max(r["check_over_floor"] or 0.0 for r in runs),
-                      "peak_rss_bytes_at_longest": longest["check_peak_rss_bytes"]},
-            "targets": {"check_over_floor": TARGET_OVER_FLOOR, "peak_rss_bytes_at_longest": TARGET_PEAK_RSS}}
+    return {
+        "format": "ropekv.long-context",
+        "version": 1,
+        "threads": threads,
+        "decode_steps": decode_steps,
+        "runs": runs,
+        "goals": {
+            "check_over_floor": max(r["check_over_floor"] or 0.0 for r in runs),
+            "peak_rss_bytes_at_longest": longest["check_peak_rss_bytes"],
+        },
+        "targets": {"check_over_floor": TARGET_OVER_FLOOR, "peak_rss_bytes_at_longest": TARGET_PEAK_RSS},
+    }
 
 
 def run_part(model: str | None, part: str, length: int, decode_steps: int) -> float:
@@ -114,22 +167,40 @@ def run_part(model: str | None, part: str, length: int, decode_steps: int) -> fl
 
 
 def format_table(doc: dict[str, Any]) -> str:
-    header = ["context", "check s", "of it start+load", "check peak RSS", "float64 ref s", "engine full s",
-              "cached run s", "floor s", "(check - start)/floor", "load at start"]
+    header = [
+        "context",
+        "check s",
+        "of it start+load",
+        "check peak RSS",
+        "float64 ref s",
+        "engine full s",
+        "cached run s",
+        "floor s",
+        "(check - start)/floor",
+        "load at start",
+    ]
     rows = []
     for r in doc["runs"]:
         p = r["parts"]
-        rows.append([str(r["length"]), f"{r['check_seconds']:.1f}", f"{r['startup_seconds']:.1f}",
-                     f"{r['check_peak_rss_bytes'] / 2**30:.2f} GiB",
-                     *(f"{p[k]['seconds']:.1f}" if p[k]["seconds"] is not None else "-" for k in PARTS),
-                     f"{r['floor_seconds']:.1f}",
-                     f"{r['check_over_floor']:.2f}x" if r["check_over_floor"] else "-",
-                     str(r["load_average_start"])])
+        rows.append(
+            [
+                str(r["length"]),
+                f"{r['check_seconds']:.1f}",
+                f"{r['startup_seconds']:.1f}",
+                f"{r['check_peak_rss_bytes'] / 2**30:.2f} GiB",
+                *(f"{p[k]['seconds']:.1f}" if p[k]["seconds"] is not None else "-" for k in PARTS),
+                f"{r['floor_seconds']:.1f}",
+                f"{r['check_over_floor']:.2f}x" if r["check_over_floor"] else "-",
+                str(r["load_average_start"]),
+            ]
+        )
     widths = [max(len(x) for x in col) for col in zip(header, *rows)]
     lines = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in [header, ["-" * w for w in widths], *rows]]
     g, t = doc["goals"], doc["targets"]
-    lines.append(f"check/floor at worst {g['check_over_floor']:.2f}x (target <= {t['check_over_floor']}x); "
-                 f"peak RSS at the longest {g['peak_rss_bytes_at_longest'] / 2**30:.2f} GiB (target < 8 GiB)")
+    lines.append(
+        f"check/floor at worst {g['check_over_floor']:.2f}x (target <= {t['check_over_floor']}x); "
+        f"peak RSS at the longest {g['peak_rss_bytes_at_longest'] / 2**30:.2f} GiB (target < 8 GiB)"
+    )
     return "\n".join(lines)
 
 
@@ -151,8 +222,12 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     a.legend(fontsize=7)
     a.grid(alpha=0.3)
     b.plot(x, [r["check_peak_rss_bytes"] / 2**30 for r in runs], "o-", label="ropekv check peak RSS")
-    b.plot(x, [r["parts"]["float64_reference_forward"]["peak_rss_bytes"] / 2**30 for r in runs], "s--",
-           label="float64 reference alone")
+    b.plot(
+        x,
+        [r["parts"]["float64_reference_forward"]["peak_rss_bytes"] / 2**30 for r in runs],
+        "s--",
+        label="float64 reference alone",
+    )
     b.axhline(8, color="k", linestyle=":", label="target: 8 GiB")
     b.set_xlabel("context (tokens)")
     b.set_ylabel("GiB")
@@ -184,9 +259,14 @@ def main(argv: list[str] | None = None) -> int:
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="ropekv-long-") as tmp:
-        doc = measure(args.model, [int(x) for x in args.lengths.split(",")], Path(tmp),
-                      decode_steps=args.decode_steps, threads=args.threads,
-                      progress=lambda m: print(m, file=sys.stderr, flush=True))
+        doc = measure(
+            args.model,
+            [int(x) for x in args.lengths.split(",")],
+            Path(tmp),
+            decode_steps=args.decode_steps,
+            threads=args.threads,
+            progress=lambda m: print(m, file=sys.stderr, flush=True),
+        )
     print(format_table(doc))
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1))

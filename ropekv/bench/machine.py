@@ -6,6 +6,7 @@ import os
 import platform
 import resource
 import sys
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -75,9 +76,9 @@ def _caches() -> dict[str, int]:
         if not entry.startswith("index"):
             continue
         try:
-            level = open(f"{base}/{entry}/level").read().strip()
-            kind = open(f"{base}/{entry}/type").read().strip()
-            size = open(f"{base}/{entry}/size").read().strip()
+            level, kind, size = (
+                Path(f"{base}/{entry}/{leaf}").read_text().strip() for leaf in ("level", "type", "size")
+            )
         except OSError:
             continue
         name = f"L{level}" + {"Data": "d", "Instruction": "i"}.get(kind, "")

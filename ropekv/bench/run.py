@@ -1,4 +1,4 @@
-"""``ropekv bench``: every figure of issue 7 in one run, on one checkpoint, dtype and thread count.
+"""``ropekv bench``: every benchmark figure in one run, on one checkpoint, dtype and thread count.
 
 Order: machine facts and memory bandwidth; decode, interleaved, of ropekv with rotated keys (rotated
 backend), ropekv with raw keys (rotate_on_read backend), transformers' cached decode and the matvec
@@ -22,33 +22,41 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from ..errors import UsageError
 from .bandwidth import measure_bandwidth
-from .decode import (DecodeRun, floor_driver, load_transformers_model, ropekv_driver, step_bytes, time_interleaved,
-                     transformers_driver)
+from .decode import (
+    DecodeRun,
+    floor_driver,
+    load_transformers_model,
+    ropekv_driver,
+    step_bytes,
+    time_interleaved,
+    transformers_driver,
+)
 from .handoff import measure_handoff
 from .machine import load_average, machine_facts
 from .memory import cache_bytes
 
 FORMAT, VERSION = "ropekv.bench", 1
 
-# name -> (comparison, target, context the ratio is taken at or None); targets of issue 16
+# name -> (comparison, target, context the ratio is taken at or None); the targets docs/performance.md states
 GOALS: dict[str, tuple[str, float | None, int | None]] = {
     "handoff_over_bare_sendrecv": (">=", 0.5, None),
     "rotate_on_read_over_rotated_4096": ("<=", 1.15, 4096),
     "decode_vs_transformers_1024": (">=", 1.5, 1024),
     "decode_fraction_of_bandwidth_limit_1024": (">=", 0.6, 1024),
     "cache_bytes_over_ideal": ("<=", None, None),  # target: 5% over ideal plus one partly filled block
-    # issue 7's goal, kept under its JSON name: below its own floor (the longest case alone needs its
+    # the first statement of this goal, kept under its JSON name: below its own floor (the longest case alone needs its
     # float64 reference forward, ~2 prefills, its full forward and its cached run: ~4 prefills)
     "sweep_over_longest_prefill": ("<=", 3.0, None),
-    # what a user waits for beyond those parts (issue 16's restatement); docs/performance.md
+    # what a user waits for beyond those parts (the goal restated); docs/performance.md
     "check_over_its_parts": ("<=", 1.5, None),
     "naive_over_sweep": (">=", 3.0, None),
 }
@@ -57,16 +65,13 @@ GOAL_LABELS: dict[str, tuple[str, str]] = {
     "handoff_over_bare_sendrecv": ("handoff throughput vs a bare send/recv", "stream MB/s / bare MB/s"),
     "rotate_on_read_over_rotated_4096": ("cost of rotating raw keys on read", "step time raw / rotated"),
     "decode_vs_transformers_1024": ("decode speed vs transformers", "tokens/s ropekv / transformers"),
-    "decode_fraction_of_bandwidth_limit_1024": ("decode speed vs the memory-bandwidth limit",
-                                                "tokens/s / limit"),
+    "decode_fraction_of_bandwidth_limit_1024": ("decode speed vs the memory-bandwidth limit", "tokens/s / limit"),
     "cache_bytes_over_ideal": ("KV cache memory vs the ideal", "bytes held / ideal"),
-    "sweep_over_longest_prefill": ("parity check vs one prefill of its longest case",
-                                   "check s / prefill s"),
-    "check_over_its_parts": ("parity check vs its unavoidable parts",
-                             "check s / (reference + full + cached s)"),
+    "sweep_over_longest_prefill": ("parity check vs one prefill of its longest case", "check s / prefill s"),
+    "check_over_its_parts": ("parity check vs its unavoidable parts", "check s / (reference + full + cached s)"),
     "naive_over_sweep": ("shared full forwards: what they save", "naive check s / check s"),
 }
-# key form -> the backend that honours it (ropekv.attention.backend_for), the name figures are keyed by
+# key form -> the backend that honours it (ropekv.engine.attention.backend_for), the name figures are keyed by
 BACKENDS = {"rotated": "rotated", "raw": "rotate_on_read"}
 
 
@@ -88,9 +93,17 @@ class BenchSettings:
     sweep_max_tokens: int | None = None  # None: the whole default matrix; else its cases up to this many tokens
 
     @classmethod
-    def for_run(cls, model: str | None, *, quick: bool, threads: int | None = None,
-                contexts: list[int] | None = None, steps: int | None = None,
-                bandwidth_mib: int | None = None, compile_rotation: bool = False) -> "BenchSettings":
+    def for_run(
+        cls,
+        model: str | None,
+        *,
+        quick: bool,
+        threads: int | None = None,
+        contexts: list[int] | None = None,
+        steps: int | None = None,
+        bandwidth_mib: int | None = None,
+        compile_rotation: bool = False,
+    ) -> BenchSettings:
         s = cls(model=model, quick=quick, compile_rotation=compile_rotation)
         if quick:
             s.contexts = [128, 1024]
@@ -129,9 +142,14 @@ def run_bench(settings: BenchSettings, progress: Callable[[str], None] | None = 
     started = time.perf_counter()
     torch.set_num_threads(settings.threads)
     seconds: dict[str, float] = {}
-    doc: dict[str, Any] = {"format": FORMAT, "version": VERSION, "quick": settings.quick,
-                           "settings": asdict(settings), "machine": machine_facts(settings.threads),
-                           "load_average_start": load_average()}
+    doc: dict[str, Any] = {
+        "format": FORMAT,
+        "version": VERSION,
+        "quick": settings.quick,
+        "settings": asdict(settings),
+        "machine": machine_facts(settings.threads),
+        "load_average_start": load_average(),
+    }
 
     t0 = time.perf_counter()
     say(f"memory bandwidth ({settings.bandwidth_bytes >> 20} MiB buffers, {settings.threads} thread(s))")
@@ -147,13 +165,23 @@ def run_bench(settings: BenchSettings, progress: Callable[[str], None] | None = 
     contexts = measured_contexts(settings.contexts, cfg.max_position_embeddings, room)
     for c in settings.contexts:
         if c not in contexts:
-            say(f"context {c}: the model has {cfg.max_position_embeddings} positions, so its {room} steps "
-                f"start at {max(contexts)}")
+            say(
+                f"context {c}: the model has {cfg.max_position_embeddings} positions, so its {room} steps "
+                f"start at {max(contexts)}"
+            )
     doc["contexts"] = contexts
     doc["contexts_asked"] = list(settings.contexts)
-    doc["model"] = {"name": cfg.name, "architecture": cfg.architecture, "fingerprint": checkpoint.fingerprint,
-                    "source": checkpoint.source, "num_layers": cfg.num_layers, "num_kv_heads": cfg.num_kv_heads,
-                    "head_dim": cfg.head_dim, "vocab_size": cfg.vocab_size, "dtype": settings.dtype}
+    doc["model"] = {
+        "name": cfg.name,
+        "architecture": cfg.architecture,
+        "fingerprint": checkpoint.fingerprint,
+        "source": checkpoint.source,
+        "num_layers": cfg.num_layers,
+        "num_kv_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "dtype": settings.dtype,
+    }
     tokens = token_stream(cfg.vocab_size, max(contexts) + room)
 
     # ---------------------------------------------------------------- decode, all engines interleaved
@@ -162,12 +190,20 @@ def run_bench(settings: BenchSettings, progress: Callable[[str], None] | None = 
     drivers = {}
     for key_form, backend in BACKENDS.items():
         weights = drivers["rotated"].keep[0].weights if drivers else None  # one copy of the weights
-        drivers[backend] = ropekv_driver(checkpoint, key_form, tokens, max_tokens, dtype=settings.dtype,
-                                         weights=weights, compile_rotation=settings.compile_rotation)
+        drivers[backend] = ropekv_driver(
+            checkpoint,
+            key_form,
+            tokens,
+            max_tokens,
+            dtype=settings.dtype,
+            weights=weights,
+            compile_rotation=settings.compile_rotation,
+        )
     hf_dir, why_not = _transformers_dir(settings.model)
     if hf_dir is not None:
-        drivers["transformers"] = transformers_driver(load_transformers_model(hf_dir, getattr(torch, settings.dtype)),
-                                                      tokens)
+        drivers["transformers"] = transformers_driver(
+            load_transformers_model(hf_dir, getattr(torch, settings.dtype)), tokens
+        )
     else:
         say(f"transformers decode skipped: {why_not}")
     floor = floor_driver(drivers["rotated"].keep[0].weights)
@@ -176,17 +212,23 @@ def run_bench(settings: BenchSettings, progress: Callable[[str], None] | None = 
     runs = time_interleaved(drivers, contexts, warmup=settings.warmup, steps=settings.steps, progress=say)
     seconds["decode"] = time.perf_counter() - t0
 
-    decode = {backend: _decode_entry(runs[backend], checkpoint, drivers[backend].keep[0], settings, bw["bytes_per_s"])
-              for backend in BACKENDS.values()}
+    decode = {
+        backend: _decode_entry(runs[backend], checkpoint, drivers[backend].keep[0], settings, bw["bytes_per_s"])
+        for backend in BACKENDS.values()
+    }
     doc["weights_matvec_floor"] = dict(floor.keep, runs=[r.to_dict() for r in runs["matvec_floor"]])
     hf: dict[str, Any] | None = None
     if hf_dir is not None:
         model = drivers["transformers"].keep
-        hf = {"model_dir": str(hf_dir), "attn_implementation": model.config._attn_implementation,
-              "runs": [r.to_dict() for r in runs["transformers"]]}
+        hf = {
+            "model_dir": str(hf_dir),
+            "attn_implementation": model.config._attn_implementation,
+            "runs": [r.to_dict() for r in runs["transformers"]],
+        }
     doc["decode"] = {"ropekv": decode, "transformers": hf if hf is not None else {"skipped": why_not}}
     doc["transformers_decode_tokens_per_s"] = (
-        {str(r["context"]): r["tokens_per_s"] for r in hf["runs"]} if hf is not None else None)
+        {str(r["context"]): r["tokens_per_s"] for r in hf["runs"]} if hf is not None else None
+    )
 
     engine, seq = drivers["rotated"].keep
     doc["memory"] = {"cache": cache_bytes(engine, seq)}
@@ -198,7 +240,8 @@ def run_bench(settings: BenchSettings, progress: Callable[[str], None] | None = 
     # ---------------------------------------------------------------- derived decode figures
     doc["rotate_on_read"] = [
         {"context": a["context"], "rotate_on_read_over_rotated": b["median_step_seconds"] / a["median_step_seconds"]}
-        for a, b in zip(decode["rotated"]["runs"], decode["rotate_on_read"]["runs"])]
+        for a, b in zip(decode["rotated"]["runs"], decode["rotate_on_read"]["runs"])
+    ]
     for entry in decode.values():
         for r, f in zip(entry["runs"], doc["weights_matvec_floor"]["runs"]):
             r["step_over_weights_matvec_floor"] = r["median_step_seconds"] / f["median_step_seconds"]
@@ -214,13 +257,17 @@ def run_bench(settings: BenchSettings, progress: Callable[[str], None] | None = 
     # ---------------------------------------------------------------- sweep and handoff (own processes)
     with tempfile.TemporaryDirectory(prefix="ropekv-bench-") as tmp:
         t0 = time.perf_counter()
-        say("parity sweep (own process)"
+        say(
+            "parity sweep (own process)"
             + ("" if settings.sweep_max_tokens is None else f", cases up to {settings.sweep_max_tokens} tokens")
-            + ("" if settings.naive_sweep else ", naive sweep skipped"))
+            + ("" if settings.naive_sweep else ", naive sweep skipped")
+        )
         doc["sweep"] = _sweep(settings, Path(tmp))
         s = doc["sweep"]
-        say(f"  check {s['check_seconds']:.1f} s, prefill of {s['longest_case']} {s['longest_prefill_seconds']:.1f} s"
-            + (f", naive {s['naive_seconds']:.1f} s" if s["naive_seconds"] is not None else ""))
+        say(
+            f"  check {s['check_seconds']:.1f} s, prefill of {s['longest_case']} {s['longest_prefill_seconds']:.1f} s"
+            + (f", naive {s['naive_seconds']:.1f} s" if s["naive_seconds"] is not None else "")
+        )
         doc["memory"]["check_peak_rss_bytes"] = s["check_peak_rss_bytes"]
         seconds["sweep"] = time.perf_counter() - t0
 
@@ -228,8 +275,10 @@ def run_bench(settings: BenchSettings, progress: Callable[[str], None] | None = 
         say(f"handoff of {n} tokens between two local ranks (own processes), {settings.handoff_repeats} rounds")
         doc["handoff"] = measure_handoff(payload, Path(tmp), repeats=settings.handoff_repeats)
         h = doc["handoff"]
-        say(f"  streamed handoff {h['handoff']['bytes_per_s'] / 1e6:.0f} MB/s, "
-            f"bare send/recv {h['bare']['bytes_per_s'] / 1e6:.0f} MB/s")
+        say(
+            f"  streamed handoff {h['handoff']['bytes_per_s'] / 1e6:.0f} MB/s, "
+            f"bare send/recv {h['bare']['bytes_per_s'] / 1e6:.0f} MB/s"
+        )
         seconds["handoff"] = time.perf_counter() - t0
 
     goals, contexts_used = _goals(doc, decode, hf)
@@ -252,22 +301,26 @@ def _warnings(doc: dict[str, Any]) -> list[str]:
     spare = max(0.0, doc["machine"]["usable_cpus"] - doc["machine"]["threads"])
     load = doc["load_average_start"]
     if load is not None and load[0] > spare + 0.5:
-        out.append(f"the machine was busy when the run started (1-minute load {load[0]} with "
-                   f"{doc['machine']['usable_cpus']} CPU(s) and {doc['machine']['threads']} thread(s) per engine): "
-                   "timings are unreliable")
+        out.append(
+            f"the machine was busy when the run started (1-minute load {load[0]} with "
+            f"{doc['machine']['usable_cpus']} CPU(s) and {doc['machine']['threads']} thread(s) per engine): "
+            "timings are unreliable"
+        )
     return out
 
 
-def _decode_entry(runs: list[DecodeRun], checkpoint, engine, settings: BenchSettings,
-                  bandwidth: float) -> dict[str, Any]:
+def _decode_entry(
+    runs: list[DecodeRun], checkpoint, engine, settings: BenchSettings, bandwidth: float
+) -> dict[str, Any]:
     entries = []
     for r in runs:
         mean_context = r.context + settings.warmup + (len(r.step_seconds) - 1) / 2
         need = step_bytes(checkpoint, engine.contract, engine.weights, round(mean_context))
         limit = bandwidth / need["total"]
         d = r.to_dict()
-        d.update(step_bytes=need, bandwidth_limit_tokens_per_s=limit,
-                 fraction_of_bandwidth_limit=r.tokens_per_s / limit)
+        d.update(
+            step_bytes=need, bandwidth_limit_tokens_per_s=limit, fraction_of_bandwidth_limit=r.tokens_per_s / limit
+        )
         entries.append(d)
     return {"key_form": engine.contract.key_form, "backend": engine.backend.name, "runs": entries}
 
@@ -289,8 +342,17 @@ def _transformers_dir(model: str | None) -> tuple[Path | None, str | None]:
 
 def _sweep(settings: BenchSettings, tmp: Path) -> dict[str, Any]:
     out = tmp / "sweep.json"
-    argv = [sys.executable, "-m", "ropekv.bench.sweep", "--json", str(out), "--threads", str(settings.threads),
-            "--dtype", settings.dtype]
+    argv = [
+        sys.executable,
+        "-m",
+        "ropekv.bench.sweep",
+        "--json",
+        str(out),
+        "--threads",
+        str(settings.threads),
+        "--dtype",
+        settings.dtype,
+    ]
     if settings.model is not None:
         argv.append(str(settings.model))
     if not settings.naive_sweep:
@@ -338,8 +400,13 @@ def _goals(doc: dict[str, Any], decode: dict[str, Any], hf: dict[str, Any] | Non
     goals["naive_over_sweep"] = doc["sweep"]["naive_over_sweep"]
     goals["handoff_over_bare_sendrecv"] = doc["handoff"]["handoff_over_bare_sendrecv"]
     goals["cache_bytes_over_ideal"] = doc["memory"]["cache"]["held_over_ideal"]
-    for name in ("sweep_over_longest_prefill", "check_over_its_parts", "naive_over_sweep",
-                 "handoff_over_bare_sendrecv", "cache_bytes_over_ideal"):
+    for name in (
+        "sweep_over_longest_prefill",
+        "check_over_its_parts",
+        "naive_over_sweep",
+        "handoff_over_bare_sendrecv",
+        "cache_bytes_over_ideal",
+    ):
         used[name] = None
     return goals, used
 
@@ -353,8 +420,10 @@ def _ceilings(doc: dict[str, Any], decode: dict[str, Any], hf: dict[str, Any] | 
     r = _nearest(rot, 1024)
     i = rot.index(r)
     f = floor_runs[i]
-    return {"decode_vs_transformers_1024": f["tokens_per_s"] / hf["runs"][i]["tokens_per_s"] if hf else None,
-            "decode_fraction_of_bandwidth_limit_1024": f["tokens_per_s"] / r["bandwidth_limit_tokens_per_s"]}
+    return {
+        "decode_vs_transformers_1024": f["tokens_per_s"] / hf["runs"][i]["tokens_per_s"] if hf else None,
+        "decode_fraction_of_bandwidth_limit_1024": f["tokens_per_s"] / r["bandwidth_limit_tokens_per_s"],
+    }
 
 
 def _target(name: str, doc: dict[str, Any]) -> dict[str, Any]:
@@ -382,7 +451,8 @@ def format_table(doc: dict[str, Any]) -> str:
         f"{m['memory_bytes'] / 2**30:.0f} GiB; torch {m['torch']}, transformers {m['transformers']}",
         f"load average at start {doc['load_average_start']}, at end {doc['load_average_end']}",
         *(f"WARNING: {w}" for w in doc["warnings"]),
-        "memory bandwidth: " + ", ".join(f"{k} {v['bytes_per_s'] / 1e9:.1f} GB/s" for k, v in bw["kernels"].items())
+        "memory bandwidth: "
+        + ", ".join(f"{k} {v['bytes_per_s'] / 1e9:.1f} GB/s" for k, v in bw["kernels"].items())
         + f" -> limit uses {bw['bytes_per_s'] / 1e9:.1f} GB/s",
         f"matvec floor of a decode step: its {doc['weights_matvec_floor']['matrices']} weight matrices "
         f"({doc['weights_matvec_floor']['bytes'] / 1e6:.0f} MB) times a zero row, nothing else",
@@ -394,75 +464,132 @@ def format_table(doc: dict[str, Any]) -> str:
     ror = doc["decode"]["ropekv"]["rotate_on_read"]["runs"]
     hf = doc["decode"]["transformers"].get("runs")
     floor = doc["weights_matvec_floor"]["runs"]
-    header = ["context", "rotated", "rotate_on_read", "transformers", "floor", "rotated/hf", "rotated/floor",
-              "hf/floor", "MB/step", "limit", "rotated/limit", "ror/limit", "hf/limit", "ror/rotated"]
+    header = [
+        "context",
+        "rotated",
+        "rotate_on_read",
+        "transformers",
+        "floor",
+        "rotated/hf",
+        "rotated/floor",
+        "hf/floor",
+        "MB/step",
+        "limit",
+        "rotated/limit",
+        "ror/limit",
+        "hf/limit",
+        "ror/rotated",
+    ]
     rows = []
     for i, (a, b) in enumerate(zip(rot, ror)):
         h = hf[i] if hf else None
-        rows.append([
-            str(a["context"]), f"{a['tokens_per_s']:.2f}", f"{b['tokens_per_s']:.2f}",
-            f"{h['tokens_per_s']:.2f}" if h else "-", f"{floor[i]['tokens_per_s']:.2f}",
-            f"{a['over_transformers']:.2f}x" if h else "-", f"{a['step_over_weights_matvec_floor']:.2f}x",
-            f"{h['step_over_weights_matvec_floor']:.2f}x" if h else "-",
-            f"{a['step_bytes']['total'] / 1e6:.0f}", f"{a['bandwidth_limit_tokens_per_s']:.2f}",
-            f"{a['fraction_of_bandwidth_limit']:.0%}", f"{b['fraction_of_bandwidth_limit']:.0%}",
-            f"{h['fraction_of_bandwidth_limit']:.0%}" if h else "-",
-            f"{b['median_step_seconds'] / a['median_step_seconds']:.2f}x",
-        ])
+        rows.append(
+            [
+                str(a["context"]),
+                f"{a['tokens_per_s']:.2f}",
+                f"{b['tokens_per_s']:.2f}",
+                f"{h['tokens_per_s']:.2f}" if h else "-",
+                f"{floor[i]['tokens_per_s']:.2f}",
+                f"{a['over_transformers']:.2f}x" if h else "-",
+                f"{a['step_over_weights_matvec_floor']:.2f}x",
+                f"{h['step_over_weights_matvec_floor']:.2f}x" if h else "-",
+                f"{a['step_bytes']['total'] / 1e6:.0f}",
+                f"{a['bandwidth_limit_tokens_per_s']:.2f}",
+                f"{a['fraction_of_bandwidth_limit']:.0%}",
+                f"{b['fraction_of_bandwidth_limit']:.0%}",
+                f"{h['fraction_of_bandwidth_limit']:.0%}" if h else "-",
+                f"{b['median_step_seconds'] / a['median_step_seconds']:.2f}x",
+            ]
+        )
     lines += _grid(header, rows)
-    lines += ["", "time per step above the matvec floor (ms: median step minus the floor's median step; "
-                  "norms, rotations, attention, the MLP's elementwise ops, dispatch)"]
+    lines += [
+        "",
+        "time per step above the matvec floor (ms: median step minus the floor's median step; "
+        "norms, rotations, attention, the MLP's elementwise ops, dispatch)",
+    ]
     rows = []
     for i, (a, b) in enumerate(zip(rot, ror)):
         f = floor[i]["median_step_seconds"]
         h = hf[i] if hf else None
-        rows.append([str(a["context"]), f"{1000 * (a['median_step_seconds'] - f):.1f}",
-                     f"{1000 * (b['median_step_seconds'] - f):.1f}",
-                     f"{1000 * (h['median_step_seconds'] - f):.1f}" if h else "-", f"{1000 * f:.1f}"])
+        rows.append(
+            [
+                str(a["context"]),
+                f"{1000 * (a['median_step_seconds'] - f):.1f}",
+                f"{1000 * (b['median_step_seconds'] - f):.1f}",
+                f"{1000 * (h['median_step_seconds'] - f):.1f}" if h else "-",
+                f"{1000 * f:.1f}",
+            ]
+        )
     lines += _grid(["context", "rotated", "rotate_on_read", "transformers", "floor step"], rows)
     s = doc["sweep"]
-    lines += ["", f"parity sweep ({s['num_cases']} cases, {'passed' if s['check_passed'] else 'FAILED'}): "
-                  f"check {s['check_seconds']:.1f} s; one cached prefill of its longest case ({s['longest_case']}) "
-                  f"{s['longest_prefill_seconds']:.2f} s -> {s['sweep_over_longest_prefill']:.2f}x"]
+    lines += [
+        "",
+        f"parity sweep ({s['num_cases']} cases, {'passed' if s['check_passed'] else 'FAILED'}): "
+        f"check {s['check_seconds']:.1f} s; one cached prefill of its longest case ({s['longest_case']}) "
+        f"{s['longest_prefill_seconds']:.2f} s -> {s['sweep_over_longest_prefill']:.2f}x",
+    ]
     parts = s["check_phase_seconds"]
-    lines.append(f"  of the check: float64 reference forwards {parts['float64_reference_forwards']:.1f} s, engine full "
-                 f"forwards {parts['engine_full_forwards']:.1f} s, cached runs {parts['cached_runs']:.1f} s -> check / "
-                 f"its parts {s['check_over_its_parts']:.2f}x")
+    lines.append(
+        f"  of the check: float64 reference forwards {parts['float64_reference_forwards']:.1f} s, engine full "
+        f"forwards {parts['engine_full_forwards']:.1f} s, cached runs {parts['cached_runs']:.1f} s -> check / "
+        f"its parts {s['check_over_its_parts']:.2f}x"
+    )
     if s.get("longest_case_components_seconds"):
-        lines.append("  its longest case alone: " + ", ".join(
-            f"{k.replace('_', ' ')} {v:.1f} s" for k, v in s["longest_case_components_seconds"].items()))
+        lines.append(
+            "  its longest case alone: "
+            + ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in s["longest_case_components_seconds"].items())
+        )
     if s["naive_seconds"] is not None:
-        lines.append(f"naive sweep (check per case, nothing shared) {s['naive_seconds']:.1f} s -> "
-                     f"{s['naive_over_sweep']:.2f}x the sweep")
+        lines.append(
+            f"naive sweep (check per case, nothing shared) {s['naive_seconds']:.1f} s -> "
+            f"{s['naive_over_sweep']:.2f}x the sweep"
+        )
     h = doc["handoff"]
-    lines += ["", f"handoff of {h['tokens']} tokens ({h['payload_bytes'] / 1e6:.1f} MB streamed: "
-                  f"{h['tensor_bytes'] / 1e6:.1f} MB of keys/values in {h['chunks']} chunks, "
-                  f"{h['in_place_chunks']} received straight into the pool; header {h['header_bytes']} bytes), "
-                  f"best of {h['repeats']}, one thread per rank:",
-              f"  ropekv streamed handoff (hash, header, chunks, checks, commit, ack) "
-              f"{h['handoff']['bytes_per_s'] / 1e6:.0f} MB/s ({h['handoff']['best_seconds']:.3f} s)",
-              f"  the same chunks alone, nothing checked {h['bare_chunks']['bytes_per_s'] / 1e6:.0f} MB/s "
-              f"({h['bare_chunks']['best_seconds']:.3f} s)",
-              f"  bare dist.send/recv of the bytes {h['bare']['bytes_per_s'] / 1e6:.0f} MB/s "
-              f"({h['bare']['best_seconds']:.3f} s)",
-              "  phases (median s): sender " + _phases(h["sender_phases_seconds"])
-              + "; receiver " + _phases(h["receiver_phases_seconds"])]
+    lines += [
+        "",
+        f"handoff of {h['tokens']} tokens ({h['payload_bytes'] / 1e6:.1f} MB streamed: "
+        f"{h['tensor_bytes'] / 1e6:.1f} MB of keys/values in {h['chunks']} chunks, "
+        f"{h['in_place_chunks']} received straight into the pool; header {h['header_bytes']} bytes), "
+        f"best of {h['repeats']}, one thread per rank:",
+        f"  ropekv streamed handoff (hash, header, chunks, checks, commit, ack) "
+        f"{h['handoff']['bytes_per_s'] / 1e6:.0f} MB/s ({h['handoff']['best_seconds']:.3f} s)",
+        f"  the same chunks alone, nothing checked {h['bare_chunks']['bytes_per_s'] / 1e6:.0f} MB/s "
+        f"({h['bare_chunks']['best_seconds']:.3f} s)",
+        f"  bare dist.send/recv of the bytes {h['bare']['bytes_per_s'] / 1e6:.0f} MB/s "
+        f"({h['bare']['best_seconds']:.3f} s)",
+        "  phases (median s): sender "
+        + _phases(h["sender_phases_seconds"])
+        + "; receiver "
+        + _phases(h["receiver_phases_seconds"]),
+    ]
     c = doc["memory"]["cache"]
-    lines += ["", f"cache memory at {c['tokens']} tokens, block size {c['block_size']}: "
-                  f"{c['held_bytes_per_token']:.0f} "
-                  f"bytes/token held vs {c['ideal_bytes_per_token']:.0f} ideal ({c['held_over_ideal']:.4f}x; bound "
-                  f"{c['bound_over_ideal']:.4f}x)",
-              "peak RSS of ropekv check (model load + default matrix): "
-              f"{doc['memory']['check_peak_rss_bytes'] / 2**30:.2f} GiB",
-              "", "goals"]
+    lines += [
+        "",
+        f"cache memory at {c['tokens']} tokens, block size {c['block_size']}: "
+        f"{c['held_bytes_per_token']:.0f} "
+        f"bytes/token held vs {c['ideal_bytes_per_token']:.0f} ideal ({c['held_over_ideal']:.4f}x; bound "
+        f"{c['bound_over_ideal']:.4f}x)",
+        "peak RSS of ropekv check (model load + default matrix): "
+        f"{doc['memory']['check_peak_rss_bytes'] / 2**30:.2f} GiB",
+        "",
+        "goals",
+    ]
     rows = []
     for name, value in doc["goals"].items():
         t = doc["goal_targets"][name]
         met = doc["goals_met"][name]
         ctx = doc["goal_contexts"].get(name)
         label, ratio = GOAL_LABELS[name]
-        rows.append([label, ratio, "-" if value is None else f"{value:.3f}", f"{t['op']} {t['value']:.3g}",
-                     {True: "met", False: "MISSED", None: "n/a"}[met], _goal_context(name, ctx, doc)])
+        rows.append(
+            [
+                label,
+                ratio,
+                "-" if value is None else f"{value:.3f}",
+                f"{t['op']} {t['value']:.3g}",
+                {True: "met", False: "MISSED", None: "n/a"}[met],
+                _goal_context(name, ctx, doc),
+            ]
+        )
     lines += _grid(["goal", "ratio", "value", "target", "verdict", "taken at"], rows)
     lines += _ceiling_lines(doc)
     lines += ["", "seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in doc["seconds"].items())]
@@ -474,14 +601,18 @@ def _ceiling_lines(doc: dict[str, Any]) -> list[str]:
     c = doc.get("ceilings") or {}
     ctx = doc["goal_contexts"].get("decode_vs_transformers_1024")
     out = []
-    for name, what in (("decode_vs_transformers_1024", "decode speed vs transformers"),
-                       ("decode_fraction_of_bandwidth_limit_1024", "decode speed vs the memory-bandwidth limit")):
+    for name, what in (
+        ("decode_vs_transformers_1024", "decode speed vs transformers"),
+        ("decode_fraction_of_bandwidth_limit_1024", "decode speed vs the memory-bandwidth limit"),
+    ):
         if c.get(name) is None:
             continue
         target = GOALS[name][1]
         verdict = "so the target cannot be met with these kernels" if c[name] < target else "room left"
-        out.append(f"ceiling of '{what}' at context {ctx}: {c[name]:.3f} (the matvec floor alone, nothing else "
-                   f"in the step; target {target:g}): {verdict}")
+        out.append(
+            f"ceiling of '{what}' at context {ctx}: {c[name]:.3f} (the matvec floor alone, nothing else "
+            f"in the step; target {target:g}): {verdict}"
+        )
     return [""] + out if out else []
 
 
@@ -489,8 +620,11 @@ def _goal_context(name: str, context: int | None, doc: dict[str, Any]) -> str:
     """Where a goal's figure comes from, in the words of the table above it."""
     if context is not None:
         wanted = GOALS[name][2]
-        compiled = ", compiled rotation" if name.startswith("rotate_on_read") and doc["settings"].get(
-            "compile_rotation") else ""
+        compiled = (
+            ", compiled rotation"
+            if name.startswith("rotate_on_read") and doc["settings"].get("compile_rotation")
+            else ""
+        )
         return f"context {context}" + ("" if context == wanted else f" (the goal names {wanted})") + compiled
     if name == "handoff_over_bare_sendrecv":
         return f"{doc['handoff']['tokens']} tokens, 2 local ranks"
@@ -509,7 +643,9 @@ def _grid(header: list[str], rows: list[list[str]]) -> list[str]:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
 
     def fmt(cells: list[str]) -> str:
-        return "  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        return "  ".join(
+            str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
+        ).rstrip()
 
     return [fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
 
@@ -522,18 +658,28 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
-    series = [("ropekv, rotated keys", doc["decode"]["ropekv"]["rotated"]["runs"], "o-"),
-              ("ropekv, raw keys (rotate_on_read)", doc["decode"]["ropekv"]["rotate_on_read"]["runs"], "s-")]
+    series = [
+        ("ropekv, rotated keys", doc["decode"]["ropekv"]["rotated"]["runs"], "o-"),
+        ("ropekv, raw keys (rotate_on_read)", doc["decode"]["ropekv"]["rotate_on_read"]["runs"], "s-"),
+    ]
     if doc["decode"]["transformers"].get("runs"):
         series.append(("transformers (cached decode)", doc["decode"]["transformers"]["runs"], "^-"))
     for label, runs, style in series:
         ax.plot([r["context"] for r in runs], [r["tokens_per_s"] for r in runs], style, label=label)
     floor = doc["weights_matvec_floor"]["runs"]
-    ax.plot([r["context"] for r in floor], [r["tokens_per_s"] for r in floor], "k:",
-            label="matvec floor (the step's weight matrices alone)")
+    ax.plot(
+        [r["context"] for r in floor],
+        [r["tokens_per_s"] for r in floor],
+        "k:",
+        label="matvec floor (the step's weight matrices alone)",
+    )
     rot = doc["decode"]["ropekv"]["rotated"]["runs"]
-    ax.plot([r["context"] for r in rot], [r["bandwidth_limit_tokens_per_s"] for r in rot], "k--",
-            label=f"bandwidth limit ({doc['bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s)")
+    ax.plot(
+        [r["context"] for r in rot],
+        [r["bandwidth_limit_tokens_per_s"] for r in rot],
+        "k--",
+        label=f"bandwidth limit ({doc['bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s)",
+    )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("context (cached tokens)")
     ax.set_ylabel("decode tokens/s (one sequence)")

@@ -34,8 +34,9 @@ import torch
 from .machine import peak_rss_bytes
 
 
-def measure_sweep(model: str | None, *, dtype: str = "float32", naive: bool = True,
-                  max_tokens: int | None = None) -> dict[str, Any]:
+def measure_sweep(
+    model: str | None, *, dtype: str = "float32", naive: bool = True, max_tokens: int | None = None
+) -> dict[str, Any]:
     from ..adapters.native import NativeAdapter
     from ..models import load_checkpoint
     from ..models.reference import ReferenceDecoder
@@ -70,8 +71,9 @@ def measure_sweep(model: str | None, *, dtype: str = "float32", naive: bool = Tr
         window = "model" if longest.window is None else longest.window
         components = {}
         t0 = time.perf_counter()
-        ReferenceDecoder(checkpoint, dtype=torch.float64).forward(tokens[: longest.total], probe_rows=rows,
-                                                                  window=window, sink_tokens=longest.sink_tokens)
+        ReferenceDecoder(checkpoint, dtype=torch.float64).forward(
+            tokens[: longest.total], probe_rows=rows, window=window, sink_tokens=longest.sink_tokens
+        )
         components["float64_reference_forward"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         adapter.full_forward(tokens[: longest.total], rows, longest)

@@ -11,7 +11,7 @@ sequence one block table per group. A sequence's ``n``-th appended token (write 
 
 Physical location: block ``table[slot // block_size]``, offset ``slot % block_size``. Slots wrap, logical
 positions keep increasing: positions are *stored* per slot and never derived from the slot
-(the "slot as position" bug, ROPE_KV_PRIMER.md section 6).
+(the "slot as position" bug, docs/contract.md).
 
 Every mutating call validates everything first and then writes; a rejected call leaves the cache
 exactly as it was (:meth:`PagedKVCache.state_digest` proves it in the tests).
@@ -27,8 +27,9 @@ they do to key contents is decided by a :class:`~ropekv.cache.policy.CacheOpPoli
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Sequence
+from typing import Any
 
 import torch
 
@@ -54,8 +55,16 @@ class KVView:
 class _Group:
     """Layers of one attention kind: their allocator, slot rule and per-slot positions."""
 
-    def __init__(self, name: str, layers: tuple[int, ...], window: int | None, sinks: int,
-                 num_blocks: int, block_size: int, device: torch.device):
+    def __init__(
+        self,
+        name: str,
+        layers: tuple[int, ...],
+        window: int | None,
+        sinks: int,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device,
+    ):
         self.name, self.layers, self.window, self.sinks = name, layers, window, sinks
         self.block_size = block_size
         self.allocator = BlockAllocator(num_blocks)
@@ -138,8 +147,15 @@ class PagedKVCache:
     contract dtype. Each group (full / sliding) has ``num_blocks`` blocks of its own.
     """
 
-    def __init__(self, contract: CacheContract, num_blocks: int, device: str | torch.device = "cpu", *,
-                 rollback_depth: int = 16, policy: CacheOpPolicy | None = None):
+    def __init__(
+        self,
+        contract: CacheContract,
+        num_blocks: int,
+        device: str | torch.device = "cpu",
+        *,
+        rollback_depth: int = 16,
+        policy: CacheOpPolicy | None = None,
+    ):
         if not isinstance(rollback_depth, int) or isinstance(rollback_depth, bool) or rollback_depth < 0:
             raise UsageError(f"rollback_depth must be an integer >= 0, got {rollback_depth!r}")
         self.rollback_depth = rollback_depth
@@ -157,8 +173,9 @@ class PagedKVCache:
         if full:
             self._groups[FULL] = _Group(FULL, full, None, 0, num_blocks, c.block_size, self.device)
         if sliding:
-            self._groups[SLIDING] = _Group(SLIDING, sliding, c.window, c.sink_tokens, num_blocks,
-                                           c.block_size, self.device)
+            self._groups[SLIDING] = _Group(
+                SLIDING, sliding, c.window, c.sink_tokens, num_blocks, c.block_size, self.device
+            )
         self._layer_group = [SLIDING if i in sliding else FULL for i in range(c.num_layers)]
         self.keys = [_head_major_pool(num_blocks, c, self.device) for _ in range(c.num_layers)]
         self.values = [_head_major_pool(num_blocks, c, self.device) for _ in range(c.num_layers)]
@@ -358,8 +375,10 @@ class PagedKVCache:
         for name, (_, _, new, cow) in plans.items():
             free = self._groups[name].allocator.num_free
             if new + len(cow) > free:
-                short.append(f"{new + len(cow)} block(s) in the {name} group ({new} new, {len(cow)} "
-                             f"copy-on-write) with {free} free")
+                short.append(
+                    f"{new + len(cow)} block(s) in the {name} group ({new} new, {len(cow)} "
+                    f"copy-on-write) with {free} free"
+                )
         if short:
             raise CapacityError(f"append of {n} token(s) to sequence {seq_id!r} needs " + "; ".join(short))
         return plans
@@ -390,7 +409,9 @@ class PagedKVCache:
         if not isinstance(positions, torch.Tensor):
             raise CacheError(f"append to {seq_id!r}: positions must be a tensor, got {type(positions).__name__}")
         if positions.dim() != 1 or positions.numel() == 0:
-            raise CacheError(f"append to {seq_id!r}: positions must be 1-D [n] with n >= 1, got shape {tuple(positions.shape)}")
+            raise CacheError(
+                f"append to {seq_id!r}: positions must be 1-D [n] with n >= 1, got shape {tuple(positions.shape)}"
+            )
         if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
             raise CacheError(f"append to {seq_id!r}: positions must be integers, got {positions.dtype}")
         pos = positions.to(device=self.device, dtype=torch.int64)
@@ -459,7 +480,8 @@ class PagedKVCache:
                 raise CacheError(
                     f"rollback of {n} token(s) on {seq_id!r}: tokens {missing[0]}..{missing[-1]} overwrote window ring "
                     f"slots whose earlier keys are beyond the overwrite journal (rollback_depth={self.rollback_depth}); "
-                    "nothing changed")
+                    "nothing changed"
+                )
             restores = [have[i] for i in reversed(need)]
             cow = self._shared(g, seq, {e.slot // g.block_size for e in restores})
             self._require_free({SLIDING: len(cow)}, f"rollback of {n} token(s) on {seq_id!r}")
@@ -472,14 +494,14 @@ class PagedKVCache:
                     for pool, saved in ((self.keys[layer], e.keys), (self.values[layer], e.values)):
                         rows = _rows(pool)
                         now = rows[flat]  # [1, KVH, D]
-                        back = self.policy.ring_restore(saved[j:j + 1].to(pool.device), now)  # [1, KVH, D]
+                        back = self.policy.ring_restore(saved[j : j + 1].to(pool.device), now)  # [1, KVH, D]
                         rows[flat] = back.to(pool.dtype)
         for name, grp in self._groups.items():
             table = seq.tables[name]
-            for block in table[grp.blocks_needed(new_n):]:
+            for block in table[grp.blocks_needed(new_n) :]:
                 if grp.allocator.decref(block) == 0:
                     grp.positions[block] = -1
-            del table[grp.blocks_needed(new_n):]
+            del table[grp.blocks_needed(new_n) :]
         seq.num_tokens = new_n
         del seq.history[new_n:]
         seq.last_position = seq.history[-1] if seq.history else -1
@@ -504,10 +526,14 @@ class PagedKVCache:
             found.update(pos[match].tolist())
         missing = [p for p in want if p not in found]
         if missing:
-            raise CacheError(f"evict from {seq_id!r}: position(s) {missing[:8]} are not live in the cache "
-                             "(never cached, already evicted, or out of the window); nothing changed")
-        cow = {name: self._shared(self._groups[name], seq, set((s // self._groups[name].block_size).tolist()))
-               for name, s in hits.items()}
+            raise CacheError(
+                f"evict from {seq_id!r}: position(s) {missing[:8]} are not live in the cache "
+                "(never cached, already evicted, or out of the window); nothing changed"
+            )
+        cow = {
+            name: self._shared(self._groups[name], seq, set((s // self._groups[name].block_size).tolist()))
+            for name, s in hits.items()
+        }
         self._require_free({name: len(c) for name, c in cow.items()}, f"evict from {seq_id!r}")
         for name, slots in hits.items():
             g = self._groups[name]
@@ -530,27 +556,34 @@ class PagedKVCache:
             raise ContractMismatch(
                 f"shift of {seq_id!r}: {rope.scaling.rope_type} RoPE is not shift-invariant (R(a) R(b) != R(a + b) "
                 "once frequencies depend on the length or positions come per section); the cache cannot be "
-                "shifted exactly: recompute it at the new positions instead", fields=("rope.scaling",))
+                "shifted exactly: recompute it at the new positions instead",
+                fields=("rope.scaling",),
+            )
         for what, v in (("delta", delta), ("from_position", from_position)):
             if not isinstance(v, int) or isinstance(v, bool):
                 raise CacheError(f"shift of {seq_id!r}: {what} must be an integer, got {v!r}")
         if delta == 0 or from_position < 0:
-            raise CacheError(f"shift of {seq_id!r}: delta must be nonzero and from_position >= 0, "
-                             f"got {delta}, {from_position}")
+            raise CacheError(
+                f"shift of {seq_id!r}: delta must be nonzero and from_position >= 0, got {delta}, {from_position}"
+            )
         moved = [p for p in seq.history if p >= from_position]
         kept = [p for p in seq.history if p < from_position]
         if not moved:
             raise CacheError(f"shift of {seq_id!r}: no cached token at or after position {from_position}")
         if moved[0] + delta < 0 or (kept and moved[0] + delta <= kept[-1]):
-            raise CacheError(f"shift of {seq_id!r} by {delta} from {from_position}: position {moved[0]} would become "
-                             f"{moved[0] + delta}, not after {kept[-1] if kept else 'position -1'} (positions must "
-                             "strictly increase and stay >= 0)")
+            raise CacheError(
+                f"shift of {seq_id!r} by {delta} from {from_position}: position {moved[0]} would become "
+                f"{moved[0] + delta}, not after {kept[-1] if kept else 'position -1'} (positions must "
+                "strictly increase and stay >= 0)"
+            )
         hits = {}
         for name, g in self._groups.items():
             _, slots, pos, _ = self._index(seq_id, seq, g)
             hits[name] = slots[pos >= from_position].cpu()
-        cow = {name: self._shared(self._groups[name], seq, set((s // self._groups[name].block_size).tolist()))
-               for name, s in hits.items()}
+        cow = {
+            name: self._shared(self._groups[name], seq, set((s // self._groups[name].block_size).tolist()))
+            for name, s in hits.items()
+        }
         self._require_free({name: len(c) for name, c in cow.items()}, f"shift of {seq_id!r}")
         c = self.contract
         for name, slots in hits.items():
@@ -583,8 +616,11 @@ class PagedKVCache:
         return sorted(i for i in table_indices if i < len(table) and g.allocator.refcount(table[i]) > 1)
 
     def _require_free(self, per_group: dict[str, int], what: str) -> None:
-        short = [f"{k} block(s) in the {name} group with {self._groups[name].allocator.num_free} free"
-                 for name, k in per_group.items() if k > self._groups[name].allocator.num_free]
+        short = [
+            f"{k} block(s) in the {name} group with {self._groups[name].allocator.num_free} free"
+            for name, k in per_group.items()
+            if k > self._groups[name].allocator.num_free
+        ]
         if short:
             raise CapacityError(f"{what} needs copy-on-write copies: " + "; ".join(short))
 
@@ -652,7 +688,7 @@ class PagedKVCache:
 
     # ------------------------------------------------------------------ reserved imports
 
-    def reserve(self, seq_id: Hashable, num_tokens: int) -> "Reservation":
+    def reserve(self, seq_id: Hashable, num_tokens: int) -> Reservation:
         """Blocks for a new sequence of ``num_tokens`` whose keys and values a caller writes straight
         into the pool (a streamed handoff) before :meth:`commit` makes it a sequence. Until then
         nothing reads those blocks; :meth:`release` gives them back. Raises CacheError for a taken
@@ -663,8 +699,11 @@ class PagedKVCache:
         if not isinstance(num_tokens, int) or isinstance(num_tokens, bool) or num_tokens < 1:
             raise UsageError(f"reserve needs num_tokens >= 1, got {num_tokens!r}")
         need = {name: g.blocks_needed(num_tokens) for name, g in self._groups.items()}
-        short = [f"{need[name]} block(s) in the {name} group with {g.allocator.num_free} free"
-                 for name, g in self._groups.items() if need[name] > g.allocator.num_free]
+        short = [
+            f"{need[name]} block(s) in the {name} group with {g.allocator.num_free} free"
+            for name, g in self._groups.items()
+            if need[name] > g.allocator.num_free
+        ]
         if short:
             raise CapacityError(f"import of {num_tokens} token(s) as {seq_id!r} needs " + "; ".join(short))
         tables, rows = {}, {}
@@ -677,20 +716,22 @@ class PagedKVCache:
         self._reserved.append(res)
         return res
 
-    def reserved_rows(self, res: "Reservation", layer: int) -> torch.Tensor:
+    def reserved_rows(self, res: Reservation, layer: int) -> torch.Tensor:
         """Rows ``[N]`` (as :meth:`flat_rows`) the live tokens of a reserved sequence take in ``layer``."""
         self._check_layer(layer)
         return res.rows[self._layer_group[layer]]
 
-    def commit(self, res: "Reservation", positions: torch.Tensor) -> None:
+    def commit(self, res: Reservation, positions: torch.Tensor) -> None:
         """Make a reservation a sequence whose ``n``-th token sits at ``positions[n]`` (``[num_tokens]``,
         non-negative, strictly increasing). On a refusal the reservation stays as it was."""
         self._check_reservation(res)
         seq = _Seq()
         pos = self._check_positions(res.seq_id, seq, positions)
         if pos.numel() != res.num_tokens or int(pos[0]) < 0:
-            raise CacheError(f"commit of {res.seq_id!r}: {pos.numel()} position(s) from {int(pos[0])}; "
-                             f"the reservation holds {res.num_tokens} tokens from position >= 0")
+            raise CacheError(
+                f"commit of {res.seq_id!r}: {pos.numel()} position(s) from {int(pos[0])}; "
+                f"the reservation holds {res.num_tokens} tokens from position >= 0"
+            )
         for name, g in self._groups.items():
             for block in res.tables[name]:
                 g.positions[block] = -1
@@ -699,7 +740,7 @@ class PagedKVCache:
         self._seqs[res.seq_id] = _Seq(res.num_tokens, int(pos[-1]), {k: list(v) for k, v in res.tables.items()})
         self._invalidate(res.seq_id)
 
-    def release(self, res: "Reservation") -> None:
+    def release(self, res: Reservation) -> None:
         """Give a reservation's blocks back, unread: the cache is as before :meth:`reserve`."""
         self._check_reservation(res)
         for name, g in self._groups.items():
@@ -707,7 +748,7 @@ class PagedKVCache:
                 g.allocator.decref(block)
         self._reserved.remove(res)
 
-    def _check_reservation(self, res: "Reservation") -> None:
+    def _check_reservation(self, res: Reservation) -> None:
         if not any(r is res for r in self._reserved):
             raise UsageError(f"reservation of {getattr(res, 'seq_id', res)!r} is not pending in this cache")
 
@@ -733,7 +774,7 @@ class PagedKVCache:
         (its positions are -1 and no table holds it), and a streamed import that fails leaves the bytes
         it received in blocks it gave back."""
         h = hashlib.sha256()
-        for name, g in self._groups.items():
+        for g in self._groups.values():
             used = torch.tensor([b for b, n in enumerate(g.allocator.refcounts()) if n > 0], dtype=torch.int64)
             for layer in g.layers:
                 for pool in (self.keys[layer], self.values[layer]):
@@ -743,8 +784,18 @@ class PagedKVCache:
             h.update(repr((name, g.allocator.refcounts())).encode())
         for seq_id in sorted(self._seqs, key=repr):
             s = self._seqs[seq_id]
-            h.update(repr((seq_id, s.num_tokens, s.last_position, sorted(s.tables.items()), s.history,
-                           [(e.index, e.slot, e.position) for e in s.journal])).encode())
+            h.update(
+                repr(
+                    (
+                        seq_id,
+                        s.num_tokens,
+                        s.last_position,
+                        sorted(s.tables.items()),
+                        s.history,
+                        [(e.index, e.slot, e.position) for e in s.journal],
+                    )
+                ).encode()
+            )
             for e in s.journal:
                 h.update(e.keys.contiguous().view(torch.uint8).numpy().tobytes())
                 h.update(e.values.contiguous().view(torch.uint8).numpy().tobytes())
@@ -780,8 +831,11 @@ def _int_list(values: Any, what: str) -> list[int]:
         if values.dim() != 1 or values.is_floating_point() or values.dtype == torch.bool:
             raise CacheError(f"{what} must be a 1-D integer tensor, got {values.dtype} {tuple(values.shape)}")
         values = values.tolist()
-    if not isinstance(values, (list, tuple)) or not values or not all(
-            isinstance(v, int) and not isinstance(v, bool) for v in values):
+    if (
+        not isinstance(values, (list, tuple))
+        or not values
+        or not all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+    ):
         raise CacheError(f"{what} must be a non-empty list of integers, got {values!r}")
     return list(values)
 

@@ -2,8 +2,8 @@
 
 :class:`CacheOpPolicy` decides the two places where an operation touches key *contents* (everything
 else an operation does is bookkeeping of positions and slots): what a rolled-back ring slot gets back,
-and how a shift turns stored keys. Faults (``ropekv.adapters.op_faults``) are small subclasses handed
-to the cache, the way rotation faults subclass :class:`~ropekv.rotation.RotationPolicy`, so the cache
+and how a shift turns stored keys. Faults (``ropekv.faults.ops``) are small subclasses handed
+to the cache, the way rotation faults subclass :class:`~ropekv.engine.rotation.RotationPolicy`, so the cache
 itself has no fault switches.
 """
 

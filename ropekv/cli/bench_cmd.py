@@ -17,27 +17,43 @@ from .options import add_model_argument, int_list, positive_int, writable_path
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser(
-        "bench", help="measure decode speed, rotate-on-read cost, parity sweep cost, handoff and memory",
+        "bench",
+        help="measure decode speed, rotate-on-read cost, parity sweep cost, handoff and memory",
         description="Measure, in one run on one checkpoint, dtype and thread count: decode tokens/s of ropekv "
-                    "(both key forms) and of transformers' cached decode at several contexts, against the "
-                    "memory-bandwidth limit measured in the same run; the cost of the default parity sweep; "
-                    "handoff throughput between two local ranks against a bare send/recv; cache bytes per token.")
+        "(both key forms) and of transformers' cached decode at several contexts, against the "
+        "memory-bandwidth limit measured in the same run; the cost of the default parity sweep; "
+        "handoff throughput between two local ranks against a bare send/recv; cache bytes per token.",
+    )
     add_model_argument(p)
     p.add_argument("--json", default=None, metavar="PATH", help="write every figure here as JSON")
     p.add_argument("--plot", default=None, metavar="PATH", help="write a PNG of tokens/s against context here")
-    p.add_argument("--quick", action="store_true",
-                   help="contexts 128 and 1024, fewer steps, the short parity cases, no naive sweep "
-                        "(a smoke run; under a minute on a quiet 2-core machine)")
-    p.add_argument("--threads", type=positive_int, default=None,
-                   help="torch threads for every engine (default: torch's default, usually the core count)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="contexts 128 and 1024, fewer steps, the short parity cases, no naive sweep "
+        "(a smoke run; under a minute on a quiet 2-core machine)",
+    )
+    p.add_argument(
+        "--threads",
+        type=positive_int,
+        default=None,
+        help="torch threads for every engine (default: torch's default, usually the core count)",
+    )
     p.add_argument("--contexts", type=int_list, default=None, help="decode contexts (default 128,1024,4096)")
     p.add_argument("--steps", type=positive_int, default=None, help="timed decode steps per context")
-    p.add_argument("--bandwidth-mib", type=positive_int, default=None,
-                   help="buffer size of the bandwidth measurement (default 1024, --quick 512; keep it well "
-                        "above the last-level cache)")
-    p.add_argument("--compile-rotation", action="store_true",
-                   help="rotate_on_read turns cached keys with one torch.compile'd pass (needs a C++ compiler; "
-                        "compiling adds 10-30 s once)")
+    p.add_argument(
+        "--bandwidth-mib",
+        type=positive_int,
+        default=None,
+        help="buffer size of the bandwidth measurement (default 1024, --quick 512; keep it well "
+        "above the last-level cache)",
+    )
+    p.add_argument(
+        "--compile-rotation",
+        action="store_true",
+        help="rotate_on_read turns cached keys with one torch.compile'd pass (needs a C++ compiler; "
+        "compiling adds 10-30 s once)",
+    )
     p.set_defaults(handler=run)
 
 
@@ -48,9 +64,15 @@ def run(args: argparse.Namespace) -> int:
     plot_path = writable_path(args.plot, "--plot")
     if args.contexts is not None and min(args.contexts) < 1:
         raise UsageError(f"--contexts must be positive, got {','.join(map(str, args.contexts))}")
-    settings = BenchSettings.for_run(args.model, quick=args.quick, threads=args.threads, contexts=args.contexts,
-                                     steps=args.steps, bandwidth_mib=args.bandwidth_mib,
-                                     compile_rotation=args.compile_rotation)
+    settings = BenchSettings.for_run(
+        args.model,
+        quick=args.quick,
+        threads=args.threads,
+        contexts=args.contexts,
+        steps=args.steps,
+        bandwidth_mib=args.bandwidth_mib,
+        compile_rotation=args.compile_rotation,
+    )
     doc = run_bench(settings, progress=lambda msg: print(msg, file=sys.stderr, flush=True))
     print(format_table(doc))
     if json_path is not None:

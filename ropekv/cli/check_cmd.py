@@ -15,18 +15,29 @@ from .options import add_model_argument, int_list, positive_int, positive_int_li
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("check", help="prove cached decoding matches a full forward, layer by layer",
-                       description="Cached prefill + decode against the engine's own full forward and an "
-                                   "independent float64 reference, layer by layer; names the bug on divergence. "
-                                   "Exit 0: parity holds; 1: divergence; 2: bad input or a broken adapter; 3: contract refused; "
-                                   "130: interrupted.")
+    p = sub.add_parser(
+        "check",
+        help="prove cached decoding matches a full forward, layer by layer",
+        description="Cached prefill + decode against the engine's own full forward and an "
+        "independent float64 reference, layer by layer; names the bug on divergence. "
+        "Exit 0: parity holds; 1: divergence; 2: bad input or a broken adapter; 3: contract refused; "
+        "130: interrupted.",
+    )
     add_model_argument(p)
-    p.add_argument("--engine", choices=tuple(ENGINES), default="ropekv",
-                   help="the engine to check: " + "; ".join(f"{e.name}: {e.summary}" + (f" (from {e.venv})" if e.venv else "")
-                                                            for e in ENGINES.values()))
+    p.add_argument(
+        "--engine",
+        choices=tuple(ENGINES),
+        default="ropekv",
+        help="the engine to check: "
+        + "; ".join(f"{e.name}: {e.summary}" + (f" (from {e.venv})" if e.venv else "") for e in ENGINES.values()),
+    )
     p.add_argument("--key-form", choices=("raw", "rotated"), default=None, help="cache key form (default rotated)")
-    p.add_argument("--backend", choices=("rotated", "rotate_on_read"), default=None,
-                   help="attention backend (default: the one the key form needs)")
+    p.add_argument(
+        "--backend",
+        choices=("rotated", "rotate_on_read"),
+        default=None,
+        help="attention backend (default: the one the key form needs)",
+    )
     p.add_argument("--lengths", type=positive_int_list, help="prompt lengths, e.g. 1,17,513")
     p.add_argument("--block-sizes", type=positive_int_list, help="cache block sizes, e.g. 1,7,16")
     p.add_argument("--prefix-offsets", type=int_list, help="prefix-cache hit lengths, e.g. 0,13")
@@ -34,13 +45,20 @@ def add_parser(sub) -> None:
     p.add_argument("--sinks", type=int, default=0, help="sink tokens kept forever (with --window)")
     p.add_argument("--chunk", type=positive_int, help="prefill chunk size")
     p.add_argument("--decode-steps", type=positive_int, help="decode steps per case (default 3)")
-    p.add_argument("--ops", metavar="OPS",
-                   help="cache operations to check, e.g. rollback:3,evict:5,shift:1000,batch:3,restore "
-                        "(rollback:N rejected draft tokens, evict:N tokens, shift:DELTA positions, batch:ROWS "
-                        "sequences, restore; see docs/ops.md); each runs on every case the other flags give, "
-                        "or on its own default case")
-    p.add_argument("--dtype", choices=("float32", "bfloat16", "float64"), default="float32",
-                   help="the engine's compute and cache dtype (sets the tolerance; default float32)")
+    p.add_argument(
+        "--ops",
+        metavar="OPS",
+        help="cache operations to check, e.g. rollback:3,evict:5,shift:1000,batch:3,restore "
+        "(rollback:N rejected draft tokens, evict:N tokens, shift:DELTA positions, batch:ROWS "
+        "sequences, restore; see docs/ops.md); each runs on every case the other flags give, "
+        "or on its own default case",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float64"),
+        default="float32",
+        help="the engine's compute and cache dtype (sets the tolerance; default float32)",
+    )
     p.add_argument("--inject", metavar="FAULT", help="run a catalogued fault (see --list-faults)")
     p.add_argument("--list-faults", action="store_true", help="list the fault catalogue and exit")
     p.add_argument("--json", metavar="PATH", help="write the whole report as JSON")
@@ -51,12 +69,13 @@ def add_parser(sub) -> None:
     for entry in ENGINES.values():
         if entry.venv is not None and importlib.util.find_spec(entry.module) is not None:
             importlib.import_module(entry.module).add_arguments(
-                p.add_argument_group(f"{entry.name} engine", f"options of --engine {entry.name}"))
+                p.add_argument_group(f"{entry.name} engine", f"options of --engine {entry.name}")
+            )
     p.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..adapters.faults import ARCH_FAULTS, FAULTS, get_fault
+    from ..faults.catalogue import ARCH_FAULTS, FAULTS, get_fault
 
     if args.list_faults:
         for f in [*FAULTS.values(), *ARCH_FAULTS.values()]:
@@ -74,36 +93,59 @@ def run(args: argparse.Namespace) -> int:
         if not torch.cuda.is_available():
             raise UsageError("--device cuda: no CUDA device is available")
     if args.engine != "ropekv" and (fault or args.key_form or args.backend):
-        raise UsageError(f"--engine {args.engine} checks the engine's own cache; --inject/--key-form/--backend "
-                         "apply to ropekv's engine")
+        raise UsageError(
+            f"--engine {args.engine} checks the engine's own cache; --inject/--key-form/--backend "
+            "apply to ropekv's engine"
+        )
     if args.engine != "ropekv" and args.device != "cpu":
         raise UsageError(f"--device applies to ropekv's engine; --engine {args.engine} picks its own device")
     external = ENGINES[args.engine].venv is not None
     module = engine_module(args.engine) if external else None  # EngineUnavailable before any heavy work
 
     from ..models import load_checkpoint, load_config
-    from ..parity.cases import build_matrix
-    from ..parity.harness import check
 
     # The config alone (config.json / GGUF metadata) decides whether the cases fit the model: refuse
     # them before any weight is read. An engine without case flags runs its own default matrix (the
     # default one less what it cannot honour, e.g. case windows on llama.cpp).
-    from ..parity.cases import parse_ops
+    from ..parity.cases import build_matrix, parse_ops
+    from ..parity.harness import check
 
     ops = parse_ops(args.ops) if args.ops is not None else None
-    no_case_flags = all(v is None for v in (args.lengths, args.block_sizes, args.prefix_offsets, args.window,
-                                            args.chunk, args.decode_steps, ops)) and not args.sinks
+    no_case_flags = (
+        all(
+            v is None
+            for v in (
+                args.lengths,
+                args.block_sizes,
+                args.prefix_offsets,
+                args.window,
+                args.chunk,
+                args.decode_steps,
+                ops,
+            )
+        )
+        and not args.sinks
+    )
     if external and no_case_flags:
         cases = module.default_cases(args)
     else:
         cfg = load_config(args.model)
-        cases = build_matrix(ops=ops, lengths=args.lengths, block_sizes=args.block_sizes,
-                             prefix_offsets=args.prefix_offsets, window=args.window, sink_tokens=args.sinks,
-                             chunk=args.chunk, decode_steps=args.decode_steps, max_positions=cfg.position_limit)
+        cases = build_matrix(
+            ops=ops,
+            lengths=args.lengths,
+            block_sizes=args.block_sizes,
+            prefix_offsets=args.prefix_offsets,
+            window=args.window,
+            sink_tokens=args.sinks,
+            chunk=args.chunk,
+            decode_steps=args.decode_steps,
+            max_positions=cfg.position_limit,
+        )
     longest = max(c.total for c in cases)
     if args.window is not None and args.window + args.sinks >= longest:
-        raise UsageError(f"--window {args.window} is not smaller than the longest context ({longest} tokens): "
-                         "it would never wrap")
+        raise UsageError(
+            f"--window {args.window} is not smaller than the longest context ({longest} tokens): it would never wrap"
+        )
     if external:
         adapter = module.from_args(args)
     elif args.engine == "hf":
@@ -115,14 +157,22 @@ def run(args: argparse.Namespace) -> int:
     else:
         from ..adapters.native import NativeAdapter
 
-        adapter = NativeAdapter(load_checkpoint(args.model), key_form=args.key_form or "rotated", backend=args.backend,
-                                dtype=args.dtype, device=args.device)
+        adapter = NativeAdapter(
+            load_checkpoint(args.model),
+            key_form=args.key_form or "rotated",
+            backend=args.backend,
+            dtype=args.dtype,
+            device=args.device,
+        )
     from ..models.default import display_name
 
     ckpt = adapter.checkpoint
     cfg = ckpt.config
-    print(f"model: {display_name(ckpt)} ({cfg.architecture}, {cfg.num_layers} layers, fingerprint {ckpt.fingerprint}); "
-          f"engine: {adapter.name} ({adapter.tier} tier); {len(cases)} cases", file=sys.stderr)
+    print(
+        f"model: {display_name(ckpt)} ({cfg.architecture}, {cfg.num_layers} layers, fingerprint {ckpt.fingerprint}); "
+        f"engine: {adapter.name} ({adapter.tier} tier); {len(cases)} cases",
+        file=sys.stderr,
+    )
     for warning in cfg.warnings:  # fields the architecture's reference implementation ignores
         print(f"ropekv: warning: {warning}", file=sys.stderr)
     progress = "off" if args.no_progress else ("bar" if sys.stderr.isatty() else "lines")

@@ -26,10 +26,12 @@ def add_parser(subparsers) -> None:
     from ..transfer.workers import add_arguments
 
     p = subparsers.add_parser(
-        "handoff", help="check parity across a prefill->decode handoff between worker processes",
+        "handoff",
+        help="check parity across a prefill->decode handoff between worker processes",
         description="Prefill on a prefill worker, hand each sequence's KV cache to a decode worker over "
-                    "torch.distributed (after a contract handshake), decode there, and compare with full "
-                    "forwards layer by layer. See docs/handoff.md.")
+        "torch.distributed (after a contract handshake), decode there, and compare with full "
+        "forwards layer by layer. See docs/handoff.md.",
+    )
     add_arguments(p, cli=True)
     p.add_argument("--list-faults", action="store_true", help="list the handoff fault catalogue and exit")
     p.add_argument("--decode-workers", type=positive_int, default=1, help="decode worker processes (default 1)")
@@ -70,13 +72,19 @@ def run(args: argparse.Namespace) -> int:
         facts = _facts(outcomes)
         if facts["transfers"]:
             print(_summary(facts))
-        runs.append({"block_size": block_size, "passed": passed, "exit_code": run_code, "handoff": facts,
-                     "parity": parity})
+        runs.append(
+            {"block_size": block_size, "passed": passed, "exit_code": run_code, "handoff": facts, "parity": parity}
+        )
         code = max(code, run_code)
         first_error = first_error or error
     if json_path is not None:
-        doc = {"format": REPORT_FORMAT, "version": 2, "passed": all(r["passed"] for r in runs), "exit_code": code,
-               "runs": runs}
+        doc = {
+            "format": REPORT_FORMAT,
+            "version": 2,
+            "passed": all(r["passed"] for r in runs),
+            "exit_code": code,
+            "runs": runs,
+        }
         json_path.write_text(json.dumps(doc, indent=2, allow_nan=False))
     if first_error is not None:
         raise first_error
@@ -88,8 +96,10 @@ def _check(args: argparse.Namespace) -> None:
         raise UsageError(f"--lengths must be positive, got {','.join(map(str, args.lengths))}")
     distinct = len(set(args.lengths))
     if args.decode_workers > distinct:
-        raise UsageError(f"--decode-workers {args.decode_workers} but only {distinct} distinct length(s): "
-                         "each decode worker needs at least one sequence")
+        raise UsageError(
+            f"--decode-workers {args.decode_workers} but only {distinct} distinct length(s): "
+            "each decode worker needs at least one sequence"
+        )
     theta = args.decode_rope_theta
     if theta is not None and not (math.isfinite(theta) and theta > 1):
         raise UsageError(f"--decode-rope-theta must be a finite number > 1, got {theta}")
@@ -102,7 +112,7 @@ def _error(outcomes) -> RopeKVError | None:
     from ..transfer.workers import rebuild_error
 
     results = [(o, o.result or {}) for o in outcomes]
-    for o, r in results:
+    for _, r in results:
         if r.get("status") == "refused":
             return ContractMismatch(r.get("error", "a handshake refused a contract"), tuple(r.get("fields") or ()))
     lost = [o for o, r in results if o.exitcode is None or o.exitcode < 0 or (o.exitcode not in (0, 1) and not r)]
@@ -110,8 +120,13 @@ def _error(outcomes) -> RopeKVError | None:
     if lost or transport:
         parts = [f"{_role(o.rank)} rank {o.rank}: {r['error']}" for o, r in transport]
         for o in lost:
-            how = ("did not exit and was killed" if o.exitcode is None else
-                   f"was killed by signal {-o.exitcode}" if o.exitcode < 0 else f"exited {o.exitcode} without a result")
+            how = (
+                "did not exit and was killed"
+                if o.exitcode is None
+                else f"was killed by signal {-o.exitcode}"
+                if o.exitcode < 0
+                else f"exited {o.exitcode} without a result"
+            )
             tail = o.log.strip().splitlines()[-1:] if o.log.strip() else []
             parts.append(f"{_role(o.rank)} rank {o.rank} {how}" + (f" ({tail[0][:200]})" if tail else ""))
         return TransportError("handoff failed: " + "; ".join(parts))
@@ -163,9 +178,16 @@ def _facts(outcomes) -> dict[str, Any]:
         "overhead_bytes": payload - tensors,
         "transfer_seconds": seconds,
         "bytes_per_second": payload / seconds if seconds > 0 else None,
-        "ranks": [{"rank": o.rank, "role": _role(o.rank), "exit_code": o.exitcode,
-                   "status": (o.result or {}).get("status"), "error": (o.result or {}).get("error")}
-                  for o in outcomes],
+        "ranks": [
+            {
+                "rank": o.rank,
+                "role": _role(o.rank),
+                "exit_code": o.exitcode,
+                "status": (o.result or {}).get("status"),
+                "error": (o.result or {}).get("error"),
+            }
+            for o in outcomes
+        ],
     }
 
 
@@ -175,7 +197,9 @@ def _summary(f: dict[str, Any]) -> str:
     shake = "contracts match" if not conversions else f"key form converted at import ({', '.join(conversions)})"
     rate = f"{f['bytes_per_second'] / 1e6:.1f} MB/s" if f["bytes_per_second"] else "-"
     overhead = 100.0 * f["overhead_bytes"] / max(f["tensor_bytes"], 1)
-    return (f"handoff: {len(f['transfers'])} sequence(s) to {f['decode_workers']} decode worker(s), "
-            f"handshake: {shake}; "
-            f"{f['payload_bytes']} payload bytes for {f['tensor_bytes']} bytes of keys/values "
-            f"(+{overhead:.1f}%), {f['transfer_seconds']:.3f} s on the wire ({rate})")
+    return (
+        f"handoff: {len(f['transfers'])} sequence(s) to {f['decode_workers']} decode worker(s), "
+        f"handshake: {shake}; "
+        f"{f['payload_bytes']} payload bytes for {f['tensor_bytes']} bytes of keys/values "
+        f"(+{overhead:.1f}%), {f['transfer_seconds']:.3f} s on the wire ({rate})"
+    )

@@ -21,19 +21,22 @@ SUBCOMMANDS = ("check", "run", "handoff", "bench")
 class _Parser(argparse.ArgumentParser):
     """argparse that raises UsageError instead of exiting, so usage errors share the one-line path."""
 
-    def error(self, message: str):  # noqa: D401
+    def error(self, message: str):
         raise UsageError(f"{self.prog}: {message}")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="ropekv", description="Make a KV cache's RoPE convention explicit and prove cached "
-                                                "decoding matches a full forward pass.",
-                     epilog="exit codes: 0 ok; 1 parity does not hold; 2 bad input, usage or a broken adapter; "
-                            "3 a contract refused at a boundary; 4 a transport failure; 130 interrupted (Ctrl-C). "
-                            "See docs/errors.md.")
+    parser = _Parser(
+        prog="ropekv",
+        description="Make a KV cache's RoPE convention explicit and prove cached decoding matches a full forward pass.",
+        epilog="exit codes: 0 ok; 1 parity does not hold; 2 bad input, usage or a broken adapter; "
+        "3 a contract refused at a boundary; 4 a transport failure; 130 interrupted (Ctrl-C). "
+        "See docs/errors.md.",
+    )
     parser.add_argument("--debug", action="store_true", help="print a traceback on errors")
-    parser.add_argument("--version", action="version", version=f"ropekv {_version()}",
-                        help="print ropekv's version and exit")
+    parser.add_argument(
+        "--version", action="version", version=f"ropekv {_version()}", help="print ropekv's version and exit"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in SUBCOMMANDS:
         module = _module(name)

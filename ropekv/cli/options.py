@@ -30,7 +30,9 @@ def writable_path(path: str | None, flag: str) -> Path | None:
     if p.is_dir():
         raise UsageError(f"{flag} {path}: is a directory")
     if not folder.is_dir():
-        raise UsageError(f"{flag} {path}: folder {folder} {'is not a directory' if folder.exists() else 'does not exist'}")
+        raise UsageError(
+            f"{flag} {path}: folder {folder} {'is not a directory' if folder.exists() else 'does not exist'}"
+        )
     if not os.access(folder, os.W_OK) or (p.exists() and not os.access(p, os.W_OK)):
         raise UsageError(f"{flag} {path}: not writable")
     return p

@@ -12,15 +12,22 @@ from .options import add_model_argument, positive_int
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("run", help="load a model and predict the next tokens for a prompt",
-                       description="Loads a checkpoint, prints what it loaded and the next-token prediction of the "
-                                   "float64 reference decoder, then greedy-decodes with ropekv's cached engine.")
+    p = sub.add_parser(
+        "run",
+        help="load a model and predict the next tokens for a prompt",
+        description="Loads a checkpoint, prints what it loaded and the next-token prediction of the "
+        "float64 reference decoder, then greedy-decodes with ropekv's cached engine.",
+    )
     add_model_argument(p)
     p.add_argument("--prompt", help="prompt text (needs a tokenizer: the default model or a tokenizer.json)")
     p.add_argument("--token-ids", help="comma-separated prompt token ids instead of text")
     p.add_argument("--max-new-tokens", type=positive_int, default=8, help="tokens to generate greedily (default 8)")
-    p.add_argument("--key-form", choices=("raw", "rotated"), default="rotated",
-                   help="cache key form of ropekv's engine (default rotated)")
+    p.add_argument(
+        "--key-form",
+        choices=("raw", "rotated"),
+        default="rotated",
+        help="cache key form of ropekv's engine (default rotated)",
+    )
     p.set_defaults(handler=run)
 
 
@@ -69,13 +76,17 @@ def run(args: argparse.Namespace) -> int:
     ckpt = load_checkpoint(args.model)
     cfg = ckpt.config
     print(f"loaded {cfg.name} from {ckpt.source} in {time.perf_counter() - t0:.1f} s")
-    print(f"  architecture {cfg.architecture}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
-          f"{cfg.num_heads} heads / {cfg.num_kv_heads} kv heads x {cfg.head_dim}, vocab {cfg.vocab_size}, "
-          f"{cfg.max_position_embeddings} positions")
+    print(
+        f"  architecture {cfg.architecture}: {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+        f"{cfg.num_heads} heads / {cfg.num_kv_heads} kv heads x {cfg.head_dim}, vocab {cfg.vocab_size}, "
+        f"{cfg.max_position_embeddings} positions"
+    )
     r = cfg.rope
     where = f" from channel {r.rotary_offset}" if r.rotary_offset else ""  # MLA: the trailing rope part
-    print(f"  RoPE: theta {r.theta:g}, rotary_dim {r.rotary_dim}{where}, layout {r.layout}, scaling "
-          f"{r.scaling.rope_type}, attention factor {r.attention_factor:g} (fingerprint {r.fingerprint()})")
+    print(
+        f"  RoPE: theta {r.theta:g}, rotary_dim {r.rotary_dim}{where}, layout {r.layout}, scaling "
+        f"{r.scaling.rope_type}, attention factor {r.attention_factor:g} (fingerprint {r.fingerprint()})"
+    )
     print(f"  model fingerprint {ckpt.fingerprint}")
     prompt = torch.tensor(ids)
     text = tok.decode(ids) if tok else str(ids)
@@ -89,7 +100,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {i:>6} {repr(tok.decode([i])) if tok else '':<16} p={p:.4f}")
 
     engine = NativeAdapter(ckpt, key_form=args.key_form).make_engine(
-        Case(length=len(ids), decode_steps=args.max_new_tokens, block_size=16))
+        Case(length=len(ids), decode_steps=args.max_new_tokens, block_size=16)
+    )
     t0 = time.perf_counter()
     logits = engine.prefill("run", prompt)
     out = []
@@ -99,7 +111,9 @@ def run(args: argparse.Namespace) -> int:
         logits = engine.decode("run", nxt).logits[0]
     dt = time.perf_counter() - t0
     agree = "agrees" if out[0] == int(top.indices[0]) else "DISAGREES"
-    print(f"cached engine ({args.key_form} keys), greedy {len(out)} tokens in {dt:.1f} s; first token {agree} "
-          f"with the reference:")
+    print(
+        f"cached engine ({args.key_form} keys), greedy {len(out)} tokens in {dt:.1f} s; first token {agree} "
+        f"with the reference:"
+    )
     print(f"  {tok.decode(out) if tok else out!r}")
     return 0

@@ -9,16 +9,17 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 
 from ..errors import CheckpointError, ConfigError
 from ..rope import MAX_POSITIONS, RopeSpec, _finite, _is_real
+from .families import FAMILIES, REFUSED, Family, canonical_weights, family_of
 from .mla import MlaSpec
 from .moe import MoeSpec
-from .families import FAMILIES, REFUSED, Family, canonical_weights, family_of
 
 ARCHITECTURES = tuple(FAMILIES)
 LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
@@ -29,15 +30,33 @@ XIELU_PARAMS = {"alpha_p": (1,), "alpha_n": (1,), "beta": (), "eps": ()}
 MAX_LAYERS = 4096
 
 # ModelConfig fields whose config.json name differs (for error messages).
-_HF_FIELD_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
-                   "num_kv_heads": "num_key_value_heads"}
+_HF_FIELD_NAMES = {
+    "num_layers": "num_hidden_layers",
+    "num_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+}
 # Fields added with the architecture descriptions: left out of to_dict (and so of fingerprints) at
 # their defaults, so configs of the original four families keep their fingerprints.
-_LATER_FIELDS = {"hidden_act": "silu", "layer_ropes": None, "query_scale": None, "attn_softcap": None,
-                 "final_softcap": None, "embedding_scale": 1.0, "residual_scale": 1.0, "logits_scale": 1.0,
-                 "moe": None, "mla": None, "parallel": False, "clip_qkv": None, "parallel_mlp_norm": False,
-                 "qkv_groups": None, "attention_chunk_size": None, "temperature_floor_scale": None,
-                 "temperature_attn_scale": 0.0, "attention_sinks": False}
+_LATER_FIELDS = {
+    "hidden_act": "silu",
+    "layer_ropes": None,
+    "query_scale": None,
+    "attn_softcap": None,
+    "final_softcap": None,
+    "embedding_scale": 1.0,
+    "residual_scale": 1.0,
+    "logits_scale": 1.0,
+    "moe": None,
+    "mla": None,
+    "parallel": False,
+    "clip_qkv": None,
+    "parallel_mlp_norm": False,
+    "qkv_groups": None,
+    "attention_chunk_size": None,
+    "temperature_floor_scale": None,
+    "temperature_attn_scale": 0.0,
+    "attention_sinks": False,
+}
 
 
 @dataclass(frozen=True)
@@ -98,18 +117,26 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
-            raise ConfigError(
-                f"unsupported architecture {self.architecture!r}; supported: {', '.join(ARCHITECTURES)}"
-            )
-        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                  "num_kv_heads", "head_dim", "max_position_embeddings"):
+            raise ConfigError(f"unsupported architecture {self.architecture!r}; supported: {', '.join(ARCHITECTURES)}")
+        for f in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 hf = f" ({_HF_FIELD_NAMES[f]} in config.json)" if f in _HF_FIELD_NAMES else ""
                 raise ConfigError(f"config field {f!r}{hf} must be a positive integer, got {v!r}")
         if self.max_position_embeddings > MAX_POSITIONS:
-            raise ConfigError(f"config field 'max_position_embeddings' = {self.max_position_embeddings} is implausible "
-                              "(at most 2**40)")
+            raise ConfigError(
+                f"config field 'max_position_embeddings' = {self.max_position_embeddings} is implausible "
+                "(at most 2**40)"
+            )
         if self.num_layers > MAX_LAYERS:
             raise ConfigError(f"config field 'num_layers' = {self.num_layers} is implausible (at most {MAX_LAYERS})")
         eps = self.rms_norm_eps
@@ -150,18 +177,25 @@ class ModelConfig:
                 raise ConfigError(f"layer_ropes must be a tuple of {self.num_layers} RopeSpec or None entries")
             for spec in self.layer_ropes:
                 if spec is not None and (not isinstance(spec, RopeSpec) or spec.head_dim != self.head_dim):
-                    raise ConfigError(f"layer_ropes entries must be RopeSpecs over head_dim {self.head_dim}, got {spec!r}")
+                    raise ConfigError(
+                        f"layer_ropes entries must be RopeSpecs over head_dim {self.head_dim}, got {spec!r}"
+                    )
             if all(spec == self.rope for spec in self.layer_ropes):
                 object.__setattr__(self, "layer_ropes", None)  # normalize: one RoPE for every layer
         for name in ("query_scale", "attn_softcap", "final_softcap", "clip_qkv"):
             value = getattr(self, name)
             if value is not None and not (_is_real(value) and _finite(value) and value > 0):
                 raise ConfigError(f"config field {name!r} must be a finite number > 0 or null, got {value!r}")
-        if self.qkv_groups is not None and (not isinstance(self.qkv_groups, int) or isinstance(self.qkv_groups, bool)
-                                            or self.qkv_groups < 1 or self.num_kv_heads % self.qkv_groups
-                                            or self.num_heads % self.qkv_groups):
-            raise ConfigError(f"qkv_groups must divide num_kv_heads ({self.num_kv_heads}) and num_heads, "
-                              f"got {self.qkv_groups!r}")
+        if self.qkv_groups is not None and (
+            not isinstance(self.qkv_groups, int)
+            or isinstance(self.qkv_groups, bool)
+            or self.qkv_groups < 1
+            or self.num_kv_heads % self.qkv_groups
+            or self.num_heads % self.qkv_groups
+        ):
+            raise ConfigError(
+                f"qkv_groups must divide num_kv_heads ({self.num_kv_heads}) and num_heads, got {self.qkv_groups!r}"
+            )
         if not isinstance(self.attention_sinks, bool):
             raise ConfigError(f"config field 'attention_sinks' must be true or false, got {self.attention_sinks!r}")
         if self.moe is not None and not isinstance(self.moe, MoeSpec):
@@ -183,13 +217,17 @@ class ModelConfig:
         if not isinstance(m, MlaSpec):
             raise ConfigError(f"config field 'mla' must be an MlaSpec or None, got {type(m).__name__}")
         if self.head_dim != m.qk_head_dim or self.num_kv_heads != self.num_heads:
-            raise ConfigError(f"MLA config needs head_dim = qk_nope_head_dim + qk_rope_head_dim = {m.qk_head_dim} and "
-                              f"num_kv_heads = num_heads, got {self.head_dim} and {self.num_kv_heads}/{self.num_heads}")
+            raise ConfigError(
+                f"MLA config needs head_dim = qk_nope_head_dim + qk_rope_head_dim = {m.qk_head_dim} and "
+                f"num_kv_heads = num_heads, got {self.head_dim} and {self.num_kv_heads}/{self.num_heads}"
+            )
         for i in range(self.num_layers):
             r = self.layer_rope(i)
             if r is None or r.rotary_offset != m.qk_nope_head_dim or r.rotary_dim != m.qk_rope_head_dim:
-                raise ConfigError(f"MLA layer {i} must rotate exactly its rope part (channels {m.qk_nope_head_dim}.."
-                                  f"{m.qk_head_dim - 1}), got {r!r}")
+                raise ConfigError(
+                    f"MLA layer {i} must rotate exactly its rope part (channels {m.qk_nope_head_dim}.."
+                    f"{m.qk_head_dim - 1}), got {r!r}"
+                )
 
     @property
     def family(self) -> Family:
@@ -248,7 +286,7 @@ class ModelConfig:
         """True when every layer rotates with ``rope`` (no NoPE layer, no per-layer-type RoPE)."""
         return self.layer_ropes is None
 
-    def replace(self, **changes: Any) -> "ModelConfig":
+    def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
@@ -267,7 +305,9 @@ class ModelConfig:
         return d
 
     @classmethod
-    def from_hf_config(cls, config: Mapping[str, Any], *, source: str = "config.json", layout: str = "neox") -> "ModelConfig":
+    def from_hf_config(
+        cls, config: Mapping[str, Any], *, source: str = "config.json", layout: str = "neox"
+    ) -> ModelConfig:
         """Validate a transformers ``config.json`` dict, read as the architecture's own implementation
         reads it (:mod:`ropekv.models.families`). Errors name ``source`` and the field; fields the
         implementation ignores become ``warnings`` instead of being reinterpreted."""
@@ -299,25 +339,41 @@ class ModelConfig:
             if self.mla is not None:
                 shapes.update(self._mla_shapes(p))
             else:
-                shapes.update({
-                    p + "self_attn.q_proj.weight": (q, h),
-                    p + "self_attn.k_proj.weight": (kv, h),
-                    p + "self_attn.v_proj.weight": (kv, h),
-                    p + "self_attn.o_proj.weight": (h, q),
-                })
+                shapes.update(
+                    {
+                        p + "self_attn.q_proj.weight": (q, h),
+                        p + "self_attn.k_proj.weight": (kv, h),
+                        p + "self_attn.v_proj.weight": (kv, h),
+                        p + "self_attn.o_proj.weight": (h, q),
+                    }
+                )
             moe = self.layer_moe(n)
             if moe is not None:
                 e, m = moe.num_experts, moe.expert_size
-                shapes.update({p + "mlp.gate.weight": (e, h), p + "mlp.experts.gate_up_proj": (e, 2 * m, h),
-                               p + "mlp.experts.down_proj": (e, h, m)})
+                shapes.update(
+                    {
+                        p + "mlp.gate.weight": (e, h),
+                        p + "mlp.experts.gate_up_proj": (e, 2 * m, h),
+                        p + "mlp.experts.down_proj": (e, h, m),
+                    }
+                )
                 if moe.bias:
-                    shapes.update({p + "mlp.gate.bias": (e,), p + "mlp.experts.gate_up_proj_bias": (e, 2 * m),
-                                   p + "mlp.experts.down_proj_bias": (e, h)})
+                    shapes.update(
+                        {
+                            p + "mlp.gate.bias": (e,),
+                            p + "mlp.experts.gate_up_proj_bias": (e, 2 * m),
+                            p + "mlp.experts.down_proj_bias": (e, h),
+                        }
+                    )
                 if moe.shared_expert_size is not None:
                     s = moe.shared_expert_size
-                    shapes.update({p + "mlp.shared_expert.gate_proj.weight": (s, h),
-                                   p + "mlp.shared_expert.up_proj.weight": (s, h),
-                                   p + "mlp.shared_expert.down_proj.weight": (h, s)})
+                    shapes.update(
+                        {
+                            p + "mlp.shared_expert.gate_proj.weight": (s, h),
+                            p + "mlp.shared_expert.up_proj.weight": (s, h),
+                            p + "mlp.shared_expert.down_proj.weight": (h, s),
+                        }
+                    )
                     if moe.shared_expert_gated:
                         shapes[p + "mlp.shared_expert_gate.weight"] = (1, h)
                 if moe.shared_experts_size is not None:
@@ -335,8 +391,13 @@ class ModelConfig:
             if fam.mlp == "gated" and moe is None:
                 shapes[p + "mlp.gate_proj.weight"] = (i, h)
             if self.attention_bias and self.mla is None:
-                shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
-                               p + "self_attn.v_proj.bias": (kv,)})
+                shapes.update(
+                    {
+                        p + "self_attn.q_proj.bias": (q,),
+                        p + "self_attn.k_proj.bias": (kv,),
+                        p + "self_attn.v_proj.bias": (kv,),
+                    }
+                )
             if self.o_bias:
                 shapes[p + "self_attn.o_proj.bias"] = (h,)  # MLA: attention_bias too
             if self.mlp_bias and moe is None:
@@ -346,9 +407,12 @@ class ModelConfig:
             if self.attention_sinks:
                 shapes[p + "self_attn.sinks"] = (self.num_heads,)
             if self.qk_norm and fam.qk_norm != "l2":  # llama4's L2 norm has no weights
-                qn, kn = {"head": ((d,), (d,)), "head_after_rope": ((d,), (d,)),
-                          "per_head": ((self.num_heads, d), (self.num_kv_heads, d)),
-                          "projection": ((q,), (kv,))}[fam.qk_norm]
+                qn, kn = {
+                    "head": ((d,), (d,)),
+                    "head_after_rope": ((d,), (d,)),
+                    "per_head": ((self.num_heads, d), (self.num_kv_heads, d)),
+                    "projection": ((q,), (kv,)),
+                }[fam.qk_norm]
                 shapes.update({p + "self_attn.q_norm.weight": qn, p + "self_attn.k_norm.weight": kn})
                 if fam.qk_norm_bias:
                     shapes.update({p + "self_attn.q_norm.bias": qn, p + "self_attn.k_norm.bias": kn})
@@ -368,8 +432,13 @@ class ModelConfig:
         if m.q_lora_rank is None:
             shapes[a + "q_proj.weight"] = (heads * m.qk_head_dim, h)
         else:
-            shapes.update({a + "q_a_proj.weight": (m.q_lora_rank, h), a + "q_a_layernorm.weight": (m.q_lora_rank,),
-                           a + "q_b_proj.weight": (heads * m.qk_head_dim, m.q_lora_rank)})
+            shapes.update(
+                {
+                    a + "q_a_proj.weight": (m.q_lora_rank, h),
+                    a + "q_a_layernorm.weight": (m.q_lora_rank,),
+                    a + "q_b_proj.weight": (heads * m.qk_head_dim, m.q_lora_rank),
+                }
+            )
         if self.attention_bias:
             shapes[a + "kv_a_proj_with_mqa.bias"] = (m.kv_lora_rank + m.qk_rope_head_dim,)
             if m.q_lora_rank is not None:
@@ -380,8 +449,9 @@ class ModelConfig:
         """Rows of each part of the family's fused tensors (``self_attn.qkv_proj`` -> q, k, v rows)."""
         q, i = self.num_heads * self.head_dim, self.intermediate_size
         kv = (self.qkv_groups or self.num_kv_heads) * self.head_dim  # rows of k and of v in the fused tensor
-        return {name: (q, kv, kv) if parts[0] == "self_attn.q_proj" else (i, i)
-                for name, parts in self.family.fused.items()}
+        return {
+            name: (q, kv, kv) if parts[0] == "self_attn.q_proj" else (i, i) for name, parts in self.family.fused.items()
+        }
 
 
 @dataclass(frozen=True, eq=False)
@@ -400,8 +470,13 @@ class Checkpoint:
         return self.weights[name]
 
     @classmethod
-    def from_tensors(cls, config: "ModelConfig | Mapping[str, Any]", state_dict: Mapping[str, torch.Tensor], *,
-                     source: str = "tensors") -> "Checkpoint":
+    def from_tensors(
+        cls,
+        config: ModelConfig | Mapping[str, Any],
+        state_dict: Mapping[str, torch.Tensor],
+        *,
+        source: str = "tensors",
+    ) -> Checkpoint:
         """A checkpoint from a config (a :class:`ModelConfig` or a transformers ``config.json`` dict) and a
         state dict (HF names), e.g. a model built in memory. Tensors are taken in float32 (shared, not
         copied, where they already are); the fingerprint hashes the config and every weight byte."""
@@ -415,7 +490,7 @@ class Checkpoint:
             digest.update(weights[k].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         return cls(cfg, weights, source, fingerprint_of(cfg, digest.hexdigest()))
 
-    def with_config(self, config: ModelConfig) -> "Checkpoint":
+    def with_config(self, config: ModelConfig) -> Checkpoint:
         """The same weights under another config (e.g. another RoPE); the fingerprint covers both."""
         return Checkpoint(config, self.weights, self.source, fingerprint_of(config, self.fingerprint))
 
@@ -427,9 +502,14 @@ def validate_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor], s
     extra = sorted(k for k in set(weights) - set(expected) if not k.endswith("rotary_emb.inv_freq"))
     problems = []
     if missing:
-        problems.append(f"missing tensor(s) {', '.join(missing[:5])}" + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        problems.append(
+            f"missing tensor(s) {', '.join(missing[:5])}"
+            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        )
     if extra:
-        problems.append(f"unexpected tensor(s) {', '.join(extra[:5])}" + (f" and {len(extra) - 5} more" if len(extra) > 5 else ""))
+        problems.append(
+            f"unexpected tensor(s) {', '.join(extra[:5])}" + (f" and {len(extra) - 5} more" if len(extra) > 5 else "")
+        )
     for name, shape in expected.items():
         t = weights.get(name)
         if t is not None and tuple(t.shape) != shape:
@@ -459,6 +539,8 @@ def _architecture(config: Mapping[str, Any], source: str) -> str:
         raise ConfigError(f"{source}: missing field 'model_type' (or 'architectures')")
     refused = REFUSED.get(model_type) if isinstance(model_type, str) else None
     if refused:
-        raise ConfigError(f"{source}: unsupported architecture {named!r}: ropekv does not model its {refused} "
-                          "yet (see docs/architectures.md)")
+        raise ConfigError(
+            f"{source}: unsupported architecture {named!r}: ropekv does not model its {refused} "
+            "yet (see docs/architectures.md)"
+        )
     raise ConfigError(f"{source}: unsupported architecture {named!r}; supported: {', '.join(ARCHITECTURES)}")

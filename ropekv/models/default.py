@@ -190,16 +190,24 @@ def _is_current(folder: Path, gguf: Path) -> bool:
         meta = _metadata(folder / WEIGHTS_FILE)
     except CheckpointError:
         return False
-    return (meta.get("ropekv.conversion") == CONVERSION_VERSION
-            and meta.get("ropekv.gguf_size") == str(gguf.stat().st_size)
-            and FINGERPRINT_KEY in meta)
+    return (
+        meta.get("ropekv.conversion") == CONVERSION_VERSION
+        and meta.get("ropekv.gguf_size") == str(gguf.stat().st_size)
+        and FINGERPRINT_KEY in meta
+    )
 
 
 def _convert(gguf: Path, out: Path) -> None:
     """Write the folder's files into ``out`` (an empty temporary directory)."""
     print(f"ropekv: converting {DEFAULT_MODEL_NAME} to float32 in {cache_dir()} (once)", file=sys.stderr)
-    steps = tqdm(total=4, desc="convert default model", unit="step", file=sys.stderr,
-                 disable=not sys.stderr.isatty(), leave=False)
+    steps = tqdm(
+        total=4,
+        desc="convert default model",
+        unit="step",
+        file=sys.stderr,
+        disable=not sys.stderr.isatty(),
+        leave=False,
+    )
     with steps:
         reader = open_gguf(gguf)
         checkpoint, hf_config = checkpoint_from_reader(reader, gguf, layout="neox")

@@ -16,8 +16,9 @@ encodes where it differs from llama. Architectures ropekv cannot model exactly y
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal, Mapping
+from typing import Literal
 
 import torch
 
@@ -106,12 +107,25 @@ class Family:
     # layer iff use_sliding_window (its modeling never reads layer_types); "period": layer i slides iff
     # (i + 1) % P != 0, P = config[window_period_key] (or window_period where absent); "smollm3" iff
     # use_sliding_window and the layer is NoPE; "llama4": chunked layers where the layer rotates.
-    windows: Literal["none", "mistral", "qwen2", "qwen2_moe", "qwen3_moe", "layer_types", "period",
-                     "smollm3", "llama4"] = "layer_types"
+    windows: Literal[
+        "none", "mistral", "qwen2", "qwen2_moe", "qwen3_moe", "layer_types", "period", "smollm3", "llama4"
+    ] = "layer_types"
     window_period: int = 2
     window_period_key: str | None = None  # the config field holding the period, where it is configurable
-    moe: Literal["mixtral", "qwen2_moe", "qwen3_moe", "granitemoe", "deepseek_v2", "deepseek_v3",
-                 "glm4_moe", "llama4", "gpt_oss"] | None = None  # models/moe.py
+    moe: (
+        Literal[
+            "mixtral",
+            "qwen2_moe",
+            "qwen3_moe",
+            "granitemoe",
+            "deepseek_v2",
+            "deepseek_v3",
+            "glm4_moe",
+            "llama4",
+            "gpt_oss",
+        ]
+        | None
+    ) = None  # models/moe.py
     attention: Literal["standard", "mla"] = "standard"  # "mla": multi-head latent attention (models/mla.py)
     # gpt_oss: a learned logit per query head (``self_attn.sinks [H]``) joins every softmax denominator
     # and is dropped after it: attention weights sum to less than 1. Weights, not cache contents.
@@ -169,293 +183,799 @@ class Family:
 
 _LLAMA_BIAS = dict(qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias")
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (
-    Family("llama", ("LlamaForCausalLM",), **_LLAMA_BIAS),
-    # Mistral's attention has no bias at all: attention_bias in its config is ignored.
-    Family("mistral", ("MistralForCausalLM",), windows="mistral", ignored_fields=("attention_bias",),
-           defaults={"sliding_window": 4096}),
-    Family("ministral", ("MinistralForCausalLM",), ignored_fields=("attention_bias",), windows="mistral",
-           defaults={"sliding_window": 4096}),
-    Family("qwen2", ("Qwen2ForCausalLM",), qkv_bias=True, windows="qwen2", defaults={"max_window_layers": 28}),
-    Family("qwen3", ("Qwen3ForCausalLM",), qkv_bias="attention_bias", o_bias="attention_bias", qk_norm="head",
-           windows="qwen2", defaults={"max_window_layers": 28}),
-    Family("helium", ("HeliumForCausalLM",), layout="gptj", qkv_bias="attention_bias", mlp_bias="mlp_bias",
-           defaults={"rope_theta": 100000.0}),
-    Family("seed_oss", ("SeedOssForCausalLM",), qkv_bias="attention_bias", o_bias="attention_out_bias",
-           mlp_bias="mlp_bias",
-           defaults={"attention_bias": True}),
-    Family("smollm3", ("SmolLM3ForCausalLM",), rope_layers="no_rope_layers", windows="smollm3", **_LLAMA_BIAS,
-           defaults={"tie_word_embeddings": True, "rope_theta": 2000000.0}),
-    # ERNIE 4.5: GLM's interleaved rotate_half over the whole head; one use_bias for every linear.
-    Family("ernie4_5", ("Ernie4_5ForCausalLM",), layout="gptj", qkv_bias="use_bias", o_bias="use_bias",
-           mlp_bias="use_bias",
-           defaults={"tie_word_embeddings": True, "rope_theta": 500000.0}),
-    # Arcee: llama with a non-gated ReLU^2 MLP (up_proj, down_proj).
-    Family("arcee", ("ArceeForCausalLM",), mlp="plain", act_default="relu2", **_LLAMA_BIAS),
-    Family("granite", ("GraniteForCausalLM",), embedding_scale="embedding_multiplier",
-           residual_scale_key="residual_multiplier", attn_scale_key="attention_multiplier",
-           logits_divide_key="logits_scaling", **_LLAMA_BIAS,
-           defaults={"attention_multiplier": 1.0}),  # the scale itself: 1.0 when omitted
-    # Gemma: RMSNorm times (1 + weight), embeddings times sqrt(hidden_size), GELU (tanh).
-    Family("gemma", ("GemmaForCausalLM",), norm="rms_offset", embedding_scale="sqrt_hidden",
-           act_default="gelu_pytorch_tanh", qkv_bias="attention_bias", o_bias="attention_bias",
-           defaults={"tie_word_embeddings": True}),
-    Family("gemma2", ("Gemma2ForCausalLM",), norm="rms_offset", embedding_scale="sqrt_hidden",
-           act_key="hidden_activation", act_default="gelu_pytorch_tanh", attn_out="post_attention_layernorm",
-           mlp_in="pre_feedforward_layernorm", mlp_out="post_feedforward_layernorm",
-           qkv_bias="attention_bias", o_bias="attention_bias", query_pre_attn_scalar=True,
-           attn_softcap_key="attn_logit_softcapping", final_softcap_key="final_logit_softcapping", windows="period",
-           defaults={"tie_word_embeddings": True, "query_pre_attn_scalar": 256, "attn_logit_softcapping": 50.0,
-                     "final_logit_softcapping": 30.0, "sliding_window": 4096}),
-    Family("gemma3_text", ("Gemma3ForCausalLM",), norm="rms_offset", embedding_scale="sqrt_hidden",
-           act_key="hidden_activation", act_default="gelu_pytorch_tanh", attn_out="post_attention_layernorm",
-           mlp_in="pre_feedforward_layernorm", mlp_out="post_feedforward_layernorm", qk_norm="head",
-           qkv_bias="attention_bias", o_bias="attention_bias", query_pre_attn_scalar=True,
-           attn_softcap_key="attn_logit_softcapping", final_softcap_key="final_logit_softcapping",
-           windows="period", window_period=6, window_period_key="sliding_window_pattern",
-           defaults={"tie_word_embeddings": True, "query_pre_attn_scalar": 256, "sliding_window": 4096,
-                     "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}}}),
-    # Apertus: llama attention with per-head q/k RMSNorms, attention_layernorm / feedforward_layernorm,
-    # a plain up/down MLP with xIELU (learned alpha_p, alpha_n per layer; beta, eps buffers).
-    Family("apertus", ("ApertusForCausalLM",), attn_in="attention_layernorm", mlp_in="feedforward_layernorm",
-           mlp="plain", act_default="xielu", qkv_bias="attention_bias", o_bias="attention_bias", qk_norm="head",
-           defaults={"rope_parameters": {"rope_type": "llama3", "rope_theta": 12000000.0, "factor": 8.0,
-                                         "original_max_position_embeddings": 8192, "low_freq_factor": 1.0,
-                                         "high_freq_factor": 4.0}}),
-    # OLMo (1): LayerNorm without weight or bias (eps 1e-5, fixed), q/k/v clamped to +-clip_qkv.
-    Family("olmo", ("OlmoForCausalLM",), norm="layer_plain", eps_key=None, eps_default=1e-5,
-           qkv_bias="attention_bias", o_bias="attention_bias", clip_qkv_key="clip_qkv"),
-    # OLMo 2/3: post-norm only (on attention and MLP outputs); q/k norms over the whole projection.
-    Family("olmo2", ("Olmo2ForCausalLM",), attn_in=None, attn_out="post_attention_layernorm", mlp_in=None,
-           mlp_out="post_feedforward_layernorm", qk_norm="projection", qkv_bias="attention_bias",
-           o_bias="attention_bias"),
-    Family("olmo3", ("Olmo3ForCausalLM",), attn_in=None, attn_out="post_attention_layernorm", mlp_in=None,
-           mlp_out="post_feedforward_layernorm", qk_norm="projection", qkv_bias="attention_bias",
-           o_bias="attention_bias", windows="period", window_period=4,
-           defaults={"sliding_window": 4096, "rope_theta": 500000.0}),
-    # EXAONE 4: olmo2's post-norms, per-head q/k norms, and NoPE on full layers of a hybrid model.
-    Family("exaone4", ("Exaone4ForCausalLM",), attn_in=None, attn_out="post_attention_layernorm", mlp_in=None,
-           mlp_out="post_feedforward_layernorm", qk_norm="head", rope_layers="sliding_only_if_window",
-           windows="period", window_period=4, window_period_key="sliding_window_pattern",
-           defaults={"sliding_window": 4096}),
-    # Cohere: mean-centred LayerNorm without bias, parallel attention + MLP, interleaved RoPE,
-    # logits times logit_scale.
-    # use_qk_norm: LayerNorms with a weight per head ([heads, head_dim]), no bias.
-    Family("cohere", ("CohereForCausalLM",), norm="layer", eps_key="layer_norm_eps", mlp_in=None, parallel=True,
-           layout="gptj", qkv_bias="attention_bias", o_bias="attention_bias", logits_multiply_key="logit_scale",
-           qk_norm="per_head", qk_norm_flag="use_qk_norm",
-           defaults={"tie_word_embeddings": True, "logit_scale": 0.0625, "rope_theta": 500000.0}),
-    Family("cohere2", ("Cohere2ForCausalLM",), norm="layer", eps_key="layer_norm_eps", mlp_in=None, parallel=True,
-           layout="gptj", qkv_bias="attention_bias", o_bias="attention_bias", logits_multiply_key="logit_scale",
-           rope_layers="sliding_only", windows="period", window_period=4, window_period_key="sliding_window_pattern",
-           defaults={"tie_word_embeddings": True, "logit_scale": 0.0625, "sliding_window": 4096}),
-    # StarCoder2: LayerNorm with bias, plain GELU MLP c_fc/c_proj, one use_bias for every linear.
-    Family("starcoder2", ("Starcoder2ForCausalLM",), norm="layer", norm_bias=True, eps_key="norm_epsilon",
-           mlp="plain", act_default="gelu_pytorch_tanh", qkv_bias="use_bias", o_bias="use_bias",
-           mlp_bias="use_bias", windows="mistral",
-           names={"mlp.up_proj": "mlp.c_fc", "mlp.down_proj": "mlp.c_proj"},
-           defaults={"tie_word_embeddings": True, "use_bias": True}),
-    # StableLM: head_dim from the hidden size; qk_layernorm: one bias-free LayerNorm per head
-    # (q_layernorm.norms.{h}), stacked into [heads, head_dim]; use_parallel_residual: attention and MLP
-    # share input_layernorm (there is no post_attention_layernorm then).
-    Family("stablelm", ("StableLmForCausalLM",), norm="layer", norm_bias=True, eps_key="layer_norm_eps",
-           qkv_bias="use_qkv_bias", partial_rotary=True, head_dim_key=None, qk_norm="per_head",
-           qk_norm_flag="qk_layernorm", parallel="use_parallel_residual",
-           stacked={"self_attn.q_layernorm.norms": "self_attn.q_norm", "self_attn.k_layernorm.norms": "self_attn.k_norm"},
-           defaults={"partial_rotary_factor": 0.25}),
-    # Nemotron: LayerNorm with (1 + weight) and bias, ReLU^2 up/down MLP, partial rotary.
-    Family("nemotron", ("NemotronForCausalLM",), norm="layer_offset", norm_bias=True, eps_key="norm_eps",
-           mlp="plain", act_default="relu2", qkv_bias="attention_bias", o_bias="attention_bias",
-           mlp_bias="mlp_bias", partial_rotary=True,
-           defaults={"partial_rotary_factor": 0.5}),
-    # GLM / GLM-4: interleaved partial rotary, fused gate_up_proj; GLM-4 adds sandwich norms.
-    Family("glm", ("GlmForCausalLM",), layout="gptj", partial_rotary=True, qkv_bias="attention_bias",
-           fused={"mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")},
-           defaults={"attention_bias": True, "partial_rotary_factor": 0.5}),
-    Family("glm4", ("Glm4ForCausalLM",), layout="gptj", partial_rotary=True, qkv_bias="attention_bias",
-           attn_out="post_self_attn_layernorm", mlp_out="post_mlp_layernorm",
-           fused={"mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")},
-           defaults={"attention_bias": True, "partial_rotary_factor": 0.5}),
-    # GPT-NeoX (Pythia): fused query_key_value with rows [heads, 3, head_dim], no GQA, head_dim from
-    # the hidden size; partial rotary (rotary_pct, 0.25 by default); parallel residual by default,
-    # its MLP with its own input norm; LayerNorm with bias; biased plain GELU MLP.
-    Family("gpt_neox", ("GPTNeoXForCausalLM",), norm="layer", norm_bias=True, eps_key="layer_norm_eps",
-           parallel="use_parallel_residual", parallel_mlp_norm=True, mlp="plain",
-           act_default="gelu", qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias=True,
-           partial_rotary=True, head_dim_key=None, kv_heads_key=None,
-           renamed={"rotary_pct": "partial_rotary_factor", "rotary_emb_base": "rope_theta"},
-           layers_prefix="gpt_neox.layers", attn_module="attention",
-           top_names={"model.embed_tokens": "gpt_neox.embed_in", "model.norm": "gpt_neox.final_layer_norm",
-                      "lm_head": "embed_out"},  # embed_out: checkpoints saved before transformers 5
-           names={"self_attn.o_proj": "attention.dense", "mlp.up_proj": "mlp.dense_h_to_4h",
-                  "mlp.down_proj": "mlp.dense_4h_to_h"},
-           fused={"attention.query_key_value": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")},
-           fused_qkv="grouped",
-           defaults={"partial_rotary_factor": 0.25, "use_parallel_residual": True, "attention_bias": True}),
-    # Persimmon: GPT-NeoX's fused query_key_value ([heads, 3, head_dim], no GQA); qk_layernorm (on by
-    # default): one LayerNorm with bias over head_dim, applied to every head; biased ReLU^2 MLP.
-    Family("persimmon", ("PersimmonForCausalLM",), norm="layer", norm_bias=True, eps_key="layer_norm_eps",
-           mlp="plain", act_default="relu2", qkv_bias=True, o_bias=True, mlp_bias=True, partial_rotary=True,
-           head_dim_key=None, kv_heads_key=None, qk_norm="head", qk_norm_flag="qk_layernorm", qk_norm_bias=True,
-           top_names={"model.norm": "model.final_layernorm"},
-           names={"self_attn.o_proj": "self_attn.dense", "self_attn.q_norm": "self_attn.q_layernorm",
-                  "self_attn.k_norm": "self_attn.k_layernorm", "mlp.up_proj": "mlp.dense_h_to_4h",
-                  "mlp.down_proj": "mlp.dense_4h_to_h"},
-           fused={"self_attn.query_key_value": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")},
-           fused_qkv="grouped",
-           defaults={"partial_rotary_factor": 0.5, "qk_layernorm": True}),
-    # Phi (1, 1.5, 2): attention and MLP in parallel on one input LayerNorm, biased q/k/v and `dense`
-    # output, biased plain fc1/fc2 MLP (GELU), biased lm_head, partial rotary; qk_layernorm: one
-    # LayerNorm with bias over head_dim for every head.
-    Family("phi", ("PhiForCausalLM",), norm="layer", norm_bias=True, eps_key="layer_norm_eps", mlp_in=None,
-           parallel=True, mlp="plain", act_default="gelu_new", qkv_bias=True, o_bias=True, mlp_bias=True,
-           lm_head_bias=True, partial_rotary=True, qk_norm="head", qk_norm_flag="qk_layernorm", qk_norm_bias=True,
-           top_names={"model.norm": "model.final_layernorm"},
-           names={"self_attn.o_proj": "self_attn.dense", "self_attn.q_norm": "self_attn.q_layernorm",
-                  "self_attn.k_norm": "self_attn.k_layernorm", "mlp.up_proj": "mlp.fc1", "mlp.down_proj": "mlp.fc2"},
-           defaults={"partial_rotary_factor": 0.5}),
-    # GPT-J: parallel block on ln_1, interleaved rotary over rotary_dim channels only (theta 10000
-    # fixed: its sin/cos table ignores every RoPE field), biased fc_in/fc_out MLP (4 x hidden when
-    # n_inner is null), biased lm_head, no q/k/v/out bias; its attention does not go through
-    # transformers' attention interface (GPTJAttention._attn is hooked instead).
-    Family("gptj", ("GPTJForCausalLM",), norm="layer", norm_bias=True, eps_key="layer_norm_epsilon", mlp_in=None,
-           parallel=True, mlp="plain", act_key="activation_function", act_default="gelu_new", mlp_bias=True,
-           lm_head_bias=True, layout="gptj", partial_rotary=True, head_dim_key=None, kv_heads_key=None,
-           rope_from="rotary_dim", intermediate_multiple=4, hf_attention_method="_attn",
-           ignored_fields=("intermediate_size", "rope_parameters", "rope_scaling", "rope_theta",
-                           "partial_rotary_factor"),
-           renamed={"n_embd": "hidden_size", "n_head": "num_attention_heads", "n_layer": "num_hidden_layers",
-                    "n_positions": "max_position_embeddings", "n_inner": "intermediate_size"},
-           layers_prefix="transformer.h", attn_module="attn",
-           top_names={"model.embed_tokens": "transformer.wte", "model.norm": "transformer.ln_f"},
-           names={"input_layernorm": "ln_1", "self_attn.q_proj": "attn.q_proj", "self_attn.k_proj": "attn.k_proj",
-                  "self_attn.v_proj": "attn.v_proj", "self_attn.o_proj": "attn.out_proj", "mlp.up_proj": "mlp.fc_in",
-                  "mlp.down_proj": "mlp.fc_out"},
-           defaults={"rotary_dim": 64}),
-    # Falcon (RoPE variants): fused query_key_value grouped by KV head ([KVH, heads / KVH + 2, D];
-    # multi_query: one KV head; new_decoder_architecture: num_kv_heads groups whose keys/values
-    # transformers broadcasts to every query head before caching, so the cache holds one per query
-    # head); parallel block on one norm or on ln_attn / ln_mlp; one `bias` flag; plain GELU MLP.
-    Family("falcon", ("FalconForCausalLM",), norm="layer", norm_bias=True, eps_key="layer_norm_epsilon",
-           eps_default=1e-5, parallel="parallel_attn", mlp="plain", act_key="activation", act_default="gelu",
-           qkv_bias="bias", o_bias="bias", mlp_bias="bias", head_dim_key=None, kv_heads_key=None,
-           heads_rule="falcon", hf_attention_inline=True, ignored_fields=("intermediate_size",),
-           renamed={"n_embed": "hidden_size", "n_head": "num_attention_heads", "n_layer": "num_hidden_layers",
-                    "ffn_hidden_size": "intermediate_size"},
-           intermediate_multiple=4, layers_prefix="transformer.h", attn_module="self_attention",
-           top_names={"model.embed_tokens": "transformer.word_embeddings", "model.norm": "transformer.ln_f"},
-           names={"self_attn.o_proj": "self_attention.dense", "mlp.up_proj": "mlp.dense_h_to_4h",
-                  "mlp.down_proj": "mlp.dense_4h_to_h"},
-           aliases={f"{ln}.{t}": f"{canonical}.{t}" for ln, canonical in
-                    (("ln_attn", "input_layernorm"), ("ln_mlp", "post_attention_layernorm")) for t in ("weight", "bias")},
-           fused={"self_attention.query_key_value": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")},
-           fused_qkv="grouped",
-           defaults={"tie_word_embeddings": True, "multi_query": True, "parallel_attn": True}),
-    # HunYuan dense: llama with per-head q/k RMSNorm applied after RoPE (query_layernorm/key_layernorm)
-    # and its NTK-alpha RoPE (hf_config._hunyuan_rope); no sliding layers.
-    Family("hunyuan_v1_dense", ("HunYuanDenseV1ForCausalLM",), qkv_bias="attention_bias", o_bias="attention_bias",
-           qk_norm="head_after_rope", windows="none", ntk_alpha=True,
-           names={"self_attn.q_norm": "self_attn.query_layernorm", "self_attn.k_norm": "self_attn.key_layernorm"}),
-    # Phi-3: fused qkv_proj and gate_up_proj, partial rotary, LongRoPE.
-    Family("phi3", ("Phi3ForCausalLM",), partial_rotary=True, windows="mistral",
-           fused={"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-                  "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")}),
-)}
+FAMILIES: dict[str, Family] = {
+    f.name: f
+    for f in (
+        Family("llama", ("LlamaForCausalLM",), **_LLAMA_BIAS),
+        # Mistral's attention has no bias at all: attention_bias in its config is ignored.
+        Family(
+            "mistral",
+            ("MistralForCausalLM",),
+            windows="mistral",
+            ignored_fields=("attention_bias",),
+            defaults={"sliding_window": 4096},
+        ),
+        Family(
+            "ministral",
+            ("MinistralForCausalLM",),
+            ignored_fields=("attention_bias",),
+            windows="mistral",
+            defaults={"sliding_window": 4096},
+        ),
+        Family("qwen2", ("Qwen2ForCausalLM",), qkv_bias=True, windows="qwen2", defaults={"max_window_layers": 28}),
+        Family(
+            "qwen3",
+            ("Qwen3ForCausalLM",),
+            qkv_bias="attention_bias",
+            o_bias="attention_bias",
+            qk_norm="head",
+            windows="qwen2",
+            defaults={"max_window_layers": 28},
+        ),
+        Family(
+            "helium",
+            ("HeliumForCausalLM",),
+            layout="gptj",
+            qkv_bias="attention_bias",
+            mlp_bias="mlp_bias",
+            defaults={"rope_theta": 100000.0},
+        ),
+        Family(
+            "seed_oss",
+            ("SeedOssForCausalLM",),
+            qkv_bias="attention_bias",
+            o_bias="attention_out_bias",
+            mlp_bias="mlp_bias",
+            defaults={"attention_bias": True},
+        ),
+        Family(
+            "smollm3",
+            ("SmolLM3ForCausalLM",),
+            rope_layers="no_rope_layers",
+            windows="smollm3",
+            **_LLAMA_BIAS,
+            defaults={"tie_word_embeddings": True, "rope_theta": 2000000.0},
+        ),
+        # ERNIE 4.5: GLM's interleaved rotate_half over the whole head; one use_bias for every linear.
+        Family(
+            "ernie4_5",
+            ("Ernie4_5ForCausalLM",),
+            layout="gptj",
+            qkv_bias="use_bias",
+            o_bias="use_bias",
+            mlp_bias="use_bias",
+            defaults={"tie_word_embeddings": True, "rope_theta": 500000.0},
+        ),
+        # Arcee: llama with a non-gated ReLU^2 MLP (up_proj, down_proj).
+        Family("arcee", ("ArceeForCausalLM",), mlp="plain", act_default="relu2", **_LLAMA_BIAS),
+        Family(
+            "granite",
+            ("GraniteForCausalLM",),
+            embedding_scale="embedding_multiplier",
+            residual_scale_key="residual_multiplier",
+            attn_scale_key="attention_multiplier",
+            logits_divide_key="logits_scaling",
+            **_LLAMA_BIAS,
+            defaults={"attention_multiplier": 1.0},
+        ),  # the scale itself: 1.0 when omitted
+        # Gemma: RMSNorm times (1 + weight), embeddings times sqrt(hidden_size), GELU (tanh).
+        Family(
+            "gemma",
+            ("GemmaForCausalLM",),
+            norm="rms_offset",
+            embedding_scale="sqrt_hidden",
+            act_default="gelu_pytorch_tanh",
+            qkv_bias="attention_bias",
+            o_bias="attention_bias",
+            defaults={"tie_word_embeddings": True},
+        ),
+        Family(
+            "gemma2",
+            ("Gemma2ForCausalLM",),
+            norm="rms_offset",
+            embedding_scale="sqrt_hidden",
+            act_key="hidden_activation",
+            act_default="gelu_pytorch_tanh",
+            attn_out="post_attention_layernorm",
+            mlp_in="pre_feedforward_layernorm",
+            mlp_out="post_feedforward_layernorm",
+            qkv_bias="attention_bias",
+            o_bias="attention_bias",
+            query_pre_attn_scalar=True,
+            attn_softcap_key="attn_logit_softcapping",
+            final_softcap_key="final_logit_softcapping",
+            windows="period",
+            defaults={
+                "tie_word_embeddings": True,
+                "query_pre_attn_scalar": 256,
+                "attn_logit_softcapping": 50.0,
+                "final_logit_softcapping": 30.0,
+                "sliding_window": 4096,
+            },
+        ),
+        Family(
+            "gemma3_text",
+            ("Gemma3ForCausalLM",),
+            norm="rms_offset",
+            embedding_scale="sqrt_hidden",
+            act_key="hidden_activation",
+            act_default="gelu_pytorch_tanh",
+            attn_out="post_attention_layernorm",
+            mlp_in="pre_feedforward_layernorm",
+            mlp_out="post_feedforward_layernorm",
+            qk_norm="head",
+            qkv_bias="attention_bias",
+            o_bias="attention_bias",
+            query_pre_attn_scalar=True,
+            attn_softcap_key="attn_logit_softcapping",
+            final_softcap_key="final_logit_softcapping",
+            windows="period",
+            window_period=6,
+            window_period_key="sliding_window_pattern",
+            defaults={
+                "tie_word_embeddings": True,
+                "query_pre_attn_scalar": 256,
+                "sliding_window": 4096,
+                "rope_parameters": {
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                    "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+                },
+            },
+        ),
+        # Apertus: llama attention with per-head q/k RMSNorms, attention_layernorm / feedforward_layernorm,
+        # a plain up/down MLP with xIELU (learned alpha_p, alpha_n per layer; beta, eps buffers).
+        Family(
+            "apertus",
+            ("ApertusForCausalLM",),
+            attn_in="attention_layernorm",
+            mlp_in="feedforward_layernorm",
+            mlp="plain",
+            act_default="xielu",
+            qkv_bias="attention_bias",
+            o_bias="attention_bias",
+            qk_norm="head",
+            defaults={
+                "rope_parameters": {
+                    "rope_type": "llama3",
+                    "rope_theta": 12000000.0,
+                    "factor": 8.0,
+                    "original_max_position_embeddings": 8192,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                }
+            },
+        ),
+        # OLMo (1): LayerNorm without weight or bias (eps 1e-5, fixed), q/k/v clamped to +-clip_qkv.
+        Family(
+            "olmo",
+            ("OlmoForCausalLM",),
+            norm="layer_plain",
+            eps_key=None,
+            eps_default=1e-5,
+            qkv_bias="attention_bias",
+            o_bias="attention_bias",
+            clip_qkv_key="clip_qkv",
+        ),
+        # OLMo 2/3: post-norm only (on attention and MLP outputs); q/k norms over the whole projection.
+        Family(
+            "olmo2",
+            ("Olmo2ForCausalLM",),
+            attn_in=None,
+            attn_out="post_attention_layernorm",
+            mlp_in=None,
+            mlp_out="post_feedforward_layernorm",
+            qk_norm="projection",
+            qkv_bias="attention_bias",
+            o_bias="attention_bias",
+        ),
+        Family(
+            "olmo3",
+            ("Olmo3ForCausalLM",),
+            attn_in=None,
+            attn_out="post_attention_layernorm",
+            mlp_in=None,
+            mlp_out="post_feedforward_layernorm",
+            qk_norm="projection",
+            qkv_bias="attention_bias",
+            o_bias="attention_bias",
+            windows="period",
+            window_period=4,
+            defaults={"sliding_window": 4096, "rope_theta": 500000.0},
+        ),
+        # EXAONE 4: olmo2's post-norms, per-head q/k norms, and NoPE on full layers of a hybrid model.
+        Family(
+            "exaone4",
+            ("Exaone4ForCausalLM",),
+            attn_in=None,
+            attn_out="post_attention_layernorm",
+            mlp_in=None,
+            mlp_out="post_feedforward_layernorm",
+            qk_norm="head",
+            rope_layers="sliding_only_if_window",
+            windows="period",
+            window_period=4,
+            window_period_key="sliding_window_pattern",
+            defaults={"sliding_window": 4096},
+        ),
+        # Cohere: mean-centred LayerNorm without bias, parallel attention + MLP, interleaved RoPE,
+        # logits times logit_scale.
+        # use_qk_norm: LayerNorms with a weight per head ([heads, head_dim]), no bias.
+        Family(
+            "cohere",
+            ("CohereForCausalLM",),
+            norm="layer",
+            eps_key="layer_norm_eps",
+            mlp_in=None,
+            parallel=True,
+            layout="gptj",
+            qkv_bias="attention_bias",
+            o_bias="attention_bias",
+            logits_multiply_key="logit_scale",
+            qk_norm="per_head",
+            qk_norm_flag="use_qk_norm",
+            defaults={"tie_word_embeddings": True, "logit_scale": 0.0625, "rope_theta": 500000.0},
+        ),
+        Family(
+            "cohere2",
+            ("Cohere2ForCausalLM",),
+            norm="layer",
+            eps_key="layer_norm_eps",
+            mlp_in=None,
+            parallel=True,
+            layout="gptj",
+            qkv_bias="attention_bias",
+            o_bias="attention_bias",
+            logits_multiply_key="logit_scale",
+            rope_layers="sliding_only",
+            windows="period",
+            window_period=4,
+            window_period_key="sliding_window_pattern",
+            defaults={"tie_word_embeddings": True, "logit_scale": 0.0625, "sliding_window": 4096},
+        ),
+        # StarCoder2: LayerNorm with bias, plain GELU MLP c_fc/c_proj, one use_bias for every linear.
+        Family(
+            "starcoder2",
+            ("Starcoder2ForCausalLM",),
+            norm="layer",
+            norm_bias=True,
+            eps_key="norm_epsilon",
+            mlp="plain",
+            act_default="gelu_pytorch_tanh",
+            qkv_bias="use_bias",
+            o_bias="use_bias",
+            mlp_bias="use_bias",
+            windows="mistral",
+            names={"mlp.up_proj": "mlp.c_fc", "mlp.down_proj": "mlp.c_proj"},
+            defaults={"tie_word_embeddings": True, "use_bias": True},
+        ),
+        # StableLM: head_dim from the hidden size; qk_layernorm: one bias-free LayerNorm per head
+        # (q_layernorm.norms.{h}), stacked into [heads, head_dim]; use_parallel_residual: attention and MLP
+        # share input_layernorm (there is no post_attention_layernorm then).
+        Family(
+            "stablelm",
+            ("StableLmForCausalLM",),
+            norm="layer",
+            norm_bias=True,
+            eps_key="layer_norm_eps",
+            qkv_bias="use_qkv_bias",
+            partial_rotary=True,
+            head_dim_key=None,
+            qk_norm="per_head",
+            qk_norm_flag="qk_layernorm",
+            parallel="use_parallel_residual",
+            stacked={
+                "self_attn.q_layernorm.norms": "self_attn.q_norm",
+                "self_attn.k_layernorm.norms": "self_attn.k_norm",
+            },
+            defaults={"partial_rotary_factor": 0.25},
+        ),
+        # Nemotron: LayerNorm with (1 + weight) and bias, ReLU^2 up/down MLP, partial rotary.
+        Family(
+            "nemotron",
+            ("NemotronForCausalLM",),
+            norm="layer_offset",
+            norm_bias=True,
+            eps_key="norm_eps",
+            mlp="plain",
+            act_default="relu2",
+            qkv_bias="attention_bias",
+            o_bias="attention_bias",
+            mlp_bias="mlp_bias",
+            partial_rotary=True,
+            defaults={"partial_rotary_factor": 0.5},
+        ),
+        # GLM / GLM-4: interleaved partial rotary, fused gate_up_proj; GLM-4 adds sandwich norms.
+        Family(
+            "glm",
+            ("GlmForCausalLM",),
+            layout="gptj",
+            partial_rotary=True,
+            qkv_bias="attention_bias",
+            fused={"mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")},
+            defaults={"attention_bias": True, "partial_rotary_factor": 0.5},
+        ),
+        Family(
+            "glm4",
+            ("Glm4ForCausalLM",),
+            layout="gptj",
+            partial_rotary=True,
+            qkv_bias="attention_bias",
+            attn_out="post_self_attn_layernorm",
+            mlp_out="post_mlp_layernorm",
+            fused={"mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj")},
+            defaults={"attention_bias": True, "partial_rotary_factor": 0.5},
+        ),
+        # GPT-NeoX (Pythia): fused query_key_value with rows [heads, 3, head_dim], no GQA, head_dim from
+        # the hidden size; partial rotary (rotary_pct, 0.25 by default); parallel residual by default,
+        # its MLP with its own input norm; LayerNorm with bias; biased plain GELU MLP.
+        Family(
+            "gpt_neox",
+            ("GPTNeoXForCausalLM",),
+            norm="layer",
+            norm_bias=True,
+            eps_key="layer_norm_eps",
+            parallel="use_parallel_residual",
+            parallel_mlp_norm=True,
+            mlp="plain",
+            act_default="gelu",
+            qkv_bias="attention_bias",
+            o_bias="attention_bias",
+            mlp_bias=True,
+            partial_rotary=True,
+            head_dim_key=None,
+            kv_heads_key=None,
+            renamed={"rotary_pct": "partial_rotary_factor", "rotary_emb_base": "rope_theta"},
+            layers_prefix="gpt_neox.layers",
+            attn_module="attention",
+            top_names={
+                "model.embed_tokens": "gpt_neox.embed_in",
+                "model.norm": "gpt_neox.final_layer_norm",
+                "lm_head": "embed_out",
+            },  # embed_out: checkpoints saved before transformers 5
+            names={
+                "self_attn.o_proj": "attention.dense",
+                "mlp.up_proj": "mlp.dense_h_to_4h",
+                "mlp.down_proj": "mlp.dense_4h_to_h",
+            },
+            fused={"attention.query_key_value": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")},
+            fused_qkv="grouped",
+            defaults={"partial_rotary_factor": 0.25, "use_parallel_residual": True, "attention_bias": True},
+        ),
+        # Persimmon: GPT-NeoX's fused query_key_value ([heads, 3, head_dim], no GQA); qk_layernorm (on by
+        # default): one LayerNorm with bias over head_dim, applied to every head; biased ReLU^2 MLP.
+        Family(
+            "persimmon",
+            ("PersimmonForCausalLM",),
+            norm="layer",
+            norm_bias=True,
+            eps_key="layer_norm_eps",
+            mlp="plain",
+            act_default="relu2",
+            qkv_bias=True,
+            o_bias=True,
+            mlp_bias=True,
+            partial_rotary=True,
+            head_dim_key=None,
+            kv_heads_key=None,
+            qk_norm="head",
+            qk_norm_flag="qk_layernorm",
+            qk_norm_bias=True,
+            top_names={"model.norm": "model.final_layernorm"},
+            names={
+                "self_attn.o_proj": "self_attn.dense",
+                "self_attn.q_norm": "self_attn.q_layernorm",
+                "self_attn.k_norm": "self_attn.k_layernorm",
+                "mlp.up_proj": "mlp.dense_h_to_4h",
+                "mlp.down_proj": "mlp.dense_4h_to_h",
+            },
+            fused={"self_attn.query_key_value": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")},
+            fused_qkv="grouped",
+            defaults={"partial_rotary_factor": 0.5, "qk_layernorm": True},
+        ),
+        # Phi (1, 1.5, 2): attention and MLP in parallel on one input LayerNorm, biased q/k/v and `dense`
+        # output, biased plain fc1/fc2 MLP (GELU), biased lm_head, partial rotary; qk_layernorm: one
+        # LayerNorm with bias over head_dim for every head.
+        Family(
+            "phi",
+            ("PhiForCausalLM",),
+            norm="layer",
+            norm_bias=True,
+            eps_key="layer_norm_eps",
+            mlp_in=None,
+            parallel=True,
+            mlp="plain",
+            act_default="gelu_new",
+            qkv_bias=True,
+            o_bias=True,
+            mlp_bias=True,
+            lm_head_bias=True,
+            partial_rotary=True,
+            qk_norm="head",
+            qk_norm_flag="qk_layernorm",
+            qk_norm_bias=True,
+            top_names={"model.norm": "model.final_layernorm"},
+            names={
+                "self_attn.o_proj": "self_attn.dense",
+                "self_attn.q_norm": "self_attn.q_layernorm",
+                "self_attn.k_norm": "self_attn.k_layernorm",
+                "mlp.up_proj": "mlp.fc1",
+                "mlp.down_proj": "mlp.fc2",
+            },
+            defaults={"partial_rotary_factor": 0.5},
+        ),
+        # GPT-J: parallel block on ln_1, interleaved rotary over rotary_dim channels only (theta 10000
+        # fixed: its sin/cos table ignores every RoPE field), biased fc_in/fc_out MLP (4 x hidden when
+        # n_inner is null), biased lm_head, no q/k/v/out bias; its attention does not go through
+        # transformers' attention interface (GPTJAttention._attn is hooked instead).
+        Family(
+            "gptj",
+            ("GPTJForCausalLM",),
+            norm="layer",
+            norm_bias=True,
+            eps_key="layer_norm_epsilon",
+            mlp_in=None,
+            parallel=True,
+            mlp="plain",
+            act_key="activation_function",
+            act_default="gelu_new",
+            mlp_bias=True,
+            lm_head_bias=True,
+            layout="gptj",
+            partial_rotary=True,
+            head_dim_key=None,
+            kv_heads_key=None,
+            rope_from="rotary_dim",
+            intermediate_multiple=4,
+            hf_attention_method="_attn",
+            ignored_fields=(
+                "intermediate_size",
+                "rope_parameters",
+                "rope_scaling",
+                "rope_theta",
+                "partial_rotary_factor",
+            ),
+            renamed={
+                "n_embd": "hidden_size",
+                "n_head": "num_attention_heads",
+                "n_layer": "num_hidden_layers",
+                "n_positions": "max_position_embeddings",
+                "n_inner": "intermediate_size",
+            },
+            layers_prefix="transformer.h",
+            attn_module="attn",
+            top_names={"model.embed_tokens": "transformer.wte", "model.norm": "transformer.ln_f"},
+            names={
+                "input_layernorm": "ln_1",
+                "self_attn.q_proj": "attn.q_proj",
+                "self_attn.k_proj": "attn.k_proj",
+                "self_attn.v_proj": "attn.v_proj",
+                "self_attn.o_proj": "attn.out_proj",
+                "mlp.up_proj": "mlp.fc_in",
+                "mlp.down_proj": "mlp.fc_out",
+            },
+            defaults={"rotary_dim": 64},
+        ),
+        # Falcon (RoPE variants): fused query_key_value grouped by KV head ([KVH, heads / KVH + 2, D];
+        # multi_query: one KV head; new_decoder_architecture: num_kv_heads groups whose keys/values
+        # transformers broadcasts to every query head before caching, so the cache holds one per query
+        # head); parallel block on one norm or on ln_attn / ln_mlp; one `bias` flag; plain GELU MLP.
+        Family(
+            "falcon",
+            ("FalconForCausalLM",),
+            norm="layer",
+            norm_bias=True,
+            eps_key="layer_norm_epsilon",
+            eps_default=1e-5,
+            parallel="parallel_attn",
+            mlp="plain",
+            act_key="activation",
+            act_default="gelu",
+            qkv_bias="bias",
+            o_bias="bias",
+            mlp_bias="bias",
+            head_dim_key=None,
+            kv_heads_key=None,
+            heads_rule="falcon",
+            hf_attention_inline=True,
+            ignored_fields=("intermediate_size",),
+            renamed={
+                "n_embed": "hidden_size",
+                "n_head": "num_attention_heads",
+                "n_layer": "num_hidden_layers",
+                "ffn_hidden_size": "intermediate_size",
+            },
+            intermediate_multiple=4,
+            layers_prefix="transformer.h",
+            attn_module="self_attention",
+            top_names={"model.embed_tokens": "transformer.word_embeddings", "model.norm": "transformer.ln_f"},
+            names={
+                "self_attn.o_proj": "self_attention.dense",
+                "mlp.up_proj": "mlp.dense_h_to_4h",
+                "mlp.down_proj": "mlp.dense_4h_to_h",
+            },
+            aliases={
+                f"{ln}.{t}": f"{canonical}.{t}"
+                for ln, canonical in (("ln_attn", "input_layernorm"), ("ln_mlp", "post_attention_layernorm"))
+                for t in ("weight", "bias")
+            },
+            fused={"self_attention.query_key_value": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")},
+            fused_qkv="grouped",
+            defaults={"tie_word_embeddings": True, "multi_query": True, "parallel_attn": True},
+        ),
+        # HunYuan dense: llama with per-head q/k RMSNorm applied after RoPE (query_layernorm/key_layernorm)
+        # and its NTK-alpha RoPE (hf_config._hunyuan_rope); no sliding layers.
+        Family(
+            "hunyuan_v1_dense",
+            ("HunYuanDenseV1ForCausalLM",),
+            qkv_bias="attention_bias",
+            o_bias="attention_bias",
+            qk_norm="head_after_rope",
+            windows="none",
+            ntk_alpha=True,
+            names={"self_attn.q_norm": "self_attn.query_layernorm", "self_attn.k_norm": "self_attn.key_layernorm"},
+        ),
+        # Phi-3: fused qkv_proj and gate_up_proj, partial rotary, LongRoPE.
+        Family(
+            "phi3",
+            ("Phi3ForCausalLM",),
+            partial_rotary=True,
+            windows="mistral",
+            fused={
+                "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+                "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+            },
+        ),
+    )
+}
 
-FAMILIES.update({f.name: f for f in (
-    # Mixture-of-experts MLPs (models/moe.py); attention as in their dense relatives.
-    Family("mixtral", ("MixtralForCausalLM",), moe="mixtral", windows="mistral",
-           aliases={"block_sparse_moe.gate.weight": "mlp.gate.weight"},
-           experts=("block_sparse_moe.experts", ("w1", "w3", "w2")),
-           defaults={"rope_theta": 1000000.0}),
-    Family("qwen2_moe", ("Qwen2MoeForCausalLM",), moe="qwen2_moe", qkv_bias="qkv_bias", windows="qwen2_moe",
-           experts=("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
-           defaults={"qkv_bias": True, "max_window_layers": 28}),
-    Family("qwen3_moe", ("Qwen3MoeForCausalLM",), moe="qwen3_moe", qkv_bias="attention_bias",
-           o_bias="attention_bias", qk_norm="head", windows="qwen3_moe",
-           experts=("mlp.experts", ("gate_proj", "up_proj", "down_proj"))),
-    Family("granitemoe", ("GraniteMoeForCausalLM",), moe="granitemoe", embedding_scale="embedding_multiplier",
-           residual_scale_key="residual_multiplier", attn_scale_key="attention_multiplier",
-           logits_divide_key="logits_scaling", qkv_bias="attention_bias", o_bias="attention_bias",
-           defaults={"attention_multiplier": 1.0},
-           aliases={"block_sparse_moe.router.weight": "mlp.gate.weight",
+FAMILIES.update(
+    {
+        f.name: f
+        for f in (
+            # Mixture-of-experts MLPs (models/moe.py); attention as in their dense relatives.
+            Family(
+                "mixtral",
+                ("MixtralForCausalLM",),
+                moe="mixtral",
+                windows="mistral",
+                aliases={"block_sparse_moe.gate.weight": "mlp.gate.weight"},
+                experts=("block_sparse_moe.experts", ("w1", "w3", "w2")),
+                defaults={"rope_theta": 1000000.0},
+            ),
+            Family(
+                "qwen2_moe",
+                ("Qwen2MoeForCausalLM",),
+                moe="qwen2_moe",
+                qkv_bias="qkv_bias",
+                windows="qwen2_moe",
+                experts=("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
+                defaults={"qkv_bias": True, "max_window_layers": 28},
+            ),
+            Family(
+                "qwen3_moe",
+                ("Qwen3MoeForCausalLM",),
+                moe="qwen3_moe",
+                qkv_bias="attention_bias",
+                o_bias="attention_bias",
+                qk_norm="head",
+                windows="qwen3_moe",
+                experts=("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
+            ),
+            Family(
+                "granitemoe",
+                ("GraniteMoeForCausalLM",),
+                moe="granitemoe",
+                embedding_scale="embedding_multiplier",
+                residual_scale_key="residual_multiplier",
+                attn_scale_key="attention_multiplier",
+                logits_divide_key="logits_scaling",
+                qkv_bias="attention_bias",
+                o_bias="attention_bias",
+                defaults={"attention_multiplier": 1.0},
+                aliases={
+                    "block_sparse_moe.router.weight": "mlp.gate.weight",
                     "block_sparse_moe.router.layer.weight": "mlp.gate.weight",
                     "block_sparse_moe.experts.gate_up_proj": "mlp.experts.gate_up_proj",
                     "block_sparse_moe.experts.down_proj": "mlp.experts.down_proj",
                     "block_sparse_moe.input_linear.weight": "mlp.experts.gate_up_proj",
-                    "block_sparse_moe.output_linear.weight": "mlp.experts.down_proj"}),
-    # DeepSeek V2/V3: multi-head latent attention (models/mla.py); MoE from first_k_dense_replace on, with
-    # shared experts and (grouped) routing. V2 rotates the rope part as complex pairs (interleaved); V3
-    # interleaved iff rope_interleave (its default), else rotate_half. Defaults: the config classes'.
-    Family("deepseek_v2", ("DeepseekV2ForCausalLM",), attention="mla", moe="deepseek_v2", layout="gptj",
-           qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias", windows="none",
-           experts=("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
-           defaults={"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-                     "v_head_dim": 128, "n_routed_experts": 64, "n_shared_experts": 2, "routed_scaling_factor": 1.0,
-                     "topk_method": "greedy", "first_k_dense_replace": 0, "moe_intermediate_size": 1407}),
-    Family("deepseek_v3", ("DeepseekV3ForCausalLM",), attention="mla", moe="deepseek_v3", windows="none",
-           qkv_bias="attention_bias", o_bias="attention_bias",
-           experts=("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
-           defaults={"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
-                     "v_head_dim": 128, "n_routed_experts": 256, "n_shared_experts": 1, "routed_scaling_factor": 2.5,
-                     "n_group": 8, "topk_group": 4, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
-                     "norm_topk_prob": True, "rope_interleave": True, "moe_intermediate_size": 2048}),
-    # GLM-4.5 MoE: llama attention with q/k/v biases (attention_bias, none on o_proj), rotate_half partial
-    # rotary (0.5 by default), per-head q/k RMSNorm iff use_qk_norm; deepseek_v3's sigmoid grouped routing.
-    Family("glm4_moe", ("Glm4MoeForCausalLM",), moe="glm4_moe", partial_rotary=True, qkv_bias="attention_bias",
-           qk_norm="head", qk_norm_flag="use_qk_norm", windows="none",
-           experts=("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
-           defaults={"partial_rotary_factor": 0.5, "n_routed_experts": 128, "n_shared_experts": 1,
-                     "routed_scaling_factor": 1.0, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 8,
-                     "first_k_dense_replace": 1, "norm_topk_prob": True, "moe_intermediate_size": 1408}),
-)})
+                    "block_sparse_moe.output_linear.weight": "mlp.experts.down_proj",
+                },
+            ),
+            # DeepSeek V2/V3: multi-head latent attention (models/mla.py); MoE from first_k_dense_replace on, with
+            # shared experts and (grouped) routing. V2 rotates the rope part as complex pairs (interleaved); V3
+            # interleaved iff rope_interleave (its default), else rotate_half. Defaults: the config classes'.
+            Family(
+                "deepseek_v2",
+                ("DeepseekV2ForCausalLM",),
+                attention="mla",
+                moe="deepseek_v2",
+                layout="gptj",
+                qkv_bias="attention_bias",
+                o_bias="attention_bias",
+                mlp_bias="mlp_bias",
+                windows="none",
+                experts=("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
+                defaults={
+                    "q_lora_rank": 1536,
+                    "kv_lora_rank": 512,
+                    "qk_nope_head_dim": 128,
+                    "qk_rope_head_dim": 64,
+                    "v_head_dim": 128,
+                    "n_routed_experts": 64,
+                    "n_shared_experts": 2,
+                    "routed_scaling_factor": 1.0,
+                    "topk_method": "greedy",
+                    "first_k_dense_replace": 0,
+                    "moe_intermediate_size": 1407,
+                },
+            ),
+            Family(
+                "deepseek_v3",
+                ("DeepseekV3ForCausalLM",),
+                attention="mla",
+                moe="deepseek_v3",
+                windows="none",
+                qkv_bias="attention_bias",
+                o_bias="attention_bias",
+                experts=("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
+                defaults={
+                    "q_lora_rank": 1536,
+                    "kv_lora_rank": 512,
+                    "qk_nope_head_dim": 128,
+                    "qk_rope_head_dim": 64,
+                    "v_head_dim": 128,
+                    "n_routed_experts": 256,
+                    "n_shared_experts": 1,
+                    "routed_scaling_factor": 2.5,
+                    "n_group": 8,
+                    "topk_group": 4,
+                    "num_experts_per_tok": 8,
+                    "first_k_dense_replace": 3,
+                    "norm_topk_prob": True,
+                    "rope_interleave": True,
+                    "moe_intermediate_size": 2048,
+                },
+            ),
+            # GLM-4.5 MoE: llama attention with q/k/v biases (attention_bias, none on o_proj), rotate_half partial
+            # rotary (0.5 by default), per-head q/k RMSNorm iff use_qk_norm; deepseek_v3's sigmoid grouped routing.
+            Family(
+                "glm4_moe",
+                ("Glm4MoeForCausalLM",),
+                moe="glm4_moe",
+                partial_rotary=True,
+                qkv_bias="attention_bias",
+                qk_norm="head",
+                qk_norm_flag="use_qk_norm",
+                windows="none",
+                experts=("mlp.experts", ("gate_proj", "up_proj", "down_proj")),
+                defaults={
+                    "partial_rotary_factor": 0.5,
+                    "n_routed_experts": 128,
+                    "n_shared_experts": 1,
+                    "routed_scaling_factor": 1.0,
+                    "n_group": 1,
+                    "topk_group": 1,
+                    "num_experts_per_tok": 8,
+                    "first_k_dense_replace": 1,
+                    "norm_topk_prob": True,
+                    "moe_intermediate_size": 1408,
+                },
+            ),
+        )
+    }
+)
 
-_LLAMA4_NAMES = {f"mlp.{m}": f"feed_forward.{m}" for m in (
-    "gate_proj", "up_proj", "down_proj", "shared_expert.gate_proj", "shared_expert.up_proj", "shared_expert.down_proj",
-    "experts")}
+_LLAMA4_NAMES = {
+    f"mlp.{m}": f"feed_forward.{m}"
+    for m in (
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+        "shared_expert.gate_proj",
+        "shared_expert.up_proj",
+        "shared_expert.down_proj",
+        "experts",
+    )
+}
 
-FAMILIES.update({f.name: f for f in (
-    # Llama 4 (text): interleaved RoPE (complex pairs) on chunked layers; every no_rope_layer_interval-th
-    # layer NoPE with full attention and a position-dependent query temperature; weightless L2 q/k norm
-    # on RoPE layers (after RoPE in transformers: the same as before it, a rotation keeps the norm, as long
-    # as cos/sin carry no attention factor); MoE with a sigmoid top-k router scaling the experts' input and
-    # an ungated shared expert, dense layers of intermediate_size_mlp.
-    Family("llama4_text", ("Llama4ForCausalLM",), layout="gptj", rope_layers="no_rope_layers", qk_norm="l2",
-           qk_norm_flag="use_qk_norm",
-           qkv_bias="attention_bias", o_bias="attention_bias", windows="llama4", moe="llama4",
-           dense_size_key="intermediate_size_mlp", experts_layout="transposed", attn_temperature=True,
-           names={**_LLAMA4_NAMES, "mlp.gate": "feed_forward.router"},
-           defaults={"rope_theta": 500000.0, "attention_chunk_size": 8192, "use_qk_norm": True,
-                     "attn_temperature_tuning": True, "floor_scale": 8192, "attn_scale": 0.1,
-                     "no_rope_layer_interval": 4, "num_experts_per_tok": 1, "num_local_experts": 16,
-                     "interleave_moe_layer_step": 1, "intermediate_size_mlp": 16384}),
-)})
+FAMILIES.update(
+    {
+        f.name: f
+        for f in (
+            # Llama 4 (text): interleaved RoPE (complex pairs) on chunked layers; every no_rope_layer_interval-th
+            # layer NoPE with full attention and a position-dependent query temperature; weightless L2 q/k norm
+            # on RoPE layers (after RoPE in transformers: the same as before it, a rotation keeps the norm, as long
+            # as cos/sin carry no attention factor); MoE with a sigmoid top-k router scaling the experts' input and
+            # an ungated shared expert, dense layers of intermediate_size_mlp.
+            Family(
+                "llama4_text",
+                ("Llama4ForCausalLM",),
+                layout="gptj",
+                rope_layers="no_rope_layers",
+                qk_norm="l2",
+                qk_norm_flag="use_qk_norm",
+                qkv_bias="attention_bias",
+                o_bias="attention_bias",
+                windows="llama4",
+                moe="llama4",
+                dense_size_key="intermediate_size_mlp",
+                experts_layout="transposed",
+                attn_temperature=True,
+                names={**_LLAMA4_NAMES, "mlp.gate": "feed_forward.router"},
+                defaults={
+                    "rope_theta": 500000.0,
+                    "attention_chunk_size": 8192,
+                    "use_qk_norm": True,
+                    "attn_temperature_tuning": True,
+                    "floor_scale": 8192,
+                    "attn_scale": 0.1,
+                    "no_rope_layer_interval": 4,
+                    "num_experts_per_tok": 1,
+                    "num_local_experts": 16,
+                    "interleave_moe_layer_step": 1,
+                    "intermediate_size_mlp": 16384,
+                },
+            ),
+        )
+    }
+)
 
-_QWEN2_VL = dict(qkv_bias=True, windows="qwen2", mrope=True, text_config=True, head_dim_key=None,
-                hf_layers="model.language_model.layers",
-                prefixes={"model.language_model.": "model."}, dropped_prefixes=("visual.", "model.visual."),
-                defaults={"rope_theta": 1000000.0})
+_QWEN2_VL = dict(
+    qkv_bias=True,
+    windows="qwen2",
+    mrope=True,
+    text_config=True,
+    head_dim_key=None,
+    hf_layers="model.language_model.layers",
+    prefixes={"model.language_model.": "model."},
+    dropped_prefixes=("visual.", "model.visual."),
+    defaults={"rope_theta": 1000000.0},
+)
 
-FAMILIES.update({f.name: f for f in (
-    # Qwen2-VL / Qwen2.5-VL, the text model of a text-only checkpoint: qwen2's decoder (q/k/v bias, no o
-    # bias, head_dim always hidden / heads) with mRoPE, whose three position streams coincide for text.
-    Family("qwen2_vl", ("Qwen2VLForConditionalGeneration",), **_QWEN2_VL),
-    Family("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), **_QWEN2_VL),
-    # gpt-oss: attention sinks, every-other sliding layers, yarn, biases everywhere in attention, and
-    # a biased top-k-softmax MoE with the clamped SwiGLU (models/moe.py) on every layer.
-    Family("gpt_oss", ("GptOssForCausalLM",), qkv_bias="attention_bias", o_bias="attention_bias", sinks=True,
-           moe="gpt_oss", windows="period", window_period=2, experts_layout="gpt_oss",
-           aliases={"mlp.router.weight": "mlp.gate.weight", "mlp.router.bias": "mlp.gate.bias"},
-           defaults={"attention_bias": True, "sliding_window": 128, "rope_theta": 150000.0,
-                     "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "rms_norm_eps": 1e-5,
-                     "rope_parameters": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                                         "truncate": False, "original_max_position_embeddings": 4096}}),
-)})
+FAMILIES.update(
+    {
+        f.name: f
+        for f in (
+            # Qwen2-VL / Qwen2.5-VL, the text model of a text-only checkpoint: qwen2's decoder (q/k/v bias, no o
+            # bias, head_dim always hidden / heads) with mRoPE, whose three position streams coincide for text.
+            Family("qwen2_vl", ("Qwen2VLForConditionalGeneration",), **_QWEN2_VL),
+            Family("qwen2_5_vl", ("Qwen2_5_VLForConditionalGeneration",), **_QWEN2_VL),
+            # gpt-oss: attention sinks, every-other sliding layers, yarn, biases everywhere in attention, and
+            # a biased top-k-softmax MoE with the clamped SwiGLU (models/moe.py) on every layer.
+            Family(
+                "gpt_oss",
+                ("GptOssForCausalLM",),
+                qkv_bias="attention_bias",
+                o_bias="attention_bias",
+                sinks=True,
+                moe="gpt_oss",
+                windows="period",
+                window_period=2,
+                experts_layout="gpt_oss",
+                aliases={"mlp.router.weight": "mlp.gate.weight", "mlp.router.bias": "mlp.gate.bias"},
+                defaults={
+                    "attention_bias": True,
+                    "sliding_window": 128,
+                    "rope_theta": 150000.0,
+                    "swiglu_alpha": 1.702,
+                    "swiglu_limit": 7.0,
+                    "rms_norm_eps": 1e-5,
+                    "rope_parameters": {
+                        "rope_type": "yarn",
+                        "factor": 32.0,
+                        "beta_fast": 32.0,
+                        "beta_slow": 1.0,
+                        "truncate": False,
+                        "original_max_position_embeddings": 4096,
+                    },
+                },
+            ),
+        )
+    }
+)
 
 # Architectures ropekv refuses, with the feature that is not modelled yet (docs/architectures.md).
-REFUSED: dict[str, str] = {
-}
+REFUSED: dict[str, str] = {}
 
 _CLASS_TO_FAMILY = {c: f.name for f in FAMILIES.values() for c in f.classes}
 
@@ -488,8 +1008,11 @@ def canonical_weights(config, weights: Mapping[str, torch.Tensor], source: str) 
     split_sizes = config.split_sizes()
     renamed = {family.names[stem]: stem for stem in family.names}
     if family.prefixes or family.dropped_prefixes:
-        weights = {_renamed_prefix(family, name): t for name, t in weights.items()
-                   if not name.startswith(family.dropped_prefixes)}
+        weights = {
+            _renamed_prefix(family, name): t
+            for name, t in weights.items()
+            if not name.startswith(family.dropped_prefixes)
+        }
     top = {checkpoint: canonical for canonical, checkpoint in family.top_names.items()}
     out: dict[str, torch.Tensor] = {}
     experts: dict[tuple[str, str], dict[int, torch.Tensor]] = {}  # (layer prefix, part) -> expert -> tensor
@@ -504,7 +1027,7 @@ def canonical_weights(config, weights: Mapping[str, torch.Tensor], source: str) 
             out[prefix + family.aliases[rest]] = tensor
             continue
         if family.experts is not None and rest.startswith(family.experts[0] + "."):
-            index, _, part = rest[len(family.experts[0]) + 1:].partition(".")
+            index, _, part = rest[len(family.experts[0]) + 1 :].partition(".")
             if index.isdigit() and part.endswith(".weight") and part[:-7] in family.experts[1]:
                 experts.setdefault((prefix, part[:-7]), {})[int(index)] = tensor
                 continue
@@ -519,11 +1042,18 @@ def canonical_weights(config, weights: Mapping[str, torch.Tensor], source: str) 
         if stem in family.fused:
             parts, sizes = family.fused[stem], split_sizes[stem]
             if tensor.shape[0] != sum(sizes):
-                raise CheckpointError(f"{source}: tensor {name} has {tensor.shape[0]} rows, "
-                                      f"{' + '.join(map(str, sizes))} needed for {', '.join(parts)}")
+                raise CheckpointError(
+                    f"{source}: tensor {name} has {tensor.shape[0]} rows, "
+                    f"{' + '.join(map(str, sizes))} needed for {', '.join(parts)}"
+                )
             if family.fused_qkv == "grouped" and parts[0] == "self_attn.q_proj":
-                pieces = _ungroup_qkv(tensor, config.num_heads, config.qkv_groups or config.num_kv_heads,
-                                      config.num_kv_heads, config.head_dim)
+                pieces = _ungroup_qkv(
+                    tensor,
+                    config.num_heads,
+                    config.qkv_groups or config.num_kv_heads,
+                    config.num_kv_heads,
+                    config.head_dim,
+                )
             else:
                 pieces = torch.split(tensor, list(sizes), dim=0)
             for part, piece in zip(parts, pieces):
@@ -532,8 +1062,10 @@ def canonical_weights(config, weights: Mapping[str, torch.Tensor], source: str) 
         out[f"{prefix}{renamed.get(stem, stem)}.{suffix}"] = tensor
     for (prefix, canonical), by_head in heads.items():
         if sorted(by_head) != list(range(len(by_head))):
-            raise CheckpointError(f"{source}: {prefix}{canonical}: per-head tensors 0..{len(by_head) - 1} needed, "
-                                  f"got heads {sorted(by_head)}")
+            raise CheckpointError(
+                f"{source}: {prefix}{canonical}: per-head tensors 0..{len(by_head) - 1} needed, "
+                f"got heads {sorted(by_head)}"
+            )
         out[prefix + canonical] = torch.stack([by_head[h] for h in range(len(by_head))])  # [heads, D]
     if experts:
         out.update(_stack_experts(family, experts, source))
@@ -542,8 +1074,9 @@ def canonical_weights(config, weights: Mapping[str, torch.Tensor], source: str) 
     return out
 
 
-def _ungroup_qkv(tensor: torch.Tensor, num_heads: int, groups: int, num_kv_heads: int,
-                 head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _ungroup_qkv(
+    tensor: torch.Tensor, num_heads: int, groups: int, num_kv_heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rows ``[groups, G + 2, D]`` (per group: its ``G = heads / groups`` query heads, its key, its
     value) to q ``[heads * D]``, k and v ``[num_kv_heads * D]``. With one query head per group this is
     GPT-NeoX's ``view(..., heads, 3 * D)`` then ``chunk(3)``; where ``num_kv_heads`` exceeds ``groups``
@@ -555,14 +1088,17 @@ def _ungroup_qkv(tensor: torch.Tensor, num_heads: int, groups: int, num_kv_heads
     q = grouped[:, :group].reshape(num_heads * head_dim, *rest)
     k, v = grouped[:, group], grouped[:, group + 1]  # [groups, D, ...]
     repeat = num_kv_heads // groups
-    return (q, k.repeat_interleave(repeat, dim=0).reshape(num_kv_heads * head_dim, *rest),
-            v.repeat_interleave(repeat, dim=0).reshape(num_kv_heads * head_dim, *rest))
+    return (
+        q,
+        k.repeat_interleave(repeat, dim=0).reshape(num_kv_heads * head_dim, *rest),
+        v.repeat_interleave(repeat, dim=0).reshape(num_kv_heads * head_dim, *rest),
+    )
 
 
 def _renamed_prefix(family: Family, name: str) -> str:
     for old, new in family.prefixes.items():
         if name.startswith(old):
-            return new + name[len(old):]
+            return new + name[len(old) :]
     return name
 
 
@@ -589,11 +1125,13 @@ def _stack_experts(family: Family, experts: dict, source: str) -> dict[str, torc
         parts = {name: experts.get((prefix, name), {}) for name in (gate_name, up_name, down_name)}
         count = len(parts[gate_name])
         if any(sorted(p) != list(range(count)) for p in parts.values()) or count == 0:
-            raise CheckpointError(f"{source}: {prefix}{family.experts[0]}: experts 0..E-1 need each of "
-                                  f"{', '.join(family.experts[1])}")
+            raise CheckpointError(
+                f"{source}: {prefix}{family.experts[0]}: experts 0..E-1 need each of {', '.join(family.experts[1])}"
+            )
         try:
             out[prefix + "mlp.experts.gate_up_proj"] = torch.stack(
-                [torch.cat([parts[gate_name][e], parts[up_name][e]]) for e in range(count)])
+                [torch.cat([parts[gate_name][e], parts[up_name][e]]) for e in range(count)]
+            )
             out[prefix + "mlp.experts.down_proj"] = torch.stack([parts[down_name][e] for e in range(count)])
         except RuntimeError as exc:
             raise CheckpointError(f"{source}: {prefix}{family.experts[0]}: expert tensors do not fit: {exc}") from None
@@ -604,7 +1142,7 @@ def _split_layer(name: str, layers_prefix: str) -> tuple[str | None, str]:
     """``("model.layers.3.", "self_attn.q_proj.weight")`` for a per-layer name under ``layers_prefix``
     (``gpt_neox.layers.3.attention.dense.weight`` -> ``model.layers.3.``), else ``(None, name)``."""
     if name.startswith(layers_prefix + "."):
-        index, _, rest = name[len(layers_prefix) + 1:].partition(".")
+        index, _, rest = name[len(layers_prefix) + 1 :].partition(".")
         if index.isdigit() and rest:
             return f"model.layers.{index}.", rest
     return None, name

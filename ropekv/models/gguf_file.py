@@ -27,8 +27,9 @@ import os
 import re
 import struct
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import numpy as np
 import torch
@@ -47,10 +48,23 @@ _PERMUTED_ARCHITECTURES = ("llama",)
 
 _T = GGMLQuantizationType
 # Tensor types gguf-py dequantizes in numpy and that real llama-family files use.
-SUPPORTED_TYPES = frozenset({
-    _T.F32, _T.F16, _T.BF16, _T.Q4_0, _T.Q4_1, _T.Q5_0, _T.Q5_1, _T.Q8_0,
-    _T.Q2_K, _T.Q3_K, _T.Q4_K, _T.Q5_K, _T.Q6_K,
-})
+SUPPORTED_TYPES = frozenset(
+    {
+        _T.F32,
+        _T.F16,
+        _T.BF16,
+        _T.Q4_0,
+        _T.Q4_1,
+        _T.Q5_0,
+        _T.Q5_1,
+        _T.Q8_0,
+        _T.Q2_K,
+        _T.Q3_K,
+        _T.Q4_K,
+        _T.Q5_K,
+        _T.Q6_K,
+    }
+)
 
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -72,8 +86,15 @@ _LAYER_NAMES = {
 }
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # Rope scaling keys we translate; any other "<arch>.rope.scaling.*" key is refused, not dropped.
-_SCALING_KEYS = {"type", "factor", "original_context_length", "yarn_beta_fast", "yarn_beta_slow",
-                 "attn_factor", "finetuned"}
+_SCALING_KEYS = {
+    "type",
+    "factor",
+    "original_context_length",
+    "yarn_beta_fast",
+    "yarn_beta_slow",
+    "attn_factor",
+    "finetuned",
+}
 
 _HEADER = struct.Struct("<4sIQQ")  # magic, version, tensor_count, kv_count
 _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
@@ -218,7 +239,9 @@ def hf_config_from_gguf(reader: GGUFReader, source: str) -> dict[str, Any]:
             return default
         ok = isinstance(value, int) and value > 0 if kind is int else isinstance(value, (int, float))
         if isinstance(value, bool) or not ok:
-            raise ConfigError(f"{source}: GGUF metadata {arch}.{key} must be a single positive {kind.__name__}, got {value!r}")
+            raise ConfigError(
+                f"{source}: GGUF metadata {arch}.{key} must be a single positive {kind.__name__}, got {value!r}"
+            )
         return kind(value)
 
     for key, what in (("expert_count", "mixture-of-experts"), ("attention.sliding_window", "sliding-window attention")):
@@ -233,7 +256,9 @@ def hf_config_from_gguf(reader: GGUFReader, source: str) -> dict[str, Any]:
     rotary_dim = num("rope.dimension_count", default=head_dim)
     if rotary_dim != head_dim:
         # llama.cpp permutes whole heads; partial rotary would make the two layouts inequivalent.
-        raise ConfigError(f"{source}: partial rotary (rope.dimension_count {rotary_dim} != head_dim {head_dim}) is not supported")
+        raise ConfigError(
+            f"{source}: partial rotary (rope.dimension_count {rotary_dim} != head_dim {head_dim}) is not supported"
+        )
     vocab = meta.get(f"{arch}.vocab_size")
     if vocab is None:
         embd = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
@@ -279,10 +304,12 @@ def hf_config_from_gguf(reader: GGUFReader, source: str) -> dict[str, Any]:
 def _rope_scaling(meta: Mapping[str, Any], arch: str, source: str) -> dict[str, Any] | None:
     """transformers' ``rope_scaling`` from ``<arch>.rope.scaling.*`` (linear and yarn only)."""
     prefix = f"{arch}.rope.scaling."
-    found = {k[len(prefix):]: v for k, v in meta.items() if k.startswith(prefix)}
+    found = {k[len(prefix) :]: v for k, v in meta.items() if k.startswith(prefix)}
     unknown = set(found) - _SCALING_KEYS
     if unknown:
-        raise ConfigError(f"{source}: unsupported RoPE scaling metadata {', '.join(prefix + k for k in sorted(unknown))}")
+        raise ConfigError(
+            f"{source}: unsupported RoPE scaling metadata {', '.join(prefix + k for k in sorted(unknown))}"
+        )
     kind = found.get("type") or "none"
     legacy = meta.get(f"{arch}.rope.scale_linear")
     if kind == "none" and legacy not in (None, 1.0):
@@ -359,8 +386,14 @@ def checkpoint_from_reader(
     shapes = config.expected_shapes()
 
     weights: dict[str, torch.Tensor] = {}
-    bar = tqdm(plan, desc=f"dequantize {path.name}", unit="tensor", file=sys.stderr,
-               disable=not sys.stderr.isatty(), leave=False)
+    bar = tqdm(
+        plan,
+        desc=f"dequantize {path.name}",
+        unit="tensor",
+        file=sys.stderr,
+        disable=not sys.stderr.isatty(),
+        leave=False,
+    )
     for hf_name, tensor in bar:
         try:
             values = dequantize(tensor.data, tensor.tensor_type)
@@ -423,7 +456,10 @@ def _plan(reader: GGUFReader, config: ModelConfig, source: str) -> list[tuple[st
         plan.append((hf_name, t))
     missing = sorted(set(expected) - {name for name, _ in plan})
     if missing:
-        problems.append(f"missing tensor(s) for {', '.join(missing[:5])}" + (f" and {len(missing) - 5} more" if len(missing) > 5 else ""))
+        problems.append(
+            f"missing tensor(s) for {', '.join(missing[:5])}"
+            + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        )
     if problems:
         raise CheckpointError(f"{source}: " + "; ".join(problems[:8]))
     return plan

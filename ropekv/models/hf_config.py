@@ -11,7 +11,8 @@ exactly raises :class:`ConfigError`.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
 from ..rope import RopeSpec, _finite, _is_real
@@ -25,15 +26,16 @@ if TYPE_CHECKING:
 _NESTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, source: str, layout: str) -> "ModelConfig":
+def read_hf_config(cls: type[ModelConfig], config: Mapping[str, Any], *, source: str, layout: str) -> ModelConfig:
     from .config import MAX_LAYERS, _architecture
 
     if not isinstance(config, Mapping):
         raise ConfigError(f"{source}: must be a JSON object")
     arch = _architecture(config, source)
     if config.get("trust_remote_code") or config.get("auto_map"):
-        raise ConfigError(f"{source}: needs custom code (auto_map / trust_remote_code); "
-                          "ropekv never runs checkpoint code")
+        raise ConfigError(
+            f"{source}: needs custom code (auto_map / trust_remote_code); ropekv never runs checkpoint code"
+        )
     from .families import FAMILIES
 
     fam = FAMILIES[arch]
@@ -85,7 +87,6 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
             raise ConfigError(f"{source}: field {name!r} must be an integer >= {low}, got {value!r}")
         return value
 
-
     act = config.get(fam.act_key) or fam.act_default
     if act == "swish":
         act = "silu"
@@ -107,8 +108,10 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
     if fam.heads_rule == "falcon":
         num_kv_heads, block = _falcon_layout(config, num_heads, source, flag)
     kv_rule = "multi_query / new_decoder_architecture" if fam.heads_rule == "falcon" else "one KV head per query head"
-    for key, used, why in (("head_dim", head_dim, "hidden_size // num_attention_heads"),
-                           ("num_key_value_heads", num_kv_heads, kv_rule)):
+    for key, used, why in (
+        ("head_dim", head_dim, "hidden_size // num_attention_heads"),
+        ("num_key_value_heads", num_kv_heads, kv_rule),
+    ):
         if config.get(key) not in (None, used):
             warnings.append(f"{key}={config[key]!r} is ignored: transformers' {arch} uses {used} ({why})")
     if fam.head_dim_key is None:  # what the RoPE reads below too
@@ -133,14 +136,18 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
         if sliding is None:
             raise ConfigError(f"{source}: sliding_attention layers need a 'sliding_window'")
     elif config.get("sliding_window") and fam.windows not in ("none", "qwen2", "qwen2_moe"):
-        warnings.append(f"sliding_window={config['sliding_window']!r} is ignored: no layer of this {arch} config "
-                        "is a sliding_attention layer")
+        warnings.append(
+            f"sliding_window={config['sliding_window']!r} is ignored: no layer of this {arch} config "
+            "is a sliding_attention layer"
+        )
 
     chunk = None
     if "chunked_attention" in layer_types:
         if fam.windows != "llama4":
-            raise ConfigError(f"{source}: layer type 'chunked_attention' on {arch}: transformers' {arch} has no "
-                              "chunked attention (only llama4 does)")
+            raise ConfigError(
+                f"{source}: layer type 'chunked_attention' on {arch}: transformers' {arch} has no "
+                "chunked attention (only llama4 does)"
+            )
         chunk = optional_int("attention_chunk_size", 1)
         if chunk is None:
             raise ConfigError(f"{source}: chunked_attention layers need an 'attention_chunk_size'")
@@ -188,9 +195,11 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
     if qk_norm and fam.qk_norm == "l2" and any(r is not None and r.attention_factor != 1.0 for r in ropes):
         # transformers normalizes after RoPE, which divides the attention factor of cos/sin out again;
         # before RoPE (what a raw-key cache stores) it would stay: refuse rather than check another reading.
-        raise ConfigError(f"{source}: {arch} L2 q/k norm after RoPE with a RoPE attention factor != 1 "
-                          f"({next(r.attention_factor for r in ropes if r is not None and r.attention_factor != 1.0)}) "
-                          "is not modelled (the norm removes the factor again)")
+        raise ConfigError(
+            f"{source}: {arch} L2 q/k norm after RoPE with a RoPE attention factor != 1 "
+            f"({next(r.attention_factor for r in ropes if r is not None and r.attention_factor != 1.0)}) "
+            "is not modelled (the norm removes the factor again)"
+        )
     temperature = {}
     if fam.attn_temperature and flag("attn_temperature_tuning") and any(r is None for r in ropes):
         floor = number("floor_scale", None)
@@ -201,10 +210,14 @@ def read_hf_config(cls: type["ModelConfig"], config: Mapping[str, Any], *, sourc
     if fam.name == "deepseek_v2" and flag("norm_topk_prob"):
         warnings.append("norm_topk_prob=True is ignored: transformers' deepseek_v2 router never renormalizes")
     if flag("use_bidirectional_attention"):  # gemma's embedding variants: not a causal decoder
-        raise ConfigError(f"{source}: use_bidirectional_attention is true: every query sees later tokens too, so "
-                          "no cached decode can match the full forward; ropekv checks causal decoders only")
+        raise ConfigError(
+            f"{source}: use_bidirectional_attention is true: every query sees later tokens too, so "
+            "no cached decode can match the full forward; ropekv checks causal decoders only"
+        )
     fields = dict(
-        tie_word_embeddings=flag("tie_word_embeddings"), attention_bias=rule(fam.qkv_bias), o_bias=rule(fam.o_bias),
+        tie_word_embeddings=flag("tie_word_embeddings"),
+        attention_bias=rule(fam.qkv_bias),
+        o_bias=rule(fam.o_bias),
         mlp_bias=rule(fam.mlp_bias),
         attn_softcap=number(fam.attn_softcap_key, None) if fam.attn_softcap_key else None,
         final_softcap=number(fam.final_softcap_key, None) if fam.final_softcap_key else None,
@@ -261,33 +274,46 @@ def _mla_scale(config: Mapping[str, Any], qk_head_dim: int, source: str) -> floa
         raise ConfigError(f"{source}: mscale_all_dim {all_dim!r} needs a finite RoPE 'factor' > 0, got {factor!r}")
     mscale = 1.0 if factor <= 1 else 0.1 * all_dim * math.log(factor) + 1.0
     return scale * mscale * mscale
+
+
 def _falcon_layout(config: Mapping[str, Any], num_heads: int, source: str, flag) -> tuple[int, dict[str, Any]]:
     """Falcon's KV heads as cached and its block, as ``FalconAttention`` / ``FalconDecoderLayer`` build
     them: ``(num_kv_heads, {parallel, parallel_mlp_norm, qkv_groups})``. Combinations transformers
     cannot run (its layer builds one set of norms and reads another) are refused, as is ALiBi."""
     if flag("alibi"):
-        raise ConfigError(f"{source}: falcon with alibi=True uses ALiBi attention biases, not RoPE: ropekv has no "
-                          "RoPE to check there (refused: alibi)")
+        raise ConfigError(
+            f"{source}: falcon with alibi=True uses ALiBi attention biases, not RoPE: ropekv has no "
+            "RoPE to check there (refused: alibi)"
+        )
     new, parallel = flag("new_decoder_architecture"), flag("parallel_attn")
     groups = config.get("num_kv_heads") or num_heads
     norms = config.get("num_ln_in_parallel_attn")
     if new:
         norms = 2 if norms is None else norms
         if not parallel or norms not in (1, 2):
-            raise ConfigError(f"{source}: falcon new_decoder_architecture with parallel_attn={parallel} and "
-                              f"num_ln_in_parallel_attn={norms}: transformers' falcon cannot run that layer")
+            raise ConfigError(
+                f"{source}: falcon new_decoder_architecture with parallel_attn={parallel} and "
+                f"num_ln_in_parallel_attn={norms}: transformers' falcon cannot run that layer"
+            )
         if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1 or num_heads % groups:
             raise ConfigError(f"{source}: field 'num_kv_heads' must divide num_attention_heads, got {groups!r}")
-        return num_heads, {"parallel": True, "parallel_mlp_norm": norms == 2,
-                           "qkv_groups": None if groups == num_heads else groups}
+        return num_heads, {
+            "parallel": True,
+            "parallel_mlp_norm": norms == 2,
+            "qkv_groups": None if groups == num_heads else groups,
+        }
     if parallel and norms == 2:
-        raise ConfigError(f"{source}: falcon parallel_attn with num_ln_in_parallel_attn=2 outside the new decoder "
-                          "architecture: transformers' falcon cannot run that layer")
+        raise ConfigError(
+            f"{source}: falcon parallel_attn with num_ln_in_parallel_attn=2 outside the new decoder "
+            "architecture: transformers' falcon cannot run that layer"
+        )
     if flag("multi_query"):
         return 1, {"parallel": parallel, "parallel_mlp_norm": False}
     if groups != num_heads:
-        raise ConfigError(f"{source}: falcon without multi_query or the new decoder architecture has one KV head per "
-                          f"query head; num_kv_heads={groups!r} cannot be run by transformers")
+        raise ConfigError(
+            f"{source}: falcon without multi_query or the new decoder architecture has one KV head per "
+            f"query head; num_kv_heads={groups!r} cannot be run by transformers"
+        )
     return num_heads, {"parallel": parallel, "parallel_mlp_norm": False}
 
 
@@ -359,18 +385,26 @@ def _ntk_alpha(config: Mapping[str, Any], source: str, warnings: list[str]) -> M
     if not (_is_real(alpha) and _finite(alpha) and alpha > 0):
         raise ConfigError(f"{source}: field {key}.alpha must be a finite number > 0, got {alpha!r}")
     if not isinstance(head_dim, int) or isinstance(head_dim, bool) or head_dim <= 2:
-        raise ConfigError(f"{source}: hunyuan's NTK-alpha RoPE needs an integer 'head_dim' > 2 (transformers "
-                          f"reads config.head_dim), got {head_dim!r}")
+        raise ConfigError(
+            f"{source}: hunyuan's NTK-alpha RoPE needs an integer 'head_dim' > 2 (transformers "
+            f"reads config.head_dim), got {head_dim!r}"
+        )
     theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
     if not (_is_real(theta) and _finite(theta) and theta > 0):
         raise ConfigError(f"{source}: field 'rope_theta' must be a finite number > 0, got {theta!r}")
     unread = sorted(k for k in rope if k not in ("rope_type", "type", "alpha", "rope_theta"))
     if unread:
-        warnings.append(f"{', '.join(key + '.' + k for k in unread)} ignored: transformers' hunyuan_v1_dense reads "
-                        "a dynamic RoPE with alpha as a fixed NTK base, rope_theta * alpha ** (d / (d - 2)), nothing else")
+        warnings.append(
+            f"{', '.join(key + '.' + k for k in unread)} ignored: transformers' hunyuan_v1_dense reads "
+            "a dynamic RoPE with alpha as a fixed NTK base, rope_theta * alpha ** (d / (d - 2)), nothing else"
+        )
     base = float(theta) * float(alpha) ** (head_dim / (head_dim - 2))
-    return {**config, "rope_parameters": {"rope_type": "default", "rope_theta": base}, "rope_scaling": None,
-            "rope_theta": base}
+    return {
+        **config,
+        "rope_parameters": {"rope_type": "default", "rope_theta": base},
+        "rope_scaling": None,
+        "rope_theta": base,
+    }
 
 
 def _partial_factor(config: Mapping[str, Any]) -> Any:
@@ -393,10 +427,16 @@ def _layer_types(fam: Family, config: Mapping[str, Any], num_layers: int, source
     given = config.get("layer_types")
     if given is not None and not isinstance(given, list):
         raise ConfigError(f"{source}: field 'layer_types' must be a list")
-    if fam.windows in ("qwen2", "qwen2_moe", "smollm3") and given is not None and "sliding_attention" in given \
-            and not flag("use_sliding_window"):
-        raise ConfigError(f"{source}: layer_types names sliding_attention layers but use_sliding_window is false: "
-                          f"transformers' {fam.name} then keeps no window and cannot run them; set one of the two")
+    if (
+        fam.windows in ("qwen2", "qwen2_moe", "smollm3")
+        and given is not None
+        and "sliding_attention" in given
+        and not flag("use_sliding_window")
+    ):
+        raise ConfigError(
+            f"{source}: layer_types names sliding_attention layers but use_sliding_window is false: "
+            f"transformers' {fam.name} then keeps no window and cannot run them; set one of the two"
+        )
     if given is not None and fam.windows != "qwen3_moe":  # qwen3_moe's modeling never reads layer_types
         from .config import LAYER_TYPES
 
@@ -421,8 +461,9 @@ def _layer_types(fam: Family, config: Mapping[str, Any], num_layers: int, source
         use = flag("use_sliding_window")
         mwl = optional_int("max_window_layers", 0)
         if mwl is None and use:
-            raise ConfigError(f"{source}: field 'max_window_layers' is null: transformers cannot derive the "
-                              "sliding layers from it")
+            raise ConfigError(
+                f"{source}: field 'max_window_layers' is null: transformers cannot derive the sliding layers from it"
+            )
         if rule == "qwen2":
             slides = [bool(use and window and i >= mwl) for i in range(num_layers)]
         else:
@@ -431,9 +472,11 @@ def _layer_types(fam: Family, config: Mapping[str, Any], num_layers: int, source
     if rule == "period":
         period = config.get(fam.window_period_key, fam.window_period) if fam.window_period_key else fam.window_period
         if not isinstance(period, int) or isinstance(period, bool) or period < 1:
-            raise ConfigError(f"{source}: {fam.name} config without 'layer_types' and {fam.window_period_key} = "
-                              f"{period!r}: transformers derives the layers only from an integer period >= 1 (a "
-                              "string pattern fails there); give layer_types")
+            raise ConfigError(
+                f"{source}: {fam.name} config without 'layer_types' and {fam.window_period_key} = "
+                f"{period!r}: transformers derives the layers only from an integer period >= 1 (a "
+                "string pattern fails there); give layer_types"
+            )
         return ["sliding_attention" if (i + 1) % period else "full_attention" for i in range(num_layers)]
     if rule == "smollm3":  # sliding iff use_sliding_window, a window, and a NoPE layer
         nope = _no_rope_flags(config, num_layers, source)
@@ -455,11 +498,16 @@ def _text_config(config: Mapping[str, Any], source: str) -> tuple[dict[str, Any]
         out["tie_word_embeddings"] = config["tie_word_embeddings"]
     notes = []
     if config.get("vision_config") is not None:
-        notes.append("vision_config is not checked: ropekv checks the text model at text positions, where the "
-                     "three mRoPE position streams are one (image and video tokens are outside the check)")
+        notes.append(
+            "vision_config is not checked: ropekv checks the text model at text positions, where the "
+            "three mRoPE position streams are one (image and video tokens are outside the check)"
+        )
     return out, notes
-def _no_rope_flags(config: Mapping[str, Any], num_layers: int, source: str, *,
-                   empty_is_default: bool = False) -> list[int]:
+
+
+def _no_rope_flags(
+    config: Mapping[str, Any], num_layers: int, source: str, *, empty_is_default: bool = False
+) -> list[int]:
     """``no_rope_layers`` (1: the layer rotates; smollm3, llama4), or the config class's default from
     ``no_rope_layer_interval`` (every 4th layer NoPE) where absent (llama4's config class: or empty)."""
     flags = config.get("no_rope_layers")
@@ -475,30 +523,33 @@ def _no_rope_flags(config: Mapping[str, Any], num_layers: int, source: str, *,
 
 def _rope(config: Mapping[str, Any], layer_type: str | None, layout: str, fam: Family, source: str) -> RopeSpec:
     try:
-        return RopeSpec.from_hf_config(config, layer_type=layer_type, layout=layout, partial_rotary=fam.partial_rotary,
-                                       mrope=fam.mrope)
+        return RopeSpec.from_hf_config(
+            config, layer_type=layer_type, layout=layout, partial_rotary=fam.partial_rotary, mrope=fam.mrope
+        )
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
 
 
-def _layer_ropes(fam: Family, config: Mapping[str, Any], layer_types: list[str], layout: str,
-                 source: str) -> list[RopeSpec | None]:
+def _layer_ropes(
+    fam: Family, config: Mapping[str, Any], layer_types: list[str], layout: str, source: str
+) -> list[RopeSpec | None]:
     """Each layer's RoPE (None: NoPE), as the architecture's attention decides it."""
     params = config.get("rope_parameters")
-    nested = isinstance(params, Mapping) and params and all(
-        isinstance(v, Mapping) or v is None for v in params.values())
+    nested = (
+        isinstance(params, Mapping) and params and all(isinstance(v, Mapping) or v is None for v in params.values())
+    )
     per_type: dict[str, RopeSpec] = {}
     for t in sorted(set(layer_types)):
         per_type[t] = _rope(config, t if nested and t in params else None, layout, fam, source)
     if fam.name == "gemma3_text" and not nested and config.get("rope_local_base_freq") is not None:
-        local = {**config, "rope_parameters": None, "rope_scaling": None,
-                 "rope_theta": config["rope_local_base_freq"]}
+        local = {**config, "rope_parameters": None, "rope_scaling": None, "rope_theta": config["rope_local_base_freq"]}
         per_type["sliding_attention"] = _rope(local, None, layout, fam, source)
     ropes: list[RopeSpec | None] = [per_type[t] for t in layer_types]
     if fam.rope_layers == "no_rope_layers":
         flags = _no_rope_flags(config, len(layer_types), source)
         ropes = [r if f else None for r, f in zip(ropes, flags)]
     elif fam.rope_layers == "sliding_only" or (
-            fam.rope_layers == "sliding_only_if_window" and config.get("sliding_window") is not None):
+        fam.rope_layers == "sliding_only_if_window" and config.get("sliding_window") is not None
+    ):
         ropes = [r if t == "sliding_attention" else None for r, t in zip(ropes, layer_types)]
     return ropes

@@ -55,9 +55,13 @@ class MlaSpec:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     def to_dict(self) -> dict[str, Any]:
-        return {"q_lora_rank": self.q_lora_rank, "kv_lora_rank": self.kv_lora_rank,
-                "qk_nope_head_dim": self.qk_nope_head_dim, "qk_rope_head_dim": self.qk_rope_head_dim,
-                "v_head_dim": self.v_head_dim}
+        return {
+            "q_lora_rank": self.q_lora_rank,
+            "kv_lora_rank": self.kv_lora_rank,
+            "qk_nope_head_dim": self.qk_nope_head_dim,
+            "qk_rope_head_dim": self.qk_rope_head_dim,
+            "v_head_dim": self.v_head_dim,
+        }
 
 
 def _positive(name: str, value: Any) -> None:
@@ -68,29 +72,40 @@ def _positive(name: str, value: Any) -> None:
 def read_mla(config: dict, num_heads: int, source: str) -> MlaSpec:
     """The MLA sizes of a deepseek_v2/v3 ``config.json``, refusing what transformers' attention
     cannot run as described (grouped KV heads over expanded keys, a rotary head dim other than the rope part)."""
+
     def need(name: str) -> Any:
         if config.get(name) is None:
             raise ConfigError(f"{source}: missing field {name!r}")
         return config[name]
 
     try:
-        spec = MlaSpec(q_lora_rank=config.get("q_lora_rank"), kv_lora_rank=need("kv_lora_rank"),
-                       qk_nope_head_dim=need("qk_nope_head_dim"), qk_rope_head_dim=need("qk_rope_head_dim"),
-                       v_head_dim=need("v_head_dim"))
+        spec = MlaSpec(
+            q_lora_rank=config.get("q_lora_rank"),
+            kv_lora_rank=need("kv_lora_rank"),
+            qk_nope_head_dim=need("qk_nope_head_dim"),
+            qk_rope_head_dim=need("qk_rope_head_dim"),
+            v_head_dim=need("v_head_dim"),
+        )
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
     kv = config.get("num_key_value_heads")
     if kv is not None and kv != num_heads:
-        raise ConfigError(f"{source}: MLA with num_key_value_heads {kv} != num_attention_heads {num_heads}: the "
-                          "expanded keys have one head per query head, and transformers' attention would group them "
-                          "again; ropekv refuses to check it under another reading")
+        raise ConfigError(
+            f"{source}: MLA with num_key_value_heads {kv} != num_attention_heads {num_heads}: the "
+            "expanded keys have one head per query head, and transformers' attention would group them "
+            "again; ropekv refuses to check it under another reading"
+        )
     head_dim = config.get("head_dim")
     if head_dim is not None and head_dim != spec.qk_rope_head_dim:
-        raise ConfigError(f"{source}: MLA config with head_dim {head_dim} != qk_rope_head_dim {spec.qk_rope_head_dim}: "
-                          "transformers sizes the rotary frequencies by head_dim but rotates only the rope part, "
-                          "a config it cannot run")
+        raise ConfigError(
+            f"{source}: MLA config with head_dim {head_dim} != qk_rope_head_dim {spec.qk_rope_head_dim}: "
+            "transformers sizes the rotary frequencies by head_dim but rotates only the rope part, "
+            "a config it cannot run"
+        )
     if spec.v_head_dim > spec.qk_head_dim:
-        raise ConfigError(f"{source}: MLA v_head_dim {spec.v_head_dim} > qk_nope_head_dim + qk_rope_head_dim "
-                          f"{spec.qk_head_dim}: ropekv's cache pads values to the key's head size and cannot hold "
-                          "wider values yet")
+        raise ConfigError(
+            f"{source}: MLA v_head_dim {spec.v_head_dim} > qk_nope_head_dim + qk_rope_head_dim "
+            f"{spec.qk_head_dim}: ropekv's cache pads values to the key's head size and cannot hold "
+            "wider values yet"
+        )
     return spec

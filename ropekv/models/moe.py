@@ -42,13 +42,15 @@ canonical gate-then-up rows.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping, get_args
+from typing import Any, Literal, get_args
 
 from ..errors import ConfigError
 
-Router = Literal["softmax_topk", "topk_softmax", "sigmoid_group", "softmax_greedy", "softmax_group_limited",
-                 "topk_sigmoid_input"]
+Router = Literal[
+    "softmax_topk", "topk_softmax", "sigmoid_group", "softmax_greedy", "softmax_group_limited", "topk_sigmoid_input"
+]
 ROUTERS: tuple[str, ...] = get_args(Router)
 GROUPED = ("sigmoid_group", "softmax_group_limited")
 
@@ -81,41 +83,65 @@ class MoeSpec:
                 raise ConfigError(f"MoE {name} must be a positive integer, got {v!r}")
         if self.top_k > self.num_experts:
             raise ConfigError(f"MoE top_k {self.top_k} exceeds num_experts {self.num_experts}")
-        if self.shared_expert_size is not None and (not isinstance(self.shared_expert_size, int)
-                                                    or self.shared_expert_size < 1):
+        if self.shared_expert_size is not None and (
+            not isinstance(self.shared_expert_size, int) or self.shared_expert_size < 1
+        ):
             raise ConfigError(f"MoE shared_expert_size must be a positive integer, got {self.shared_expert_size!r}")
-        if self.shared_experts_size is not None and (not isinstance(self.shared_experts_size, int)
-                                                     or self.shared_experts_size < 1):
+        if self.shared_experts_size is not None and (
+            not isinstance(self.shared_experts_size, int) or self.shared_experts_size < 1
+        ):
             raise ConfigError(f"MoE shared_experts_size must be a positive integer, got {self.shared_experts_size!r}")
         if self.router in GROUPED:
             g, k = self.num_groups, self.top_groups
             if not (isinstance(g, int) and isinstance(k, int)) or g < 1 or not 1 <= k <= g or self.num_experts % g:
-                raise ConfigError(f"MoE grouped routing needs n_group dividing the {self.num_experts} experts and "
-                                  f"1 <= topk_group <= n_group, got n_group={g!r}, topk_group={k!r}")
+                raise ConfigError(
+                    f"MoE grouped routing needs n_group dividing the {self.num_experts} experts and "
+                    f"1 <= topk_group <= n_group, got n_group={g!r}, topk_group={k!r}"
+                )
             if self.router == "sigmoid_group" and self.num_experts // g < 2:
-                raise ConfigError(f"MoE sigmoid group routing ranks groups by their two best experts: n_group {g} "
-                                  f"leaves {self.num_experts // g} expert(s) per group")
+                raise ConfigError(
+                    f"MoE sigmoid group routing ranks groups by their two best experts: n_group {g} "
+                    f"leaves {self.num_experts // g} expert(s) per group"
+                )
             if self.top_k > k * (self.num_experts // g):
-                raise ConfigError(f"MoE top_k {self.top_k} exceeds the {k * (self.num_experts // g)} experts of the "
-                                  f"{k} groups kept")
-        if isinstance(self.routed_scale, bool) or not isinstance(self.routed_scale, (int, float)) \
-                or not math.isfinite(self.routed_scale):
+                raise ConfigError(
+                    f"MoE top_k {self.top_k} exceeds the {k * (self.num_experts // g)} experts of the {k} groups kept"
+                )
+        if (
+            isinstance(self.routed_scale, bool)
+            or not isinstance(self.routed_scale, (int, float))
+            or not math.isfinite(self.routed_scale)
+        ):
             raise ConfigError(f"MoE routed_scaling_factor must be a finite number, got {self.routed_scale!r}")
         if (self.swiglu_limit is None) != (self.swiglu_alpha is None):
             raise ConfigError("MoE clamped SwiGLU needs both swiglu_limit and swiglu_alpha")
         for name in ("swiglu_limit", "swiglu_alpha"):
             v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
-                                  or v <= 0):
+            if v is not None and (
+                isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0
+            ):
                 raise ConfigError(f"MoE {name} must be a finite number > 0, got {v!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        d = {"router": self.router, "num_experts": self.num_experts, "top_k": self.top_k,
-             "expert_size": self.expert_size, "normalize": self.normalize,
-             "shared_expert_size": self.shared_expert_size, "sparse_layers": list(self.sparse_layers)}
+        d = {
+            "router": self.router,
+            "num_experts": self.num_experts,
+            "top_k": self.top_k,
+            "expert_size": self.expert_size,
+            "normalize": self.normalize,
+            "shared_expert_size": self.shared_expert_size,
+            "sparse_layers": list(self.sparse_layers),
+        }
         if self.router in ("sigmoid_group", "softmax_greedy", "softmax_group_limited"):
-            d.update({"num_groups": self.num_groups, "top_groups": self.top_groups, "routed_scale": self.routed_scale,
-                      "shared_experts_size": self.shared_experts_size, "correction_bias": self.correction_bias})
+            d.update(
+                {
+                    "num_groups": self.num_groups,
+                    "top_groups": self.top_groups,
+                    "routed_scale": self.routed_scale,
+                    "shared_experts_size": self.shared_experts_size,
+                    "correction_bias": self.correction_bias,
+                }
+            )
         if not self.shared_expert_gated:  # written only where it differs: earlier fingerprints stay
             d["shared_expert_gated"] = False
         if self.bias or self.swiglu_limit is not None:  # gpt_oss; left out elsewhere (fingerprints unchanged)
@@ -125,6 +151,7 @@ class MoeSpec:
 
 def read_moe(kind: str, config: Mapping[str, Any], num_layers: int, source: str) -> MoeSpec:
     """The MoE MLP of a ``kind`` family (``FAMILIES[...].moe``) from its config.json."""
+
     def integer(*names: str) -> int:
         for name in names:
             value = config.get(name)
@@ -143,13 +170,19 @@ def read_moe(kind: str, config: Mapping[str, Any], num_layers: int, source: str)
         if not isinstance(dense, list):
             raise ConfigError(f"{source}: field 'mlp_only_layers' must be a list")
         layers = tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
-        return MoeSpec("softmax_topk", experts, top_k, integer("moe_intermediate_size"),
-                       normalize=bool(config.get("norm_topk_prob", False)),
-                       shared_expert_size=integer("shared_expert_intermediate_size") if kind == "qwen2_moe" else None,
-                       sparse_layers=layers)
+        return MoeSpec(
+            "softmax_topk",
+            experts,
+            top_k,
+            integer("moe_intermediate_size"),
+            normalize=bool(config.get("norm_topk_prob", False)),
+            shared_expert_size=integer("shared_expert_intermediate_size") if kind == "qwen2_moe" else None,
+            sparse_layers=layers,
+        )
     if kind == "mixtral":
-        return MoeSpec("softmax_topk", experts, top_k, integer("intermediate_size"), normalize=True,
-                       sparse_layers=layers)
+        return MoeSpec(
+            "softmax_topk", experts, top_k, integer("intermediate_size"), normalize=True, sparse_layers=layers
+        )
     if kind in ("deepseek_v3", "glm4_moe", "deepseek_v2"):
         return _read_deepseek(kind, config, num_layers, source, experts, top_k, integer)
     if kind == "llama4":
@@ -164,26 +197,45 @@ def read_moe(kind: str, config: Mapping[str, Any], num_layers: int, source: str)
         else:
             layers = tuple(range(step - 1, num_layers, step))
         size = integer("intermediate_size")
-        return MoeSpec("topk_sigmoid_input", experts, top_k, size, normalize=False, shared_expert_size=size,
-                       sparse_layers=layers, shared_expert_gated=False)
+        return MoeSpec(
+            "topk_sigmoid_input",
+            experts,
+            top_k,
+            size,
+            normalize=False,
+            shared_expert_size=size,
+            sparse_layers=layers,
+            shared_expert_gated=False,
+        )
     if kind == "granitemoe":
-        return MoeSpec("topk_softmax", experts, top_k, integer("intermediate_size"), normalize=False,
-                       sparse_layers=layers)
+        return MoeSpec(
+            "topk_softmax", experts, top_k, integer("intermediate_size"), normalize=False, sparse_layers=layers
+        )
     if kind == "gpt_oss":
+
         def positive(name: str) -> float:
             value = config.get(name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ConfigError(f"{source}: field {name!r} must be a finite number > 0, got {value!r}")
             return float(value)
 
-        return MoeSpec("topk_softmax", experts, top_k, integer("intermediate_size"), normalize=False,
-                       sparse_layers=layers, bias=True, swiglu_limit=positive("swiglu_limit"),
-                       swiglu_alpha=positive("swiglu_alpha"))
+        return MoeSpec(
+            "topk_softmax",
+            experts,
+            top_k,
+            integer("intermediate_size"),
+            normalize=False,
+            sparse_layers=layers,
+            bias=True,
+            swiglu_limit=positive("swiglu_limit"),
+            swiglu_alpha=positive("swiglu_alpha"),
+        )
     raise ConfigError(f"{source}: unknown MoE kind {kind!r}")
 
 
-def _read_deepseek(kind: str, config: Mapping[str, Any], num_layers: int, source: str, experts: int, top_k: int,
-                   integer) -> MoeSpec:
+def _read_deepseek(
+    kind: str, config: Mapping[str, Any], num_layers: int, source: str, experts: int, top_k: int, integer
+) -> MoeSpec:
     """deepseek_v2/v3 and glm4_moe: MoE on layers ``first_k_dense_replace..``, shared experts, grouped routing."""
     first = config.get("first_k_dense_replace") or 0
     if not isinstance(first, int) or isinstance(first, bool) or first < 0:
@@ -196,22 +248,42 @@ def _read_deepseek(kind: str, config: Mapping[str, Any], num_layers: int, source
         raise ConfigError(f"{source}: field 'n_shared_experts' must be an integer >= 0, got {shared!r}")
     size = integer("moe_intermediate_size")
     if not shared:  # transformers builds the shared MLP whatever n_shared_experts is; 0 would be an empty MLP
-        raise ConfigError(f"{source}: {kind} with n_shared_experts={shared!r}: transformers always builds the shared "
-                          "experts, of intermediate size n_shared_experts * moe_intermediate_size")
-    common = dict(num_experts=experts, top_k=top_k, expert_size=size, sparse_layers=tuple(range(first, num_layers)),
-                  routed_scale=float(scale), shared_experts_size=shared * size)
+        raise ConfigError(
+            f"{source}: {kind} with n_shared_experts={shared!r}: transformers always builds the shared "
+            "experts, of intermediate size n_shared_experts * moe_intermediate_size"
+        )
+    common = dict(
+        num_experts=experts,
+        top_k=top_k,
+        expert_size=size,
+        sparse_layers=tuple(range(first, num_layers)),
+        routed_scale=float(scale),
+        shared_experts_size=shared * size,
+    )
     try:
         if kind == "deepseek_v2":
             method = config.get("topk_method", "greedy")
             if method == "greedy":
                 return MoeSpec("softmax_greedy", normalize=False, **common)
             if method == "group_limited_greedy":
-                return MoeSpec("softmax_group_limited", normalize=False, num_groups=config.get("n_group"),
-                               top_groups=config.get("topk_group"), **common)
-            raise ConfigError(f"deepseek_v2 topk_method {method!r} is not one transformers' DeepseekV2TopkRouter "
-                              "runs (greedy, group_limited_greedy)")
-        return MoeSpec("sigmoid_group", normalize=bool(config.get("norm_topk_prob", False)),
-                       num_groups=config.get("n_group"), top_groups=config.get("topk_group"), correction_bias=True,
-                       **common)
+                return MoeSpec(
+                    "softmax_group_limited",
+                    normalize=False,
+                    num_groups=config.get("n_group"),
+                    top_groups=config.get("topk_group"),
+                    **common,
+                )
+            raise ConfigError(
+                f"deepseek_v2 topk_method {method!r} is not one transformers' DeepseekV2TopkRouter "
+                "runs (greedy, group_limited_greedy)"
+            )
+        return MoeSpec(
+            "sigmoid_group",
+            normalize=bool(config.get("norm_topk_prob", False)),
+            num_groups=config.get("n_group"),
+            top_groups=config.get("topk_group"),
+            correction_bias=True,
+            **common,
+        )
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None

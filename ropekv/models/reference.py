@@ -26,15 +26,16 @@ better reference than HF itself.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal
 
 import torch
 
 from ..errors import UsageError
 from ..probe import LayerProbe
-from .mla import LATENT_NORM_EPS
 from .config import Checkpoint, ModelConfig
+from .mla import LATENT_NORM_EPS
 
 _QUERY_BLOCK = 256  # queries per attention block: bounds memory at [H, block, T] scores
 
@@ -101,8 +102,9 @@ class ReferenceDecoder:
             raise UsageError(f"sink_tokens must be a non-negative integer, got {sink_tokens!r}")
 
         positions = torch.arange(T) if positions is None else self._check_positions(positions, T)
-        if key_mask is not None and (not isinstance(key_mask, torch.Tensor) or key_mask.dtype != torch.bool
-                                     or tuple(key_mask.shape) != (T, T)):
+        if key_mask is not None and (
+            not isinstance(key_mask, torch.Tensor) or key_mask.dtype != torch.bool or tuple(key_mask.shape) != (T, T)
+        ):
             raise UsageError(f"key_mask must be a bool tensor [{T}, {T}]")
         index = torch.arange(T)  # visibility is by index (positions only rotate; they increase with it)
         fam = cfg.family
@@ -138,8 +140,15 @@ class ReferenceDecoder:
             block = self._query_block(T)
             for start in range(0, T, block):
                 stop = min(T, start + block)  # causal: no query of the block sees a key at or past `stop`
-                scores = self._attn_logits(q_rot[start:stop], index[start:stop], k_heads[:stop],
-                                           windows[layer], sink_tokens, chunks[layer], positions)
+                scores = self._attn_logits(
+                    q_rot[start:stop],
+                    index[start:stop],
+                    k_heads[:stop],
+                    windows[layer],
+                    sink_tokens,
+                    chunks[layer],
+                    positions,
+                )
                 if key_mask is not None:  # [block, stop] extra visibility (evicted keys)
                     scores = scores.masked_fill(~key_mask[start:stop, :stop][None], float("-inf"))
                 attn[start:stop] = self._attend(scores, v_heads[:stop], sinks)
@@ -153,9 +162,17 @@ class ReferenceDecoder:
                 x = x + self._norm(mlp_out, p, mlp_out_norm) * cfg.residual_scale
 
             if rows is not None:
-                probes.append(LayerProbe(
-                    q=q_rot[rows].clone(), k=k_rot, key_positions=positions, hidden_in=hidden_in[rows].clone(),
-                    q_raw=q[rows].clone(), k_raw=k, v=v))
+                probes.append(
+                    LayerProbe(
+                        q=q_rot[rows].clone(),
+                        k=k_rot,
+                        key_positions=positions,
+                        hidden_in=hidden_in[rows].clone(),
+                        q_raw=q[rows].clone(),
+                        k_raw=k,
+                        v=v,
+                    )
+                )
 
         logits_of_rows = logits_for == "probed"
         if logits_of_rows:
@@ -168,8 +185,12 @@ class ReferenceDecoder:
         logits = logits * cfg.logits_scale
         if cfg.final_softcap is not None:
             logits = torch.tanh(logits / cfg.final_softcap) * cfg.final_softcap
-        return ReferenceOutput(logits=logits, rows=None if rows is None else positions[rows], layers=tuple(probes),
-                               probed_logits=logits_of_rows)
+        return ReferenceOutput(
+            logits=logits,
+            rows=None if rows is None else positions[rows],
+            layers=tuple(probes),
+            probed_logits=logits_of_rows,
+        )
 
     def next_token(self, tokens: torch.Tensor | Sequence[int]) -> int:
         """Greedy next token after ``tokens`` (argmax of the last row of the logits)."""
@@ -349,8 +370,14 @@ class ReferenceDecoder:
         return max(1, min(_QUERY_BLOCK, (16 << 20) // per_query))
 
     def _attn_logits(
-        self, q_rot: torch.Tensor, rows: torch.Tensor, k_heads: torch.Tensor, window: int | None, sinks: int,
-        chunk: int | None = None, positions: torch.Tensor | None = None,
+        self,
+        q_rot: torch.Tensor,
+        rows: torch.Tensor,
+        k_heads: torch.Tensor,
+        window: int | None,
+        sinks: int,
+        chunk: int | None = None,
+        positions: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Scaled, masked scores ``[H, R, T]`` of queries ``q_rot [R, H, D]`` at ``rows`` against the
         keys ``k_heads [T, H, D]`` (already repeated per query head); ``chunk``: a chunked layer, whose
@@ -439,8 +466,14 @@ def _activation(x: torch.Tensor, name: str) -> torch.Tensor:
     raise UsageError(f"activation {name!r} is not implemented")
 
 
-def visible(rows: torch.Tensor, num_keys: int, window: int | None, sink_tokens: int = 0,
-            chunk: int | None = None, positions: torch.Tensor | None = None) -> torch.Tensor:
+def visible(
+    rows: torch.Tensor,
+    num_keys: int,
+    window: int | None,
+    sink_tokens: int = 0,
+    chunk: int | None = None,
+    positions: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Boolean mask ``[R, num_keys]``: key ``j`` visible to the query at position ``i = rows[r]`` iff
     ``j <= i`` and (``window`` is None, or ``i - window < j``, or ``j < sink_tokens``), and on a
     chunked layer the key's position is in the query's chunk: ``pos(j) >= (pos(i) // chunk) * chunk``
@@ -451,7 +484,9 @@ def visible(rows: torch.Tensor, num_keys: int, window: int | None, sink_tokens: 
     if window is not None:
         mask &= (j > i - window) | (j < sink_tokens)
     if chunk is not None:
-        pos = torch.arange(max(num_keys, int(rows.max()) + 1 if rows.numel() else 0)) if positions is None else positions
+        pos = (
+            torch.arange(max(num_keys, int(rows.max()) + 1 if rows.numel() else 0)) if positions is None else positions
+        )
         qpos, kpos = pos[rows][:, None], pos[:num_keys][None, :]
         mask &= kpos >= (qpos // chunk) * chunk
     return mask

@@ -17,8 +17,9 @@ import hashlib
 import json
 import math
 import struct
+from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -33,13 +34,32 @@ PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 
 _MAX_JSON_BYTES = 64 * 1024 * 1024  # config.json / index.json / a safetensors header
 # Bytes per element of the safetensors dtypes (others are left to the safetensors reader to judge).
-_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
-                "BOOL": 1, "F8_E4M3": 1, "F8_E4M3FNUZ": 1, "F8_E5M2": 1, "F8_E5M2FNUZ": 1, "C64": 8,
-                "U64": 8, "U32": 4, "U16": 2}
+_DTYPE_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E4M3FNUZ": 1,
+    "F8_E5M2": 1,
+    "F8_E5M2FNUZ": 1,
+    "C64": 8,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+}
 _HASH_CHUNK = 16 * 1024 * 1024
 
 
-def load_safetensors_dir(path: str | Path, *, layout: str = "neox", weights_digest_hint: str | None = None) -> Checkpoint:
+def load_safetensors_dir(
+    path: str | Path, *, layout: str = "neox", weights_digest_hint: str | None = None
+) -> Checkpoint:
     """Load ``path`` (a directory written by ``save_pretrained``) into a validated :class:`Checkpoint`.
 
     ``layout`` is the RoPE pairing the Q/K weights are stored for; transformers checkpoints use
@@ -174,8 +194,11 @@ def _check_header(file: Path) -> None:
         if name == "__metadata__":
             continue
         offsets = info.get("data_offsets") if isinstance(info, dict) else None
-        if (not isinstance(offsets, list) or len(offsets) != 2
-                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)):
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        ):
             raise CheckpointError(f"{file}: corrupt safetensors header: tensor {name!r} has no valid data_offsets")
         start, end = offsets
         if not 0 <= start <= end <= data_len:
@@ -184,8 +207,9 @@ def _check_header(file: Path) -> None:
                 f"of a {data_len}-byte data section"
             )
         shape, dtype = info.get("shape"), info.get("dtype")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                                  for d in shape):
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
             raise CheckpointError(f"{file}: corrupt safetensors header: tensor {name!r} has no valid shape ({shape!r})")
         itemsize = _DTYPE_BYTES.get(dtype) if isinstance(dtype, str) else None
         if itemsize is not None and math.prod(shape) * itemsize != end - start:
@@ -205,7 +229,9 @@ def _read_safetensors(file: Path, names: list[str] | None) -> dict[str, torch.Te
             if names is not None:
                 missing = [n for n in names if n not in available]
                 if missing:
-                    raise CheckpointError(f"{file}: index lists tensor(s) {', '.join(missing[:5])} that this shard lacks")
+                    raise CheckpointError(
+                        f"{file}: index lists tensor(s) {', '.join(missing[:5])} that this shard lacks"
+                    )
                 unlisted = sorted(available - set(names))
                 if unlisted:
                     raise CheckpointError(

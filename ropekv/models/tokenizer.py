@@ -39,8 +39,15 @@ SUPPORTED_PRE = _DIGITS_FIRST + _GPT2_ONLY
 class Tokenizer:
     """Text <-> token ids. ``encode`` adds a BOS only when the source file asks for it."""
 
-    def __init__(self, backend: _Backend, *, bos_token_id: int | None, eos_token_id: int | None,
-                 add_bos: bool = False, chat_template: str | None = None):
+    def __init__(
+        self,
+        backend: _Backend,
+        *,
+        bos_token_id: int | None,
+        eos_token_id: int | None,
+        add_bos: bool = False,
+        chat_template: str | None = None,
+    ):
         self.backend = backend
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
@@ -50,12 +57,12 @@ class Tokenizer:
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def from_gguf(cls, path: str | os.PathLike) -> "Tokenizer":
+    def from_gguf(cls, path: str | os.PathLike) -> Tokenizer:
         """Build the tokenizer a GGUF file describes (``tokenizer.ggml.model`` must be ``gpt2``)."""
         return cls.from_gguf_reader(open_gguf(path), path)
 
     @classmethod
-    def from_gguf_reader(cls, reader: Any, path: str | os.PathLike) -> "Tokenizer":
+    def from_gguf_reader(cls, reader: Any, path: str | os.PathLike) -> Tokenizer:
         """:meth:`from_gguf` on an open ``gguf.GGUFReader`` (``path`` only names it in errors)."""
         fields = reader.fields
 
@@ -68,7 +75,9 @@ class Tokenizer:
             raise ConfigError(f"{path}: tokenizer model {model!r} is not supported (byte-level BPE 'gpt2' only)")
         pre = get("tokenizer.ggml.pre")
         if pre not in SUPPORTED_PRE:
-            raise ConfigError(f"{path}: tokenizer pre-type {pre!r} is not supported; supported: {', '.join(SUPPORTED_PRE)}")
+            raise ConfigError(
+                f"{path}: tokenizer pre-type {pre!r} is not supported; supported: {', '.join(SUPPORTED_PRE)}"
+            )
         tokens, merges = get("tokenizer.ggml.tokens"), get("tokenizer.ggml.merges")
         if not tokens or merges is None:
             raise CheckpointError(f"{path}: GGUF has no tokenizer.ggml.tokens / tokenizer.ggml.merges")
@@ -89,7 +98,8 @@ class Tokenizer:
         byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         backend.pre_tokenizer = (
             pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-            if pre in _DIGITS_FIRST else byte_level
+            if pre in _DIGITS_FIRST
+            else byte_level
         )
         backend.decoder = decoders.ByteLevel()
         backend.add_special_tokens(
@@ -110,7 +120,7 @@ class Tokenizer:
         )
 
     @classmethod
-    def from_file(cls, tokenizer_json: str | os.PathLike) -> "Tokenizer":
+    def from_file(cls, tokenizer_json: str | os.PathLike) -> Tokenizer:
         """Load what :meth:`save` wrote: ``tokenizer.json`` plus its sibling ``tokenizer_config.json``
         (transformers' names; the latter holds the BOS/EOS tokens and the BOS flag)."""
         tokenizer_json = Path(tokenizer_json)
@@ -130,8 +140,13 @@ class Tokenizer:
             token = extra.get(name)
             return None if token is None else backend.token_to_id(token)
 
-        return cls(backend, bos_token_id=token_id("bos_token"), eos_token_id=token_id("eos_token"),
-                   add_bos=bool(extra.get("add_bos_token", False)), chat_template=extra.get("chat_template"))
+        return cls(
+            backend,
+            bos_token_id=token_id("bos_token"),
+            eos_token_id=token_id("eos_token"),
+            add_bos=bool(extra.get("add_bos_token", False)),
+            chat_template=extra.get("chat_template"),
+        )
 
     def save(self, path: str | os.PathLike) -> None:
         """Write ``path`` (a ``tokenizer.json``) and ``tokenizer_config.json`` beside it."""

@@ -17,7 +17,6 @@ import torch
 
 from ..errors import UsageError
 
-
 OpKind = Literal["rollback", "evict", "shift", "batch", "restore"]
 OP_KINDS: tuple[str, ...] = get_args(OpKind)
 _DRAFT_SHIFT = 7  # draft token ids: the real ones shifted, so a key left behind is a different token's
@@ -104,9 +103,11 @@ class Case:
         if op.kind == "batch" and (self.prefix or self.length < op.amount):
             raise UsageError(f"batch:{op.amount} needs prefix 0 and length >= {op.amount} (rows of different lengths)")
         if op.kind == "evict" and len(self._evict_candidates()) < op.amount:
-            raise UsageError(f"evict:{op.amount}: a {self.prefix + self.length}-token prompt"
-                             + (f" under window {self.window}" if self.window else "")
-                             + f" has only {len(self._evict_candidates())} interior live tokens to evict")
+            raise UsageError(
+                f"evict:{op.amount}: a {self.prefix + self.length}-token prompt"
+                + (f" under window {self.window}" if self.window else "")
+                + f" has only {len(self._evict_candidates())} interior live tokens to evict"
+            )
 
     # ------------------------------------------------------------------ operations
 
@@ -142,7 +143,7 @@ class Case:
     def draft_tokens(self, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """The rejected draft of a ``rollback`` case: ids that differ from the real continuation."""
         n = self.prefix + self.length
-        real = tokens[n: n + self.op.amount]
+        real = tokens[n : n + self.op.amount]
         if real.numel() < self.op.amount:
             real = torch.cat([real, tokens[: self.op.amount - real.numel()]])
         return (real + _DRAFT_SHIFT) % vocab_size
@@ -232,8 +233,18 @@ def op_matrix(ops: list[CacheOp], base: list[Case] | None) -> list[Case]:
     return [dataclasses.replace(c, op=op) for op in ops for c in base]
 
 
-def build_matrix(*, lengths=None, block_sizes=None, prefix_offsets=None, window=None, sink_tokens=0,
-                 chunk=None, decode_steps=None, max_positions: int, ops: list[CacheOp] | None = None) -> list[Case]:
+def build_matrix(
+    *,
+    lengths=None,
+    block_sizes=None,
+    prefix_offsets=None,
+    window=None,
+    sink_tokens=0,
+    chunk=None,
+    decode_steps=None,
+    max_positions: int,
+    ops: list[CacheOp] | None = None,
+) -> list[Case]:
     """The cartesian product of the given values, or the default matrix when nothing is given.
 
     ``window``/``chunk``/``decode_steps`` given alone modify every default case. An empty list is
@@ -246,25 +257,45 @@ def build_matrix(*, lengths=None, block_sizes=None, prefix_offsets=None, window=
     if lengths is None and block_sizes is None and prefix_offsets is None:
         cases = default_matrix(max_positions)
         if window is not None or chunk is not None or decode_steps is not None or sink_tokens:
-            cases = [Case(length=c.length, prefix=c.prefix, block_size=c.block_size,
-                          window=window if window is not None else c.window,
-                          sink_tokens=sink_tokens if window is not None else c.sink_tokens,
-                          chunk=chunk if chunk is not None else c.chunk,
-                          decode_steps=decode_steps or c.decode_steps) for c in cases]
+            cases = [
+                Case(
+                    length=c.length,
+                    prefix=c.prefix,
+                    block_size=c.block_size,
+                    window=window if window is not None else c.window,
+                    sink_tokens=sink_tokens if window is not None else c.sink_tokens,
+                    chunk=chunk if chunk is not None else c.chunk,
+                    decode_steps=decode_steps or c.decode_steps,
+                )
+                for c in cases
+            ]
     else:
         cases = [
-            Case(length=L, prefix=P, block_size=B, window=window, sink_tokens=sink_tokens, chunk=chunk,
-                 decode_steps=decode_steps or 3)
+            Case(
+                length=L,
+                prefix=P,
+                block_size=B,
+                window=window,
+                sink_tokens=sink_tokens,
+                chunk=chunk,
+                decode_steps=decode_steps or 3,
+            )
             for L, B, P in itertools.product(lengths or [1, 17, 513], block_sizes or [16], prefix_offsets or [0])
         ]
     if ops:
         explicit = not (lengths is None and block_sizes is None and prefix_offsets is None)
         cases = op_matrix(ops, cases if explicit else None)
         if not explicit and (window is not None or chunk is not None or decode_steps is not None):
-            cases = [dataclasses.replace(c, window=window if window is not None else c.window,
-                                         sink_tokens=sink_tokens if window is not None else c.sink_tokens,
-                                         chunk=chunk if chunk is not None else c.chunk,
-                                         decode_steps=decode_steps or c.decode_steps) for c in cases]
+            cases = [
+                dataclasses.replace(
+                    c,
+                    window=window if window is not None else c.window,
+                    sink_tokens=sink_tokens if window is not None else c.sink_tokens,
+                    chunk=chunk if chunk is not None else c.chunk,
+                    decode_steps=decode_steps or c.decode_steps,
+                )
+                for c in cases
+            ]
     too_long = [c for c in cases if c.positions_needed > max_positions]
     if too_long:
         c = too_long[0]

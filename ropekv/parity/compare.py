@@ -68,7 +68,7 @@ class NextToken:
     values: torch.Tensor
     token_ids: torch.Tensor | None = None
 
-    def on_common_ids(self, other: "NextToken") -> tuple[torch.Tensor, torch.Tensor]:
+    def on_common_ids(self, other: NextToken) -> tuple[torch.Tensor, torch.Tensor]:
         """Both sides on the same footing: raw logits where both are full, else log-probabilities on
         the ids both know (a full side is turned into log-probabilities first)."""
         if self.token_ids is None and other.token_ids is None:
@@ -153,13 +153,20 @@ class LogitsOf:
 
     def rows(self, layer: int, probe: LayerProbe, rows: torch.Tensor) -> torch.Tensor:
         """``[H, R, T]`` over every key, masked by position (causal, window, sinks, chunk)."""
-        return attention_logits(probe, rows, scale=self.scale, softcap=self.softcap,
-                                window=self.layer_window(layer), sink_tokens=self.sink_tokens,
-                                chunk=self.layer_chunk(layer))
+        return attention_logits(
+            probe,
+            rows,
+            scale=self.scale,
+            softcap=self.softcap,
+            window=self.layer_window(layer),
+            sink_tokens=self.sink_tokens,
+            chunk=self.layer_chunk(layer),
+        )
 
 
-def compare_step(step_layers: tuple[LayerProbe, ...], step_logits: NextToken, position: int, ref: RefRow,
-                 logits_of: LogitsOf) -> StepErrors:
+def compare_step(
+    step_layers: tuple[LayerProbe, ...], step_logits: NextToken, position: int, ref: RefRow, logits_of: LogitsOf
+) -> StepErrors:
     attn, hidden = [], []
     for layer, probe in enumerate(step_layers):
         cached = logits_of.step(layer, probe, position)  # [H, N]

@@ -29,12 +29,19 @@ class CrossEngineParity:
     passed: bool
 
     def to_dict(self) -> dict[str, Any]:
-        return {"length": self.length, "attn_logits": list(self.attn), "hidden_in": list(self.hidden),
-                "final_logits": self.logits, "tolerance": self.tolerance, "passed": self.passed}
+        return {
+            "length": self.length,
+            "attn_logits": list(self.attn),
+            "hidden_in": list(self.hidden),
+            "final_logits": self.logits,
+            "tolerance": self.tolerance,
+            "passed": self.passed,
+        }
 
 
-def cross_engine_parity(engine: EngineAdapter, *, length: int = 64, seed: int = 0,
-                        reference_dtype: torch.dtype = torch.float64) -> CrossEngineParity:
+def cross_engine_parity(
+    engine: EngineAdapter, *, length: int = 64, seed: int = 0, reference_dtype: torch.dtype = torch.float64
+) -> CrossEngineParity:
     """Compare ``engine.full_forward`` over ``length`` seeded tokens, every row, with the reference
     decoder built from ``engine.checkpoint`` (the engine's own config and weights)."""
     tier = check_adapter(engine)
@@ -52,8 +59,12 @@ def cross_engine_parity(engine: EngineAdapter, *, length: int = 64, seed: int = 
             attn.append(scaled_error(of.rows(layer, mine, r), of.rows(layer, theirs, r)))
             if mine.hidden_in is not None:
                 hidden.append(scaled_error(mine.hidden_in, theirs.hidden_in))
-    logits = max(logits_error(NextToken(full.logits[i], None if full.token_ids is None else full.token_ids[i]),
-                              NextToken(ref.logits[i]))[0] for i in rows)
+    logits = max(
+        logits_error(
+            NextToken(full.logits[i], None if full.token_ids is None else full.token_ids[i]), NextToken(ref.logits[i])
+        )[0]
+        for i in rows
+    )
     tol = tolerance_for(engine.dtype, reference_dtype)
     passed = max(attn, default=0.0) <= tol.attn and max(hidden, default=0.0) <= tol.hidden and logits <= tol.logits
     return CrossEngineParity(length, tuple(attn), tuple(hidden), logits, tol.to_dict(), passed)

@@ -40,18 +40,36 @@ import torch
 from ..errors import UsageError
 from ..rope import RopeSpec, pair_channels
 
-KINDS = ("double_rotation", "missing_rotation", "slot_as_position", "ignored_prefix_offset", "block_local_position",
-         "query_position_offset", "key_position_offset", "frequency_mismatch", "layout_mismatch",
-         "low_precision_angles", "stale_dynamic_scaling", "rotate_on_transfer",
-         # cache operations (docs/ops.md), tried first when the case ran one (ForensicInput.op_hypotheses)
-         "rollback_offset", "rollback_stale_keys", "evict_offset", "shift_not_rotated", "shift_rotated_raw",
-         "shift_applied_twice", "padding_offset", "restore_offset_lost", "unknown")
+KINDS = (
+    "double_rotation",
+    "missing_rotation",
+    "slot_as_position",
+    "ignored_prefix_offset",
+    "block_local_position",
+    "query_position_offset",
+    "key_position_offset",
+    "frequency_mismatch",
+    "layout_mismatch",
+    "low_precision_angles",
+    "stale_dynamic_scaling",
+    "rotate_on_transfer",
+    # cache operations (docs/ops.md), tried first when the case ran one (ForensicInput.op_hypotheses)
+    "rollback_offset",
+    "rollback_stale_keys",
+    "evict_offset",
+    "shift_not_rotated",
+    "shift_rotated_raw",
+    "shift_applied_twice",
+    "padding_offset",
+    "restore_offset_lost",
+    "unknown",
+)
 
-FIT_OK = 0.98      # a token "fits" an explanation at this weighted fit (bf16 storage costs ~1e-5)
-MOST = 0.9         # share of the examined keys a vote needs (robust to a few noisy keys)
-MAG_TOL = 0.02     # mean relative deviation of |c_m| from A |r_m| that still counts as "a rotation"
-RES_TOL = 3e-3     # rad: residual phase at the newest keys that counts as an angle error (bf16 storage ~5e-4, flat)
-MAX_KEYS = 256     # keys examined by the full integer search; the others are checked against hypotheses
+FIT_OK = 0.98  # a token "fits" an explanation at this weighted fit (bf16 storage costs ~1e-5)
+MOST = 0.9  # share of the examined keys a vote needs (robust to a few noisy keys)
+MAG_TOL = 0.02  # mean relative deviation of |c_m| from A |r_m| that still counts as "a rotation"
+RES_TOL = 3e-3  # rad: residual phase at the newest keys that counts as an angle error (bf16 storage ~5e-4, flat)
+MAX_KEYS = 256  # keys examined by the full integer search; the others are checked against hypotheses
 _TINY = 1e-300
 
 
@@ -76,31 +94,40 @@ class OpHypothesis:
 class ForensicInput:
     """One decode row at the first divergent layer; see the module docstring for the method."""
 
-    rope: RopeSpec                 # the contract's spec (what the rotation should be)
-    q_raw: torch.Tensor            # [H, D] reference raw (pre-RoPE) query of the decode row
-    q_eff: torch.Tensor            # [H, D] the query as the engine's kernel used it
-    k_raw: torch.Tensor            # [N, KVH, D] reference raw keys
-    k_eff: torch.Tensor            # [N, KVH, D] the keys as the engine's kernel used them
-    query_position: int            # logical position t of the decode row
-    key_positions: torch.Tensor    # [N] logical positions
-    key_slots: torch.Tensor        # [N] physical slot of each key in the sequence's cache
-    fork_offset: int = 0           # prefix length P of a prefix-cache hit (0 = none)
+    rope: RopeSpec  # the contract's spec (what the rotation should be)
+    q_raw: torch.Tensor  # [H, D] reference raw (pre-RoPE) query of the decode row
+    q_eff: torch.Tensor  # [H, D] the query as the engine's kernel used it
+    k_raw: torch.Tensor  # [N, KVH, D] reference raw keys
+    k_eff: torch.Tensor  # [N, KVH, D] the keys as the engine's kernel used them
+    query_position: int  # logical position t of the decode row
+    key_positions: torch.Tensor  # [N] logical positions
+    key_slots: torch.Tensor  # [N] physical slot of each key in the sequence's cache
+    fork_offset: int = 0  # prefix length P of a prefix-cache hit (0 = none)
     block_size: int = 1
-    handoff_len: int = 0           # tokens (positions < this) that arrived through a handoff
+    handoff_len: int = 0  # tokens (positions < this) that arrived through a handoff
     self_parity_passed: bool | None = None
-    seq_len: int | None = None     # length the correct frequencies are for; default query_position + 1
+    seq_len: int | None = None  # length the correct frequencies are for; default query_position + 1
     op_hypotheses: tuple[OpHypothesis, ...] = ()  # the case's cache operation, if any
 
     def __post_init__(self) -> None:
         d, n = self.rope.head_dim, self.key_positions.shape[0] if self.key_positions.dim() == 1 else -1
         if self.q_raw.dim() != 2 or self.q_raw.shape != self.q_eff.shape or self.q_raw.shape[1] != d:
-            raise UsageError(f"forensics: q_raw/q_eff must both be [H, {d}], got "
-                             f"{tuple(self.q_raw.shape)}/{tuple(self.q_eff.shape)}")
-        if (self.k_raw.dim() != 3 or self.k_raw.shape != self.k_eff.shape or self.k_raw.shape[2] != d
-                or self.k_raw.shape[0] != n or n < 1 or tuple(self.key_slots.shape) != (n,)):
-            raise UsageError(f"forensics: k_raw/k_eff must both be [N, KVH, {d}] with N >= 1 positions and slots; "
-                             f"got {tuple(self.k_raw.shape)}/{tuple(self.k_eff.shape)}, positions "
-                             f"{tuple(self.key_positions.shape)}, slots {tuple(self.key_slots.shape)}")
+            raise UsageError(
+                f"forensics: q_raw/q_eff must both be [H, {d}], got {tuple(self.q_raw.shape)}/{tuple(self.q_eff.shape)}"
+            )
+        if (
+            self.k_raw.dim() != 3
+            or self.k_raw.shape != self.k_eff.shape
+            or self.k_raw.shape[2] != d
+            or self.k_raw.shape[0] != n
+            or n < 1
+            or tuple(self.key_slots.shape) != (n,)
+        ):
+            raise UsageError(
+                f"forensics: k_raw/k_eff must both be [N, KVH, {d}] with N >= 1 positions and slots; "
+                f"got {tuple(self.k_raw.shape)}/{tuple(self.k_eff.shape)}, positions "
+                f"{tuple(self.key_positions.shape)}, slots {tuple(self.key_slots.shape)}"
+            )
         if self.block_size < 1 or self.fork_offset < 0 or self.handoff_len < 0 or self.query_position < 0:
             raise UsageError("forensics: block_size must be >= 1; fork_offset, handoff_len, query_position >= 0")
 
@@ -115,11 +142,11 @@ class Diagnosis:
     explanation (the query's alone for ``frequency_mismatch``). ``details`` holds json-able numbers.
     """
 
-    kind: str                                # one of KINDS
-    evidence: str                            # "logical 37, slot 5, effective 74; ...; query logical 40, effective 40"
+    kind: str  # one of KINDS
+    evidence: str  # "logical 37, slot 5, effective 74; ...; query logical 40, effective 40"
     query_effective: int | None
-    key_effective: tuple[int | None, ...]    # [N]
-    fit: float                               # in [0, 1]
+    key_effective: tuple[int | None, ...]  # [N]
+    fit: float  # in [0, 1]
     details: dict = field(default_factory=dict)
 
 
@@ -137,9 +164,9 @@ def _cross(raw: torch.Tensor, eff: torch.Tensor, layout: str, rotary_dim: int) -
     """Cross spectrum ``X [N, n]`` (sum over heads of conj(r) c) and its weight ``[N]`` (sum of |r||c|)."""
     a, b = pair_channels(rotary_dim, layout)
     raw, eff = raw.to(torch.float64), eff.to(torch.float64)
-    ra, rb, ca, cb = raw[..., a], raw[..., b], eff[..., a], eff[..., b]                     # [N, H, n]
+    ra, rb, ca, cb = raw[..., a], raw[..., b], eff[..., a], eff[..., b]  # [N, H, n]
     # conj(r) c = (ra ca + rb cb) + i (ra cb - rb ca); real arithmetic is several times faster than complex.
-    x = torch.complex((ra * ca + rb * cb).sum(dim=1), (ra * cb - rb * ca).sum(dim=1))       # [N, n]
+    x = torch.complex((ra * ca + rb * cb).sum(dim=1), (ra * cb - rb * ca).sum(dim=1))  # [N, n]
     return x, ((ra * ra + rb * rb) * (ca * ca + cb * cb)).sqrt().sum(dim=(1, 2))
 
 
@@ -148,27 +175,33 @@ def _fit_at(x: torch.Tensor, norm: torch.Tensor, ang: torch.Tensor) -> torch.Ten
     shape = (x.shape[0],) + (1,) * (ang.dim() - 2) + (x.shape[1],)
     xr, xi = x.real.reshape(shape), x.imag.reshape(shape)
     rows = max(1, (1 << 20) // max(1, ang[0].numel()))  # bounds the temporaries to ~1M entries a chunk
-    score = torch.cat([(xr[i:i + rows] * torch.cos(a) + xi[i:i + rows] * torch.sin(a)).sum(-1)
-                       for i, a in ((i, ang[i:i + rows]) for i in range(0, ang.shape[0], rows))])
+    score = torch.cat(
+        [
+            (xr[i : i + rows] * torch.cos(a) + xi[i : i + rows] * torch.sin(a)).sum(-1)
+            for i, a in ((i, ang[i : i + rows]) for i in range(0, ang.shape[0], rows))
+        ]
+    )
     return score / norm.clamp_min(_TINY).reshape((-1,) + (1,) * (score.dim() - 1))
 
 
-def _search(x: torch.Tensor, norm: torch.Tensor, inv_freq: torch.Tensor,
-            candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _search(
+    x: torch.Tensor, norm: torch.Tensor, inv_freq: torch.Tensor, candidates: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Best integer of ``candidates [C]`` for each row of ``X [N, n]``: positions ``[N]`` int64, fits ``[N]``."""
-    ang = inv_freq.to(torch.float64)[:, None] * candidates.to(torch.float64)[None, :]   # [n, C]
+    ang = inv_freq.to(torch.float64)[:, None] * candidates.to(torch.float64)[None, :]  # [n, C]
     cos, sin = torch.cos(ang), torch.sin(ang)
     pos, fit = [], []
     for i in range(0, x.shape[0], 256):  # bounds the [rows, C] score matrix
-        score = x[i:i + 256].real @ cos + x[i:i + 256].imag @ sin                       # [rows, C]
+        score = x[i : i + 256].real @ cos + x[i : i + 256].imag @ sin  # [rows, C]
         best, idx = score.max(dim=1)
         pos.append(candidates[idx].long())
-        fit.append(best / norm[i:i + 256].clamp_min(_TINY))
+        fit.append(best / norm[i : i + 256].clamp_min(_TINY))
     return torch.cat(pos), torch.cat(fit)
 
 
-def effective_positions(raw: torch.Tensor, eff: torch.Tensor, inv_freq: torch.Tensor, layout: str, rotary_dim: int,
-                        candidates: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def effective_positions(
+    raw: torch.Tensor, eff: torch.Tensor, inv_freq: torch.Tensor, layout: str, rotary_dim: int, candidates: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Effective integer rotation position of each token and its fit in [0, 1].
 
     ``raw, eff [N, H, D]``; ``inv_freq [rotary_dim // 2]``; ``candidates [C]`` integers.
@@ -222,11 +255,20 @@ def _wfit(qf: float, qn: torch.Tensor, kf: torch.Tensor, kn: torch.Tensor) -> fl
     return float((torch.cat((torch.tensor([qf], dtype=torch.float64), kf)) * norm).sum() / norm.sum().clamp_min(_TINY))
 
 
-def _diagnosis(kind: str, text: str, q: tuple[int, int | None, float], keys: list[str], eff: torch.Tensor,
-               fit_all: torch.Tensor, fit: float, **details) -> Diagnosis:
+def _diagnosis(
+    kind: str,
+    text: str,
+    q: tuple[int, int | None, float],
+    keys: list[str],
+    eff: torch.Tensor,
+    fit_all: torch.Tensor,
+    fit: float,
+    **details,
+) -> Diagnosis:
     t, q_eff, q_fit = q
-    qtxt = f"query logical {t}, " + (f"effective {q_eff}" if q_eff is not None
-                                     else f"no integer fits (fit {q_fit:.3f})")
+    qtxt = f"query logical {t}, " + (
+        f"effective {q_eff}" if q_eff is not None else f"no integer fits (fit {q_fit:.3f})"
+    )
     key_eff = tuple(int(p) if f >= FIT_OK else None for p, f in zip(eff.tolist(), fit_all.tolist()))
     evidence = "; ".join([text, *keys, qtxt])
     return Diagnosis(kind, evidence, q_eff, key_eff, float(max(0.0, min(1.0, fit))), dict(details))
@@ -237,29 +279,36 @@ def _diagnosis(kind: str, text: str, q: tuple[int, int | None, float], keys: lis
 
 def diagnose(inp: ForensicInput) -> Diagnosis:
     """Estimate the effective position of the query and every key and name the bug class (see KINDS)."""
-    inp = dataclasses.replace(inp, **{f.name: getattr(inp, f.name).detach().cpu() for f in dataclasses.fields(inp)
-                                      if isinstance(getattr(inp, f.name), torch.Tensor)})
+    inp = dataclasses.replace(
+        inp,
+        **{
+            f.name: getattr(inp, f.name).detach().cpu()
+            for f in dataclasses.fields(inp)
+            if isinstance(getattr(inp, f.name), torch.Tensor)
+        },
+    )
     rope, t, rd = inp.rope, inp.query_position, inp.rope.rotary_dim
     seq_len = inp.seq_len if inp.seq_len is not None else t + 1
-    w = rope.inv_freq(seq_len)                                               # [n]
-    pos, slots = inp.key_positions.long(), inp.key_slots.long()              # [N]
-    sel = _sample_keys(pos, inp)                                             # [M]
+    w = rope.inv_freq(seq_len)  # [n]
+    pos, slots = inp.key_positions.long(), inp.key_slots.long()  # [N]
+    sel = _sample_keys(pos, inp)  # [M]
     hi = 2 * max(t, int(pos.max())) + 2 * max(1, inp.block_size) + 2
     hi = min(max(hi, int(slots.max()) + 1), 4 * (t + 1) + 64)  # slots beyond this are still tried per key
-    cands = torch.arange(-(t + 2), hi + 1)                                   # [C]
+    cands = torch.arange(-(t + 2), hi + 1)  # [C]
 
     def analyse(layout: str) -> dict:
-        qx, qn = _cross(inp.q_raw[None], inp.q_eff[None], layout, rd)       # [1, n], [1]
-        kx, kn = _cross(inp.k_raw, inp.k_eff, layout, rd)                   # [N, n], [N]
+        qx, qn = _cross(inp.q_raw[None], inp.q_eff[None], layout, rd)  # [1, n], [1]
+        kx, kn = _cross(inp.k_raw, inp.k_eff, layout, rd)  # [N, n], [N]
         p, f = _search(torch.cat((qx, kx[sel])), torch.cat((qn, kn[sel])), w, cands)  # one phase table
         qp, qf, sp, sf = p[:1], f[:1], p[1:], f[1:]
         d_q = int(qp[0]) - t
         d = sp - pos[sel]
         c = _mode(d[(sf >= FIT_OK) & (d != 0)])
         # Every key against the named hypotheses (cheap), then the sampled keys' search where better.
-        hyps = torch.stack((pos, 2 * pos, 0 * pos, slots, pos - inp.fork_offset, pos % inp.block_size,
-                            pos + d_q, pos + c), dim=1)                     # [N, 8]
-        hf = _fit_at(kx, kn, hyps.double()[:, :, None] * w)                  # [N, 8]
+        hyps = torch.stack(
+            (pos, 2 * pos, 0 * pos, slots, pos - inp.fork_offset, pos % inp.block_size, pos + d_q, pos + c), dim=1
+        )  # [N, 8]
+        hf = _fit_at(kx, kn, hyps.double()[:, :, None] * w)  # [N, 8]
         best, idx = hf.max(dim=1)
         kp, kf = hyps.gather(1, idx[:, None])[:, 0], best
         better = sf > kf[sel]
@@ -290,20 +339,39 @@ def _diagnose_op(inp: ForensicInput, a: dict) -> Diagnosis | None:
         if h.target == "query" and q_ok and d_q != 0 and d_q in h.offsets and _most(ok, (d == 0) | (d == d_q)):
             show = torch.nonzero(ok & (j >= t - 2)).flatten()
             text = f"logical {t}, effective {t + d_q}: {h.text}"
-        elif h.target == "keys" and q_ok and d_q == 0 and h.offsets and bool((at & ok).any()) \
-                and _most(at & ok, d == h.offsets[0]) and _most(ok & ~at, d == 0):
+        elif (
+            h.target == "keys"
+            and q_ok
+            and d_q == 0
+            and h.offsets
+            and bool((at & ok).any())
+            and _most(at & ok, d == h.offsets[0])
+            and _most(ok & ~at, d == 0)
+        ):
             show = torch.nonzero(at & ok).flatten()
             text = f"keys logical j, effective j {h.offsets[0]:+d} (the {int(at.sum())} shifted keys): {h.text}"
         elif h.target == "misfit" and bool((~ok).any()) and bool((~ok & ~at).sum() == 0) and _most(at, ~ok):
             show = torch.nonzero(~ok).flatten()
-            text = (f"{int((~ok).sum())} key(s) at positions {j[~ok].tolist()[:8]} are no rotation of those tokens' "
-                    f"keys (fit {float(kf[~ok].max()):.2f} at best): {h.text}")
+            text = (
+                f"{int((~ok).sum())} key(s) at positions {j[~ok].tolist()[:8]} are no rotation of those tokens' "
+                f"keys (fit {float(kf[~ok].max()):.2f} at best): {h.text}"
+            )
         else:
             continue
         keys = [_tok(inp, int(i), int(kp[i]) if ok[i] else None, float(kf[i])) for i in _spread(show)]
         fit = _wfit(a["qf"], a["qn"], kf[ok], a["kn"][ok]) if ok.any() else a["qf"]
-        return _diagnosis(h.kind, text, (t, a["qp"] if q_ok else None, a["qf"]), keys, kp, kf, fit,
-                          query_offset=d_q, examined_keys=int(everything.numel()), fitting_keys=int(ok.sum()))
+        return _diagnosis(
+            h.kind,
+            text,
+            (t, a["qp"] if q_ok else None, a["qf"]),
+            keys,
+            kp,
+            kf,
+            fit,
+            query_offset=d_q,
+            examined_keys=int(everything.numel()),
+            fitting_keys=int(ok.sum()),
+        )
     return None
 
 
@@ -317,7 +385,7 @@ def _diagnose_pattern(inp: ForensicInput, a: dict, sel: torch.Tensor) -> Diagnos
     t, kp, kf = inp.query_position, a["kp"][sel], a["kf"][sel]
     j, s = inp.key_positions.long()[sel], inp.key_slots.long()[sel]
     ok = kf >= FIT_OK
-    inf = ok & (j > 0)                      # R(0) = I: j = 0 says nothing about multiplicative bugs
+    inf = ok & (j > 0)  # R(0) = I: j = 0 says nothing about multiplicative bugs
     d, d_q = kp - j, a["qp"] - t
     fit = _wfit(a["qf"], a["qn"], kf, a["kn"][sel])
 
@@ -329,37 +397,50 @@ def _diagnose_pattern(inp: ForensicInput, a: dict, sel: torch.Tensor) -> Diagnos
     H, P, B = inp.handoff_len, inp.fork_offset, inp.block_size
     early, late = inf & (j < H), ok & (j >= H)
     if H > 0 and early.any() and late.any() and _most(early, kp == 2 * j) and _most(late, d == 0):
-        return done("rotate_on_transfer", f"the {H} handed-off tokens sit at 2j, later keys at j: "
-                    "the handoff rotated already rotated keys once more", early)
+        return done(
+            "rotate_on_transfer",
+            f"the {H} handed-off tokens sit at 2j, later keys at j: the handoff rotated already rotated keys once more",
+            early,
+        )
     if _most(inf, kp == 2 * j):
-        return done("double_rotation", "keys sit at twice their position (rotated when written and again "
-                    "when read)", inf)
+        return done(
+            "double_rotation", "keys sit at twice their position (rotated when written and again when read)", inf
+        )
     if _most(inf, kp == 0):
         return done("missing_rotation", "keys sit at position 0 (stored raw, read as if rotated)", inf)
     if (inf & (s != j)).any() and _most(inf, kp == s):
-        return done("slot_as_position", "keys sit at their physical slot instead of their logical position",
-                    inf & (s != j))
+        return done(
+            "slot_as_position", "keys sit at their physical slot instead of their logical position", inf & (s != j)
+        )
     after, before = ok & (j >= P), inf & (j < P)
     if P > 0 and after.any() and _most(after, kp == j - P) and (not before.any() or _most(before, d == 0)):
-        return done("ignored_prefix_offset", f"keys after the {P}-token cached prefix sit at j - {P}"
-                    + (" and so does the query" if d_q == -P else ""), after)
+        return done(
+            "ignored_prefix_offset",
+            f"keys after the {P}-token cached prefix sit at j - {P}" + (" and so does the query" if d_q == -P else ""),
+            after,
+        )
     if B > 1 and (inf & (j >= B)).any() and _most(inf, kp == j % B):
-        return done("block_local_position", f"keys sit at their index inside their block (j mod {B})",
-                    inf & (j >= B))
+        return done("block_local_position", f"keys sit at their index inside their block (j mod {B})", inf & (j >= B))
     if d_q != 0 and _most(ok, d == d_q):
-        return done("unknown", f"query and keys all shifted by {d_q}: a global shift changes no logit", ok,
-                    offset=d_q)
+        return done("unknown", f"query and keys all shifted by {d_q}: a global shift changes no logit", ok, offset=d_q)
     if d_q != 0 and _most(ok, d == 0):
         return done("query_position_offset", f"keys are right but the query sits at t {d_q:+d}", ok & (j > t - 3))
     nz = ok & (d != 0)
     c = _mode(d[nz])
     if d_q == 0 and nz.any() and _most(nz, d == c) and _most(ok, (d == 0) | (d == c)):
-        return done("key_position_offset", f"{int(nz.sum())} of {int(ok.sum())} keys sit at j {c:+d} "
-                    "while the query is right", nz, offset=c)
+        return done(
+            "key_position_offset",
+            f"{int(nz.sum())} of {int(ok.sum())} keys sit at j {c:+d} while the query is right",
+            nz,
+            offset=c,
+        )
     if d_q == 0 and _most(ok, d == 0):
         return _residual_trend(inp, a, sel, done)
-    return done("unknown", f"no single pattern: query offset {d_q}, key offsets {sorted(set(d[ok].tolist()))[:8]}",
-                ok & (d != 0))
+    return done(
+        "unknown",
+        f"no single pattern: query offset {d_q}, key offsets {sorted(set(d[ok].tolist()))[:8]}",
+        ok & (d != 0),
+    )
 
 
 def _residual_trend(inp: ForensicInput, a: dict, sel: torch.Tensor, done) -> Diagnosis:
@@ -367,8 +448,8 @@ def _residual_trend(inp: ForensicInput, a: dict, sel: torch.Tensor, done) -> Dia
     angle table (bf16 angles lose ~p w 2^-9 rad); otherwise the rotation is clean at this layer."""
     j = inp.key_positions.long()[sel].double()
     w = inp.rope.inv_freq(inp.seq_len if inp.seq_len is not None else inp.query_position + 1)
-    z = a["kx"][sel] * torch.exp(-1j * j[:, None] * w)                        # [M, n] residual per pair
-    res = ((z.abs() * z.angle() ** 2).sum(1) / z.abs().sum(1).clamp_min(_TINY)).sqrt()   # [M] rad
+    z = a["kx"][sel] * torch.exp(-1j * j[:, None] * w)  # [M, n] residual per pair
+    res = ((z.abs() * z.angle() ** 2).sum(1) / z.abs().sum(1).clamp_min(_TINY)).sqrt()  # [M] rad
     keep = (j > 0) & (a["kf"][sel] >= FIT_OK)
     rj, rr = j[keep], res[keep]
     rho, top, low = 0.0, 0.0, 0.0
@@ -385,14 +466,24 @@ def _residual_trend(inp: ForensicInput, a: dict, sel: torch.Tensor, done) -> Dia
     details = dict(residual_rank_corr=rho, residual_newest_rad=top, residual_oldest_rad=low)
     if rho >= need and top >= RES_TOL and top >= 3 * low:
         sp = " (the engine agrees with itself: both of its paths share the table)" if inp.self_parity_passed else ""
-        return done("low_precision_angles", f"positions are right but the phase error grows with position, "
-                    f"{low:.3g} rad at the oldest keys to {top:.3g} rad at the newest{sp}", keep, **details)
-    return done("unknown", "query and keys sit at their logical positions: no RoPE error visible at this layer",
-                keep & (j == j.max()), **details)
+        return done(
+            "low_precision_angles",
+            f"positions are right but the phase error grows with position, "
+            f"{low:.3g} rad at the oldest keys to {top:.3g} rad at the newest{sp}",
+            keep,
+            **details,
+        )
+    return done(
+        "unknown",
+        "query and keys sit at their logical positions: no RoPE error visible at this layer",
+        keep & (j == j.max()),
+        **details,
+    )
 
 
-def _diagnose_misfit(inp: ForensicInput, a: dict, analyse, w: torch.Tensor, seq_len: int,
-                     sel: torch.Tensor) -> Diagnosis:
+def _diagnose_misfit(
+    inp: ForensicInput, a: dict, analyse, w: torch.Tensor, seq_len: int, sel: torch.Tensor
+) -> Diagnosis:
     """Not integer rotations under the contract: other pairing, stale length, low precision, frequencies."""
     rope, t, rd = inp.rope, inp.query_position, inp.rope.rotary_dim
     j = inp.key_positions.long()[sel]
@@ -412,10 +503,22 @@ def _diagnose_misfit(inp: ForensicInput, a: dict, analyse, w: torch.Tensor, seq_
     if b["qf"] >= FIT_OK and (everything or decode_side):
         toks = [_tok(inp, int(sel[i]), int(b["kp"][sel][i])) for i in _spread(torch.arange(sel.numel()))]
         fit = _wfit(b["qf"], b["qn"], b["kf"][sel], b["kn"][sel])
-        what = ("query and keys are exact rotations" if everything and not decode_side else
-                "the decode side's query (and the keys it wrote) are exact rotations, the prefill's keys are not,")
-        return _diagnosis("layout_mismatch", f"contract pairs {rope.layout} but {what} under the {other} pairing", (t, b["qp"], b["qf"]), toks, b["kp"], b["kf"], fit,
-                          **base, effective_layout=other)
+        what = (
+            "query and keys are exact rotations"
+            if everything and not decode_side
+            else "the decode side's query (and the keys it wrote) are exact rotations, the prefill's keys are not,"
+        )
+        return _diagnosis(
+            "layout_mismatch",
+            f"contract pairs {rope.layout} but {what} under the {other} pairing",
+            (t, b["qp"], b["qf"]),
+            toks,
+            b["kp"],
+            b["kf"],
+            fit,
+            **base,
+            effective_layout=other,
+        )
 
     qx, qn, kn = a["qx"], a["qn"], a["kn"][sel]
     stale = _stale_frequencies(inp, a, w, seq_len, sel, base, strict=True)
@@ -426,33 +529,63 @@ def _diagnose_misfit(inp: ForensicInput, a: dict, analyse, w: torch.Tensor, seq_
         if dt == torch.float16 and max(t, int(j.max())) > 65504:
             continue
         qf = float(_fit_at(qx, qn, (torch.tensor([t]).to(dt)[:, None] * w.to(dt)[None]).double())[0])
-        pos = inp.key_positions.long()                                                       # [N]
+        pos = inp.key_positions.long()  # [N]
         fit_all = _fit_at(a["kx"], a["kn"], (pos.to(dt)[:, None] * w.to(dt)[None]).double())  # [N]
         if qf >= FIT_OK and _most(torch.ones_like(j, dtype=torch.bool), fit_all[sel] >= FIT_OK):
             name = str(dt).replace("torch.", "")
-            return _diagnosis("low_precision_angles", f"query and keys match angles computed as position x inv_freq "
-                              f"in {name}, an error that grows with position",
-                              (t, t, qf), bad_toks, pos, fit_all, _wfit(qf, qn, fit_all[sel], kn), **base,
-                              angle_dtype=name)
+            return _diagnosis(
+                "low_precision_angles",
+                f"query and keys match angles computed as position x inv_freq "
+                f"in {name}, an error that grows with position",
+                (t, t, qf),
+                bad_toks,
+                pos,
+                fit_all,
+                _wfit(qf, qn, fit_all[sel], kn),
+                **base,
+                angle_dtype=name,
+            )
 
-    dev_q = _magnitude_dev(inp.q_raw[None], inp.q_eff[None], rope.layout, rd)               # [1]
-    dev = _magnitude_dev(inp.k_raw[sel], inp.k_eff[sel], rope.layout, rd)                   # [M]
+    dev_q = _magnitude_dev(inp.q_raw[None], inp.q_eff[None], rope.layout, rd)  # [1]
+    dev = _magnitude_dev(inp.k_raw[sel], inp.k_eff[sel], rope.layout, rd)  # [M]
     if dev_q[0] < MAG_TOL and _most(torch.ones_like(j, dtype=torch.bool), dev < MAG_TOL):
         fq, family, x = max(_fit_family(qx, qn, t, w, rd, fam) for fam in ("theta", "scale"))
-        est = (f"theta ~ {rope.theta * x:.6g} (contract {rope.theta:.6g})" if family == "theta"
-               else f"frequencies scaled by ~ {x:.4g}")
-        return _diagnosis("frequency_mismatch", f"still rotations (pair magnitudes kept) but not at integer multiples "
-                          f"of the contract's frequencies; the query fits {est} at fit {fq:.4f}", q, bad_toks,
-                          a["kp"], a["kf"], fq, **base, family=family, estimate=x,
-                          theta_estimate=rope.theta * x if family == "theta" else None)
-    return _diagnosis("unknown", "query or keys are not rotations of the reference under any tried explanation "
-                      f"(layouts, lengths, angle dtypes, frequencies; query pair-magnitude deviation "
-                      f"{float(dev_q[0]):.3g})",
-                      q, bad_toks, a["kp"], a["kf"], _wfit(a["qf"], qn, a["kf"][sel], kn), **base)
+        est = (
+            f"theta ~ {rope.theta * x:.6g} (contract {rope.theta:.6g})"
+            if family == "theta"
+            else f"frequencies scaled by ~ {x:.4g}"
+        )
+        return _diagnosis(
+            "frequency_mismatch",
+            f"still rotations (pair magnitudes kept) but not at integer multiples "
+            f"of the contract's frequencies; the query fits {est} at fit {fq:.4f}",
+            q,
+            bad_toks,
+            a["kp"],
+            a["kf"],
+            fq,
+            **base,
+            family=family,
+            estimate=x,
+            theta_estimate=rope.theta * x if family == "theta" else None,
+        )
+    return _diagnosis(
+        "unknown",
+        "query or keys are not rotations of the reference under any tried explanation "
+        f"(layouts, lengths, angle dtypes, frequencies; query pair-magnitude deviation "
+        f"{float(dev_q[0]):.3g})",
+        q,
+        bad_toks,
+        a["kp"],
+        a["kf"],
+        _wfit(a["qf"], qn, a["kf"][sel], kn),
+        **base,
+    )
 
 
-def _stale_frequencies(inp: ForensicInput, a: dict, w: torch.Tensor, seq_len: int, sel: torch.Tensor, base: dict,
-                       *, strict: bool) -> Diagnosis | None:
+def _stale_frequencies(
+    inp: ForensicInput, a: dict, w: torch.Tensor, seq_len: int, sel: torch.Tensor, base: dict, *, strict: bool
+) -> Diagnosis | None:
     """Length-dependent RoPE: do the keys fit the frequencies of an earlier length while the query fits
     the current ones? ``strict``: keys misfit the current frequencies outright. Otherwise (just past the
     original length, where old and new frequencies are close) the earlier length must explain the keys
@@ -468,9 +601,9 @@ def _stale_frequencies(inp: ForensicInput, a: dict, w: torch.Tensor, seq_len: in
         lengths = sorted({lengths[i] for i in torch.linspace(0, len(lengths) - 1, 256).round().long().tolist()})
     if not lengths:
         return None
-    W = torch.stack([rope.inv_freq(s) for s in lengths])                    # [S, n]
-    fs = _fit_at(kx, kn, j.double()[:, None, None] * W[None])                # [M, S]
-    cur = _fit_at(kx, kn, j.double()[:, None] * w)                           # [M]
+    W = torch.stack([rope.inv_freq(s) for s in lengths])  # [S, n]
+    fs = _fit_at(kx, kn, j.double()[:, None, None] * W[None])  # [M, S]
+    cur = _fit_at(kx, kn, j.double()[:, None] * w)  # [M]
     q_cur = float(_fit_at(qx, qn, (t * w)[None])[0])
     best, idx = fs.max(dim=1)
     if strict:
@@ -484,38 +617,51 @@ def _stale_frequencies(inp: ForensicInput, a: dict, w: torch.Tensor, seq_len: in
     if not ok:
         return None
     s_len = _mode(torch.tensor(lengths)[idx[stale]])
-    toks = [_tok(inp, int(sel[i]), int(j[i])) + f" with the frequencies for length {lengths[int(idx[i])]}"
-            for i in _spread(torch.nonzero(stale).flatten())]
+    toks = [
+        _tok(inp, int(sel[i]), int(j[i])) + f" with the frequencies for length {lengths[int(idx[i])]}"
+        for i in _spread(torch.nonzero(stale).flatten())
+    ]
     kf = torch.maximum(best, cur)
     eff, fit_all = a["kp"].clone(), a["kf"].clone()
     eff[sel[stale]], fit_all[sel[stale]] = j[stale], best[stale]
-    return _diagnosis("stale_dynamic_scaling", f"keys keep the frequencies of length {s_len} while the "
-                      f"query uses those of length {seq_len}; they differ once the sequence passes "
-                      f"{orig} tokens (positions >= {orig})", (t, t, q_cur), toks,
-                      eff, fit_all, _wfit(q_cur, qn, kf, kn), **base,
-                      key_seq_len=s_len, query_seq_len=seq_len, first_position=orig)
+    return _diagnosis(
+        "stale_dynamic_scaling",
+        f"keys keep the frequencies of length {s_len} while the "
+        f"query uses those of length {seq_len}; they differ once the sequence passes "
+        f"{orig} tokens (positions >= {orig})",
+        (t, t, q_cur),
+        toks,
+        eff,
+        fit_all,
+        _wfit(q_cur, qn, kf, kn),
+        **base,
+        key_seq_len=s_len,
+        query_seq_len=seq_len,
+        first_position=orig,
+    )
 
 
 def _magnitude_dev(raw: torch.Tensor, eff: torch.Tensor, layout: str, rotary_dim: int) -> torch.Tensor:
     """Per token ``[N]``: mean relative deviation of ``|c_m|`` from ``A |r_m|`` (A fitted per token).
     Near 0 for any rotation (whatever its angles and attention factor); large for a mixed pairing."""
-    r = _complex_pairs(raw, layout, rotary_dim).abs().flatten(1)                            # [N, H*n]
+    r = _complex_pairs(raw, layout, rotary_dim).abs().flatten(1)  # [N, H*n]
     c = _complex_pairs(eff, layout, rotary_dim).abs().flatten(1)
-    amp = ((r * c).sum(1) / (r * r).sum(1).clamp_min(_TINY))[:, None]                       # [N, 1]
+    amp = ((r * c).sum(1) / (r * r).sum(1).clamp_min(_TINY))[:, None]  # [N, 1]
     return (c - amp * r).abs().sum(1) / (amp * r).sum(1).clamp_min(_TINY)
 
 
-def _fit_family(qx: torch.Tensor, qn: torch.Tensor, t: int, w: torch.Tensor, rotary_dim: int,
-                family: str) -> tuple[float, str, float]:
+def _fit_family(
+    qx: torch.Tensor, qn: torch.Tensor, t: int, w: torch.Tensor, rotary_dim: int, family: str
+) -> tuple[float, str, float]:
     """Best query fit at position ``t`` over a 1-D family of frequencies: ``theta`` (base times x, so pair
     ``m`` scales by ``x^(-2m/rotary_dim)``) or ``scale`` (every frequency times x); x from 1/32 to 32,
     coarse (2^(1/64)) then fine (2^(1/4096)). Returns ``(fit, family, x)``."""
-    expo = torch.arange(w.numel(), dtype=torch.float64) * 2 / rotary_dim                   # [n]
+    expo = torch.arange(w.numel(), dtype=torch.float64) * 2 / rotary_dim  # [n]
     x = 1.0
     for grid in (2.0 ** (torch.arange(-320, 321) / 64), 2.0 ** (torch.arange(-64, 65) / 4096)):
-        grid = x * grid.double()                                                           # [G]
+        grid = x * grid.double()  # [G]
         W = w[None] / grid[:, None] ** expo[None] if family == "theta" else w[None] * grid[:, None]  # [G, n]
-        fits = _fit_at(qx, qn, (t * W)[None])[0]                                           # [G]
+        fits = _fit_at(qx, qn, (t * W)[None])[0]  # [G]
         k = int(fits.argmax())
         x, fit = float(grid[k]), float(fits[k])
     return fit, family, x

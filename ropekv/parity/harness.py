@@ -22,8 +22,19 @@ from ..models.config import Checkpoint
 from ..models.reference import ReferenceDecoder, ReferenceOutput
 from . import forensics, ops
 from .cases import Case, build_matrix, token_stream
-from .compare import (LogitsOf, NextToken, RefRow, StepErrors, Tolerance, compare_step, first_failure, logits_error,
-                      scaled_error, tolerance_for, worst_entry)
+from .compare import (
+    LogitsOf,
+    NextToken,
+    RefRow,
+    StepErrors,
+    Tolerance,
+    compare_step,
+    first_failure,
+    logits_error,
+    scaled_error,
+    tolerance_for,
+    worst_entry,
+)
 from .layer_forensics import diagnose_layer
 from .progress import Progress
 from .protocol import CaseRun, EngineAdapter, FullRun, Tier
@@ -33,16 +44,33 @@ from .validate import check_adapter, check_case_run, check_full_run, check_ignor
 
 _MAX_FORENSIC_CASES = 6
 _REFERENCE_DTYPES = {"float64": torch.float64, "float32": torch.float32}
-_ENGINE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-                  "float64": torch.float64}
+_ENGINE_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float64": torch.float64,
+}
 
 
-def check(engine: EngineAdapter, *, lengths: list[int] | None = None,
-          block_sizes: list[int] | None = None, prefix_offsets: list[int] | None = None, window: int | None = None,
-          sink_tokens: int = 0, chunk: int | None = None, decode_steps: int | None = None, dtype: str | None = None,
-          reference: str = "float64", key_form: str | None = None, backend: str | None = None, seed: int = 0,
-          cases: list[Case] | None = None, progress: bool | str = False,
-          tolerance: Tolerance | None = None) -> ParityReport:
+def check(
+    engine: EngineAdapter,
+    *,
+    lengths: list[int] | None = None,
+    block_sizes: list[int] | None = None,
+    prefix_offsets: list[int] | None = None,
+    window: int | None = None,
+    sink_tokens: int = 0,
+    chunk: int | None = None,
+    decode_steps: int | None = None,
+    dtype: str | None = None,
+    reference: str = "float64",
+    key_form: str | None = None,
+    backend: str | None = None,
+    seed: int = 0,
+    cases: list[Case] | None = None,
+    progress: bool | str = False,
+    tolerance: Tolerance | None = None,
+) -> ParityReport:
     """Run the parity matrix on ``engine`` and return a :class:`ParityReport`.
 
     ``engine`` is an adapter (see :class:`ropekv.parity.protocol.EngineAdapter`; ``ropekv.check`` also
@@ -60,16 +88,24 @@ def check(engine: EngineAdapter, *, lengths: list[int] | None = None,
         raise UsageError(f"reference must be one of {', '.join(_REFERENCE_DTYPES)}, got {reference!r}")
     cfg = adapter.checkpoint.config
     if cases is None:
-        cases = build_matrix(lengths=lengths, block_sizes=block_sizes, prefix_offsets=prefix_offsets, window=window,
-                             sink_tokens=sink_tokens, chunk=chunk, decode_steps=decode_steps,
-                             max_positions=cfg.position_limit)
+        cases = build_matrix(
+            lengths=lengths,
+            block_sizes=block_sizes,
+            prefix_offsets=prefix_offsets,
+            window=window,
+            sink_tokens=sink_tokens,
+            chunk=chunk,
+            decode_steps=decode_steps,
+            max_positions=cfg.position_limit,
+        )
     if not cases:
         raise UsageError("no parity cases to run")
     _check_ops(adapter, cases)
     started = time.perf_counter()
     tokens = token_stream(cfg.vocab_size, max(c.total for c in cases), seed)
-    refs = _References(adapter, tier, ReferenceDecoder(adapter.checkpoint, dtype=_REFERENCE_DTYPES[reference]),
-                       tokens, cases)
+    refs = _References(
+        adapter, tier, ReferenceDecoder(adapter.checkpoint, dtype=_REFERENCE_DTYPES[reference]), tokens, cases
+    )
     tol_ref = tolerance or tolerance_for(adapter.dtype, _REFERENCE_DTYPES[reference])
     tol_self = tolerance or tolerance_for(adapter.dtype, adapter.dtype)
 
@@ -100,17 +136,29 @@ def check(engine: EngineAdapter, *, lengths: list[int] | None = None,
             elif fail_self is not None:
                 divergence = _divergence("self", fail_self, run, self_rows, err_self, tol_self, of)
             result = CaseResult(
-                case=case, passed=fail_ref is None and fail_self is None, reference_passed=fail_ref is None,
-                self_passed=fail_self is None, max_abs_logit_diff=max(e.max_abs_logit_diff for e in err_ref),
-                max_attn_error=_max(err_ref), max_self_attn_error=_max(err_self), first_divergence=divergence,
+                case=case,
+                passed=fail_ref is None and fail_self is None,
+                reference_passed=fail_ref is None,
+                self_passed=fail_self is None,
+                max_abs_logit_diff=max(e.max_abs_logit_diff for e in err_ref),
+                max_attn_error=_max(err_ref),
+                max_self_attn_error=_max(err_self),
+                first_divergence=divergence,
                 positions=tuple(s.position for s in run.steps),
-                attn_errors=tuple(e.attn for e in err_ref), self_attn_errors=tuple(e.attn for e in err_self),
-                logit_errors=tuple(e.logits for e in err_ref), self_logit_errors=tuple(e.logits for e in err_self),
-                ignored=ignored, notes=run.notes + ops.notes(case), full_forward_error=full_err,
-                seconds=time.perf_counter() - t0)
+                attn_errors=tuple(e.attn for e in err_ref),
+                self_attn_errors=tuple(e.attn for e in err_self),
+                logit_errors=tuple(e.logits for e in err_ref),
+                self_logit_errors=tuple(e.logits for e in err_self),
+                ignored=ignored,
+                notes=run.notes + ops.notes(case),
+                full_forward_error=full_err,
+                seconds=time.perf_counter() - t0,
+            )
             results.append(result)
-            bar.case_done(f"case {n + 1}/{len(cases)} {case.label()}: {'PASS' if result.passed else 'FAIL'} "
-                          f"({result.seconds:.1f} s)")
+            bar.case_done(
+                f"case {n + 1}/{len(cases)} {case.label()}: {'PASS' if result.passed else 'FAIL'} "
+                f"({result.seconds:.1f} s)"
+            )
             if not result.passed and len(failed) < _MAX_FORENSIC_CASES:
                 failed.append((result, run))
         diagnosis = None
@@ -129,17 +177,33 @@ def check(engine: EngineAdapter, *, lengths: list[int] | None = None,
     ckpt = adapter.checkpoint
     passed = all(r.passed for r in results)
     from ..models.default import display_name  # local: the default-model module pulls in the GGUF reader
+
     return ParityReport(
         passed=passed,
-        model={"name": display_name(ckpt), "config_name": cfg.name, "architecture": cfg.architecture,
-               "warnings": list(cfg.warnings),
-               "fingerprint": ckpt.fingerprint, "source": ckpt.source, "rope": cfg.rope.to_dict(),
-               "rope_fingerprint": cfg.rope.fingerprint()},
-        engine=adapter.describe(), reference=reference, tier=tier.value, limits=tier_limits(tier, results),
+        model={
+            "name": display_name(ckpt),
+            "config_name": cfg.name,
+            "architecture": cfg.architecture,
+            "warnings": list(cfg.warnings),
+            "fingerprint": ckpt.fingerprint,
+            "source": ckpt.source,
+            "rope": cfg.rope.to_dict(),
+            "rope_fingerprint": cfg.rope.fingerprint(),
+        },
+        engine=adapter.describe(),
+        reference=reference,
+        tier=tier.value,
+        limits=tier_limits(tier, results),
         tolerances={"reference": tol_ref.to_dict(), "self": tol_self.to_dict()},
-        cases=tuple(results), diagnosis=diagnosis, seconds=time.perf_counter() - started, seed=seed,
+        cases=tuple(results),
+        diagnosis=diagnosis,
+        seconds=time.perf_counter() - started,
+        seed=seed,
         phase_seconds=dict(refs.seconds),
-        provenance=provenance(f"ropekv.check({adapter.name!r}, {len(cases)} cases, seed={seed}, reference={reference!r})"))
+        provenance=provenance(
+            f"ropekv.check({adapter.name!r}, {len(cases)} cases, seed={seed}, reference={reference!r})"
+        ),
+    )
 
 
 def _check_ops(adapter: EngineAdapter, cases: list[Case]) -> None:
@@ -156,8 +220,10 @@ def _check_ops(adapter: EngineAdapter, cases: list[Case]) -> None:
         why = [x for x in check_ignored(adapter, case, adapter.ignored(case)) if x.split(":")[0].strip() == "op"]
         if case.op.kind not in declared or why:
             reason = why[0] if why else f"it declares {', '.join(declared) or 'no cache operations'}"
-            raise UsageError(f"engine {adapter.name!r} cannot run the cache operation of case {case.label()} "
-                             f"({reason}); leave {case.op.kind} out of --ops for it")
+            raise UsageError(
+                f"engine {adapter.name!r} cannot run the cache operation of case {case.label()} "
+                f"({reason}); leave {case.op.kind} out of --ops for it"
+            )
 
 
 def tier_limits(tier: Tier, results: list[CaseResult]) -> str:
@@ -165,15 +231,24 @@ def tier_limits(tier: Tier, results: list[CaseResult]) -> str:
     failing = [r for r in results if r.first_divergence is not None]
     if tier == Tier.LOGITS:
         if not failing:
-            return ("logits tier: next-token logits match; a fault that leaves the logits within tolerance "
-                    "(or shows only in layers the logits hide) is not excluded; layer and bug class not examined")
+            return (
+                "logits tier: next-token logits match; a fault that leaves the logits within tolerance "
+                "(or shows only in layers the logits hide) is not excluded; layer and bug class not examined"
+            )
         fd = failing[0].first_divergence
-        return (f"logits tier: divergence localized to decode step {fd.step} (position {fd.query_position}) "
-                f"of {failing[0].case.label()}; layer and bug class unknown")
+        return (
+            f"logits tier: divergence localized to decode step {fd.step} (position {fd.query_position}) "
+            f"of {failing[0].case.label()}; layer and bug class unknown"
+        )
     if tier == Tier.ATTENTION:
-        return ("attention tier: first divergent layer localized; bug class not named (the adapter does not "
-                "promise the exact query and keys its kernel multiplied)") if failing else \
-            "attention tier: every layer's attention logits match; bug class not examined"
+        return (
+            (
+                "attention tier: first divergent layer localized; bug class not named (the adapter does not "
+                "promise the exact query and keys its kernel multiplied)"
+            )
+            if failing
+            else "attention tier: every layer's attention logits match; bug class not examined"
+        )
     return "forensics tier: all conclusions available"
 
 
@@ -183,8 +258,10 @@ def _next(step) -> NextToken:
 
 def _as_adapter(engine: Any, *, dtype, key_form, backend) -> EngineAdapter:
     if isinstance(engine, Checkpoint):
-        raise UsageError("ropekv.parity.harness.check takes an engine adapter; ropekv.check(checkpoint) runs a "
-                         "checkpoint on ropekv's own engine")
+        raise UsageError(
+            "ropekv.parity.harness.check takes an engine adapter; ropekv.check(checkpoint) runs a "
+            "checkpoint on ropekv's own engine"
+        )
     if engine is None or isinstance(engine, (str, bytes)):
         raise UsageError(f"check() needs an engine adapter, got {type(engine).__name__}")
     check_adapter(engine)
@@ -194,13 +271,17 @@ def _as_adapter(engine: Any, *, dtype, key_form, backend) -> EngineAdapter:
         if want is None:
             raise UsageError(f"dtype must be one of {', '.join(_ENGINE_DTYPES)}, got {dtype!r}")
         if want != engine.dtype:
-            raise UsageError(f"dtype={dtype!r}: adapter {name!r} computes in {engine.dtype}; build the adapter in "
-                             f"{dtype} instead (the harness cannot change an engine's dtype)")
+            raise UsageError(
+                f"dtype={dtype!r}: adapter {name!r} computes in {engine.dtype}; build the adapter in "
+                f"{dtype} instead (the harness cannot change an engine's dtype)"
+            )
     facts = engine.describe()
     for option, value in (("key_form", key_form), ("backend", backend)):
         if value is not None and facts.get(option) != value:
-            raise UsageError(f"{option}={value!r}: adapter {name!r} does not run with it (it reports "
-                             f"{option}={facts.get(option)!r}); {option} selects ropekv's own engine")
+            raise UsageError(
+                f"{option}={value!r}: adapter {name!r} does not run with it (it reports "
+                f"{option}={facts.get(option)!r}); {option} selects ropekv's own engine"
+            )
     return engine
 
 
@@ -220,8 +301,9 @@ def _max(errors: list[StepErrors]) -> float | None:
 class _References:
     """Full forwards (float64 reference and the engine's own), computed once per window and reused."""
 
-    def __init__(self, adapter: EngineAdapter, tier: Tier, decoder: ReferenceDecoder, tokens: torch.Tensor,
-                 cases: list[Case]):
+    def __init__(
+        self, adapter: EngineAdapter, tier: Tier, decoder: ReferenceDecoder, tokens: torch.Tensor, cases: list[Case]
+    ):
         self.adapter, self.tier, self.decoder, self.tokens = adapter, tier, decoder, tokens
         self.cfg = adapter.checkpoint.config
         self.per_position = self.cfg.rope.length_dependent
@@ -275,8 +357,9 @@ class _References:
                 self.bar.describe(f"float64 reference forward over {n} tokens")
             window = "model" if case.window is None else case.window
             t0 = time.perf_counter()
-            self._ref[key] = self.decoder.forward(self.tokens[:n], probe_rows=rows, window=window,
-                                                  sink_tokens=case.sink_tokens, logits_for="probed")
+            self._ref[key] = self.decoder.forward(
+                self.tokens[:n], probe_rows=rows, window=window, sink_tokens=case.sink_tokens, logits_for="probed"
+            )
             self.seconds["float64_reference_forwards"] += time.perf_counter() - t0
             if self.bar:
                 self.bar.advance(n)
@@ -322,7 +405,7 @@ class _References:
 def _row(layers, rows: torch.Tensor, i: int, logits: NextToken, case: Case, cfg) -> RefRow:
     """Row ``i`` of probed layers: per layer its input and attention logits ``[H, T]``."""
     of = LogitsOf(cfg, case.window, case.sink_tokens)
-    r = rows[i: i + 1]
+    r = rows[i : i + 1]
     hidden = tuple(None if p.hidden_in is None else p.hidden_in[i] for p in layers)
     attn = tuple(_dense(of.rows(layer, _at(p, i), r)[:, 0], p.key_positions) for layer, p in enumerate(layers))
     return RefRow(hidden_in=hidden, attn_logits=attn, logits=logits)
@@ -330,8 +413,12 @@ def _row(layers, rows: torch.Tensor, i: int, logits: NextToken, case: Case, cfg)
 
 def _at(p, i: int):
     """The probe restricted to query row ``i`` (keys unchanged)."""
-    return dataclasses.replace(p, q=p.q[i: i + 1], hidden_in=None if p.hidden_in is None else p.hidden_in[i: i + 1],
-                               q_raw=None if p.q_raw is None else p.q_raw[i: i + 1])
+    return dataclasses.replace(
+        p,
+        q=p.q[i : i + 1],
+        hidden_in=None if p.hidden_in is None else p.hidden_in[i : i + 1],
+        q_raw=None if p.q_raw is None else p.q_raw[i : i + 1],
+    )
 
 
 def _dense(scores: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
@@ -342,25 +429,54 @@ def _dense(scores: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _divergence(against: str, where: tuple[int, int | None], run: CaseRun, rows: list[RefRow],
-                errors: list[StepErrors], tol: Tolerance, of: LogitsOf) -> Divergence:
+def _divergence(
+    against: str,
+    where: tuple[int, int | None],
+    run: CaseRun,
+    rows: list[RefRow],
+    errors: list[StepErrors],
+    tol: Tolerance,
+    of: LogitsOf,
+) -> Divergence:
     s, layer = where
     step = run.steps[s]
     if layer is None:  # logits tier: only the final logits are known
-        return Divergence(against=against, step=s, query_position=step.position, layer=None, head=None,
-                          key_position=None, key_slot=None, reference_logit=None, cached_logit=None,
-                          attn_error=None, input_error=None, input_matched=None,
-                          logits_error=errors[s].logits)
+        return Divergence(
+            against=against,
+            step=s,
+            query_position=step.position,
+            layer=None,
+            head=None,
+            key_position=None,
+            key_slot=None,
+            reference_logit=None,
+            cached_logit=None,
+            attn_error=None,
+            input_error=None,
+            input_matched=None,
+            logits_error=errors[s].logits,
+        )
     probe = step.layers[layer]
     cached_attn = of.step(layer, probe, step.position)
     ref_attn = rows[s].attn_logits[layer][:, probe.key_positions]
     head, k, cached, refv = worst_entry(cached_attn, ref_attn)
     input_err = errors[s].hidden[layer]
     slot = -1 if probe.key_slots is None else int(probe.key_slots[k])
-    return Divergence(against=against, step=s, query_position=step.position, layer=layer, head=head,
-                      key_position=int(probe.key_positions[k]), key_slot=slot,
-                      reference_logit=refv, cached_logit=cached, attn_error=errors[s].attn[layer],
-                      input_error=input_err, input_matched=input_err <= tol.hidden, logits_error=errors[s].logits)
+    return Divergence(
+        against=against,
+        step=s,
+        query_position=step.position,
+        layer=layer,
+        head=head,
+        key_position=int(probe.key_positions[k]),
+        key_slot=slot,
+        reference_logit=refv,
+        cached_logit=cached,
+        attn_error=errors[s].attn[layer],
+        input_error=input_err,
+        input_matched=input_err <= tol.hidden,
+        logits_error=errors[s].logits,
+    )
 
 
 def _diagnose(adapter: EngineAdapter, refs: _References, result: CaseResult, run: CaseRun) -> Diagnosis:
@@ -375,39 +491,61 @@ def _diagnose(adapter: EngineAdapter, refs: _References, result: CaseResult, run
     case = result.case
     cfg = adapter.checkpoint.config
     chunk = cfg.layer_chunk(fd.layer) if case.window is None else None  # a case window replaces chunks
-    window = _window_diagnosis(refs.reference_row(case, fd.query_position).attn_logits[fd.layer], view, case, fd,
-                               chunk)
+    window = _window_diagnosis(refs.reference_row(case, fd.query_position).attn_logits[fd.layer], view, case, fd, chunk)
     if window is not None:
         return window
     slots = view.key_slots if view.key_slots is not None else torch.full_like(view.key_positions, -1)
     k_raw = probe.k_raw[view.key_positions - case.shift]  # the reference's rows are indices (a shift moves positions)
     # Per-layer RoPE features first (NoPE layers, partial rotary, local/global RoPE): bug classes one
     # spec alone cannot name. Then the general forensics under the diverging layer's own spec.
-    arch = diagnose_layer(cfg, fd.layer, q_raw=probe.q_raw[i], q_eff=view.q[0], k_raw=k_raw, k_eff=view.k,
-                          key_positions=view.key_positions, query_position=fd.query_position,
-                          seq_len=fd.query_position + 1)
+    arch = diagnose_layer(
+        cfg,
+        fd.layer,
+        q_raw=probe.q_raw[i],
+        q_eff=view.q[0],
+        k_raw=k_raw,
+        k_eff=view.k,
+        key_positions=view.key_positions,
+        query_position=fd.query_position,
+        seq_len=fd.query_position + 1,
+    )
     if arch is not None:
-        return Diagnosis(arch.kind, arch.evidence, {**arch.details, "case": case.label(), "layer": fd.layer,
-                                                    "query_position": fd.query_position})
+        return Diagnosis(
+            arch.kind,
+            arch.evidence,
+            {**arch.details, "case": case.label(), "layer": fd.layer, "query_position": fd.query_position},
+        )
     rope = cfg.layer_rope(fd.layer)
     if rope is None:
-        return Diagnosis("unknown", f"layer {fd.layer} has no position embedding and its query and keys are not "
-                         "turned; the divergence is not a RoPE error of this layer",
-                         {"case": case.label(), "layer": fd.layer, "query_position": fd.query_position})
+        return Diagnosis(
+            "unknown",
+            f"layer {fd.layer} has no position embedding and its query and keys are not "
+            "turned; the divergence is not a RoPE error of this layer",
+            {"case": case.label(), "layer": fd.layer, "query_position": fd.query_position},
+        )
     q_raw, q_eff, k_eff = probe.q_raw[i], view.q[0], view.k
     if rope.rotary_offset:  # MLA: only the rope part turns; the forensics read that slice as a head of its own
         part = slice(rope.rotary_offset, rope.rotary_offset + rope.rotary_dim)
         q_raw, q_eff, k_raw, k_eff = q_raw[..., part], q_eff[..., part], k_raw[..., part], k_eff[..., part]
         rope = rope.replace(head_dim=rope.rotary_dim, rotary_offset=0)
     inp = forensics.ForensicInput(
-        rope=rope, q_raw=q_raw, q_eff=q_eff,
-        k_raw=k_raw, k_eff=k_eff, query_position=fd.query_position,
-        key_positions=view.key_positions, key_slots=slots, fork_offset=case.prefix,
+        rope=rope,
+        q_raw=q_raw,
+        q_eff=q_eff,
+        k_raw=k_raw,
+        k_eff=k_eff,
+        query_position=fd.query_position,
+        key_positions=view.key_positions,
+        key_slots=slots,
+        fork_offset=case.prefix,
         # Even where the adapter ignores block sizes, the case's block size is the hypothesis to test:
         # an engine with its own blocks may still rotate keys by their offset inside one.
         block_size=case.block_size,
-        handoff_len=run.handoff_len, self_parity_passed=result.self_passed, seq_len=fd.query_position + 1,
-        op_hypotheses=ops.hypotheses(case, adapter.describe().get("key_form")))
+        handoff_len=run.handoff_len,
+        self_parity_passed=result.self_passed,
+        seq_len=fd.query_position + 1,
+        op_hypotheses=ops.hypotheses(case, adapter.describe().get("key_form")),
+    )
     d = forensics.diagnose(inp)
     kind, evidence = d.kind, d.evidence
     if kind == "unknown" and inp.rope.length_dependent and fd.layer > 0:
@@ -415,13 +553,22 @@ def _diagnose(adapter: EngineAdapter, refs: _References, result: CaseResult, run
         # whose deeper keys and values were computed under an earlier length's frequencies. A full
         # forward over t + 1 tokens recomputes them; no cache can (docs/contract.md).
         kind = "stale_dynamic_scaling"
-        evidence = (f"layer 0 matches and layer {fd.layer} turns keys at the current frequencies, but its cached "
-                    f"keys and values come from hidden states computed under an earlier length's frequencies "
-                    f"(inherent to caching {inp.rope.scaling.rope_type} RoPE past position "
-                    f"{inp.rope.switch_length}); {evidence}")
+        evidence = (
+            f"layer 0 matches and layer {fd.layer} turns keys at the current frequencies, but its cached "
+            f"keys and values come from hidden states computed under an earlier length's frequencies "
+            f"(inherent to caching {inp.rope.scaling.rope_type} RoPE past position "
+            f"{inp.rope.switch_length}); {evidence}"
+        )
     details = dict(d.details)
-    details.update({"case": case.label(), "layer": fd.layer, "query_position": fd.query_position,
-                    "query_effective": d.query_effective, "fit": _finite(d.fit)})
+    details.update(
+        {
+            "case": case.label(),
+            "layer": fd.layer,
+            "query_position": fd.query_position,
+            "query_effective": d.query_effective,
+            "fit": _finite(d.fit),
+        }
+    )
     return Diagnosis(kind, evidence, details)
 
 
@@ -439,20 +586,33 @@ def _window_diagnosis(ref_row: torch.Tensor, view, case: Case, fd, chunk: int | 
     if extra.numel() == 0 and missed.numel() == 0:
         return None
     parts = []
-    hides = "the window hides" if chunk is None else (
-        f"of earlier chunks (chunk size {chunk}: the query's chunk starts at "
-        f"{fd.query_position // chunk * chunk})")
+    hides = (
+        "the window hides"
+        if chunk is None
+        else (
+            f"of earlier chunks (chunk size {chunk}: the query's chunk starts at {fd.query_position // chunk * chunk})"
+        )
+    )
     if extra.numel():
         parts.append(f"it read {extra.numel()} key(s) {hides} (positions {_span(extra)})")
     if missed.numel():
         parts.append(f"it missed {missed.numel()} visible key(s) (positions {_span(missed)})")
-    details = {"case": case.label(), "layer": fd.layer, "query_position": fd.query_position,
-               "extra_keys": int(extra.numel()), "missed_keys": int(missed.numel()), "keys_read": int(pos.numel())}
+    details = {
+        "case": case.label(),
+        "layer": fd.layer,
+        "query_position": fd.query_position,
+        "extra_keys": int(extra.numel()),
+        "missed_keys": int(missed.numel()),
+        "keys_read": int(pos.numel()),
+    }
     if chunk is not None:
         details["chunk_size"] = chunk
-    return Diagnosis("window_mismatch" if chunk is None else "chunk_mismatch",
-                     f"layer {fd.layer}, query at {fd.query_position}: the reference attends to "
-                     f"{int(visible.sum())} keys, the kernel to {pos.numel()}; " + "; ".join(parts), details)
+    return Diagnosis(
+        "window_mismatch" if chunk is None else "chunk_mismatch",
+        f"layer {fd.layer}, query at {fd.query_position}: the reference attends to "
+        f"{int(visible.sum())} keys, the kernel to {pos.numel()}; " + "; ".join(parts),
+        details,
+    )
 
 
 def _span(positions: torch.Tensor) -> str:

@@ -49,9 +49,18 @@ def _ranges(mask: torch.Tensor) -> str:
     return ", ".join(out)
 
 
-def diagnose_layer(cfg: ModelConfig, layer: int, *, q_raw: torch.Tensor, q_eff: torch.Tensor, k_raw: torch.Tensor,
-                   k_eff: torch.Tensor, key_positions: torch.Tensor, query_position: int,
-                   seq_len: int) -> Diagnosis | None:
+def diagnose_layer(
+    cfg: ModelConfig,
+    layer: int,
+    *,
+    q_raw: torch.Tensor,
+    q_eff: torch.Tensor,
+    k_raw: torch.Tensor,
+    k_eff: torch.Tensor,
+    key_positions: torch.Tensor,
+    query_position: int,
+    seq_len: int,
+) -> Diagnosis | None:
     """Name a per-layer RoPE bug on ``layer`` or return None.
 
     ``q_raw``/``q_eff`` ``[H, D]``: the query before RoPE (reference) and as the kernel used it;
@@ -60,10 +69,13 @@ def diagnose_layer(cfg: ModelConfig, layer: int, *, q_raw: torch.Tensor, q_eff: 
     spec = cfg.layer_rope(layer)
     qpos = torch.tensor([query_position])
     q_raw, q_eff = q_raw[None], q_eff[None]  # [1, H, D]
+
     # Which of q and the keys the kernel used are exact rotations under a spec.
     def fits(candidate: RopeSpec | None) -> tuple[bool, bool]:
-        return (_close(q_eff, _rotated(candidate, q_raw, qpos, seq_len)),
-                _close(k_eff, _rotated(candidate, k_raw, key_positions, seq_len)))
+        return (
+            _close(q_eff, _rotated(candidate, q_raw, qpos, seq_len)),
+            _close(k_eff, _rotated(candidate, k_raw, key_positions, seq_len)),
+        )
 
     if all(fits(spec)):
         return None
@@ -77,39 +89,57 @@ def diagnose_layer(cfg: ModelConfig, layer: int, *, q_raw: torch.Tensor, q_eff: 
             q_fit, k_fit = fits(candidate)
             if q_fit or k_fit:
                 what = " and ".join(n for n, f in (("query", q_fit), ("keys", k_fit)) if f)
-                return Diagnosis("nope_rotated", (
-                    f"layer {layer} has no position embedding (NoPE), but its {what} are rotations under the RoPE "
-                    f"of the other layers (theta {candidate.theta:g}, rotary_dim {candidate.rotary_dim})"),
-                    {"layer": layer, "theta": candidate.theta})
-        return Diagnosis("nope_rotated", f"layer {layer} has no position embedding (NoPE), but the kernel's query "
-                         "or keys differ from the raw ones: they were turned", {"layer": layer})
+                return Diagnosis(
+                    "nope_rotated",
+                    (
+                        f"layer {layer} has no position embedding (NoPE), but its {what} are rotations under the RoPE "
+                        f"of the other layers (theta {candidate.theta:g}, rotary_dim {candidate.rotary_dim})"
+                    ),
+                    {"layer": layer, "theta": candidate.theta},
+                )
+        return Diagnosis(
+            "nope_rotated",
+            f"layer {layer} has no position embedding (NoPE), but the kernel's query "
+            "or keys differ from the raw ones: they were turned",
+            {"layer": layer},
+        )
     if spec.rotary_dim < spec.head_dim:
         rotated = torch.zeros(spec.head_dim, dtype=torch.bool)
-        rotated[spec.rotary_offset: spec.rotary_offset + spec.rotary_dim] = True
+        rotated[spec.rotary_offset : spec.rotary_offset + spec.rotary_dim] = True
         keep = ~rotated  # the channels that pass through
         if not _close(q_eff[..., keep], q_raw[..., keep]) or not _close(k_eff[..., keep], k_raw[..., keep]):
-            full = (spec.replace(rotary_dim=spec.head_dim, rotary_offset=0) if spec.scaling.short_factor is None
-                    else None)
+            full = (
+                spec.replace(rotary_dim=spec.head_dim, rotary_offset=0) if spec.scaling.short_factor is None else None
+            )
             how = ""
             if full is not None and any(fits(full)):
                 how = f": they fit a rotation of all {spec.head_dim} channels at the whole head's frequencies"
-            return Diagnosis("partial_rotary_mismatch", (
-                f"layer {layer} rotates only {spec.rotary_dim} of {spec.head_dim} channels, but the kernel's "
-                f"pass-through channels {_ranges(keep)} changed (partial rotary applied to "
-                f"every channel){how}"), {"layer": layer, "rotary_dim": spec.rotary_dim})
+            return Diagnosis(
+                "partial_rotary_mismatch",
+                (
+                    f"layer {layer} rotates only {spec.rotary_dim} of {spec.head_dim} channels, but the kernel's "
+                    f"pass-through channels {_ranges(keep)} changed (partial rotary applied to "
+                    f"every channel){how}"
+                ),
+                {"layer": layer, "rotary_dim": spec.rotary_dim},
+            )
     if cfg.mla is not None:
         q_fit, k_fit = fits(spec)
         q_twice = _close(q_eff, _rotated(spec, _rotated(spec, q_raw, qpos, seq_len), qpos, seq_len))
         k_twice = _close(k_eff, _rotated(spec, _rotated(spec, k_raw, key_positions, seq_len), key_positions, seq_len))
         if (q_twice or k_twice) and (q_fit or q_twice) and (k_fit or k_twice):
             what = " and ".join(n for n, f in (("query", q_twice and not q_fit), ("keys", k_twice and not k_fit)) if f)
-            return Diagnosis("mla_rope_rotated_twice", (
-                f"layer {layer} is multi-head latent attention: its position-free channels 0.."
-                f"{spec.rotary_offset - 1} are intact, but the rope part (channels {spec.rotary_offset}.."
-                f"{spec.rotary_offset + spec.rotary_dim - 1}) of the {what} was rotated twice: it sits at twice "
-                "its position (the shared k_pe turned in the latent and again after expansion, or on write and "
-                "again on read)"), {"layer": layer, "rope_channels": [spec.rotary_offset,
-                                                                       spec.rotary_offset + spec.rotary_dim]})
+            return Diagnosis(
+                "mla_rope_rotated_twice",
+                (
+                    f"layer {layer} is multi-head latent attention: its position-free channels 0.."
+                    f"{spec.rotary_offset - 1} are intact, but the rope part (channels {spec.rotary_offset}.."
+                    f"{spec.rotary_offset + spec.rotary_dim - 1}) of the {what} was rotated twice: it sits at twice "
+                    "its position (the shared k_pe turned in the latent and again after expansion, or on write and "
+                    "again on read)"
+                ),
+                {"layer": layer, "rope_channels": [spec.rotary_offset, spec.rotary_offset + spec.rotary_dim]},
+            )
     for candidate in others:
         if candidate is None:
             continue
@@ -117,9 +147,14 @@ def diagnose_layer(cfg: ModelConfig, layer: int, *, q_raw: torch.Tensor, q_eff: 
         if q_fit:
             source = next(i for i in range(cfg.num_layers) if cfg.layer_rope(i) == candidate)
             kind = cfg.layer_types[layer].replace("_attention", "")
-            return Diagnosis("layer_rope_mismatch", (
-                f"layer {layer} ({kind}) should turn with theta {spec.theta:g} ({spec.scaling.rope_type}), but its "
-                f"query{' and keys' if k_fit else ''} are exact rotations under layer {source}'s RoPE "
-                f"({cfg.layer_types[source].replace('_attention', '')}: theta {candidate.theta:g}, "
-                f"{candidate.scaling.rope_type})"), {"layer": layer, "used_layer": source, "theta": candidate.theta})
+            return Diagnosis(
+                "layer_rope_mismatch",
+                (
+                    f"layer {layer} ({kind}) should turn with theta {spec.theta:g} ({spec.scaling.rope_type}), but its "
+                    f"query{' and keys' if k_fit else ''} are exact rotations under layer {source}'s RoPE "
+                    f"({cfg.layer_types[source].replace('_attention', '')}: theta {candidate.theta:g}, "
+                    f"{candidate.scaling.rope_type})"
+                ),
+                {"layer": layer, "used_layer": source, "theta": candidate.theta},
+            )
     return None

@@ -43,10 +43,11 @@ def own_reference(decoder: ReferenceDecoder, case: Case, tokens: torch.Tensor) -
     T = max(rows) + 1
     window = "model" if case.window is None else case.window
     if case.op.kind == "shift":
-        return decoder.forward(tokens[:T], probe_rows=rows, window=window, sink_tokens=case.sink_tokens,
-                               positions=torch.arange(T) + d)
+        return decoder.forward(
+            tokens[:T], probe_rows=rows, window=window, sink_tokens=case.sink_tokens, positions=torch.arange(T) + d
+        )
     mask = torch.ones(T, T, dtype=torch.bool)
-    mask[case.prefix + case.length:, case.evicted_positions] = False  # rows after the eviction
+    mask[case.prefix + case.length :, case.evicted_positions] = False  # rows after the eviction
     return decoder.forward(tokens[:T], probe_rows=rows, window=window, sink_tokens=case.sink_tokens, key_mask=mask)
 
 
@@ -78,8 +79,10 @@ def self_from_reference(case: Case) -> bool:
 
 def notes(case: Case) -> tuple[str, ...]:
     if self_from_reference(case):
-        return ("self-parity: the engine's full forward cannot hide evicted keys; judged against the float64 "
-                "reference (with the evicted keys masked) only",)
+        return (
+            "self-parity: the engine's full forward cannot hide evicted keys; judged against the float64 "
+            "reference (with the evicted keys masked) only",
+        )
     if case.shift:
         return (f"self-parity: the engine's unshifted full forward, relabelled by {case.shift:+d} positions",)
     return ()
@@ -92,32 +95,82 @@ def hypotheses(case: Case, key_form: str | None) -> tuple[OpHypothesis, ...]:
     kind, n = case.op.kind, case.op.amount
     end = case.prefix + case.length  # tokens cached before the operation
     if kind == "rollback":
-        out = [OpHypothesis("rollback_offset", "query", f"the offset kept the rejected {n}-token draft "
-                            f"(advanced by the draft length, not the accepted count)", offsets=(n,))]
+        out = [
+            OpHypothesis(
+                "rollback_offset",
+                "query",
+                f"the offset kept the rejected {n}-token draft (advanced by the draft length, not the accepted count)",
+                offsets=(n,),
+            )
+        ]
         if case.window is not None:
             ring = case.window + case.sink_tokens
             overwritten = tuple(i - case.window for i in range(end, end + n) if i >= ring)
             if overwritten:
-                out.append(OpHypothesis("rollback_stale_keys", "misfit", f"they are the ring slots the rolled-back "
-                                        f"{n}-token draft overwrote, left holding the rejected tokens' keys",
-                                        positions=overwritten))
+                out.append(
+                    OpHypothesis(
+                        "rollback_stale_keys",
+                        "misfit",
+                        f"they are the ring slots the rolled-back "
+                        f"{n}-token draft overwrote, left holding the rejected tokens' keys",
+                        positions=overwritten,
+                    )
+                )
         return tuple(out)
     if kind == "evict":
-        return (OpHypothesis("evict_offset", "query", f"the offset counts kept rows ({n} evicted tokens "
-                             "subtracted from every later position)", offsets=(-n,)),)
+        return (
+            OpHypothesis(
+                "evict_offset",
+                "query",
+                f"the offset counts kept rows ({n} evicted tokens subtracted from every later position)",
+                offsets=(-n,),
+            ),
+        )
     if kind == "shift":
         moved = tuple(range(n, n + end))
         if key_form == "raw":
-            return (OpHypothesis("shift_rotated_raw", "keys", f"raw keys were turned by R({n}) although the reader "
-                                 "rotates them at their new positions", offsets=(n,), positions=moved),)
-        return (OpHypothesis("shift_not_rotated", "keys", f"rotated keys were relabelled by {n:+d} but not turned "
-                             f"by R({n})", offsets=(-n,), positions=moved),
-                OpHypothesis("shift_applied_twice", "keys", f"rotated keys were turned by R({n}) twice for one "
-                             "relabelling", offsets=(n,), positions=moved))
+            return (
+                OpHypothesis(
+                    "shift_rotated_raw",
+                    "keys",
+                    f"raw keys were turned by R({n}) although the reader rotates them at their new positions",
+                    offsets=(n,),
+                    positions=moved,
+                ),
+            )
+        return (
+            OpHypothesis(
+                "shift_not_rotated",
+                "keys",
+                f"rotated keys were relabelled by {n:+d} but not turned by R({n})",
+                offsets=(-n,),
+                positions=moved,
+            ),
+            OpHypothesis(
+                "shift_applied_twice",
+                "keys",
+                f"rotated keys were turned by R({n}) twice for one relabelling",
+                offsets=(n,),
+                positions=moved,
+            ),
+        )
     if kind == "batch":
         lengths = case.batch_lengths
         pads = tuple(sorted({max(lengths) - L for L in lengths} - {0}))
-        return (OpHypothesis("padding_offset", "query", "a shared cursor over the left-padded batch: the row's "
-                             f"query is off by its padding (paddings {list(pads)})", offsets=pads),)
-    return (OpHypothesis("restore_offset_lost", "query", f"the restored sequence's offset restarted at 0 "
-                         f"(its {end} positions were not restored with the keys)", offsets=(-end,)),)
+        return (
+            OpHypothesis(
+                "padding_offset",
+                "query",
+                "a shared cursor over the left-padded batch: the row's "
+                f"query is off by its padding (paddings {list(pads)})",
+                offsets=pads,
+            ),
+        )
+    return (
+        OpHypothesis(
+            "restore_offset_lost",
+            "query",
+            f"the restored sequence's offset restarted at 0 (its {end} positions were not restored with the keys)",
+            offsets=(-end,),
+        ),
+    )

@@ -15,11 +15,11 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
-from matplotlib.ticker import FuncFormatter  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.ticker import FuncFormatter
 
-from .report import ParityReport  # noqa: E402
+from .report import ParityReport
 
 
 def _plain(x: float, _pos=None) -> str:
@@ -52,8 +52,17 @@ def plot_report(report: ParityReport, path: str | Path) -> None:
     for start, end, label, passed in bands:
         if start:
             ax1.axvline(start - 0.5, color="black", lw=0.6)
-        ax1.text((start + end - 1) / 2, -0.06, label, transform=ax1.get_xaxis_transform(), rotation=30,
-                 ha="right", va="top", fontsize=7, color="black" if passed else "tab:red")
+        ax1.text(
+            (start + end - 1) / 2,
+            -0.06,
+            label,
+            transform=ax1.get_xaxis_transform(),
+            rotation=30,
+            ha="right",
+            va="top",
+            fontsize=7,
+            color="black" if passed else "tab:red",
+        )
     for x, y in marks:
         ax1.plot(x, y, "o", ms=12, mfc="none", mec="black", mew=1.5)
     step = max(1, len(labels) // 40)
@@ -96,8 +105,11 @@ def plot_report(report: ParityReport, path: str | Path) -> None:
     ax2.legend(fontsize=8, loc="best")
     verdict = "PASS" if report.passed else "FAIL"
     diag = f" - {report.diagnosis.kind}" if report.diagnosis else ""
-    fig.suptitle(f"ropekv check: {report.model.get('name', '')} / {report.engine.get('name', '')} "
-                 f"({report.tier} tier): {verdict}{diag}", fontsize=11)
+    fig.suptitle(
+        f"ropekv check: {report.model.get('name', '')} / {report.engine.get('name', '')} "
+        f"({report.tier} tier): {verdict}{diag}",
+        fontsize=11,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

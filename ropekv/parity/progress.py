@@ -24,8 +24,15 @@ class Progress:
         if mode not in MODES:
             raise ValueError(f"progress mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
-        self._bar = tqdm(total=total, unit=unit, unit_scale=True, file=sys.stderr, disable=mode != "bar",
-                         dynamic_ncols=True, leave=False)
+        self._bar = tqdm(
+            total=total,
+            unit=unit,
+            unit_scale=True,
+            file=sys.stderr,
+            disable=mode != "bar",
+            dynamic_ncols=True,
+            leave=False,
+        )
 
     def describe(self, text: str) -> None:
         self._bar.set_description_str(text[:70], refresh=True)
@@ -38,7 +45,7 @@ class Progress:
         if self.mode == "lines":
             print(line, file=sys.stderr, flush=True)
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, *exc) -> None:

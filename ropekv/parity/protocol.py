@@ -43,10 +43,10 @@ class Tier(StrEnum):
     def rank(self) -> int:
         return list(Tier).index(self)
 
-    def __ge__(self, other: "Tier") -> bool:  # type: ignore[override]
+    def __ge__(self, other: Tier) -> bool:  # type: ignore[override]
         return self.rank >= Tier(other).rank
 
-    def __lt__(self, other: "Tier") -> bool:  # type: ignore[override]
+    def __lt__(self, other: Tier) -> bool:  # type: ignore[override]
         return self.rank < Tier(other).rank
 
 

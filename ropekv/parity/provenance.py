@@ -43,5 +43,5 @@ def provenance(call: str) -> dict:
         "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "call": call,
-        "utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "utc": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
     }

@@ -13,8 +13,13 @@ import torch
 from ..probe import LayerProbe
 
 
-def visible_keys(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None,
-                 sink_tokens: int = 0, chunk: int | None = None) -> torch.Tensor:
+def visible_keys(
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    window: int | None,
+    sink_tokens: int = 0,
+    chunk: int | None = None,
+) -> torch.Tensor:
     """Boolean mask ``[R, N]``: key at position ``j`` visible to the query at position ``i`` iff
     ``j <= i`` and (no window, or ``i - window < j``, or ``j < sink_tokens``): HF's sliding-window
     semantics (``W`` keys, the query's own included) with StreamingLLM sinks; on a chunked layer
@@ -29,9 +34,17 @@ def visible_keys(query_positions: torch.Tensor, key_positions: torch.Tensor, win
     return mask
 
 
-def attention_logits(probe: LayerProbe, query_positions: torch.Tensor, *, scale: float,
-                     window: int | None = None, sink_tokens: int = 0, softcap: float | None = None,
-                     mask_by_position: bool = True, chunk: int | None = None) -> torch.Tensor:
+def attention_logits(
+    probe: LayerProbe,
+    query_positions: torch.Tensor,
+    *,
+    scale: float,
+    window: int | None = None,
+    sink_tokens: int = 0,
+    softcap: float | None = None,
+    mask_by_position: bool = True,
+    chunk: int | None = None,
+) -> torch.Tensor:
     """Pre-softmax scores ``[H, R, N]`` of ``probe.q [R, H, D]`` against ``probe.k [N, KVH, D]``,
     in float64, scaled by ``scale``, soft-capped (``softcap * tanh(s / softcap)``) where the model caps,
     and set to ``-inf`` where a key is not visible to the query by its logical position.
@@ -62,19 +75,36 @@ class AttentionRecorder:
         self.num_layers = num_layers
         self._layers: dict[int, LayerProbe] = {}
 
-    def record(self, layer: int, *, q: torch.Tensor, k: torch.Tensor, key_positions: torch.Tensor,
-               key_slots: torch.Tensor | None = None, hidden_in: torch.Tensor | None = None,
-               q_raw: torch.Tensor | None = None, k_raw: torch.Tensor | None = None,
-               v: torch.Tensor | None = None) -> None:
+    def record(
+        self,
+        layer: int,
+        *,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        key_positions: torch.Tensor,
+        key_slots: torch.Tensor | None = None,
+        hidden_in: torch.Tensor | None = None,
+        q_raw: torch.Tensor | None = None,
+        k_raw: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
+    ) -> None:
         """``q [R, H, D]``, ``k [N, KVH, D]``, ``key_positions [N]`` (see :class:`LayerProbe`). A second
         record for the same layer replaces the first (an engine that runs a layer twice per forward
         reports the call that produced the output)."""
+
         def cpu(t):
             return None if t is None else t.detach().to("cpu").clone()
+
         self._layers[layer] = LayerProbe(
-            q=cpu(q), k=cpu(k), key_positions=cpu(torch.as_tensor(key_positions)).to(torch.int64),
+            q=cpu(q),
+            k=cpu(k),
+            key_positions=cpu(torch.as_tensor(key_positions)).to(torch.int64),
             key_slots=None if key_slots is None else cpu(torch.as_tensor(key_slots)).to(torch.int64),
-            hidden_in=cpu(hidden_in), q_raw=cpu(q_raw), k_raw=cpu(k_raw), v=cpu(v))
+            hidden_in=cpu(hidden_in),
+            q_raw=cpu(q_raw),
+            k_raw=cpu(k_raw),
+            v=cpu(v),
+        )
 
     def take(self) -> tuple[LayerProbe, ...]:
         """The recorded layers ``0..L-1`` in order (validation names any layer that is missing)."""

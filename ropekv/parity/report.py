@@ -33,18 +33,24 @@ class Divergence:
 
     def describe(self) -> str:
         if self.layer is None:
-            return (f"vs {self.against}: decode step {self.step} (query position {self.query_position}): next-token "
-                    f"logits error {self.logits_error:.3g} (logits tier: no layer information)")
+            return (
+                f"vs {self.against}: decode step {self.step} (query position {self.query_position}): next-token "
+                f"logits error {self.logits_error:.3g} (logits tier: no layer information)"
+            )
         where = "input matched" if self.input_matched else "input already differed"
-        return (f"vs {self.against}: decode step {self.step} (query position {self.query_position}), layer "
-                f"{self.layer} ({where}), head {self.head}, key position {self.key_position} (slot {self.key_slot}): "
-                f"reference {self.reference_logit:.4g}, cached {self.cached_logit:.4g}")
+        return (
+            f"vs {self.against}: decode step {self.step} (query position {self.query_position}), layer "
+            f"{self.layer} ({where}), head {self.head}, key position {self.key_position} (slot {self.key_slot}): "
+            f"reference {self.reference_logit:.4g}, cached {self.cached_logit:.4g}"
+        )
 
     def short(self) -> str:
         if self.layer is None:
             return f"{self.against}: step {self.step} pos {self.query_position} (logits)"
-        return (f"{self.against}: step {self.step} pos {self.query_position} layer {self.layer} "
-                f"head {self.head} key {self.key_position} (slot {self.key_slot})")
+        return (
+            f"{self.against}: step {self.step} pos {self.query_position} layer {self.layer} "
+            f"head {self.head} key {self.key_position} (slot {self.key_slot})"
+        )
 
 
 @dataclass(frozen=True)
@@ -84,8 +90,9 @@ class CaseResult:
             "max_abs_logit_diff": _num(self.max_abs_logit_diff),
             "max_attn_error": _num(self.max_attn_error),
             "max_self_attn_error": _num(self.max_self_attn_error),
-            "first_divergence": None if self.first_divergence is None else {
-                k: _num(v) for k, v in vars(self.first_divergence).items()},
+            "first_divergence": None
+            if self.first_divergence is None
+            else {k: _num(v) for k, v in vars(self.first_divergence).items()},
             "positions": list(self.positions),
             "attn_errors": [[_num(x) for x in row] for row in self.attn_errors],
             "self_attn_errors": [[_num(x) for x in row] for row in self.self_attn_errors],
@@ -130,8 +137,9 @@ class ParityReport:
             "seed": self.seed,
             "seconds": round(self.seconds, 2),
             "cases": [c.to_dict() for c in self.cases],
-            "diagnosis": None if self.diagnosis is None else {
-                "kind": self.diagnosis.kind, "evidence": self.diagnosis.evidence, "details": self.diagnosis.details},
+            "diagnosis": None
+            if self.diagnosis is None
+            else {"kind": self.diagnosis.kind, "evidence": self.diagnosis.evidence, "details": self.diagnosis.details},
             "provenance": self.provenance,
             "phase_seconds": {k: round(v, 3) for k, v in self.phase_seconds.items()},
         }
@@ -148,8 +156,10 @@ class ParityReport:
         for r in self.cases:
             fd = r.first_divergence
             where = "-" if fd is None else fd.short()
-            lines.append(f"{r.case.label():<{w}} {'PASS' if r.passed else 'FAIL':<7} {r.max_abs_logit_diff:>11.2e} "
-                         f"{_fmt(r.max_attn_error):>9} {_fmt(r.max_self_attn_error):>9}  {where}")
+            lines.append(
+                f"{r.case.label():<{w}} {'PASS' if r.passed else 'FAIL':<7} {r.max_abs_logit_diff:>11.2e} "
+                f"{_fmt(r.max_attn_error):>9} {_fmt(r.max_self_attn_error):>9}  {where}"
+            )
             if r.ignored:
                 lines.append(f"{'':<{w}} note: ignored for this engine: {', '.join(r.ignored)}")
             for note in r.notes:
@@ -158,8 +168,10 @@ class ParityReport:
         worst_full = max((r.full_forward_error for r in self.cases if r.full_forward_error is not None), default=None)
         lines.append("")
         if worst_full is not None:
-            lines.append(f"cross-engine: the engine's full forward (no cache) vs the float64 reference: worst error "
-                         f"{worst_full:.2e} (tolerance {self.tolerances['reference']['attn_logits']:g}; plain cases)")
+            lines.append(
+                f"cross-engine: the engine's full forward (no cache) vs the float64 reference: worst error "
+                f"{worst_full:.2e} (tolerance {self.tolerances['reference']['attn_logits']:g}; plain cases)"
+            )
         if self.limits:
             lines.append(self.limits)
         if self.passed:
@@ -171,8 +183,10 @@ class ParityReport:
                 lines.append(f"first divergence in {first.case.label()} " + first.first_divergence.describe())
         if self.diagnosis is not None:
             source = self.diagnosis.details.get("case")
-            lines.append(f"diagnosis: {self.diagnosis.kind}{f' (from case {source})' if source else ''}: "
-                         f"{self.diagnosis.evidence}")
+            lines.append(
+                f"diagnosis: {self.diagnosis.kind}{f' (from case {source})' if source else ''}: "
+                f"{self.diagnosis.evidence}"
+            )
         return "\n".join(lines)
 
 

@@ -17,7 +17,6 @@ from ..probe import LayerProbe
 from .cases import Case
 from .protocol import REQUIRED_MEMBERS, CaseRun, FullRun, StepRecord, Tier
 
-
 MIN_TOP_K = 5  # fewest top-k log-probabilities per row an engine must expose for the logits comparison
 
 
@@ -26,8 +25,12 @@ def check_adapter(adapter: object) -> Tier:
     name = _name(adapter)
     missing = [m for m in REQUIRED_MEMBERS if not hasattr(adapter, m)]
     if missing:
-        raise AdapterError(name, "protocol", "the members " + ", ".join(REQUIRED_MEMBERS),
-                           "an object of type " + type(adapter).__name__ + " lacking " + ", ".join(missing))
+        raise AdapterError(
+            name,
+            "protocol",
+            "the members " + ", ".join(REQUIRED_MEMBERS),
+            "an object of type " + type(adapter).__name__ + " lacking " + ", ".join(missing),
+        )
     for m in ("describe", "ignored", "run_case", "full_forward"):
         if not callable(getattr(adapter, m)):
             raise AdapterError(name, m, "a method", type(getattr(adapter, m)).__name__)
@@ -71,8 +74,9 @@ def check_case_run(adapter: object, tier: Tier, cfg: ModelConfig, case: Case, ru
     return run
 
 
-def check_full_run(adapter: object, tier: Tier, cfg: ModelConfig, case: Case, rows: list[int], T: int,
-                   run: object) -> FullRun:
+def check_full_run(
+    adapter: object, tier: Tier, cfg: ModelConfig, case: Case, rows: list[int], T: int, run: object
+) -> FullRun:
     """``run`` as the :class:`FullRun` over ``T`` tokens probed at ``rows``, or AdapterError."""
     name = _name(adapter)
     where = f"full_forward({T} tokens)"
@@ -80,8 +84,12 @@ def check_full_run(adapter: object, tier: Tier, cfg: ModelConfig, case: Case, ro
         raise AdapterError(name, where, "a FullRun", type(run).__name__)
     want = torch.as_tensor(rows, dtype=torch.int64)
     got = run.rows
-    if not torch.is_tensor(got) or got.dim() != 1 or got.dtype.is_floating_point or not torch.equal(
-            got.to(torch.int64).cpu(), want):
+    if (
+        not torch.is_tensor(got)
+        or got.dim() != 1
+        or got.dtype.is_floating_point
+        or not torch.equal(got.to(torch.int64).cpu(), want)
+    ):
         raise AdapterError(name, f"{where}.rows", f"rows {rows}", _describe(got))
     _check_scores(name, f"{where}.logits", cfg, run.logits, run.token_ids, rows=len(rows))
     _check_layers(name, where, tier, cfg, run.layers, rows=want, case=case, full=True, num_tokens=T)
@@ -97,23 +105,39 @@ def _check_scores(name: str, field: str, cfg: ModelConfig, values, token_ids, ro
         raise AdapterError(name, field, "a floating tensor", _describe(values))
     if token_ids is None:
         if tuple(values.shape) != lead + (cfg.vocab_size,):
-            raise AdapterError(name, field, f"shape {list(lead + (cfg.vocab_size,))} (the vocabulary)",
-                               f"shape {list(values.shape)}")
+            raise AdapterError(
+                name, field, f"shape {list(lead + (cfg.vocab_size,))} (the vocabulary)", f"shape {list(values.shape)}"
+            )
     else:
         if not torch.is_tensor(token_ids) or token_ids.dtype.is_floating_point or token_ids.dim() != len(lead) + 1:
-            raise AdapterError(name, field.replace("logits", "token_ids"), f"an integer tensor of {len(lead) + 1} dims",
-                               _describe(token_ids))
+            raise AdapterError(
+                name,
+                field.replace("logits", "token_ids"),
+                f"an integer tensor of {len(lead) + 1} dims",
+                _describe(token_ids),
+            )
         if tuple(values.shape) != tuple(token_ids.shape):
-            raise AdapterError(name, field, f"one log-probability per token id (shape {list(token_ids.shape)})",
-                               f"shape {list(values.shape)}")
+            raise AdapterError(
+                name,
+                field,
+                f"one log-probability per token id (shape {list(token_ids.shape)})",
+                f"shape {list(values.shape)}",
+            )
         need = min(MIN_TOP_K, cfg.vocab_size)
         if token_ids.shape[-1] < need:
-            raise AdapterError(name, field.replace("logits", "token_ids"),
-                               f"at least {need} token ids per row (a top-{token_ids.shape[-1]} comparison proves "
-                               "too little)", f"{token_ids.shape[-1]}")
+            raise AdapterError(
+                name,
+                field.replace("logits", "token_ids"),
+                f"at least {need} token ids per row (a top-{token_ids.shape[-1]} comparison proves too little)",
+                f"{token_ids.shape[-1]}",
+            )
         if int(token_ids.min()) < 0 or int(token_ids.max()) >= cfg.vocab_size:
-            raise AdapterError(name, field.replace("logits", "token_ids"), f"ids in [0, {cfg.vocab_size})",
-                               f"{int(token_ids.min())}..{int(token_ids.max())}")
+            raise AdapterError(
+                name,
+                field.replace("logits", "token_ids"),
+                f"ids in [0, {cfg.vocab_size})",
+                f"{int(token_ids.min())}..{int(token_ids.max())}",
+            )
         flat = token_ids.reshape(-1, token_ids.shape[-1])
         if any(len(set(r.tolist())) != len(r) for r in flat):
             raise AdapterError(name, field.replace("logits", "token_ids"), "distinct ids per row", "repeated ids")
@@ -123,14 +147,25 @@ def _check_scores(name: str, field: str, cfg: ModelConfig, values, token_ids, ro
         raise AdapterError(name, field, "finite values", f"{int((~torch.isfinite(values)).sum())} non-finite")
 
 
-def _check_layers(name: str, field: str, tier: Tier, cfg: ModelConfig, layers, *, rows: torch.Tensor, case: Case,
-                  full: bool, num_tokens: int | None = None) -> None:
+def _check_layers(
+    name: str,
+    field: str,
+    tier: Tier,
+    cfg: ModelConfig,
+    layers,
+    *,
+    rows: torch.Tensor,
+    case: Case,
+    full: bool,
+    num_tokens: int | None = None,
+) -> None:
     if tier < Tier.ATTENTION:
         return
     if not isinstance(layers, tuple) or len(layers) != cfg.num_layers:
         got = len(layers) if isinstance(layers, (tuple, list)) else type(layers).__name__
-        raise AdapterError(name, f"{field}.layers", f"{cfg.num_layers} layers (the model has {cfg.num_layers})",
-                           f"{got}")
+        raise AdapterError(
+            name, f"{field}.layers", f"{cfg.num_layers} layers (the model has {cfg.num_layers})", f"{got}"
+        )
     R = rows.numel()
     for i, p in enumerate(layers):
         f = f"{field} layer {i}"
@@ -140,46 +175,74 @@ def _check_layers(name: str, field: str, tier: Tier, cfg: ModelConfig, layers, *
         _float(name, f"{f}.q", q)
         _float(name, f"{f}.k", k)
         if q.dim() != 3 or q.shape[0] != R or q.shape[1] != cfg.num_heads:
-            raise AdapterError(name, f"{f}.q", f"shape [{R}, {cfg.num_heads}, D] (rows, heads, head dim)",
-                               f"shape {list(q.shape)}")
+            raise AdapterError(
+                name, f"{f}.q", f"shape [{R}, {cfg.num_heads}, D] (rows, heads, head dim)", f"shape {list(q.shape)}"
+            )
         if k.dim() != 3 or k.shape[1] < 1 or cfg.num_heads % k.shape[1] or k.shape[2] != q.shape[2]:
-            raise AdapterError(name, f"{f}.k", f"shape [N, KVH, {q.shape[2]}] with KVH dividing {cfg.num_heads}",
-                               f"shape {list(k.shape)}")
+            raise AdapterError(
+                name,
+                f"{f}.k",
+                f"shape [N, KVH, {q.shape[2]}] with KVH dividing {cfg.num_heads}",
+                f"shape {list(k.shape)}",
+            )
         if k.shape[1] != cfg.num_kv_heads and k.shape[1] != cfg.num_heads:
             raise AdapterError(name, f"{f}.k", f"{cfg.num_kv_heads} key heads", f"{k.shape[1]}")
         if q.shape[2] != cfg.head_dim:
             raise AdapterError(name, f"{f}.q", f"head dim {cfg.head_dim}", f"{q.shape[2]}")
         pos = p.key_positions
-        if not torch.is_tensor(pos) or pos.dim() != 1 or pos.dtype.is_floating_point or pos.dtype == torch.bool \
-                or pos.numel() != k.shape[0]:
-            raise AdapterError(name, f"{f}.key_positions", f"an integer tensor [{k.shape[0]}] (one per key)",
-                               _describe(pos))
-        if p.key_slots is not None and (not torch.is_tensor(p.key_slots) or p.key_slots.dim() != 1
-                                        or p.key_slots.dtype.is_floating_point or p.key_slots.numel() != k.shape[0]):
-            raise AdapterError(name, f"{f}.key_slots", f"None or an integer tensor [{k.shape[0]}]", _describe(p.key_slots))
+        if (
+            not torch.is_tensor(pos)
+            or pos.dim() != 1
+            or pos.dtype.is_floating_point
+            or pos.dtype == torch.bool
+            or pos.numel() != k.shape[0]
+        ):
+            raise AdapterError(
+                name, f"{f}.key_positions", f"an integer tensor [{k.shape[0]}] (one per key)", _describe(pos)
+            )
+        if p.key_slots is not None and (
+            not torch.is_tensor(p.key_slots)
+            or p.key_slots.dim() != 1
+            or p.key_slots.dtype.is_floating_point
+            or p.key_slots.numel() != k.shape[0]
+        ):
+            raise AdapterError(
+                name, f"{f}.key_slots", f"None or an integer tensor [{k.shape[0]}]", _describe(p.key_slots)
+            )
         if pos.numel() == 0:
             raise AdapterError(name, f"{f}.key_positions", "at least one key", "none")
         if len(set(pos.tolist())) != pos.numel():
             raise AdapterError(name, f"{f}.key_positions", "distinct positions", "repeated positions")
         if full:
             if pos.numel() > num_tokens or int(pos.min()) < 0 or int(pos.max()) >= num_tokens:
-                raise AdapterError(name, f"{f}.key_positions", f"positions in [0, {num_tokens})",
-                                   f"{int(pos.min())}..{int(pos.max())} ({pos.numel()} keys)")
+                raise AdapterError(
+                    name,
+                    f"{f}.key_positions",
+                    f"positions in [0, {num_tokens})",
+                    f"{int(pos.min())}..{int(pos.max())} ({pos.numel()} keys)",
+                )
             if not bool(torch.isin(rows, pos).all()):
-                raise AdapterError(name, f"{f}.key_positions", f"the probed rows {rows.tolist()} among the keys",
-                                   "some missing")
+                raise AdapterError(
+                    name, f"{f}.key_positions", f"the probed rows {rows.tolist()} among the keys", "some missing"
+                )
         else:
             # Causal: a key past the query is no key of this step (the adapter mislabels positions). A key
             # inside [0, t] that the case's window hides is the engine's error, not the adapter's: it is
             # compared (an infinite error against the reference's -inf) and named window_mismatch.
             t = int(rows[0])
             if int(pos.max()) > t or int(pos.min()) < 0:
-                raise AdapterError(name, f"{f}.key_positions", f"positions in [0, {t}] (causal, query at {t})",
-                                   f"{int(pos.min())}..{int(pos.max())}")
+                raise AdapterError(
+                    name,
+                    f"{f}.key_positions",
+                    f"positions in [0, {t}] (causal, query at {t})",
+                    f"{int(pos.min())}..{int(pos.max())}",
+                )
         if p.hidden_in is not None:
             _float(name, f"{f}.hidden_in", p.hidden_in)
             if tuple(p.hidden_in.shape) != (R, cfg.hidden_size):
-                raise AdapterError(name, f"{f}.hidden_in", f"shape [{R}, {cfg.hidden_size}]", f"shape {list(p.hidden_in.shape)}")
+                raise AdapterError(
+                    name, f"{f}.hidden_in", f"shape [{R}, {cfg.hidden_size}]", f"shape {list(p.hidden_in.shape)}"
+                )
         for extra, want in (("q_raw", q.shape), ("k_raw", k.shape), ("v", None)):
             t_ = getattr(p, extra)
             if t_ is None:

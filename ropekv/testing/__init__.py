@@ -24,6 +24,5 @@ def assert_parity(engine, **options) -> ParityReport:
     typed :mod:`ropekv.errors` they are (a broken adapter is not a parity failure)."""
     report = check(engine, **options)
     if not report.passed:
-        raise AssertionError(f"ropekv parity does not hold for {report.engine.get('name', engine)}:\n"
-                             f"{report.table()}")
+        raise AssertionError(f"ropekv parity does not hold for {report.engine.get('name', engine)}:\n{report.table()}")
     return report

@@ -18,8 +18,17 @@ from ..errors import UsageError
 from ..models.config import Checkpoint
 
 TINY_BASE: dict[str, Any] = dict(
-    vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=16, max_position_embeddings=256, rms_norm_eps=1e-6, tie_word_embeddings=False)
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
 
 
 def randomize(model: torch.nn.Module, seed: int) -> None:

@@ -13,18 +13,19 @@ the keys below it sit at ``2j`` and later keys at ``j``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any, Callable, Hashable
+from typing import Any
 
 import torch
 
-from ..parity.protocol import CaseRun, FullRun, Tier
 from ..adapters.native import NativeAdapter, decode_steps, prefill_case
 from ..contract import CacheContract
 from ..engine import Engine
 from ..errors import UsageError
 from ..models.config import Checkpoint
 from ..parity.cases import Case
+from ..parity.protocol import CaseRun, FullRun, Tier
 from ..rope import RopeSpec
 from .importer import ImportPolicy, export_handoff, import_handoff, plan_import
 from .payload import read_payload, write_payload
@@ -50,10 +51,17 @@ class HandoffFault:
     policy: Callable[[], ImportPolicy]
 
 
-HANDOFF_FAULTS: dict[str, HandoffFault] = {f.name: f for f in (
-    HandoffFault("rotate-on-transfer", "rotate_on_transfer", "the decode side rotates imported keys once more",
-                 RotateOnTransfer),
-)}
+HANDOFF_FAULTS: dict[str, HandoffFault] = {
+    f.name: f
+    for f in (
+        HandoffFault(
+            "rotate-on-transfer",
+            "rotate_on_transfer",
+            "the decode side rotates imported keys once more",
+            RotateOnTransfer,
+        ),
+    )
+}
 
 
 def get_handoff_fault(name: str) -> HandoffFault:
@@ -82,17 +90,33 @@ class HandoffAdapter:
 
     tier = Tier.FORENSICS
 
-    def __init__(self, checkpoint: Checkpoint, *, prefill_key_form: str = "rotated",
-                 decode_key_form: str | None = None, convert: str = "never", dtype: str = "float32",
-                 decode_checkpoint: Checkpoint | None = None, policy: ImportPolicy | None = None,
-                 name: str | None = None):
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        *,
+        prefill_key_form: str = "rotated",
+        decode_key_form: str | None = None,
+        convert: str = "never",
+        dtype: str = "float32",
+        decode_checkpoint: Checkpoint | None = None,
+        policy: ImportPolicy | None = None,
+        name: str | None = None,
+    ):
         prefill = NativeAdapter(checkpoint, key_form=prefill_key_form, dtype=dtype, name="prefill")
-        decode = NativeAdapter(decode_checkpoint or checkpoint, key_form=decode_key_form or prefill_key_form,
-                               dtype=dtype, name="decode")
+        decode = NativeAdapter(
+            decode_checkpoint or checkpoint, key_form=decode_key_form or prefill_key_form, dtype=dtype, name="decode"
+        )
         self._init_sides(prefill, decode, prefill.contract(Case(length=1)), convert, policy, name)
 
-    def _init_sides(self, prefill: NativeAdapter | None, decode: NativeAdapter, prefill_contract: CacheContract,
-                    convert: str, policy: ImportPolicy | None, name: str | None) -> None:
+    def _init_sides(
+        self,
+        prefill: NativeAdapter | None,
+        decode: NativeAdapter,
+        prefill_contract: CacheContract,
+        convert: str,
+        policy: ImportPolicy | None,
+        name: str | None,
+    ) -> None:
         self.prefill_side, self.decode_side = prefill, decode
         self.prefill_contract = prefill_contract
         self.checkpoint = decode.checkpoint
@@ -104,13 +128,21 @@ class HandoffAdapter:
         self.transfers: list[TransferFacts] = []
         # Refuse now, not mid-sweep: the contracts must be equal or differ only by a convertible key form.
         # (at the prefill side's block size: the block size is a per-case storage choice both sides share)
-        self.conversion = plan_import(decode.contract(Case(length=1, block_size=prefill_contract.block_size)),
-                                      prefill_contract, convert)
+        self.conversion = plan_import(
+            decode.contract(Case(length=1, block_size=prefill_contract.block_size)), prefill_contract, convert
+        )
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "key_form": self.key_form, "dtype": self.dtype_name, "convert": self.convert,
-                "conversion": self.conversion, "import_policy": self.policy.name,
-                "prefill_contract": self.prefill_contract.to_dict(), "decode": self.decode_side.describe()}
+        return {
+            "name": self.name,
+            "key_form": self.key_form,
+            "dtype": self.dtype_name,
+            "convert": self.convert,
+            "conversion": self.conversion,
+            "import_policy": self.policy.name,
+            "prefill_contract": self.prefill_contract.to_dict(),
+            "decode": self.decode_side.describe(),
+        }
 
     def ignored(self, case: Case) -> tuple[str, ...]:
         return ("op: a handed-off case runs no cache operation",) if case.op is not None else ()
@@ -133,8 +165,9 @@ class HandoffAdapter:
         t1 = time.perf_counter()
         decode = self.decode_side.make_engine(case)
         import_handoff(decode.cache, read_payload(data), convert=self.convert, policy=self.policy)
-        self.transfers.append(TransferFacts(seq, n, len(data), handoff.tensor_bytes(), t1 - t0,
-                                            time.perf_counter() - t1))
+        self.transfers.append(
+            TransferFacts(seq, n, len(data), handoff.tensor_bytes(), t1 - t0, time.perf_counter() - t1)
+        )
         return decode, seq, n
 
 
@@ -146,8 +179,16 @@ class ServedHandoffAdapter(HandoffAdapter):
     ``prefill_contract`` is the one the handshake accepted.
     """
 
-    def __init__(self, decode: NativeAdapter, engine: Engine, sequences: dict[Case, tuple[Hashable, int]], *,
-                 prefill_contract: CacheContract, convert: str, policy: ImportPolicy | None = None):
+    def __init__(
+        self,
+        decode: NativeAdapter,
+        engine: Engine,
+        sequences: dict[Case, tuple[Hashable, int]],
+        *,
+        prefill_contract: CacheContract,
+        convert: str,
+        policy: ImportPolicy | None = None,
+    ):
         self.engine, self.sequences = engine, sequences
         self._init_sides(None, decode, prefill_contract, convert, policy, None)
 

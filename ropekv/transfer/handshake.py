@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import json
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -66,12 +67,14 @@ class Channel:
     def _transport_error(self, exc: RuntimeError, peer: int, what: str) -> TransportError:
         text = str(exc).strip()
         detail = text.splitlines()[0].split(". This is typically")[0] if text else type(exc).__name__
-        return TransportError(f"{what}: rank {peer} failed or went silent: {detail[:300]} "
-                              f"(waits are bounded by {self.timeout.total_seconds():g} s)")
+        return TransportError(
+            f"{what}: rank {peer} failed or went silent: {detail[:300]} "
+            f"(waits are bounded by {self.timeout.total_seconds():g} s)"
+        )
 
     # -------------------------------------------------------------- posted tensors (the KV stream)
 
-    def post_send(self, tensor: torch.Tensor, peer: int, what: str) -> "Posted":
+    def post_send(self, tensor: torch.Tensor, peer: int, what: str) -> Posted:
         """Start sending the contiguous ``tensor`` as it lies in memory (no copy on a CPU channel);
         the caller keeps it unchanged until :meth:`Posted.wait` returns."""
         import torch.distributed as dist
@@ -79,13 +82,19 @@ class Channel:
         buf = tensor.to(self.device)
         return Posted(self, self._start(lambda: dist.isend(buf, peer), peer, what), buf, None, peer, what)
 
-    def post_recv(self, tensor: torch.Tensor, peer: int, what: str) -> "Posted":
+    def post_recv(self, tensor: torch.Tensor, peer: int, what: str) -> Posted:
         """Start receiving into the contiguous CPU ``tensor`` (straight into it on a CPU channel)."""
         import torch.distributed as dist
 
         buf = tensor if self.device.type == "cpu" else torch.empty_like(tensor, device=self.device)
-        return Posted(self, self._start(lambda: dist.irecv(buf, peer), peer, what), buf,
-                      None if buf is tensor else tensor, peer, what)
+        return Posted(
+            self,
+            self._start(lambda: dist.irecv(buf, peer), peer, what),
+            buf,
+            None if buf is tensor else tensor,
+            peer,
+            what,
+        )
 
     def _send(self, tensor: torch.Tensor, peer: int, what: str) -> None:
         import torch.distributed as dist
@@ -111,17 +120,20 @@ class Channel:
             warnings.simplefilter("ignore", UserWarning)
             body = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
         for start in range(0, len(data), self.chunk_bytes):
-            self._send(body[start:start + self.chunk_bytes], peer, f"{what} (bytes {start}..)")
+            self._send(body[start : start + self.chunk_bytes], peer, f"{what} (bytes {start}..)")
 
-    def recv(self, peer: int, kind: int, max_bytes: int, what: str,
-             after_header: Callable[[int], None] | None = None) -> bytes:
+    def recv(
+        self, peer: int, kind: int, max_bytes: int, what: str, after_header: Callable[[int], None] | None = None
+    ) -> bytes:
         """Receive one frame of ``kind`` of at most ``max_bytes``; ``after_header(nbytes)`` is a test hook."""
         header = torch.zeros(3, dtype=torch.int64)
         self._recv_into(header, peer, f"{what} (header)")
         magic, got_kind, nbytes = (int(x) for x in header)
         if magic != MAGIC or got_kind != kind:
-            raise TransportError(f"{what}: rank {peer} sent a frame of kind {got_kind} (magic {magic:#x}), "
-                                 f"expected kind {kind}: the ranks run different protocols or are out of step")
+            raise TransportError(
+                f"{what}: rank {peer} sent a frame of kind {got_kind} (magic {magic:#x}), "
+                f"expected kind {kind}: the ranks run different protocols or are out of step"
+            )
         if not 0 <= nbytes <= max_bytes:
             raise PayloadError(f"{what}: rank {peer} announced {nbytes} bytes, the bound is {max_bytes}")
         if after_header is not None:
@@ -178,9 +190,14 @@ class HandshakeResult:
     decode_contract: str = ""  # the decode rank's contract JSON
 
     def to_dict(self) -> dict[str, Any]:
-        return {"rank": self.rank, "accepted": self.accepted, "conversion": self.conversion,
-                "fields": list(self.fields), "message": self.message,
-                "decode_contract_fingerprint": _fingerprint(self.decode_contract)}
+        return {
+            "rank": self.rank,
+            "accepted": self.accepted,
+            "conversion": self.conversion,
+            "fields": list(self.fields),
+            "message": self.message,
+            "decode_contract_fingerprint": _fingerprint(self.decode_contract),
+        }
 
 
 def decide(ours: CacheContract, theirs: CacheContract, convert: str, rank: int) -> HandshakeResult:
@@ -190,8 +207,11 @@ def decide(ours: CacheContract, theirs: CacheContract, convert: str, rank: int) 
         conversion = plan_import(ours, theirs, convert)
     except ContractMismatch as exc:
         return HandshakeResult(rank, False, None, exc.fields, str(exc), ours.to_json())
-    message = "contracts match" if not fields else (
-        f"key form differs ({theirs.key_form} -> {ours.key_form}); converting once at import ({conversion})")
+    message = (
+        "contracts match"
+        if not fields
+        else (f"key form differs ({theirs.key_form} -> {ours.key_form}); converting once at import ({conversion})")
+    )
     return HandshakeResult(rank, True, conversion, fields, message, ours.to_json())
 
 
@@ -206,48 +226,72 @@ def offer(channel: Channel, contract: CacheContract, decode_ranks: list[int]) ->
     for r in decode_ranks:
         a = _expect(channel.recv_json(r, f"handshake answer from rank {r}"), "answer", r)
         try:
-            answers.append(HandshakeResult(r, bool(a["accepted"]), a["conversion"], tuple(a["fields"]),
-                                           str(a["message"]), str(a["contract"])))
+            answers.append(
+                HandshakeResult(
+                    r, bool(a["accepted"]), a["conversion"], tuple(a["fields"]), str(a["message"]), str(a["contract"])
+                )
+            )
         except (KeyError, TypeError) as exc:
             raise TransportError(f"handshake: rank {r} sent a malformed answer (missing {exc})") from None
     refused = [a for a in answers if not a.accepted]
     for r in decode_ranks:
-        verdict = {"step": "verdict", "go": not refused, "refused_by": [a.rank for a in refused],
-                   "fields": sorted({f for a in refused for f in a.fields})}
+        verdict = {
+            "step": "verdict",
+            "go": not refused,
+            "refused_by": [a.rank for a in refused],
+            "fields": sorted({f for a in refused for f in a.fields}),
+        }
         channel.send_json(r, verdict, f"handshake verdict to rank {r}")
     if refused:
         a = refused[0]
-        raise ContractMismatch(f"handshake: decode rank {a.rank} refused the prefill contract: {a.message}",
-                               fields=a.fields)
+        raise ContractMismatch(
+            f"handshake: decode rank {a.rank} refused the prefill contract: {a.message}", fields=a.fields
+        )
     return answers
 
 
-def answer(channel: Channel, contract: CacheContract, convert: str, rank: int,
-           src: int = 0) -> tuple[HandshakeResult, CacheContract]:
+def answer(
+    channel: Channel, contract: CacheContract, convert: str, rank: int, src: int = 0
+) -> tuple[HandshakeResult, CacheContract]:
     """Decode side: judge the prefill rank's contract against ours, say so, and wait for the verdict.
 
     Returns our answer and the prefill contract; raises ContractMismatch when the handshake refused."""
     hello = _expect(channel.recv_json(src, "handshake offer"), "offer", src)
     if hello.get("format") != HANDSHAKE or hello.get("version") != HANDSHAKE_VERSION:
-        raise TransportError(f"handshake: rank {src} speaks {hello.get('format')!r} version {hello.get('version')!r}, "
-                             f"expected {HANDSHAKE!r} version {HANDSHAKE_VERSION}")
+        raise TransportError(
+            f"handshake: rank {src} speaks {hello.get('format')!r} version {hello.get('version')!r}, "
+            f"expected {HANDSHAKE!r} version {HANDSHAKE_VERSION}"
+        )
     theirs: CacheContract | None = None
     try:
         theirs = CacheContract.from_json(str(hello.get("contract")))
         result = decide(contract, theirs, convert, rank)
     except RopeKVError as exc:  # an unreadable contract is refused like a mismatching one
-        result = HandshakeResult(rank, False, None, getattr(exc, "fields", ()), f"unreadable prefill contract: {exc}",
-                                 contract.to_json())
-    channel.send_json(src, {"step": "answer", "accepted": result.accepted, "conversion": result.conversion,
-                            "fields": list(result.fields), "message": result.message, "contract": contract.to_json()},
-                      "handshake answer")
+        result = HandshakeResult(
+            rank, False, None, getattr(exc, "fields", ()), f"unreadable prefill contract: {exc}", contract.to_json()
+        )
+    channel.send_json(
+        src,
+        {
+            "step": "answer",
+            "accepted": result.accepted,
+            "conversion": result.conversion,
+            "fields": list(result.fields),
+            "message": result.message,
+            "contract": contract.to_json(),
+        },
+        "handshake answer",
+    )
     verdict = _expect(channel.recv_json(src, "handshake verdict"), "verdict", src)
     if not result.accepted:
-        raise ContractMismatch(f"handshake: this decode rank ({rank}) refused the prefill contract: {result.message}",
-                               fields=result.fields)
+        raise ContractMismatch(
+            f"handshake: this decode rank ({rank}) refused the prefill contract: {result.message}", fields=result.fields
+        )
     if not verdict.get("go"):
-        raise ContractMismatch(f"handshake: decode rank(s) {verdict.get('refused_by')} refused the prefill contract",
-                               fields=tuple(verdict.get("fields") or ()))
+        raise ContractMismatch(
+            f"handshake: decode rank(s) {verdict.get('refused_by')} refused the prefill contract",
+            fields=tuple(verdict.get("fields") or ()),
+        )
     return result, theirs
 
 

@@ -4,7 +4,7 @@ The import boundary is where the contract is enforced: the payload's contract (t
 must equal the engine's (the decode side's). With ``convert="explicit"`` and a difference in the key
 form alone, keys are converted exactly once, here: raw keys are rotated at their logical positions,
 rotated ones unrotated. Nothing else is ever converted -- a "rotate everything for consistency"
-change is precisely the bug (ROPE_KV_PRIMER.md section 4).
+change is precisely the bug (docs/contract.md).
 
 Windowed layers travel as the tokens their ring still holds (``Handoff.layer_rows``); the import
 rebuilds the ring by appending the whole sequence in one call, in which the rows a ring would
@@ -13,7 +13,8 @@ overwrite are never stored (``PagedKVCache.append`` writes only a chunk's surviv
 
 from __future__ import annotations
 
-from typing import Hashable, Literal, get_args
+from collections.abc import Hashable
+from typing import Literal, get_args
 
 import torch
 
@@ -32,7 +33,7 @@ class ImportPolicy:
     """What the decode side does to imported keys beyond the explicit conversion: nothing.
 
     Faults override :meth:`imported_keys` (``ropekv.transfer.adapter.RotateOnTransfer``), the way
-    rotation faults override :class:`~ropekv.rotation.RotationPolicy`, so importer code has no fault switches.
+    rotation faults override :class:`~ropekv.engine.rotation.RotationPolicy`, so importer code has no fault switches.
     """
 
     name = "correct"
@@ -58,7 +59,9 @@ def plan_import(ours: CacheContract, theirs: CacheContract, convert: str = "neve
             raise ContractMismatch(
                 f"cannot convert keys from {theirs.key_form!r} to {ours.key_form!r}: "
                 f"{ours.rope.scaling.rope_type} RoPE frequencies depend on the sequence length at the time a key "
-                "was rotated, which the payload does not record", fields=("key_form",))
+                "was rotated, which the payload does not record",
+                fields=("key_form",),
+            )
         return "rotate" if ours.key_form == "rotated" else "unrotate"
     try:
         ours.require_compatible(theirs, ours="decode", theirs="prefill")
@@ -79,14 +82,21 @@ def export_handoff(cache: PagedKVCache, seq_id: Hashable, tokens: torch.Tensor) 
     n = cache.num_tokens(seq_id)  # CacheError for an unknown sequence
     tokens = torch.as_tensor(tokens)
     if tokens.dim() != 1 or tokens.numel() != n or tokens.is_floating_point():
-        raise UsageError(f"export of {seq_id!r}: tokens must be 1-D integer ids, one per cached token ({n}), "
-                         f"got shape {tuple(tokens.shape)}")
+        raise UsageError(
+            f"export of {seq_id!r}: tokens must be 1-D integer ids, one per cached token ({n}), "
+            f"got shape {tuple(tokens.shape)}"
+        )
     if n == 0:
         raise CacheError(f"export of {seq_id!r}: the sequence is empty")
     views = [cache.view(seq_id, layer) for layer in range(c.num_layers)]
-    return Handoff(contract=c, seq_id=seq_id, tokens=tokens.to(torch.int64).cpu().clone(),
-                   positions=all_positions(cache, seq_id).cpu().clone(),
-                   keys=tuple(v.keys.cpu() for v in views), values=tuple(v.values.cpu() for v in views))
+    return Handoff(
+        contract=c,
+        seq_id=seq_id,
+        tokens=tokens.to(torch.int64).cpu().clone(),
+        positions=all_positions(cache, seq_id).cpu().clone(),
+        keys=tuple(v.keys.cpu() for v in views),
+        values=tuple(v.values.cpu() for v in views),
+    )
 
 
 def all_positions(cache: PagedKVCache, seq_id: Hashable) -> torch.Tensor:
@@ -104,12 +114,19 @@ def all_positions(cache: PagedKVCache, seq_id: Hashable) -> torch.Tensor:
     if high - low - 1 != evicted:
         raise CacheError(
             f"export of {seq_id!r}: every layer slides and the ring evicted {evicted} token(s) whose positions "
-            f"the cache no longer holds; positions {low} and {high} around them do not determine them")
+            f"the cache no longer holds; positions {low} and {high} around them do not determine them"
+        )
     return torch.cat((kept[:s], torch.arange(low + 1, high, dtype=torch.int64, device=kept.device), kept[s:]))
 
 
-def import_handoff(cache: PagedKVCache, handoff: Handoff, *, convert: str = "never", seq_id: Hashable | None = None,
-                   policy: ImportPolicy | None = None) -> Hashable:
+def import_handoff(
+    cache: PagedKVCache,
+    handoff: Handoff,
+    *,
+    convert: str = "never",
+    seq_id: Hashable | None = None,
+    policy: ImportPolicy | None = None,
+) -> Hashable:
     """Import ``handoff`` into ``cache`` as ``seq_id`` (default: the handoff's); returns the id.
 
     All or nothing: the contract check, the conversion and every tensor are done before the cache is
@@ -135,8 +152,9 @@ def import_handoff(cache: PagedKVCache, handoff: Handoff, *, convert: str = "nev
     return sid
 
 
-def _layer_tensors(c: CacheContract, h: Handoff, conversion: str | None,
-                   policy: ImportPolicy) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def _layer_tensors(
+    c: CacheContract, h: Handoff, conversion: str | None, policy: ImportPolicy
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Per-layer keys and values ``[n, KVH, D]`` for one append of the whole sequence. A windowed
     layer's evicted rows are zeros: the append stores only the rows its ring keeps, which are exactly
     the rows the payload carries (the contracts are equal, so the rings are the same)."""

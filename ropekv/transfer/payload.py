@@ -83,8 +83,9 @@ def window_rows(num_tokens: int, window: int, sinks: int) -> torch.Tensor:
     appends, ascending ``[rows]`` int64 -- the same rule as ``PagedKVCache``'s sliding group."""
     if num_tokens <= sinks + window:
         return torch.arange(num_tokens, dtype=torch.int64)
-    return torch.cat((torch.arange(sinks, dtype=torch.int64),
-                      torch.arange(num_tokens - window, num_tokens, dtype=torch.int64)))
+    return torch.cat(
+        (torch.arange(sinks, dtype=torch.int64), torch.arange(num_tokens - window, num_tokens, dtype=torch.int64))
+    )
 
 
 # ---------------------------------------------------------------------- writing
@@ -101,15 +102,18 @@ def write_payload(handoff: Handoff) -> bytes:
         "format": FORMAT,
         "version": str(VERSION),
         "contract": handoff.contract.to_json(),
-        "sequence": json.dumps({"seq_id": handoff.seq_id, "num_tokens": handoff.num_tokens},
-                               sort_keys=True, separators=(",", ":")),
+        "sequence": json.dumps(
+            {"seq_id": handoff.seq_id, "num_tokens": handoff.num_tokens}, sort_keys=True, separators=(",", ":")
+        ),
     }
-    entries = [(name, _st_dtype(t), list(t.shape), memoryview(t.view(torch.uint8).numpy()))
-               for name, t in sorted(tensors.items())]
+    entries = [
+        (name, _st_dtype(t), list(t.shape), memoryview(t.view(torch.uint8).numpy()))
+        for name, t in sorted(tensors.items())
+    ]
     meta["checksum"] = _checksum(meta, entries)
     try:
         return save(tensors, metadata=meta)
-    except Exception as exc:  # noqa: BLE001 -- keep the promise of typed errors
+    except Exception as exc:
         raise PayloadError(f"payload could not be written: {type(exc).__name__}: {exc}") from None
 
 
@@ -137,8 +141,9 @@ def _checksum(meta: dict[str, str], entries: list[tuple[str, str, list[int], mem
     """sha256 over the metadata (checksum excluded, canonical JSON) and each tensor's name, dtype,
     shape and bytes, in name order."""
     h = hashlib.sha256(f"{FORMAT}/{VERSION}\n".encode())
-    h.update(json.dumps({k: v for k, v in meta.items() if k != "checksum"}, sort_keys=True,
-                        separators=(",", ":")).encode())
+    h.update(
+        json.dumps({k: v for k, v in meta.items() if k != "checksum"}, sort_keys=True, separators=(",", ":")).encode()
+    )
     for name, dtype, shape, data in entries:
         h.update(json.dumps([name, dtype, shape], separators=(",", ":")).encode())
         h.update(data)
@@ -159,27 +164,40 @@ def read_payload(data: bytes) -> Handoff:
         raise PayloadError(f"payload truncated: {total} byte(s), the 8-byte header length alone needs 8")
     header_len = int.from_bytes(data[:8], "little")
     if not 2 <= header_len <= MAX_HEADER_BYTES:
-        raise PayloadError(f"payload bytes 0..8: header length {header_len} outside [2, {MAX_HEADER_BYTES}] "
-                           "(not a handoff payload, or corrupted)")
+        raise PayloadError(
+            f"payload bytes 0..8: header length {header_len} outside [2, {MAX_HEADER_BYTES}] "
+            "(not a handoff payload, or corrupted)"
+        )
     if 8 + header_len > total:
-        raise PayloadError(f"payload truncated: header declares {header_len} bytes at 8..{8 + header_len}, "
-                           f"only {total} byte(s) present")
-    header = _parse_header(data[8:8 + header_len], header_len)
+        raise PayloadError(
+            f"payload truncated: header declares {header_len} bytes at 8..{8 + header_len}, "
+            f"only {total} byte(s) present"
+        )
+    header = _parse_header(data[8 : 8 + header_len], header_len)
     meta = _metadata(header.pop("__metadata__", None))
     entries = _entries(header, total - 8 - header_len, base=8 + header_len)
-    views = [(name, dtype, shape, memoryview(data)[8 + header_len + a:8 + header_len + b])
-             for name, (dtype, shape, (a, b)) in sorted(entries.items())]
+    views = [
+        (name, dtype, shape, memoryview(data)[8 + header_len + a : 8 + header_len + b])
+        for name, (dtype, shape, (a, b)) in sorted(entries.items())
+    ]
     if _checksum(meta, views) != meta["checksum"]:
-        raise PayloadError("payload checksum mismatch: metadata or tensor bytes were changed after writing "
-                           "(a flipped bit, a truncated or spliced transfer)")
+        raise PayloadError(
+            "payload checksum mismatch: metadata or tensor bytes were changed after writing "
+            "(a flipped bit, a truncated or spliced transfer)"
+        )
     contract = _contract(meta["contract"])
     seq_id, n = _sequence(meta["sequence"])
     _check_layout(entries, contract, n)
     tensors = _load(data)
     try:
-        return Handoff(contract=contract, seq_id=seq_id, tokens=tensors["tokens"], positions=tensors["positions"],
-                       keys=tuple(tensors[f"layers.{i}.keys"] for i in range(contract.num_layers)),
-                       values=tuple(tensors[f"layers.{i}.values"] for i in range(contract.num_layers)))
+        return Handoff(
+            contract=contract,
+            seq_id=seq_id,
+            tokens=tensors["tokens"],
+            positions=tensors["positions"],
+            keys=tuple(tensors[f"layers.{i}.keys"] for i in range(contract.num_layers)),
+            values=tuple(tensors[f"layers.{i}.values"] for i in range(contract.num_layers)),
+        )
     except KeyError as exc:  # cannot happen after _check_layout; keep the reader's promise anyway
         raise PayloadError(f"payload lacks tensor {exc}") from None
 
@@ -220,11 +238,15 @@ def _metadata(meta: Any) -> dict[str, str]:
     if meta.get("format") != FORMAT:
         raise PayloadError(f"payload __metadata__.format is {str(meta.get('format'))[:80]!r}, expected {FORMAT!r}")
     if meta.get("version") != str(VERSION):
-        raise PayloadError(f"payload __metadata__.version {str(meta.get('version'))[:20]!r} is not supported "
-                           f"(this reader understands version {VERSION})")
+        raise PayloadError(
+            f"payload __metadata__.version {str(meta.get('version'))[:20]!r} is not supported "
+            f"(this reader understands version {VERSION})"
+        )
     if sorted(meta) != list(_META_KEYS) or not all(isinstance(v, str) for v in meta.values()):
-        raise PayloadError(f"payload __metadata__ must hold exactly the strings {', '.join(_META_KEYS)}; "
-                           f"has {', '.join(sorted(map(str, meta)))[:200]}")
+        raise PayloadError(
+            f"payload __metadata__ must hold exactly the strings {', '.join(_META_KEYS)}; "
+            f"has {', '.join(sorted(map(str, meta)))[:200]}"
+        )
     if not _CHECKSUM.fullmatch(meta["checksum"]):
         raise PayloadError("payload __metadata__.checksum is not 'sha256:' followed by 64 hex digits")
     return meta
@@ -244,24 +266,33 @@ def _entries(header: dict[str, Any], data_len: int, base: int) -> dict[str, tupl
             raise PayloadError(f"{where}: dtype {str(dtype)[:20]!r} is not one of {', '.join(_ITEMSIZE)}")
         if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(_is_int(s) and s >= 0 for s in shape):
             raise PayloadError(f"{where}: shape must be a list of at most {MAX_RANK} non-negative integers")
-        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_int(o) for o in offsets)
-                and 0 <= offsets[0] <= offsets[1] <= data_len):
+        if not (
+            isinstance(offsets, list)
+            and len(offsets) == 2
+            and all(_is_int(o) for o in offsets)
+            and 0 <= offsets[0] <= offsets[1] <= data_len
+        ):
             raise PayloadError(f"{where}: data_offsets {str(offsets)[:60]} not within the {data_len}-byte data section")
         size = math.prod(shape) * _ITEMSIZE[dtype]
         if offsets[1] - offsets[0] != size:
-            raise PayloadError(f"{where}: shape {shape} in {dtype} needs {size} bytes, data_offsets "
-                               f"span {offsets[1] - offsets[0]}")
+            raise PayloadError(
+                f"{where}: shape {shape} in {dtype} needs {size} bytes, data_offsets span {offsets[1] - offsets[0]}"
+            )
         out[name] = (dtype, shape, (offsets[0], offsets[1]))
     end = 0
     for name, (_, _, (a, b)) in sorted(out.items(), key=lambda kv: kv[1][2]):
         if a != end:
-            raise PayloadError(f"payload tensor {name[:80]!r} starts at byte {base + a}, expected {base + end} "
-                               "(tensors must tile the data section)")
+            raise PayloadError(
+                f"payload tensor {name[:80]!r} starts at byte {base + a}, expected {base + end} "
+                "(tensors must tile the data section)"
+            )
         end = b
     if end != data_len:
         state = "unaccounted for" if end < data_len else "missing"
-        raise PayloadError(f"payload data section is {data_len} bytes but its tensors cover {end} "
-                           f"(bytes {base + min(end, data_len)}..{base + max(end, data_len)} {state})")
+        raise PayloadError(
+            f"payload data section is {data_len} bytes but its tensors cover {end} "
+            f"(bytes {base + min(end, data_len)}..{base + max(end, data_len)} {state})"
+        )
     return out
 
 
@@ -270,7 +301,7 @@ def _contract(text: str) -> CacheContract:
         return CacheContract.from_json(text)
     except RopeKVError as exc:
         raise PayloadError(f"payload __metadata__.contract: {exc}") from None
-    except Exception as exc:  # noqa: BLE001 -- third-party parsing of hostile input; keep the promise
+    except Exception as exc:
         raise PayloadError(f"payload __metadata__.contract is unusable ({type(exc).__name__}: {exc})") from None
 
 
@@ -299,13 +330,17 @@ def _check_layout(entries: dict, c: CacheContract, n: int) -> None:
             want[f"layers.{i}.{part}"] = (dtype, [rows, c.num_kv_heads, c.head_dim])
     missing, extra = sorted(set(want) - set(entries)), sorted(set(entries) - set(want))
     if missing or extra:
-        raise PayloadError(f"payload tensors do not match its contract ({c.num_layers} layers): "
-                           f"missing {missing[:6]}, unexpected {[e[:40] for e in extra[:6]]}")
+        raise PayloadError(
+            f"payload tensors do not match its contract ({c.num_layers} layers): "
+            f"missing {missing[:6]}, unexpected {[e[:40] for e in extra[:6]]}"
+        )
     for name, (dtype, shape) in want.items():
         got_dtype, got_shape, _ = entries[name]
         if (got_dtype, got_shape) != (dtype, shape):
-            raise PayloadError(f"payload tensor {name!r} is {got_dtype} {got_shape}; its contract and "
-                               f"num_tokens={n} call for {dtype} {shape}")
+            raise PayloadError(
+                f"payload tensor {name!r} is {got_dtype} {got_shape}; its contract and "
+                f"num_tokens={n} call for {dtype} {shape}"
+            )
 
 
 def _load(data: bytes) -> dict[str, torch.Tensor]:
@@ -313,7 +348,7 @@ def _load(data: bytes) -> dict[str, torch.Tensor]:
 
     try:
         return load(data)
-    except Exception as exc:  # noqa: BLE001 -- the header was validated; anything left is still the payload's fault
+    except Exception as exc:
         raise PayloadError(f"payload tensors do not load: {type(exc).__name__}: {exc}") from None
 
 
@@ -332,8 +367,10 @@ def _check_handoff(h: Handoff) -> None:
             raise PayloadError(f"handoff {name} must be a 1-D int64 tensor")
     n = h.tokens.numel()
     if not 1 <= n <= MAX_TOKENS or h.positions.numel() != n:
-        raise PayloadError(f"handoff has {n} token(s) and {h.positions.numel()} position(s); "
-                           f"both must be equal and in [1, {MAX_TOKENS}]")
+        raise PayloadError(
+            f"handoff has {n} token(s) and {h.positions.numel()} position(s); "
+            f"both must be equal and in [1, {MAX_TOKENS}]"
+        )
     if int(h.tokens.min()) < 0:
         raise PayloadError(f"handoff token id {int(h.tokens.min())} is negative")
     pos = h.positions
@@ -342,8 +379,10 @@ def _check_handoff(h: Handoff) -> None:
     steps = pos[1:] - pos[:-1]
     if n > 1 and not bool((steps > 0).all()):
         i = int(torch.nonzero(steps <= 0)[0])
-        raise PayloadError(f"handoff positions must strictly increase: token {i + 1} has position "
-                           f"{int(pos[i + 1])} after {int(pos[i])}")
+        raise PayloadError(
+            f"handoff positions must strictly increase: token {i + 1} has position "
+            f"{int(pos[i + 1])} after {int(pos[i])}"
+        )
     for part in ("keys", "values"):
         ts = getattr(h, part)
         if not isinstance(ts, tuple) or len(ts) != c.num_layers:
@@ -357,8 +396,10 @@ def _check_handoff(h: Handoff) -> None:
             lo, hi = torch.aminmax(t)  # NaN propagates
             if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
                 bad = int(torch.nonzero(~torch.isfinite(t).flatten())[0]) // (c.num_kv_heads * c.head_dim)
-                raise PayloadError(f"handoff {part} of layer {i} hold NaN or infinite values "
-                                   f"(first at row {bad}, position {int(pos[h.layer_rows(i)[bad]])})")
+                raise PayloadError(
+                    f"handoff {part} of layer {i} hold NaN or infinite values "
+                    f"(first at row {bad}, position {int(pos[h.layer_rows(i)[bad]])})"
+                )
 
 
 def _is_int(x: Any) -> bool:

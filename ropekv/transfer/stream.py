@@ -26,8 +26,9 @@ import hashlib
 import json
 import time
 from collections import deque
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from typing import Any
 
 import torch
 
@@ -126,16 +127,22 @@ class StreamHeader:
         return self.positions
 
     def to_bytes(self) -> bytes:
-        meta = {"format": FORMAT, "version": VERSION, "contract": self.contract.to_json(),
-                "seq_id": self.seq_id, "num_tokens": self.num_tokens, "chunk_rows": self.chunk_rows,
-                "hash": HASH, "checksums": [f"{x:016x}" for x in self.checksums]}
+        meta = {
+            "format": FORMAT,
+            "version": VERSION,
+            "contract": self.contract.to_json(),
+            "seq_id": self.seq_id,
+            "num_tokens": self.num_tokens,
+            "chunk_rows": self.chunk_rows,
+            "hash": HASH,
+            "checksums": [f"{x:016x}" for x in self.checksums],
+        }
         text = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
-        body = (len(text).to_bytes(8, "little") + text + self.tokens.numpy().tobytes()
-                + self.positions.numpy().tobytes())
+        body = len(text).to_bytes(8, "little") + text + self.tokens.numpy().tobytes() + self.positions.numpy().tobytes()
         return body + hashlib.sha256(body).digest()
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "StreamHeader":
+    def from_bytes(cls, data: bytes) -> StreamHeader:
         """Parse and validate header bytes; raises only :class:`PayloadError`."""
         if len(data) < 8 + _DIGEST:
             raise PayloadError(f"stream header truncated: {len(data)} byte(s)")
@@ -146,15 +153,17 @@ class StreamHeader:
         if not 2 <= json_len <= min(MAX_JSON_BYTES, len(body) - 8):
             raise PayloadError(f"stream header: JSON length {json_len} does not fit the {len(body)}-byte header")
         try:
-            meta = json.loads(body[8:8 + json_len])
+            meta = json.loads(body[8 : 8 + json_len])
         except (ValueError, RecursionError) as exc:
             raise PayloadError(f"stream header JSON: {exc}") from None
         keys = {"format", "version", "contract", "seq_id", "num_tokens", "chunk_rows", "hash", "checksums"}
         if not isinstance(meta, dict) or set(meta) != keys:
             raise PayloadError(f"stream header must hold exactly {', '.join(sorted(keys))}")
         if meta["format"] != FORMAT or meta["version"] != VERSION or meta["hash"] != HASH:
-            raise PayloadError(f"stream header: {meta['format']!r} version {meta['version']!r} hash {meta['hash']!r} "
-                               f"is not {FORMAT!r} version {VERSION} hash {HASH!r}")
+            raise PayloadError(
+                f"stream header: {meta['format']!r} version {meta['version']!r} hash {meta['hash']!r} "
+                f"is not {FORMAT!r} version {VERSION} hash {HASH!r}"
+            )
         n, seq_id, sums = meta["num_tokens"], meta["seq_id"], meta["checksums"]
         if not _is_int(n) or not 1 <= n <= MAX_TOKENS or len(body) != 8 + json_len + 16 * n:
             raise PayloadError(f"stream header: num_tokens {str(n)[:40]} does not match its {len(body)} bytes")
@@ -166,9 +175,10 @@ class StreamHeader:
             checksums = tuple(int(x, 16) for x in sums)
         except ValueError:
             raise PayloadError("stream header: a checksum is not hexadecimal") from None
-        ints = torch.frombuffer(bytearray(body[8 + json_len:]), dtype=torch.int64)
-        return cls(_contract(str(meta["contract"])), seq_id, ints[:n].clone(), ints[n:].clone(),
-                   meta["chunk_rows"], checksums)
+        ints = torch.frombuffer(bytearray(body[8 + json_len :]), dtype=torch.int64)
+        return cls(
+            _contract(str(meta["contract"])), seq_id, ints[:n].clone(), ints[n:].clone(), meta["chunk_rows"], checksums
+        )
 
 
 # ---------------------------------------------------------------------- sending
@@ -187,9 +197,16 @@ class SendFacts:
         return dict(vars(self), seq_id=str(self.seq_id))
 
 
-def send_sequence(channel: Channel, peer: int, cache: PagedKVCache, seq_id: Hashable, tokens: torch.Tensor, *,
-                  chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                  wire: Callable[[int, torch.Tensor], torch.Tensor] | None = None) -> SendFacts:
+def send_sequence(
+    channel: Channel,
+    peer: int,
+    cache: PagedKVCache,
+    seq_id: Hashable,
+    tokens: torch.Tensor,
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    wire: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+) -> SendFacts:
     """Stream ``seq_id`` of ``cache`` (``tokens [n]``: the ids it consumed) to ``peer``; returns when
     the receiver acknowledged the import, or raises its refusal as the typed error it reported.
 
@@ -205,9 +222,14 @@ def send_sequence(channel: Channel, peer: int, cache: PagedKVCache, seq_id: Hash
     chunk_rows = max(1, chunk_bytes // row_bytes)
     plan = chunk_plan(c, n, chunk_rows)
     data = [_sender_rows(cache, seq_id, ch) for ch in plan]  # views of the pool where rows are consecutive
-    header = StreamHeader(c, seq_id if isinstance(seq_id, (str, int)) else str(seq_id),
-                          tokens.to(torch.int64).cpu().clone(), all_positions(cache, seq_id).cpu(), chunk_rows,
-                          tuple(checksum(d, i) for i, d in enumerate(data)))
+    header = StreamHeader(
+        c,
+        seq_id if isinstance(seq_id, (str, int)) else str(seq_id),
+        tokens.to(torch.int64).cpu().clone(),
+        all_positions(cache, seq_id).cpu(),
+        chunk_rows,
+        tuple(checksum(d, i) for i, d in enumerate(data)),
+    )
     blob = header.to_bytes()
     facts = SendFacts(seq_id, n, sum(d.numel() * d.element_size() for d in data), len(blob), len(plan))
     t1 = time.perf_counter()
@@ -217,8 +239,10 @@ def send_sequence(channel: Channel, peer: int, cache: PagedKVCache, seq_id: Hash
     t2 = time.perf_counter()
     if verdict.get("step") != "go":
         raise refusal(verdict, f"{what}: rank {peer} refused the header")
-    posted = [channel.post_send(d if wire is None else wire(i, d), peer, f"{what}, chunk {i} ({ch.label()})")
-              for i, (d, ch) in enumerate(zip(data, plan))]
+    posted = [
+        channel.post_send(d if wire is None else wire(i, d), peer, f"{what}, chunk {i} ({ch.label()})")
+        for i, (d, ch) in enumerate(zip(data, plan))
+    ]
     for p in posted:
         p.wait()
     t3 = time.perf_counter()
@@ -233,12 +257,12 @@ def send_sequence(channel: Channel, peer: int, cache: PagedKVCache, seq_id: Hash
 def _sender_rows(cache: PagedKVCache, seq_id: Hashable, ch: Chunk) -> torch.Tensor:
     """The chunk's rows ``[rows, D]``: a view of the pool when they are consecutive, else a copy."""
     pool = head_rows((cache.keys, cache.values)[ch.part][ch.layer])[ch.head]  # [pool rows, D], contiguous
-    return _rows(pool, cache.flat_rows(seq_id, ch.layer)[ch.start:ch.stop]).cpu()
+    return _rows(pool, cache.flat_rows(seq_id, ch.layer)[ch.start : ch.stop]).cpu()
 
 
 def _rows(pool: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
     if _consecutive(flat):
-        return pool[int(flat[0]):int(flat[0]) + flat.numel()]
+        return pool[int(flat[0]) : int(flat[0]) + flat.numel()]
     return pool.index_select(0, flat)
 
 
@@ -263,10 +287,18 @@ class ReceiveFacts:
         return dict(vars(self), seq_id=str(self.seq_id))
 
 
-def receive_sequence(channel: Channel, peer: int, cache: PagedKVCache, *, convert: str = "never",
-                     policy: ImportPolicy | None = None, seq_id: Hashable | None = None,
-                     accept: Callable[[StreamHeader], None] | None = None,
-                     after_header: Callable[[StreamHeader], None] | None = None, depth: int = 4) -> ReceiveFacts:
+def receive_sequence(
+    channel: Channel,
+    peer: int,
+    cache: PagedKVCache,
+    *,
+    convert: str = "never",
+    policy: ImportPolicy | None = None,
+    seq_id: Hashable | None = None,
+    accept: Callable[[StreamHeader], None] | None = None,
+    after_header: Callable[[StreamHeader], None] | None = None,
+    depth: int = 4,
+) -> ReceiveFacts:
     """Receive one streamed sequence from ``peer`` into ``cache`` as ``seq_id`` (default: the sender's).
 
     ``accept(header)`` may refuse it by raising a RopeKVError (e.g. tokens other than planned);
@@ -312,8 +344,16 @@ def receive_sequence(channel: Channel, peer: int, cache: PagedKVCache, *, conver
     return facts
 
 
-def _receive_chunks(channel: Channel, peer: int, cache: PagedKVCache, res: Reservation, header: StreamHeader,
-                    facts: ReceiveFacts, depth: int, what: str) -> PayloadError | None:
+def _receive_chunks(
+    channel: Channel,
+    peer: int,
+    cache: PagedKVCache,
+    res: Reservation,
+    header: StreamHeader,
+    facts: ReceiveFacts,
+    depth: int,
+    what: str,
+) -> PayloadError | None:
     """Receive every chunk, ``depth`` in flight, checking each one while the next arrive. Returns the
     first failure (the rest is still received, so the stream stays in step), or None."""
     c = cache.contract
@@ -325,10 +365,10 @@ def _receive_chunks(channel: Channel, peer: int, cache: PagedKVCache, res: Reser
     def post(i: int) -> None:
         ch = plan[i]
         pool = head_rows((cache.keys, cache.values)[ch.part][ch.layer])[ch.head]  # [pool rows, D]
-        flat = cache.reserved_rows(res, ch.layer)[ch.start:ch.stop]
+        flat = cache.reserved_rows(res, ch.layer)[ch.start : ch.stop]
         first, count = int(flat[0]), flat.numel()
         if pool.device.type == "cpu" and _consecutive(flat):
-            dest, scatter = pool[first:first + count], None
+            dest, scatter = pool[first : first + count], None
             facts.in_place_chunks += 1
         else:
             dest, scatter = torch.empty((count, width), dtype=pool.dtype), flat
@@ -351,8 +391,7 @@ def _receive_chunks(channel: Channel, peer: int, cache: PagedKVCache, res: Reser
 
 def _check_chunk(i: int, ch: Chunk, data: torch.Tensor, header: StreamHeader) -> PayloadError | None:
     if checksum(data, i) != header.checksums[i]:
-        return PayloadError(f"stream chunk {i} ({ch.label()}) checksum mismatch: bytes were changed or lost "
-                            "in transit")
+        return PayloadError(f"stream chunk {i} ({ch.label()}) checksum mismatch: bytes were changed or lost in transit")
     lo, hi = torch.aminmax(data)  # NaN propagates
     if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
         row = ch.start + int(torch.nonzero(~torch.isfinite(data).all(dim=1))[0])
@@ -361,8 +400,9 @@ def _check_chunk(i: int, ch: Chunk, data: torch.Tensor, header: StreamHeader) ->
     return None
 
 
-def _finish(cache: PagedKVCache, res: Reservation, header: StreamHeader, conversion: str | None,
-            policy: ImportPolicy) -> RopeKVError | None:
+def _finish(
+    cache: PagedKVCache, res: Reservation, header: StreamHeader, conversion: str | None, policy: ImportPolicy
+) -> RopeKVError | None:
     """Convert the received keys in place when the key form differs (once, here), apply the import
     policy, and commit. Returns the refusal instead of raising it."""
     c = cache.contract
@@ -388,8 +428,13 @@ def _finish(cache: PagedKVCache, res: Reservation, header: StreamHeader, convers
 
 
 def refusal_message(exc: RopeKVError) -> dict[str, Any]:
-    return {"step": "ack", "ok": False, "error_class": type(exc).__name__, "message": str(exc),
-            "fields": list(getattr(exc, "fields", ()))}
+    return {
+        "step": "ack",
+        "ok": False,
+        "error_class": type(exc).__name__,
+        "message": str(exc),
+        "fields": list(getattr(exc, "fields", ())),
+    }
 
 
 def refusal(message: dict[str, Any], context: str) -> RopeKVError:
@@ -404,5 +449,16 @@ def rebuild_error(class_name: Any, message: str, fields: Any = ()) -> RopeKVErro
     return cls(message)
 
 
-__all__ = ["Chunk", "DEFAULT_CHUNK_BYTES", "KIND_STREAM", "ReceiveFacts", "SendFacts", "StreamHeader", "chunk_plan",
-           "checksum", "rebuild_error", "receive_sequence", "send_sequence"]
+__all__ = [
+    "Chunk",
+    "DEFAULT_CHUNK_BYTES",
+    "KIND_STREAM",
+    "ReceiveFacts",
+    "SendFacts",
+    "StreamHeader",
+    "chunk_plan",
+    "checksum",
+    "rebuild_error",
+    "receive_sequence",
+    "send_sequence",
+]

@@ -18,6 +18,7 @@ peer raises TransportError (exit 4) at once, a silent one after the timeout. See
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
 import multiprocessing.connection
@@ -60,42 +61,88 @@ def add_arguments(parser: argparse.ArgumentParser, *, cli: bool = False) -> None
     ``cli``: the ``ropekv handoff`` spelling, consistent with ``ropekv check``: ``--block-sizes`` (one
     handoff run per block size) and ``--dist-backend``; a rank takes one ``--block-size`` and ``--backend``."""
     add_model_argument(parser)
-    parser.add_argument("--lengths", type=int_list, default=[1, 17, 300],
-                        help="prompt lengths, one handed-off sequence each (default 1,17,300)")
+    parser.add_argument(
+        "--lengths",
+        type=int_list,
+        default=[1, 17, 300],
+        help="prompt lengths, one handed-off sequence each (default 1,17,300)",
+    )
     parser.add_argument("--decode-steps", type=positive_int, default=3, help="tokens decoded after the handoff")
     if cli:
-        parser.add_argument("--block-sizes", type=positive_int_list, default=[16],
-                            help="cache block sizes on both sides, one handoff run each (default 16)")
+        parser.add_argument(
+            "--block-sizes",
+            type=positive_int_list,
+            default=[16],
+            help="cache block sizes on both sides, one handoff run each (default 16)",
+        )
     else:
         parser.add_argument("--block-size", type=positive_int, default=16, help="cache block size on both sides")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="cache dtype on both sides")
-    parser.add_argument("--key-form-prefill", choices=("rotated", "raw"), default="rotated",
-                        help="key form of the prefill worker's cache")
-    parser.add_argument("--key-form-decode", choices=("rotated", "raw"), default=None,
-                        help="key form of the decode workers' caches (default: the prefill's)")
-    parser.add_argument("--convert", choices=CONVERT_MODES, default="never",
-                        help="'explicit': a decode worker converts a differing key form once, at import")
-    parser.add_argument("--decode-rope-theta", type=float, default=None,
-                        help="run the decode workers with another RoPE theta (a contract mismatch to refuse)")
-    parser.add_argument("--inject", choices=tuple(HANDOFF_FAULTS), default=None,
-                        help="a handoff fault on the decode side: rotate-on-transfer")
-    parser.add_argument("--save-payload", default=None, metavar="PATH",
-                        help="write the first handed-off sequence's payload bytes here (prefill side)")
-    parser.add_argument("--timeout", type=float, default=60.0,
-                        help="seconds any wait on a peer may take before it counts as failed (default 60)")
+    parser.add_argument(
+        "--key-form-prefill",
+        choices=("rotated", "raw"),
+        default="rotated",
+        help="key form of the prefill worker's cache",
+    )
+    parser.add_argument(
+        "--key-form-decode",
+        choices=("rotated", "raw"),
+        default=None,
+        help="key form of the decode workers' caches (default: the prefill's)",
+    )
+    parser.add_argument(
+        "--convert",
+        choices=CONVERT_MODES,
+        default="never",
+        help="'explicit': a decode worker converts a differing key form once, at import",
+    )
+    parser.add_argument(
+        "--decode-rope-theta",
+        type=float,
+        default=None,
+        help="run the decode workers with another RoPE theta (a contract mismatch to refuse)",
+    )
+    parser.add_argument(
+        "--inject",
+        choices=tuple(HANDOFF_FAULTS),
+        default=None,
+        help="a handoff fault on the decode side: rotate-on-transfer",
+    )
+    parser.add_argument(
+        "--save-payload",
+        default=None,
+        metavar="PATH",
+        help="write the first handed-off sequence's payload bytes here (prefill side)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds any wait on a peer may take before it counts as failed (default 60)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="seed of the token stream")
-    parser.add_argument("--dist-backend" if cli else "--backend", dest="dist_backend", choices=("auto", "gloo", "nccl"),
-                        default="auto",
-                        help="torch.distributed backend; auto: NCCL when every local rank has a GPU, else gloo")
+    parser.add_argument(
+        "--dist-backend" if cli else "--backend",
+        dest="dist_backend",
+        choices=("auto", "gloo", "nccl"),
+        default="auto",
+        help="torch.distributed backend; auto: NCCL when every local rank has a GPU, else gloo",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = RaisingParser(prog="python -m ropekv.transfer.workers",
-                     description="One rank of a prefill->decode handoff (rank 0 prefills, the others decode). "
-                                 "Run under torchrun, or let `ropekv handoff` start every rank.")
+    parser = RaisingParser(
+        prog="python -m ropekv.transfer.workers",
+        description="One rank of a prefill->decode handoff (rank 0 prefills, the others decode). "
+        "Run under torchrun, or let `ropekv handoff` start every rank.",
+    )
     add_arguments(parser)
-    parser.add_argument("--result", default=None, metavar="PATH",
-                        help="write this rank's result JSON here ('{rank}' is replaced by the rank)")
+    parser.add_argument(
+        "--result",
+        default=None,
+        metavar="PATH",
+        help="write this rank's result JSON here ('{rank}' is replaced by the rank)",
+    )
     parser.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
     parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
     parser.add_argument("--test-fault", default=None, help=argparse.SUPPRESS)  # tests: kill/corrupt at index i
@@ -105,12 +152,31 @@ def build_parser() -> argparse.ArgumentParser:
 def worker_argv(args: argparse.Namespace) -> list[str]:
     """Worker command-line flags reproducing the shared flags of ``args`` (a parsed ``ropekv handoff``)."""
     argv = [] if args.model is None else [str(args.model)]
-    argv += ["--lengths", ",".join(map(str, args.lengths)), "--decode-steps", str(args.decode_steps),
-             "--block-size", str(args.block_size), "--dtype", args.dtype, "--key-form-prefill", args.key_form_prefill,
-             "--convert", args.convert, "--timeout", repr(args.timeout), "--seed", str(args.seed),
-             "--backend", args.dist_backend]
-    for flag, value in (("--key-form-decode", args.key_form_decode), ("--inject", args.inject),
-                        ("--save-payload", args.save_payload)):
+    argv += [
+        "--lengths",
+        ",".join(map(str, args.lengths)),
+        "--decode-steps",
+        str(args.decode_steps),
+        "--block-size",
+        str(args.block_size),
+        "--dtype",
+        args.dtype,
+        "--key-form-prefill",
+        args.key_form_prefill,
+        "--convert",
+        args.convert,
+        "--timeout",
+        repr(args.timeout),
+        "--seed",
+        str(args.seed),
+        "--backend",
+        args.dist_backend,
+    ]
+    for flag, value in (
+        ("--key-form-decode", args.key_form_decode),
+        ("--inject", args.inject),
+        ("--save-payload", args.save_payload),
+    ):
         if value is not None:
             argv += [flag, str(value)]
     if args.decode_rope_theta is not None:
@@ -139,14 +205,18 @@ def plan(args: argparse.Namespace, world_size: int, max_positions: int) -> list[
     if not lengths or min(lengths) < 1:
         raise UsageError(f"--lengths must be positive, got {args.lengths}")
     if world_size - 1 > len(lengths):
-        raise UsageError(f"{world_size - 1} decode workers but only {len(lengths)} distinct length(s): "
-                         "each decode worker needs at least one sequence")
+        raise UsageError(
+            f"{world_size - 1} decode workers but only {len(lengths)} distinct length(s): "
+            "each decode worker needs at least one sequence"
+        )
     out = []
     for i, length in enumerate(lengths):
         case = Case(length=length, block_size=args.block_size, decode_steps=args.decode_steps)
         if case.total > max_positions:
-            raise UsageError(f"length {length} + {args.decode_steps} decode steps needs {case.total} positions; "
-                             f"the model has {max_positions}")
+            raise UsageError(
+                f"length {length} + {args.decode_steps} decode steps needs {case.total} positions; "
+                f"the model has {max_positions}"
+            )
         out.append(Planned(i, case, f"seq{i}-L{length}", 1 + i % (world_size - 1)))
     return out
 
@@ -164,8 +234,15 @@ def main(argv: list[str] | None = None) -> int:
         return exc.exit_code
     if args.threads:
         torch.set_num_threads(args.threads)
-    out: dict[str, Any] = {"format": RESULT_FORMAT, "version": 1, "rank": rank, "world_size": world,
-                           "role": "prefill" if rank == 0 else "decode", "status": "ok", "exit_code": 0}
+    out: dict[str, Any] = {
+        "format": RESULT_FORMAT,
+        "version": 1,
+        "rank": rank,
+        "world_size": world,
+        "role": "prefill" if rank == 0 else "decode",
+        "status": "ok",
+        "exit_code": 0,
+    }
     code, started = 0, False
     try:
         checkpoint = load_checkpoint(args.model)
@@ -179,16 +256,21 @@ def main(argv: list[str] | None = None) -> int:
     except RopeKVError as exc:
         code = exc.exit_code
         status = {3: "refused", 4: "transport"}.get(code, "error")
-        out.update(status=status, error=str(exc), error_class=type(exc).__name__,
-                   fields=list(getattr(exc, "fields", ())))
+        out.update(
+            status=status, error=str(exc), error_class=type(exc).__name__, fields=list(getattr(exc, "fields", ()))
+        )
         print(f"ropekv handoff rank {rank}: error: {exc}", file=sys.stderr)
     except KeyboardInterrupt:  # Ctrl-C reaches every rank: the launcher prints the one line
         code = 130
         out.update(status="interrupted", error="interrupted")
-    except Exception as exc:  # noqa: BLE001 -- a bug: report it as an error, with the traceback in the result
+    except Exception as exc:
         code = 2
-        out.update(status="crash", error=f"{type(exc).__name__}: {exc}", error_class="RopeKVError",
-                   traceback=traceback.format_exc())
+        out.update(
+            status="crash",
+            error=f"{type(exc).__name__}: {exc}",
+            error_class="RopeKVError",
+            traceback=traceback.format_exc(),
+        )
         traceback.print_exc()
     out["exit_code"] = code
     _write_result(args.result, rank, out)
@@ -197,10 +279,16 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _run_prefill(args, checkpoint: Checkpoint, channel: Channel, planned: list[Planned], world: int,
-                 out: dict[str, Any]) -> int:
-    contract = CacheContract.for_model(checkpoint.config, key_form=args.key_form_prefill, block_size=args.block_size,
-                                       dtype=args.dtype, model_fingerprint=checkpoint.fingerprint)
+def _run_prefill(
+    args, checkpoint: Checkpoint, channel: Channel, planned: list[Planned], world: int, out: dict[str, Any]
+) -> int:
+    contract = CacheContract.for_model(
+        checkpoint.config,
+        key_form=args.key_form_prefill,
+        block_size=args.block_size,
+        dtype=args.dtype,
+        model_fingerprint=checkpoint.fingerprint,
+    )
     longest = max(p.case.length for p in planned)
     engine = Engine(checkpoint, contract, num_blocks=-(-longest // args.block_size) + 1)
     decode_ranks = list(range(1, world))
@@ -236,8 +324,7 @@ def _run_prefill(args, checkpoint: Checkpoint, channel: Channel, planned: list[P
     return 0
 
 
-def _send_sequence(channel: Channel, engine: Engine, p: Planned, tokens: torch.Tensor,
-                   corrupt: bool) -> dict[str, Any]:
+def _send_sequence(channel: Channel, engine: Engine, p: Planned, tokens: torch.Tensor, corrupt: bool) -> dict[str, Any]:
     """Stream one sequence and wait for the ack; a stream refused as damaged is sent once more."""
     what = f"transfer of sequence {p.seq_id!r} to decode rank {p.rank}"
     for attempt in (1, 2):
@@ -251,11 +338,21 @@ def _send_sequence(channel: Channel, engine: Engine, p: Planned, tokens: torch.T
                 continue
             raise
         total = sent.tensor_bytes + sent.header_bytes
-        return {"seq_id": p.seq_id, "index": p.index, "decode_rank": p.rank, "tokens": p.case.length,
-                "payload_bytes": total, "tensor_bytes": sent.tensor_bytes, "overhead_bytes": sent.header_bytes,
-                "chunks": sent.chunks, "attempts": attempt, "transfer_seconds": sent.seconds["send"],
-                "bytes_per_second": total / max(sent.seconds["total"], 1e-9),
-                "acked_seconds": sent.seconds["total"], "phases_seconds": sent.seconds}
+        return {
+            "seq_id": p.seq_id,
+            "index": p.index,
+            "decode_rank": p.rank,
+            "tokens": p.case.length,
+            "payload_bytes": total,
+            "tensor_bytes": sent.tensor_bytes,
+            "overhead_bytes": sent.header_bytes,
+            "chunks": sent.chunks,
+            "attempts": attempt,
+            "transfer_seconds": sent.seconds["send"],
+            "bytes_per_second": total / max(sent.seconds["total"], 1e-9),
+            "acked_seconds": sent.seconds["total"],
+            "phases_seconds": sent.seconds,
+        }
     raise AssertionError("unreachable")
 
 
@@ -268,13 +365,15 @@ def _flip_one_bit(index: int, chunk: torch.Tensor) -> torch.Tensor:
     return damaged
 
 
-def _run_decode(args, checkpoint: Checkpoint, channel: Channel, planned: list[Planned], rank: int,
-                out: dict[str, Any]) -> int:
+def _run_decode(
+    args, checkpoint: Checkpoint, channel: Channel, planned: list[Planned], rank: int, out: dict[str, Any]
+) -> int:
     from ..parity.harness import check
 
     mine = [p for p in planned if p.rank == rank]
-    decode = NativeAdapter(checkpoint, key_form=args.key_form_decode or args.key_form_prefill, dtype=args.dtype,
-                           name=f"decode rank {rank}")
+    decode = NativeAdapter(
+        checkpoint, key_form=args.key_form_decode or args.key_form_prefill, dtype=args.dtype, name=f"decode rank {rank}"
+    )
     blocks = sum(-(-p.case.total // args.block_size) for p in mine) + 1
     serving = decode.make_engine(Case(length=1, block_size=args.block_size), num_blocks=blocks)
     out["contract"] = serving.contract.to_dict()
@@ -292,21 +391,23 @@ def _run_decode(args, checkpoint: Checkpoint, channel: Channel, planned: list[Pl
         if step == "done":
             break
         if step == "abort":
-            raise rebuild_error(msg.get("error_class"), f"the prefill rank aborted: {msg.get('reason')}",
-                                msg.get("fields"))
+            raise rebuild_error(
+                msg.get("error_class"), f"the prefill rank aborted: {msg.get('reason')}", msg.get("fields")
+            )
         p = by_index.get(msg.get("index"))
         if step != "payload" or p is None or msg.get("seq_id") != p.seq_id:
             raise TransportError(f"the prefill rank sent {str(msg)[:200]}, not a payload planned for rank {rank}")
         kill = test_fault == ("kill-decode-mid-transfer", p.index)
-        facts, imported = _receive_one(channel, serving, p, tokens[:p.case.length], args.convert, policy, kill)
+        facts, imported = _receive_one(channel, serving, p, tokens[: p.case.length], args.convert, policy, kill)
         if imported:
             sequences[p.case] = (p.seq_id, p.case.length)
         received.append(facts)
     missing = [p.seq_id for p in mine if p.case not in sequences]
     if missing:
         raise TransportError(f"the prefill rank finished without handing off {missing}")
-    adapter = ServedHandoffAdapter(decode, serving, sequences, prefill_contract=prefill_contract,
-                                   convert=args.convert, policy=policy)
+    adapter = ServedHandoffAdapter(
+        decode, serving, sequences, prefill_contract=prefill_contract, convert=args.convert, policy=policy
+    )
     report = check(adapter, cases=[p.case for p in mine], seed=args.seed)
     out["report"], out["table"] = report.to_dict(), report.table()
     if not args.quiet:
@@ -314,15 +415,19 @@ def _run_decode(args, checkpoint: Checkpoint, channel: Channel, planned: list[Pl
     return 0 if report.passed else 1
 
 
-def _receive_one(channel: Channel, serving: Engine, p: Planned, tokens: torch.Tensor, convert: str,
-                 policy, kill_mid_transfer: bool) -> tuple[dict[str, Any], bool]:
+def _receive_one(
+    channel: Channel, serving: Engine, p: Planned, tokens: torch.Tensor, convert: str, policy, kill_mid_transfer: bool
+) -> tuple[dict[str, Any], bool]:
     """Receive, validate and import one streamed sequence (``tokens [n]``: the ids the plan expects);
     returns the facts and whether it was imported. A refused stream imports nothing (the sender was
     told, and may send it again)."""
+
     def accept(header: StreamHeader) -> None:
         if header.seq_id != p.seq_id or not torch.equal(header.tokens, tokens):
-            raise UsageError(f"stream of {p.seq_id!r} holds sequence {header.seq_id!r} with other tokens "
-                             "than the plan (ranks started with different --lengths or --seed?)")
+            raise UsageError(
+                f"stream of {p.seq_id!r} holds sequence {header.seq_id!r} with other tokens "
+                "than the plan (ranks started with different --lengths or --seed?)"
+            )
 
     def after_header(header: StreamHeader) -> None:
         if kill_mid_transfer:  # test hook: die with the header read and the chunks on the wire
@@ -330,8 +435,9 @@ def _receive_one(channel: Channel, serving: Engine, p: Planned, tokens: torch.Te
 
     facts: dict[str, Any] = {"seq_id": p.seq_id}
     try:
-        got = receive_sequence(channel, 0, serving.cache, convert=convert, policy=policy, accept=accept,
-                               after_header=after_header)
+        got = receive_sequence(
+            channel, 0, serving.cache, convert=convert, policy=policy, accept=accept, after_header=after_header
+        )
     except TransportError:
         raise
     except RopeKVError as exc:
@@ -367,9 +473,10 @@ def _init_process_group(args) -> Channel:
     try:
         dist.init_process_group(backend, timeout=timedelta(seconds=args.timeout))
     except (RuntimeError, ValueError) as exc:
-        raise TransportError(f"could not join the process group at {os.environ['MASTER_ADDR']}:"
-                             f"{os.environ['MASTER_PORT']} within {args.timeout:g} s: {str(exc).splitlines()[0][:300]}"
-                             ) from None
+        raise TransportError(
+            f"could not join the process group at {os.environ['MASTER_ADDR']}:"
+            f"{os.environ['MASTER_PORT']} within {args.timeout:g} s: {str(exc).splitlines()[0][:300]}"
+        ) from None
     return Channel(timeout=args.timeout, device=device)
 
 
@@ -379,19 +486,21 @@ def _destroy_process_group() -> None:
     try:
         if dist.is_initialized():
             dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 -- a broken group after a peer died; nothing left to do
+    except Exception:
         pass
 
 
 def _abort(channel: Channel, ranks: list[int], error: RopeKVError) -> None:
     """Best effort: tell live decode ranks to stop waiting, and why (a dead one fails fast and is skipped)."""
-    message = {"step": "abort", "reason": str(error)[:2000], "error_class": type(error).__name__,
-               "fields": list(getattr(error, "fields", ()))}
+    message = {
+        "step": "abort",
+        "reason": str(error)[:2000],
+        "error_class": type(error).__name__,
+        "fields": list(getattr(error, "fields", ())),
+    }
     for r in ranks:
-        try:
+        with contextlib.suppress(RopeKVError):  # a rank that is gone cannot be told; the others still are
             channel.send_json(r, message, f"abort to rank {r}")
-        except RopeKVError:
-            pass
 
 
 def _test_fault(args) -> tuple[str, int] | None:
@@ -422,14 +531,17 @@ def _env_int(name: str, default: int | None = None) -> int:
     try:
         return int(value)
     except (TypeError, ValueError):
-        raise UsageError(f"environment variable {name}={value!r} is not an integer: run under torchrun, "
-                         "or use `ropekv handoff`") from None
+        raise UsageError(
+            f"environment variable {name}={value!r} is not an integer: run under torchrun, or use `ropekv handoff`"
+        ) from None
 
 
 def _describe_transfer(f: dict[str, Any]) -> str:
-    return (f"{f['seq_id']}: {f['tokens']} tokens, {f['payload_bytes']} payload bytes "
-            f"({f['tensor_bytes']} of keys/values) to rank {f['decode_rank']} in {f['transfer_seconds']:.3f} s "
-            f"({f['bytes_per_second'] / 1e6:.1f} MB/s), acked after {f['acked_seconds']:.3f} s")
+    return (
+        f"{f['seq_id']}: {f['tokens']} tokens, {f['payload_bytes']} payload bytes "
+        f"({f['tensor_bytes']} of keys/values) to rank {f['decode_rank']} in {f['transfer_seconds']:.3f} s "
+        f"({f['bytes_per_second'] / 1e6:.1f} MB/s), acked after {f['acked_seconds']:.3f} s"
+    )
 
 
 # ---------------------------------------------------------------------- local launcher
@@ -449,8 +561,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(worker_args: list[str], world_size: int, *, timeout: float, workdir: Path,
-           grace: float | None = None) -> list[RankOutcome]:
+def launch(
+    worker_args: list[str], world_size: int, *, timeout: float, workdir: Path, grace: float | None = None
+) -> list[RankOutcome]:
     """Run every rank on 127.0.0.1 (as torchrun would) and wait for all of them.
 
     Ranks are forked from a forkserver that imported ropekv once. Once a rank fails (exit code other
@@ -464,8 +577,11 @@ def launch(worker_args: list[str], world_size: int, *, timeout: float, workdir: 
     procs = []
     for rank in range(world_size):
         argv = [*worker_args, "--result", str(workdir / f"rank{rank}.json"), "--quiet", "--threads", str(threads)]
-        proc = ctx.Process(target=_child, args=(rank, world_size, port, argv, str(workdir / f"rank{rank}.log")),
-                           name=f"ropekv-handoff-rank{rank}")
+        proc = ctx.Process(
+            target=_child,
+            args=(rank, world_size, port, argv, str(workdir / f"rank{rank}.log")),
+            name=f"ropekv-handoff-rank{rank}",
+        )
         proc.start()
         procs.append(proc)
     grace = timeout + 15 if grace is None else grace
@@ -489,8 +605,10 @@ def launch(worker_args: list[str], world_size: int, *, timeout: float, workdir: 
             if p.exitcode is None:
                 p.kill()
         raise
-    return [RankOutcome(rank, p.exitcode, _read_json(workdir / f"rank{rank}.json"), _tail(workdir / f"rank{rank}.log"))
-            for rank, p in enumerate(procs)]
+    return [
+        RankOutcome(rank, p.exitcode, _read_json(workdir / f"rank{rank}.json"), _tail(workdir / f"rank{rank}.log"))
+        for rank, p in enumerate(procs)
+    ]
 
 
 def _child(rank: int, world_size: int, port: int, argv: list[str], log_path: str) -> None:
@@ -498,8 +616,14 @@ def _child(rank: int, world_size: int, port: int, argv: list[str], log_path: str
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     code = main(argv)
     sys.stdout.flush()
     sys.stderr.flush()

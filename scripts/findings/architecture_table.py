@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
-COLUMNS = (("reference_vs_transformers", "reference vs transformers"),
-           ("engine_decode_vs_reference", "engine decode vs reference"),
-           ("check_attention_engine", "check attention (engine)"),
-           ("check_attention_hf", "check attention (HFEngine)"),
-           ("cross_engine", "cross-engine (HFEngine)"))
+COLUMNS = (
+    ("reference_vs_transformers", "reference vs transformers"),
+    ("engine_decode_vs_reference", "engine decode vs reference"),
+    ("check_attention_engine", "check attention (engine)"),
+    ("check_attention_hf", "check attention (HFEngine)"),
+    ("cross_engine", "cross-engine (HFEngine)"),
+)
 
 
 def main(path: str) -> None:
-    figures = json.loads(open(path).read())
+    figures = json.loads(Path(path).read_text())
     by_arch: dict[str, list[dict]] = {}
     for variant in figures.values():
         by_arch.setdefault(variant["arch"], []).append(variant)
@@ -35,8 +38,10 @@ def main(path: str) -> None:
             cells.append(f"{max(values):.1e}" if values else "-")
         print(f"| {arch} | {len(rows)} | " + " | ".join(cells) + " |")
     worst = {key: max(r.get(key, 0.0) for r in figures.values()) for key, _ in COLUMNS}
-    print(f"\n{len(figures)} variants of {len(by_arch)} architectures; worst: "
-          + ", ".join(f"{title} {worst[key]:.1e}" for key, title in COLUMNS))
+    print(
+        f"\n{len(figures)} variants of {len(by_arch)} architectures; worst: "
+        + ", ".join(f"{title} {worst[key]:.1e}" for key, title in COLUMNS)
+    )
 
 
 if __name__ == "__main__":

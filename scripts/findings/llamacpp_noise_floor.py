@@ -30,7 +30,7 @@ from ropekv.parity.compare import LogitsOf, scaled_error
 def reference_scores(ref, layer: int, i: int, of: LogitsOf) -> torch.Tensor:
     """The float64 reference's attention logits ``[H, T]`` of its probed row ``i``."""
     probe = ref.layers[layer]
-    return of.rows(layer, dataclasses.replace(probe, q=probe.q[i:i + 1]), ref.rows[i:i + 1])[:, 0]
+    return of.rows(layer, dataclasses.replace(probe, q=probe.q[i : i + 1]), ref.rows[i : i + 1])[:, 0]
 
 
 def decode_errors(run, ref, rows_of, of):
@@ -65,26 +65,33 @@ def main() -> None:
         rows_of = {t: i for i, t in enumerate(rows)}
         of = LogitsOf(cfg, None, 0)
         for L in lengths:
-            batched = engines["f32"].full_forward(tokens[:L + 3], list(range(L, L + 3)), Case(length=L))
+            batched = engines["f32"].full_forward(tokens[: L + 3], list(range(L, L + 3)), Case(length=L))
             for kv, eng in engines.items():
                 t0 = time.perf_counter()
                 one_by_one = eng.run_case(Case(length=L, chunk=1), tokens)
-                batched_kv = eng.full_forward(tokens[:L + 3], list(range(L, L + 3)), Case(length=L))
+                batched_kv = eng.full_forward(tokens[: L + 3], list(range(L, L + 3)), Case(length=L))
                 run = eng.run_case(Case(length=L), tokens)
                 dlogit, l0, worst = decode_errors(run, ref, rows_of, of)
                 row = {
-                    "weights": weights, "kv": kv, "L": L,
-                    "batched_vs_one_by_one": max(float((a.logits - b).abs().max())
-                                                 for a, b in zip(one_by_one.steps, batched_kv.logits)),
-                    "argmax_equal": all(int(a.logits.argmax()) == int(b.argmax())
-                                        for a, b in zip(one_by_one.steps, batched_kv.logits)),
+                    "weights": weights,
+                    "kv": kv,
+                    "L": L,
+                    "batched_vs_one_by_one": max(
+                        float((a.logits - b).abs().max()) for a, b in zip(one_by_one.steps, batched_kv.logits)
+                    ),
+                    "argmax_equal": all(
+                        int(a.logits.argmax()) == int(b.argmax()) for a, b in zip(one_by_one.steps, batched_kv.logits)
+                    ),
                     "kv_vs_f32_kv": max(float((a - b).abs().max()) for a, b in zip(batched_kv.logits, batched.logits)),
-                    "dlogit_vs_float64": dlogit, "attn_layer0_vs_float64": l0, "attn_worst_vs_float64": worst,
+                    "dlogit_vs_float64": dlogit,
+                    "attn_layer0_vs_float64": l0,
+                    "attn_worst_vs_float64": worst,
                     "seconds": round(time.perf_counter() - t0, 1),
                 }
                 results.append(row)
-                print(" ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()),
-                      flush=True)
+                print(
+                    " ".join(f"{k}={v:.2e}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True
+                )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -33,20 +33,29 @@ def main() -> None:
         engine = LlamaCppEngine(path, n_ctx=max(deltas) + args.n + 64, tier="forensics")
         reference = ReferenceDecoder(engine.checkpoint)
         tokens = token_stream(engine.config.vocab_size, args.n + 1).tolist()
-        runs = [(d, None) for d in deltas] + ([(1000, "not_rerotated"), (1000, "rerotated_twice")] if weights == "f32" else [])
+        runs = [(d, None) for d in deltas] + (
+            [(1000, "not_rerotated"), (1000, "rerotated_twice")] if weights == "f32" else []
+        )
         for delta, fault in runs:
             t0 = time.perf_counter()
             c = check_shift(engine, reference, tokens, args.n, delta, fault=fault)
-            row = {"weights": weights, "fault": fault or "-", **c.to_dict(), "seconds": round(time.perf_counter() - t0, 1)}
+            row = {
+                "weights": weights,
+                "fault": fault or "-",
+                **c.to_dict(),
+                "seconds": round(time.perf_counter() - t0, 1),
+            }
             row["last_layer_scores_vs_reference"] = c.scores_vs_reference[-1]
             row.pop("scores_vs_reference")
             rows.append(row)
-            print(f"{weights:4s} delta={delta:5d} fault={row['fault']:16s} dlogit shifted-vs-explicit={c.logits_vs_explicit:.2e} "
-                  f"shifted-vs-f64={c.logits_vs_reference:.2e} explicit-vs-f64={c.explicit_vs_reference:.2e} | layer-0 scores "
-                  f"shifted-vs-explicit={c.layer0_scores_vs_explicit:.2e} shifted-vs-f64={c.layer0_scores_vs_reference:.2e} "
-                  f"explicit-vs-f64={c.explicit_layer0_vs_reference:.2e} last layer={c.scores_vs_reference[-1]:.2e} | "
-                  f"K-shifts run={c.shifts_seen} verdict={c.verdict} ({c.diagnosis.kind}: {c.diagnosis.evidence[:90]})",
-                  flush=True)
+            print(
+                f"{weights:4s} delta={delta:5d} fault={row['fault']:16s} dlogit shifted-vs-explicit={c.logits_vs_explicit:.2e} "
+                f"shifted-vs-f64={c.logits_vs_reference:.2e} explicit-vs-f64={c.explicit_vs_reference:.2e} | layer-0 scores "
+                f"shifted-vs-explicit={c.layer0_scores_vs_explicit:.2e} shifted-vs-f64={c.layer0_scores_vs_reference:.2e} "
+                f"explicit-vs-f64={c.explicit_layer0_vs_reference:.2e} last layer={c.scores_vs_reference[-1]:.2e} | "
+                f"K-shifts run={c.shifts_seen} verdict={c.verdict} ({c.diagnosis.kind}: {c.diagnosis.evidence[:90]})",
+                flush=True,
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

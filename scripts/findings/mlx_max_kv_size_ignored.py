@@ -12,8 +12,8 @@ Run from .venv-mlx:  .venv-mlx/bin/python scripts/findings/mlx_max_kv_size_ignor
 from __future__ import annotations
 
 from ropekv.adapters.mlx import MLXEngine
-from ropekv.parity.cases import Case, token_stream
 from ropekv.errors import AdapterError
+from ropekv.parity.cases import Case, token_stream
 from ropekv.parity.harness import check
 
 
@@ -28,12 +28,16 @@ def show(engine, case) -> None:
 def main() -> None:
     engine = MLXEngine(None, max_kv_size=37)
     caches = engine.rt.cache.make_prompt_cache(engine.model, max_kv_size=37)
-    print(f"make_prompt_cache(model, max_kv_size=37) -> {sorted({type(c).__name__ for c in caches})} "
-          f"x {len(caches)} (model.make_cache exists: {hasattr(engine.model, 'make_cache')})")
+    print(
+        f"make_prompt_cache(model, max_kv_size=37) -> {sorted({type(c).__name__ for c in caches})} "
+        f"x {len(caches)} (model.make_cache exists: {hasattr(engine.model, 'make_cache')})"
+    )
     case = Case(length=48, window=37, decode_steps=2)
     run = engine.run_case(case, token_stream(engine.config.vocab_size, case.total))
-    print(f"decode at position {run.steps[0].position} reads {len(run.steps[0].layers[0].key_positions)} keys "
-          f"(a 37-token window holds 37)")
+    print(
+        f"decode at position {run.steps[0].position} reads {len(run.steps[0].layers[0].key_positions)} keys "
+        f"(a 37-token window holds 37)"
+    )
     print("\nropekv check, caches from make_prompt_cache(model, max_kv_size=37), case window 37:")
     show(engine, case)
     bounded = engine.with_options(keep=0)  # RotatingKVCache(max_size=37, keep=0) per layer

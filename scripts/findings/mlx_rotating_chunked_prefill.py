@@ -13,9 +13,9 @@ Run from .venv-mlx:  .venv-mlx/bin/python scripts/findings/mlx_rotating_chunked_
 from __future__ import annotations
 
 from ropekv.adapters.mlx import MLXEngine
+from ropekv.errors import AdapterError
 from ropekv.models.reference import ReferenceDecoder
 from ropekv.parity.cases import Case, token_stream
-from ropekv.errors import AdapterError
 from ropekv.parity.harness import check
 
 
@@ -26,6 +26,7 @@ def show(engine, case) -> None:
     except AdapterError as exc:
         print(f"refused by ropekv's validation: {exc}")
 
+
 L, FIRST = 100, 60
 
 
@@ -33,9 +34,9 @@ def decode_logits(engine: MLXEngine, tokens, chunks: list[int]):
     caches = engine.new_caches(Case(length=L))
     start = 0
     for n in chunks:
-        engine.forward(tokens[start: start + n], caches)
+        engine.forward(tokens[start : start + n], caches)
         start += n
-    return [engine.forward(tokens[t: t + 1], caches)[-1] for t in range(L, L + 3)]
+    return [engine.forward(tokens[t : t + 1], caches)[-1] for t in range(L, L + 3)]
 
 
 def main() -> None:
@@ -48,8 +49,10 @@ def main() -> None:
         two = decode_logits(variant, tokens, [FIRST, L - FIRST])
         diff = max(float((a - b).abs().max()) for a, b in zip(one, two))
         vs_ref = max(float((b.double() - ref[L + i]).abs().max()) for i, b in enumerate(two))
-        print(f"RotatingKVCache(37, keep={keep}): one chunk vs {FIRST}+{L - FIRST}: max|dlogit| {diff:.3g}; "
-              f"two chunks vs float64 window-37 reference: {vs_ref:.3g}")
+        print(
+            f"RotatingKVCache(37, keep={keep}): one chunk vs {FIRST}+{L - FIRST}: max|dlogit| {diff:.3g}; "
+            f"two chunks vs float64 window-37 reference: {vs_ref:.3g}"
+        )
     print("\nropekv check, keep=0, chunked prefill (chunk=60):")
     show(engine.with_options(keep=0), Case(length=L, window=37, chunk=FIRST))
 

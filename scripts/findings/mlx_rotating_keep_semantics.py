@@ -12,11 +12,10 @@ Run from .venv-mlx:  .venv-mlx/bin/python scripts/findings/mlx_rotating_keep_sem
 
 from __future__ import annotations
 
-
 from ropekv.adapters.mlx import MLXEngine
+from ropekv.errors import AdapterError
 from ropekv.models.reference import ReferenceDecoder
 from ropekv.parity.cases import Case, token_stream
-from ropekv.errors import AdapterError
 from ropekv.parity.harness import check
 
 
@@ -26,6 +25,7 @@ def show(engine, case) -> None:
         print(check(engine, cases=[case]).table())
     except AdapterError as exc:
         print(f"refused by ropekv's validation: {exc}")
+
 
 L = 60
 
@@ -38,9 +38,10 @@ def main() -> None:
     prefill_logits = engine.forward(tokens[:L], caches)  # [L, vocab], one chunk
     run_steps = []
     from ropekv.adapters.mlx.probes import ForwardProbe
+
     for t in case.decode_positions:
         probe = ForwardProbe(engine.config.num_layers, "mlx")
-        logits = engine.forward(tokens[t: t + 1], caches, probe)
+        logits = engine.forward(tokens[t : t + 1], caches, probe)
         run_steps.append((t, logits[-1], probe.layers()[0].key_positions))
     t0, _, keys0 = run_steps[0]
     print(f"decode at {t0} reads {len(keys0)} keys: {sorted(keys0.tolist())}")
@@ -48,12 +49,16 @@ def main() -> None:
     ref = ReferenceDecoder(engine.checkpoint)
     plain = ref.forward(tokens, window=37).logits
     sinks = ref.forward(tokens, window=33, sink_tokens=4).logits
-    print(f"last prefill row ({L - 1}): max|dlogit| vs window 37: "
-          f"{(prefill_logits[-1].double() - plain[L - 1]).abs().max():.2e}; "
-          f"vs 4 sinks + 33: {(prefill_logits[-1].double() - sinks[L - 1]).abs().max():.2e}")
+    print(
+        f"last prefill row ({L - 1}): max|dlogit| vs window 37: "
+        f"{(prefill_logits[-1].double() - plain[L - 1]).abs().max():.2e}; "
+        f"vs 4 sinks + 33: {(prefill_logits[-1].double() - sinks[L - 1]).abs().max():.2e}"
+    )
     for t, logits, _ in run_steps:
-        print(f"decode {t}: max|dlogit| vs window 37: {(logits.double() - plain[t]).abs().max():.2e}; "
-              f"vs 4 sinks + 33: {(logits.double() - sinks[t]).abs().max():.2e}")
+        print(
+            f"decode {t}: max|dlogit| vs window 37: {(logits.double() - plain[t]).abs().max():.2e}; "
+            f"vs 4 sinks + 33: {(logits.double() - sinks[t]).abs().max():.2e}"
+        )
     for c in (Case(length=L, window=37), Case(length=L, window=33, sink_tokens=4)):
         print(f"\nropekv check, RotatingKVCache(max_size=37, keep=4), reference {c.label()}:")
         show(engine, c)

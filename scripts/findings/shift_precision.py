@@ -58,7 +58,9 @@ def plot(rows: list[dict], path: str) -> None:
         for delta in DELTAS:
             sel = [r for r in rows if r["dtype"] == dtype and r["delta"] == delta]
             ax.plot([r["times"] for r in sel], [r["rotated_error"] for r in sel], "o-", label=f"rotated, delta {delta}")
-            ax.plot([r["times"] for r in sel], [r["raw_error"] for r in sel], "x--", label=f"raw relabelled, delta {delta}")
+            ax.plot(
+                [r["times"] for r in sel], [r["raw_error"] for r in sel], "x--", label=f"raw relabelled, delta {delta}"
+            )
         ax.set_xscale("log")
         ax.set_yscale("log")
         ax.set_title(f"{dtype} cache")

@@ -10,10 +10,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
+from ropekv.faults.catalogue import FAULTS
+from ropekv.faults.ops import OP_FAULTS
 from ropekv.models import load_checkpoint
 from ropekv.parity.cases import Case
-from ropekv.adapters.faults import FAULTS
-from ropekv.adapters.op_faults import OP_FAULTS
 from ropekv.parity.harness import check
 from ropekv.parity.protocol import Tier
 from ropekv.testing.tiny import tiny_checkpoint

@@ -23,5 +23,7 @@ if __name__ == "__main__":
         err = (table - torch.cat((cos, sin), dim=-1)).abs().max(dim=-1).values  # [positions]
         ranges = [(0, 128), (128, 1024), (1024, 4096), (4096, table.shape[0])]
         cells = ", ".join(f"[{a}, {b}): {float(err[a:b].max()):.1e}" for a, b in ranges)
-        print(f"vLLM {engine.vllm_version} {dtype}: table {engine.contract.cos_sin_dtype} {tuple(table.shape)}; "
-              f"max |cos/sin - float64| by position {cells}")
+        print(
+            f"vLLM {engine.vllm_version} {dtype}: table {engine.contract.cos_sin_dtype} {tuple(table.shape)}; "
+            f"max |cos/sin - float64| by position {cells}"
+        )

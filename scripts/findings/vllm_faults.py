@@ -1,6 +1,6 @@
 """Finding: each RoPE bug patched into vLLM's decode path is caught at every tier and named.
 
-For every fault in ``ropekv.adapters.vllm.faults.FAULTS`` the running engine is patched, one case with
+For every fault in ``ropekv.faults.vllm.FAULTS`` the running engine is patched, one case with
 a prefix-cache hit is run (length 40 after a 32-token prefix, 2 decode steps), and ropekv's verdict
 is printed: logits error (top-k log-probabilities against the float64 reference), first divergent
 layer, and the bug class forensics names.
@@ -15,7 +15,7 @@ import sys
 
 if __name__ == "__main__":
     from ropekv.adapters.vllm import VLLMEngine
-    from ropekv.adapters.vllm.faults import FAULTS, injected
+    from ropekv.faults.vllm import FAULTS, injected
     from ropekv.parity.cases import Case
     from ropekv.parity.harness import check
 
@@ -29,11 +29,15 @@ if __name__ == "__main__":
             report = check(engine, cases=[case])
         r = report.cases[0]
         d = report.diagnosis
-        print(f"{name:24s} {r.max_abs_logit_diff:11.3f} {r.max_attn_error:9.3f} "
-              f"{r.first_divergence.layer if r.first_divergence else '-':>11}  {d.kind if d else '-'}"
-              f"{'' if d and d.kind == fault.kind else '  (expected ' + fault.kind + ')'}")
+        print(
+            f"{name:24s} {r.max_abs_logit_diff:11.3f} {r.max_attn_error:9.3f} "
+            f"{r.first_divergence.layer if r.first_divergence else '-':>11}  {d.kind if d else '-'}"
+            f"{'' if d and d.kind == fault.kind else '  (expected ' + fault.kind + ')'}"
+        )
         if d:
             print(f"    {d.evidence[:160]}")
     clean = check(engine, cases=[case])
-    print(f"{'(no fault)':24s} {clean.cases[0].max_abs_logit_diff:11.2e} {clean.cases[0].max_attn_error:9.2e} "
-          f"{'-':>11}  passed={clean.passed}")
+    print(
+        f"{'(no fault)':24s} {clean.cases[0].max_abs_logit_diff:11.2e} {clean.cases[0].max_attn_error:9.2e} "
+        f"{'-':>11}  passed={clean.passed}"
+    )

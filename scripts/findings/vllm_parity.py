@@ -29,19 +29,22 @@ if __name__ == "__main__":  # vLLM may spawn: keep start-up under the guard
     out = {}
     for dtype in args.dtypes:
         t0 = time.perf_counter()
-        engine = VLLMEngine(None, dtype=dtype, block_size=32, max_num_batched_tokens=args.budget,
-                            max_model_len=4096)
+        engine = VLLMEngine(None, dtype=dtype, block_size=32, max_num_batched_tokens=args.budget, max_model_len=4096)
         started = time.perf_counter() - t0
         cases = vllm_cases(32, max_num_batched_tokens=args.budget, long_context=args.long, decode_steps=3)
         t0 = time.perf_counter()
         report = check(engine, cases=cases)
         took = time.perf_counter() - t0
-        print(f"\n== vLLM {engine.vllm_version} {dtype} (kernel {engine.contract.kernel_isa}, top-{engine.top_k} "
-              f"log-probabilities): start-up {started:.1f} s, check {took:.1f} s ==")
+        print(
+            f"\n== vLLM {engine.vllm_version} {dtype} (kernel {engine.contract.kernel_isa}, top-{engine.top_k} "
+            f"log-probabilities): start-up {started:.1f} s, check {took:.1f} s =="
+        )
         print(report.table())
         for r in report.cases:
-            print(f"  {r.case.label():28s} logprob err {r.max_abs_logit_diff:.2e}  attn err {r.max_attn_error:.2e}"
-                  f"  self attn err {r.max_self_attn_error:.2e}  {r.seconds:5.1f} s  | " + "; ".join(r.notes))
+            print(
+                f"  {r.case.label():28s} logprob err {r.max_abs_logit_diff:.2e}  attn err {r.max_attn_error:.2e}"
+                f"  self attn err {r.max_self_attn_error:.2e}  {r.seconds:5.1f} s  | " + "; ".join(r.notes)
+            )
         out[dtype] = json.loads(report.to_json())
     if args.json:
         with open(args.json, "w") as f:

@@ -16,19 +16,44 @@ EMBEDDED = "embedded"  # --gguf embedded: the original quantized file shipped in
 
 
 def add_arguments(group) -> None:
-    group.add_argument("--gguf", dest="llamacpp_gguf", metavar="PATH",
-                       help="GGUF file for llama.cpp (default: the embedded model written as an all-float32 GGUF; "
-                            f"'{EMBEDDED}': the embedded Q4_1 file itself, checked with its own noise tolerance)")
-    group.add_argument("--type-k", dest="llamacpp_type_k", choices=("f32", "f16"), default="f32",
-                       help="llama.cpp K cache type (default f32)")
-    group.add_argument("--type-v", dest="llamacpp_type_v", choices=("f32", "f16"), default="f32",
-                       help="llama.cpp V cache type (default f32)")
-    group.add_argument("--n-batch", dest="llamacpp_n_batch", type=int, default=512,
-                       help="llama.cpp batch size; a longer prompt is split into ubatches (default 512)")
-    group.add_argument("--n-ctx", dest="llamacpp_n_ctx", type=int, default=2048,
-                       help="llama.cpp KV cells (default 2048)")
-    group.add_argument("--n-threads", dest="llamacpp_n_threads", type=int, default=1,
-                       help="llama.cpp threads (default 1: ggml's spinning workers are slow on a shared machine)")
+    group.add_argument(
+        "--gguf",
+        dest="llamacpp_gguf",
+        metavar="PATH",
+        help="GGUF file for llama.cpp (default: the embedded model written as an all-float32 GGUF; "
+        f"'{EMBEDDED}': the embedded Q4_1 file itself, checked with its own noise tolerance)",
+    )
+    group.add_argument(
+        "--type-k",
+        dest="llamacpp_type_k",
+        choices=("f32", "f16"),
+        default="f32",
+        help="llama.cpp K cache type (default f32)",
+    )
+    group.add_argument(
+        "--type-v",
+        dest="llamacpp_type_v",
+        choices=("f32", "f16"),
+        default="f32",
+        help="llama.cpp V cache type (default f32)",
+    )
+    group.add_argument(
+        "--n-batch",
+        dest="llamacpp_n_batch",
+        type=int,
+        default=512,
+        help="llama.cpp batch size; a longer prompt is split into ubatches (default 512)",
+    )
+    group.add_argument(
+        "--n-ctx", dest="llamacpp_n_ctx", type=int, default=2048, help="llama.cpp KV cells (default 2048)"
+    )
+    group.add_argument(
+        "--n-threads",
+        dest="llamacpp_n_threads",
+        type=int,
+        default=1,
+        help="llama.cpp threads (default 1: ggml's spinning workers are slow on a shared machine)",
+    )
 
 
 def gguf_from_args(args: argparse.Namespace) -> Path | None:
@@ -51,9 +76,14 @@ def gguf_from_args(args: argparse.Namespace) -> Path | None:
 def from_args(args: argparse.Namespace):
     from .engine import LlamaCppEngine  # raises EngineUnavailable without llama-cpp-python
 
-    return LlamaCppEngine(gguf_from_args(args), type_k=args.llamacpp_type_k, type_v=args.llamacpp_type_v,
-                          n_batch=args.llamacpp_n_batch, n_ctx=args.llamacpp_n_ctx,
-                          n_threads=args.llamacpp_n_threads)
+    return LlamaCppEngine(
+        gguf_from_args(args),
+        type_k=args.llamacpp_type_k,
+        type_v=args.llamacpp_type_v,
+        n_batch=args.llamacpp_n_batch,
+        n_ctx=args.llamacpp_n_ctx,
+        n_threads=args.llamacpp_n_threads,
+    )
 
 
 def __getattr__(name: str):

@@ -19,8 +19,8 @@ from .tap import GraphTap
 @dataclass(frozen=True)
 class ContextSpec:
     n_ctx: int
-    n_batch: int           # logical = physical batch (n_ubatch): a longer prompt is split by llama.cpp
-    type_k: int            # GGML_TYPE_F32 / GGML_TYPE_F16 / ...
+    n_batch: int  # logical = physical batch (n_ubatch): a longer prompt is split by llama.cpp
+    type_k: int  # GGML_TYPE_F32 / GGML_TYPE_F16 / ...
     type_v: int
     n_threads: int
 
@@ -66,8 +66,9 @@ class TappedContext:
         whose logits are kept. At most ``n_batch`` tokens (llama.cpp's logical batch)."""
         n = len(tokens)
         if not 0 < n <= self.spec.n_batch or len(positions) != n or len(outputs) != n:
-            raise ValueError(f"decode: {n} tokens, {len(positions)} positions, {len(outputs)} flags, "
-                             f"n_batch {self.spec.n_batch}")
+            raise ValueError(
+                f"decode: {n} tokens, {len(positions)} positions, {len(outputs)} flags, n_batch {self.spec.n_batch}"
+            )
         lib = self._llama
         batch = lib.llama_batch_init(n, 0, 1)
         try:
@@ -83,8 +84,9 @@ class TappedContext:
         finally:
             lib.llama_batch_free(batch)
         if self.tap.error is not None:
-            raise AdapterError(self.adapter_name, "eval callback", "no error",
-                               f"{type(self.tap.error).__name__}: {self.tap.error}")
+            raise AdapterError(
+                self.adapter_name, "eval callback", "no error", f"{type(self.tap.error).__name__}: {self.tap.error}"
+            )
         if rc != 0:
             raise AdapterError(self.adapter_name, "llama_decode", "0", str(rc))
 
@@ -92,9 +94,8 @@ class TappedContext:
         """``tokens`` at positions ``start, start + 1, ...`` in pieces of ``n_batch``."""
         step = self.spec.n_batch
         for i in range(0, len(tokens), step):
-            piece = tokens[i:i + step]
-            self.decode(piece, list(range(start + i, start + i + len(piece))),
-                        [False] * (len(piece) - 1) + [True])
+            piece = tokens[i : i + step]
+            self.decode(piece, list(range(start + i, start + i + len(piece))), [False] * (len(piece) - 1) + [True])
 
     def logits(self, row: int) -> np.ndarray:
         """``[vocab]`` float32 logits of batch row ``row`` of the last decode (it must have been flagged)."""
@@ -111,5 +112,7 @@ class TappedContext:
 
     def position_range(self) -> tuple[int, int]:
         """``(llama_memory_seq_pos_min, llama_memory_seq_pos_max)`` of sequence 0 (-1, -1 when empty)."""
-        return (int(self._llama.llama_memory_seq_pos_min(self.memory, 0)),
-                int(self._llama.llama_memory_seq_pos_max(self.memory, 0)))
+        return (
+            int(self._llama.llama_memory_seq_pos_min(self.memory, 0)),
+            int(self._llama.llama_memory_seq_pos_max(self.memory, 0)),
+        )

@@ -41,8 +41,9 @@ def _llama_cpp():
     try:
         import llama_cpp
     except ImportError as exc:
-        raise EngineUnavailable(f"llama-cpp-python is not installed here (make setup-llamacpp; run from "
-                                f".venv-llamacpp): {exc}") from None
+        raise EngineUnavailable(
+            f"llama-cpp-python is not installed here (make setup-llamacpp; run from .venv-llamacpp): {exc}"
+        ) from None
     return llama_cpp
 
 
@@ -56,9 +57,18 @@ class LlamaCppEngine:
     name: str
     tier: Tier
 
-    def __init__(self, gguf_path: str | os.PathLike | None = None, *, type_k: str = "f32", type_v: str = "f32",
-                 n_batch: int = 512, n_ctx: int = 2048, n_threads: int | None = None,
-                 tier: Tier | str = Tier.FORENSICS, name: str | None = None):
+    def __init__(
+        self,
+        gguf_path: str | os.PathLike | None = None,
+        *,
+        type_k: str = "f32",
+        type_v: str = "f32",
+        n_batch: int = 512,
+        n_ctx: int = 2048,
+        n_threads: int | None = None,
+        tier: Tier | str = Tier.FORENSICS,
+        name: str | None = None,
+    ):
         for what, value in (("type_k", type_k), ("type_v", type_v)):
             if value not in KV_TYPES:
                 raise UsageError(f"llama.cpp {what} must be one of {', '.join(KV_TYPES)}, got {value!r}")
@@ -83,22 +93,36 @@ class LlamaCppEngine:
         self.config = self.checkpoint.config
         try:
             self._llm = llama_cpp.Llama(
-                model_path=str(self.gguf_path), n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch, logits_all=True,
-                type_k=_GGML_TYPE[type_k], type_v=_GGML_TYPE[type_v], flash_attn=False, n_threads=self.n_threads,
-                n_threads_batch=self.n_threads, verbose=False)
+                model_path=str(self.gguf_path),
+                n_ctx=n_ctx,
+                n_batch=n_batch,
+                n_ubatch=n_batch,
+                logits_all=True,
+                type_k=_GGML_TYPE[type_k],
+                type_v=_GGML_TYPE[type_v],
+                flash_attn=False,
+                n_threads=self.n_threads,
+                n_threads_batch=self.n_threads,
+                verbose=False,
+            )
         except (ValueError, RuntimeError) as exc:
             raise CheckpointError(f"{self.gguf_path}: llama.cpp cannot load it: {exc}") from None
         self._lib = Ggml(Path(llama_cpp.__file__).parent / "lib")
         self._lib.check_layout()
         layers = self.config.num_layers
-        self.tap = GraphTap(self._lib, layers)          # the cached path's context
-        self.full_tap = GraphTap(self._lib, layers)     # the full forward's context
+        self.tap = GraphTap(self._lib, layers)  # the cached path's context
+        self.full_tap = GraphTap(self._lib, layers)  # the full forward's context
         self._cached = self._context(n_batch, self.tap) if self.tier >= Tier.ATTENTION else None
         self._full: TappedContext | None = None  # made at the first full forward (its buffers fit n_ctx tokens)
 
     def _context(self, n_batch: int, tap: GraphTap) -> TappedContext:
-        spec = ContextSpec(n_ctx=self.n_ctx, n_batch=n_batch, type_k=_GGML_TYPE[self.type_k],
-                           type_v=_GGML_TYPE[self.type_v], n_threads=self.n_threads)
+        spec = ContextSpec(
+            n_ctx=self.n_ctx,
+            n_batch=n_batch,
+            type_k=_GGML_TYPE[self.type_k],
+            type_v=_GGML_TYPE[self.type_v],
+            n_threads=self.n_threads,
+        )
         return TappedContext(self._llm._model, spec, tap, self.name)
 
     # ------------------------------------------------------------------ protocol
@@ -107,11 +131,22 @@ class LlamaCppEngine:
         import llama_cpp
 
         return {
-            "engine": "llama.cpp", "llama_cpp_python": llama_cpp.__version__, "gguf": str(self.gguf_path),
-            "weights": self.weights, "type_k": self.type_k, "type_v": self.type_v, "n_batch": self.n_batch,
-            "n_ubatch": self.n_batch, "n_ctx": self.n_ctx, "flash_attn": False, "n_threads": self.n_threads,
-            "key_form": "rotated", "rope_pairing": "interleaved (llama.cpp NORM = ropekv 'gptj')",
-            "rope_theta": self.config.rope.theta, "tier": str(self.tier), "tolerance": self.tolerance.to_dict(),
+            "engine": "llama.cpp",
+            "llama_cpp_python": llama_cpp.__version__,
+            "gguf": str(self.gguf_path),
+            "weights": self.weights,
+            "type_k": self.type_k,
+            "type_v": self.type_v,
+            "n_batch": self.n_batch,
+            "n_ubatch": self.n_batch,
+            "n_ctx": self.n_ctx,
+            "flash_attn": False,
+            "n_threads": self.n_threads,
+            "key_form": "rotated",
+            "rope_pairing": "interleaved (llama.cpp NORM = ropekv 'gptj')",
+            "rope_theta": self.config.rope.theta,
+            "tier": str(self.tier),
+            "tolerance": self.tolerance.to_dict(),
             "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
         }
 
@@ -151,11 +186,17 @@ class LlamaCppEngine:
             positions = np.array([tap.cells[c] for c in cells], dtype=np.int64)
             order = np.argsort(positions, kind="stable")
             cells, positions = cells[order], positions[order]
-            layers = tuple(LayerProbe(
-                q=torch.from_numpy(cap.q[i]), k=torch.from_numpy(cap.k_cache[i][cells]),
-                key_positions=torch.from_numpy(positions), key_slots=torch.from_numpy(cells),
-                hidden_in=torch.from_numpy(cap.hidden[i]), q_raw=torch.from_numpy(cap.q_raw[i]))
-                for i in range(self.config.num_layers))
+            layers = tuple(
+                LayerProbe(
+                    q=torch.from_numpy(cap.q[i]),
+                    k=torch.from_numpy(cap.k_cache[i][cells]),
+                    key_positions=torch.from_numpy(positions),
+                    key_slots=torch.from_numpy(cells),
+                    hidden_in=torch.from_numpy(cap.hidden[i]),
+                    q_raw=torch.from_numpy(cap.q_raw[i]),
+                )
+                for i in range(self.config.num_layers)
+            )
         return FullRun(rows=torch.as_tensor(rows, dtype=torch.int64), logits=logits, layers=layers)
 
     # ------------------------------------------------------------------ the cached path
@@ -163,12 +204,12 @@ class LlamaCppEngine:
     def _parent(self, case: Case, tokens: list[int]) -> list[int]:
         """An earlier request: the case's prefix, then a different continuation that must not leak."""
         vocab = self.config.vocab_size
-        return tokens[:case.prefix] + [(t + 1) % vocab for t in tokens[:3]]
+        return tokens[: case.prefix] + [(t + 1) % vocab for t in tokens[:3]]
 
     def _chunks(self, case: Case, tokens: list[int]) -> list[list[int]]:
-        prompt = tokens[case.prefix:case.prefix + case.length]
+        prompt = tokens[case.prefix : case.prefix + case.length]
         size = case.chunk or len(prompt)
-        return [prompt[i:i + size] for i in range(0, len(prompt), size)]
+        return [prompt[i : i + size] for i in range(0, len(prompt), size)]
 
     def _run_public(self, case: Case, tokens: list[int]) -> CaseRun:
         llm = self._llm
@@ -187,14 +228,16 @@ class LlamaCppEngine:
         return CaseRun(steps=tuple(steps), notes=tuple(notes))
 
     def _run_tapped(self, case: Case, tokens: list[int]) -> CaseRun:
-        ctx, tap = self._cached, self.tap
+        ctx = self._cached
         ctx.clear()
         notes = []
         if case.prefix:
             ctx.prefill(self._parent(case, tokens), 0)
             ctx.remove_from(case.prefix)
-            notes.append(f"llama.cpp kept {case.prefix} cached prompt tokens of an earlier request "
-                         "(llama_memory_seq_rm past them)")
+            notes.append(
+                f"llama.cpp kept {case.prefix} cached prompt tokens of an earlier request "
+                "(llama_memory_seq_rm past them)"
+            )
         start = case.prefix
         for chunk in self._chunks(case, tokens):
             ctx.prefill(chunk, start)
@@ -217,10 +260,17 @@ class LlamaCppEngine:
             raise AdapterError(self.name, "attended cells", "cells a batch wrote", f"unwritten cells {missing[:5]}")
         positions = torch.tensor([tap.cells[int(c)] for c in cells], dtype=torch.int64)
         slots = torch.from_numpy(cells.astype(np.int64))
-        layers = tuple(LayerProbe(
-            q=torch.from_numpy(cap.q[i]), k=torch.from_numpy(cap.k_cache[i][cells]), key_positions=positions,
-            key_slots=slots, hidden_in=torch.from_numpy(cap.hidden[i]), q_raw=torch.from_numpy(cap.q_raw[i]))
-            for i in range(self.config.num_layers))
+        layers = tuple(
+            LayerProbe(
+                q=torch.from_numpy(cap.q[i]),
+                k=torch.from_numpy(cap.k_cache[i][cells]),
+                key_positions=positions,
+                key_slots=slots,
+                hidden_in=torch.from_numpy(cap.hidden[i]),
+                q_raw=torch.from_numpy(cap.q_raw[i]),
+            )
+            for i in range(self.config.num_layers)
+        )
         return StepRecord(position=position, logits=torch.from_numpy(ctx.logits(0)), layers=layers)
 
     def _check_fits(self, total: int) -> None:

@@ -83,7 +83,9 @@ def default_f32_gguf() -> Path:
     source = default_gguf_path()
     dest = cache_dir().parent / f"{cache_dir().name}.f32.v{CONVERSION_VERSION}.{source.stat().st_size}.gguf"
     if not dest.is_file():
-        print(f"ropekv: writing {source.name} as an all-float32 GGUF for llama.cpp in {dest.parent} (once)",
-              file=sys.stderr)
+        print(
+            f"ropekv: writing {source.name} as an all-float32 GGUF for llama.cpp in {dest.parent} (once)",
+            file=sys.stderr,
+        )
         convert_to_f32(source, dest)
     return dest

@@ -71,8 +71,10 @@ class Ggml:
         ``GGML_OBJECT_SIZE + GGML_TENSOR_SIZE`` and ``struct ggml_object`` is 32 bytes on 64-bit."""
         overhead = int(self.lib.ggml_tensor_overhead())
         if overhead - 32 != ctypes.sizeof(GgmlTensor):
-            raise OSError(f"ggml_tensor is {overhead - 32} bytes in this llama.cpp, {ctypes.sizeof(GgmlTensor)} "
-                          "in ropekv's ctypes declaration: the engine's struct changed")
+            raise OSError(
+                f"ggml_tensor is {overhead - 32} bytes in this llama.cpp, {ctypes.sizeof(GgmlTensor)} "
+                "in ropekv's ctypes declaration: the engine's struct changed"
+            )
 
 
 def tensor_at(address: int) -> GgmlTensor:

@@ -25,13 +25,17 @@ class Verdict:
 def judge(report: ParityReport, tolerance: Tolerance) -> Verdict:
     failures = []
     for r in report.cases:
-        for against, attn, logits in (("reference", r.attn_errors, r.logit_errors),
-                                      ("self", r.self_attn_errors, r.self_logit_errors)):
+        for against, attn, logits in (
+            ("reference", r.attn_errors, r.logit_errors),
+            ("self", r.self_attn_errors, r.self_logit_errors),
+        ):
             for s, per_layer in enumerate(attn):
                 bad = [(i, e) for i, e in enumerate(per_layer) if e > tolerance.attn]
                 if bad:
                     i, e = bad[0]
-                    failures.append(f"{r.case.label()}: step {s} layer {i} attention {e:.3g} > {tolerance.attn} ({against})")
+                    failures.append(
+                        f"{r.case.label()}: step {s} layer {i} attention {e:.3g} > {tolerance.attn} ({against})"
+                    )
                     break
             for s, e in enumerate(logits):
                 if e > tolerance.logits:

@@ -37,15 +37,15 @@ SHIFT_NAMES = {0: "correct shift", -1: "shift_not_rerotated", 1: "shift_rerotate
 class ShiftCheck:
     delta: int
     n: int
-    logits_vs_explicit: float     # max |dlogit|, shifted vs explicit positions (engine vs itself)
-    logits_vs_reference: float    # max |dlogit|, shifted vs the float64 reference
+    logits_vs_explicit: float  # max |dlogit|, shifted vs explicit positions (engine vs itself)
+    logits_vs_reference: float  # max |dlogit|, shifted vs the float64 reference
     explicit_vs_reference: float  # max |dlogit|, explicit positions vs the float64 reference
     layer0_scores_vs_explicit: float
     layer0_scores_vs_reference: float
     explicit_layer0_vs_reference: float
     scores_vs_reference: tuple[float, ...]  # per layer, shifted run vs reference (max |d score|)
-    shifts_seen: int              # K-shift graphs llama.cpp ran (1 for one applied seq_add)
-    verdict: str                  # one of SHIFT_NAMES' values, from the effective key positions
+    shifts_seen: int  # K-shift graphs llama.cpp ran (1 for one applied seq_add)
+    verdict: str  # one of SHIFT_NAMES' values, from the effective key positions
     diagnosis: Diagnosis
 
     def to_dict(self) -> dict:
@@ -54,8 +54,15 @@ class ShiftCheck:
         return d
 
 
-def shifted_step(engine: LlamaCppEngine, tokens: list[int], n: int, delta: int, *,
-                 fault: ShiftFaultKind | None = None, explicit: bool = False) -> StepRecord:
+def shifted_step(
+    engine: LlamaCppEngine,
+    tokens: list[int],
+    n: int,
+    delta: int,
+    *,
+    fault: ShiftFaultKind | None = None,
+    explicit: bool = False,
+) -> StepRecord:
     """Decode ``tokens[n]`` at ``n + delta`` after the prompt ``tokens[:n]`` was shifted by ``delta``
     (``explicit=True``: prefilled at the shifted positions instead). ``fault`` corrupts the K-shift."""
     ctx = engine._cached
@@ -67,8 +74,9 @@ def shifted_step(engine: LlamaCppEngine, tokens: list[int], n: int, delta: int, 
     else:
         ctx.prefill(tokens[:n], 0)
         ctx.shift(0, n, delta)
-    ctx.tap.fault = (ShiftFault(fault, engine.config.rope.theta, engine.config.rope.rotary_dim)
-                     if fault is not None else None)
+    ctx.tap.fault = (
+        ShiftFault(fault, engine.config.rope.theta, engine.config.rope.rotary_dim) if fault is not None else None
+    )
     seen = ctx.tap.shifts_seen
     try:
         step = engine.decode_step(ctx, tokens[n], n + delta)
@@ -78,15 +86,22 @@ def shifted_step(engine: LlamaCppEngine, tokens: list[int], n: int, delta: int, 
     return step
 
 
-def check_shift(engine: LlamaCppEngine, reference: ReferenceDecoder, tokens: list[int], n: int, delta: int, *,
-                fault: ShiftFaultKind | None = None) -> ShiftCheck:
+def check_shift(
+    engine: LlamaCppEngine,
+    reference: ReferenceDecoder,
+    tokens: list[int],
+    n: int,
+    delta: int,
+    *,
+    fault: ShiftFaultKind | None = None,
+) -> ShiftCheck:
     """One shift of ``delta`` after ``n`` tokens against explicit positions and the float64 reference."""
     cfg = engine.config
     shifted = shifted_step(engine, tokens, n, delta, fault=fault)
     seen = engine.last_shifts_seen
     explicit = shifted_step(engine, tokens, n, delta, explicit=True)
-    ref = reference.forward(torch.tensor(tokens[:n + 1]), probe_rows=[n])
-    scale = cfg.head_dim ** -0.5
+    ref = reference.forward(torch.tensor(tokens[: n + 1]), probe_rows=[n])
+    scale = cfg.head_dim**-0.5
 
     def scores(step: StepRecord, layer: int) -> torch.Tensor:  # [H, n + 1] ordered by position
         lp = step.layers[layer]
@@ -100,19 +115,31 @@ def check_shift(engine: LlamaCppEngine, reference: ReferenceDecoder, tokens: lis
     first = _first_bad_layer(per_layer)
     lay = shifted.layers[first]
     probe = ref.layers[first]
-    inp = ForensicInput(rope=cfg.rope, q_raw=probe.q_raw[0], q_eff=lay.q[0].double(), k_raw=probe.k_raw,
-                        k_eff=lay.k[torch.argsort(lay.key_positions)].double(), query_position=n + delta,
-                        key_positions=torch.sort(lay.key_positions).values, key_slots=torch.sort(lay.key_slots).values)
+    inp = ForensicInput(
+        rope=cfg.rope,
+        q_raw=probe.q_raw[0],
+        q_eff=lay.q[0].double(),
+        k_raw=probe.k_raw,
+        k_eff=lay.k[torch.argsort(lay.key_positions)].double(),
+        query_position=n + delta,
+        key_positions=torch.sort(lay.key_positions).values,
+        key_slots=torch.sort(lay.key_slots).values,
+    )
     diag = diagnose(inp)
     return ShiftCheck(
-        delta=delta, n=n,
+        delta=delta,
+        n=n,
         logits_vs_explicit=float((shifted.logits - explicit.logits).abs().max()),
         logits_vs_reference=float((shifted.logits.double() - ref.logits[n]).abs().max()),
         explicit_vs_reference=float((explicit.logits.double() - ref.logits[n]).abs().max()),
         layer0_scores_vs_explicit=float((scores(shifted, 0) - scores(explicit, 0)).abs().max()),
         layer0_scores_vs_reference=per_layer[0],
         explicit_layer0_vs_reference=float((scores(explicit, 0) - ref_scores(0)).abs().max()),
-        scores_vs_reference=per_layer, shifts_seen=seen, verdict=_verdict(diag, inp, delta), diagnosis=diag)
+        scores_vs_reference=per_layer,
+        shifts_seen=seen,
+        verdict=_verdict(diag, inp, delta),
+        diagnosis=diag,
+    )
 
 
 def reference_row(ref, layer: int) -> torch.Tensor:
@@ -131,7 +158,9 @@ def _verdict(diag: Diagnosis, inp: ForensicInput, delta: int) -> str:
     if not eff:
         return "unknown"
     logical = inp.key_positions.tolist()
-    votes = {k: sum(1 for e, p in zip(diag.key_effective, logical) if e is not None and e == p + k * delta)
-             for k in SHIFT_NAMES}
+    votes = {
+        k: sum(1 for e, p in zip(diag.key_effective, logical) if e is not None and e == p + k * delta)
+        for k in SHIFT_NAMES
+    }
     best = max(votes, key=votes.get)
     return SHIFT_NAMES[best] if votes[best] >= 0.9 * len(eff) else "unknown"

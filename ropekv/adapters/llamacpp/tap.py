@@ -58,10 +58,10 @@ class ShiftFault:
         theta = shift.astype(np.float64)[:, None] * self.freq_base ** (-2.0 * np.arange(half) / self.rotary_dim)
         cos, sin = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]
         x = after.astype(np.float64)
-        a, b = x[..., 0:self.rotary_dim:2], x[..., 1:self.rotary_dim:2]
+        a, b = x[..., 0 : self.rotary_dim : 2], x[..., 1 : self.rotary_dim : 2]
         out = x.copy()
-        out[..., 0:self.rotary_dim:2] = a * cos - b * sin
-        out[..., 1:self.rotary_dim:2] = a * sin + b * cos
+        out[..., 0 : self.rotary_dim : 2] = a * cos - b * sin
+        out[..., 1 : self.rotary_dim : 2] = a * sin + b * cos
         return out
 
 
@@ -69,16 +69,16 @@ class ShiftFault:
 class Capture:
     """What one recorded graph computation saw, per layer (numpy, ggml dims reversed)."""
 
-    q: dict[int, np.ndarray] = field(default_factory=dict)          # [T, H, D] after RoPE
-    q_raw: dict[int, np.ndarray] = field(default_factory=dict)      # [T, H, D] before RoPE
-    k_new: dict[int, np.ndarray] = field(default_factory=dict)      # [T, KVH, D] the batch's keys after RoPE
+    q: dict[int, np.ndarray] = field(default_factory=dict)  # [T, H, D] after RoPE
+    q_raw: dict[int, np.ndarray] = field(default_factory=dict)  # [T, H, D] before RoPE
+    k_new: dict[int, np.ndarray] = field(default_factory=dict)  # [T, KVH, D] the batch's keys after RoPE
     k_new_raw: dict[int, np.ndarray] = field(default_factory=dict)  # [T, KVH, D] before RoPE
-    v_new: dict[int, np.ndarray] = field(default_factory=dict)      # [T, KVH, D]
-    k_cache: dict[int, np.ndarray] = field(default_factory=dict)    # [n_kv, KVH, D] the keys the kernel read
-    kq: dict[int, np.ndarray] = field(default_factory=dict)         # [H, T, n_kv] the kernel's q.k (unscaled)
-    mask: np.ndarray | None = None                                  # [T_pad, n_kv] 0 visible, -inf not
-    positions: np.ndarray | None = None                             # [T] the batch's inp_pos
-    hidden: dict[int, np.ndarray] = field(default_factory=dict)     # layer -> [T, hidden] its input
+    v_new: dict[int, np.ndarray] = field(default_factory=dict)  # [T, KVH, D]
+    k_cache: dict[int, np.ndarray] = field(default_factory=dict)  # [n_kv, KVH, D] the keys the kernel read
+    kq: dict[int, np.ndarray] = field(default_factory=dict)  # [H, T, n_kv] the kernel's q.k (unscaled)
+    mask: np.ndarray | None = None  # [T_pad, n_kv] 0 visible, -inf not
+    positions: np.ndarray | None = None  # [T] the batch's inp_pos
+    hidden: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [T, hidden] its input
 
 
 class GraphTap:

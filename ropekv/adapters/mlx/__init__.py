@@ -25,25 +25,51 @@ def __getattr__(name: str) -> Any:
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
     """``ropekv check --engine mlx`` flags."""
-    group.add_argument("--mlx-max-kv-size", type=int, default=None, metavar="N",
-                       help="caches from make_prompt_cache(model, max_kv_size=N), as mlx_lm.generate --max-kv-size")
-    group.add_argument("--mlx-keep", type=int, default=None, metavar="K",
-                       help="with --mlx-max-kv-size: RotatingKVCache(max_size=N, keep=K) per layer")
-    group.add_argument("--mlx-rollback", type=int, default=0, metavar="N",
-                       help="after the prefill, feed N rejected draft tokens and trim_prompt_cache them")
-    group.add_argument("--mlx-restore", action="store_true",
-                       help="decode from a save_prompt_cache / load_prompt_cache round trip")
-    group.add_argument("--mlx-blas", choices=("openblas", "bundled"), default="openblas",
-                       help="BLAS under mlx: Debian's OpenBLAS (default) or the wheel's reference BLAS")
+    group.add_argument(
+        "--mlx-max-kv-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="caches from make_prompt_cache(model, max_kv_size=N), as mlx_lm.generate --max-kv-size",
+    )
+    group.add_argument(
+        "--mlx-keep",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --mlx-max-kv-size: RotatingKVCache(max_size=N, keep=K) per layer",
+    )
+    group.add_argument(
+        "--mlx-rollback",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the prefill, feed N rejected draft tokens and trim_prompt_cache them",
+    )
+    group.add_argument(
+        "--mlx-restore", action="store_true", help="decode from a save_prompt_cache / load_prompt_cache round trip"
+    )
+    group.add_argument(
+        "--mlx-blas",
+        choices=("openblas", "bundled"),
+        default="openblas",
+        help="BLAS under mlx: Debian's OpenBLAS (default) or the wheel's reference BLAS",
+    )
 
 
-def from_args(args: argparse.Namespace) -> "MLXEngine":
+def from_args(args: argparse.Namespace) -> MLXEngine:
     """``MLXEngine(MODEL, ...)`` from ``ropekv check``'s arguments (``--dtype`` is the shared flag)."""
     from .engine import MLXEngine
 
-    return MLXEngine(getattr(args, "model", None), max_kv_size=args.mlx_max_kv_size, keep=args.mlx_keep,
-                     dtype=getattr(args, "dtype", "float32"), rollback=args.mlx_rollback, restore=args.mlx_restore,
-                     blas=args.mlx_blas)
+    return MLXEngine(
+        getattr(args, "model", None),
+        max_kv_size=args.mlx_max_kv_size,
+        keep=args.mlx_keep,
+        dtype=getattr(args, "dtype", "float32"),
+        rollback=args.mlx_rollback,
+        restore=args.mlx_restore,
+        blas=args.mlx_blas,
+    )
 
 
 def mlx_cases(max_positions: int) -> list:
@@ -59,8 +85,11 @@ def mlx_cases(max_positions: int) -> list:
     from ...parity.cases import default_matrix
 
     # (cache operations run through the engine's own options, not --ops: docs/engines/mlx.md)
-    return [dataclasses.replace(c, sink_tokens=0) if c.sink_tokens else c for c in default_matrix(max_positions)
-            if c.op is None]
+    return [
+        dataclasses.replace(c, sink_tokens=0) if c.sink_tokens else c
+        for c in default_matrix(max_positions)
+        if c.op is None
+    ]
 
 
 def default_cases(args: argparse.Namespace) -> list:

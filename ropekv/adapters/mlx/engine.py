@@ -49,9 +49,17 @@ class MLXEngine:
     name = "mlx"
     tier = Tier.FORENSICS
 
-    def __init__(self, model_dir: str | Path | None = None, *, max_kv_size: int | None = None,
-                 keep: int | None = None, dtype: DType = "float32", rollback: int = 0, restore: bool = False,
-                 blas: BlasChoice = "openblas"):
+    def __init__(
+        self,
+        model_dir: str | Path | None = None,
+        *,
+        max_kv_size: int | None = None,
+        keep: int | None = None,
+        dtype: DType = "float32",
+        rollback: int = 0,
+        restore: bool = False,
+        blas: BlasChoice = "openblas",
+    ):
         _check_options(max_kv_size, keep, rollback)
         if dtype not in _TORCH_DTYPES:
             raise UsageError(f"mlx: dtype must be one of {', '.join(_TORCH_DTYPES)}, got {dtype!r}")
@@ -66,13 +74,14 @@ class MLXEngine:
         except (ValueError, FileNotFoundError, KeyError, OSError) as exc:
             raise CheckpointError(f"{self.path}: mlx-lm cannot load it: {str(exc).splitlines()[0]}") from None
         if len(self.model.layers) != self.config.num_layers:
-            raise ConfigError(f"{self.path}: mlx-lm built {len(self.model.layers)} layers, config says "
-                              f"{self.config.num_layers}")
+            raise ConfigError(
+                f"{self.path}: mlx-lm built {len(self.model.layers)} layers, config says {self.config.num_layers}"
+            )
         if dtype != "float32":
             self.model.set_dtype(getattr(self.rt.mx, dtype))
         self._checkpoint: Checkpoint | None = None
 
-    def with_options(self, **changes: Any) -> "MLXEngine":
+    def with_options(self, **changes: Any) -> MLXEngine:
         """The same loaded model under other cache options (``max_kv_size``, ``keep``, ``rollback``,
         ``restore``): no second load."""
         unknown = set(changes) - {"max_kv_size", "keep", "rollback", "restore"}
@@ -95,21 +104,33 @@ class MLXEngine:
             params = dict(tree_flatten(self.model.parameters()))
             expected = self.config.expected_shapes()
             mx = self.rt.mx
-            weights = {k: torch.from_numpy(np.array(v.astype(mx.float32), copy=True))
-                       for k, v in params.items() if k in expected}
-            self._checkpoint = Checkpoint(self.config, weights, f"mlx-lm {self.path}",
-                                          fingerprint_of(self.config, weights_digest(weights)))
+            weights = {
+                k: torch.from_numpy(np.array(v.astype(mx.float32), copy=True))
+                for k, v in params.items()
+                if k in expected
+            }
+            self._checkpoint = Checkpoint(
+                self.config, weights, f"mlx-lm {self.path}", fingerprint_of(self.config, weights_digest(weights))
+            )
         return self._checkpoint
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "engine": "mlx-lm", "versions": self.rt.versions,
-                "device": str(self.rt.mx.default_device()), "blas": self.rt.blas, "dtype": self.dtype_name,
-                "model_class": f"{type(self.model).__module__}.{type(self.model).__name__}",
-                "key_form": "rotated (mlx-lm applies RoPE at cache.offset before update_and_fetch)",
-                "caches": self._cache_text(), "rollback": self.rollback, "restore": self.restore,
-                "prefix_hit": f"parent request of P + {PARENT_EXTRA} tokens, copy.deepcopy, trim_prompt_cache "
-                              f"({PARENT_EXTRA}); a parent of exactly P tokens where the cache cannot trim",
-                "key_positions": "from each cache's offset and ring write index (_idx, keep)"}
+        return {
+            "name": self.name,
+            "engine": "mlx-lm",
+            "versions": self.rt.versions,
+            "device": str(self.rt.mx.default_device()),
+            "blas": self.rt.blas,
+            "dtype": self.dtype_name,
+            "model_class": f"{type(self.model).__module__}.{type(self.model).__name__}",
+            "key_form": "rotated (mlx-lm applies RoPE at cache.offset before update_and_fetch)",
+            "caches": self._cache_text(),
+            "rollback": self.rollback,
+            "restore": self.restore,
+            "prefix_hit": f"parent request of P + {PARENT_EXTRA} tokens, copy.deepcopy, trim_prompt_cache "
+            f"({PARENT_EXTRA}); a parent of exactly P tokens where the cache cannot trim",
+            "key_positions": "from each cache's offset and ring write index (_idx, keep)",
+        }
 
     def ignored(self, case: Case) -> tuple[str, ...]:
         out = ["block_size"]
@@ -124,7 +145,7 @@ class MLXEngine:
         notes: list[str] = [f"mlx-lm caches: {_cache_summary(caches)}"]
         if case.prefix:
             caches = self._prefix_hit(caches, tokens, case, notes)
-        self.prefill(caches, tokens[case.prefix: case.prefix + case.length], case.chunk)
+        self.prefill(caches, tokens[case.prefix : case.prefix + case.length], case.chunk)
         if self.rollback:
             draft = (tokens[: self.rollback] + 7) % self.config.vocab_size  # rejected drafts
             self.forward(draft, caches)
@@ -132,11 +153,13 @@ class MLXEngine:
             notes.append(f"rollback: trim_prompt_cache removed {trimmed} of {self.rollback} draft tokens")
         if self.restore:
             caches = self.save_and_load(caches)
-            notes.append(f"restore: decoded from load_prompt_cache ({', '.join(sorted({type(c).__name__ for c in caches}))})")
+            notes.append(
+                f"restore: decoded from load_prompt_cache ({', '.join(sorted({type(c).__name__ for c in caches}))})"
+            )
         steps = []
         for t in case.decode_positions:
             probe = ForwardProbe(self.config.num_layers, self.name)
-            logits = self.forward(tokens[t: t + 1], caches, probe)
+            logits = self.forward(tokens[t : t + 1], caches, probe)
             steps.append(StepRecord(position=t, logits=logits[-1], layers=probe.layers()))
         return CaseRun(tuple(steps), notes=tuple(notes))
 
@@ -163,12 +186,15 @@ class MLXEngine:
                 return c.make_prompt_cache(self.model, max_kv_size=self.max_kv_size)
             return [c.RotatingKVCache(max_size=self.max_kv_size, keep=self.keep) for _ in self.model.layers]
         if case.window is not None:
-            return [c.RotatingKVCache(max_size=case.window + case.sink_tokens, keep=case.sink_tokens)
-                    for _ in self.model.layers]
+            return [
+                c.RotatingKVCache(max_size=case.window + case.sink_tokens, keep=case.sink_tokens)
+                for _ in self.model.layers
+            ]
         return c.make_prompt_cache(self.model)
 
-    def forward(self, tokens: torch.Tensor, caches: list[Any], probe: ForwardProbe | None = None,
-                mask: Any = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, caches: list[Any], probe: ForwardProbe | None = None, mask: Any = None
+    ) -> torch.Tensor:
         """``model(tokens [S], cache=caches)``; logits ``[S, vocab]`` float32. With ``probe`` the caches are
         seen through :class:`~.probes.CacheProbe` and the layers' rope/norm are wrapped for this call only."""
         mx = self.rt.mx
@@ -183,7 +209,7 @@ class MLXEngine:
     def prefill(self, caches: list[Any], tokens: torch.Tensor, chunk: int | None) -> None:
         step = chunk or int(tokens.shape[0])
         for start in range(0, int(tokens.shape[0]), step):
-            self.forward(tokens[start: start + step], caches)
+            self.forward(tokens[start : start + step], caches)
 
     def save_and_load(self, caches: list[Any]) -> list[Any]:
         c = self.rt.cache
@@ -196,8 +222,9 @@ class MLXEngine:
         """An earlier request cached ``tokens[:P]`` plus another continuation; this one reuses a copy
         trimmed back to ``P`` (a parent of exactly ``P`` tokens where the cache could not trim)."""
         other = (tokens[:PARENT_EXTRA] + 1) % self.config.vocab_size
-        trimmable_after = all(type(c).__name__ != "RotatingKVCache" or case.prefix + PARENT_EXTRA < c.max_size
-                              for c in caches)
+        trimmable_after = all(
+            type(c).__name__ != "RotatingKVCache" or case.prefix + PARENT_EXTRA < c.max_size for c in caches
+        )
         extra = PARENT_EXTRA if trimmable_after else 0
         parent = torch.cat([tokens[: case.prefix], other[:extra]])
         self.prefill(caches, parent, None)
@@ -210,23 +237,32 @@ class MLXEngine:
 
     def _cache_text(self) -> str:
         if self.max_kv_size is not None:
-            return (f"make_prompt_cache(model, max_kv_size={self.max_kv_size})" if self.keep is None
-                    else f"RotatingKVCache(max_size={self.max_kv_size}, keep={self.keep}) per layer")
-        return ("make_prompt_cache(model) (the model's make_cache); a case window W with s sinks: "
-                "RotatingKVCache(max_size=W+s, keep=s) per layer")
+            return (
+                f"make_prompt_cache(model, max_kv_size={self.max_kv_size})"
+                if self.keep is None
+                else f"RotatingKVCache(max_size={self.max_kv_size}, keep={self.keep}) per layer"
+            )
+        return (
+            "make_prompt_cache(model) (the model's make_cache); a case window W with s sinks: "
+            "RotatingKVCache(max_size=W+s, keep=s) per layer"
+        )
 
 
 def _cache_summary(caches: list[Any]) -> str:
     """``30 x KVCache`` / ``30 x RotatingKVCache(max_size=37, keep=4)``: what mlx-lm really built."""
+
     def one(c: Any) -> str:
         kind = type(c).__name__
         return f"{kind}(max_size={c.max_size}, keep={c.keep})" if kind == "RotatingKVCache" else kind
+
     kinds = [one(c) for c in caches]
     return ", ".join(f"{kinds.count(k)} x {k}" for k in dict.fromkeys(kinds))
 
 
 def _check_options(max_kv_size: Any, keep: Any, rollback: Any) -> None:
-    if max_kv_size is not None and (isinstance(max_kv_size, bool) or not isinstance(max_kv_size, int) or max_kv_size < 1):
+    if max_kv_size is not None and (
+        isinstance(max_kv_size, bool) or not isinstance(max_kv_size, int) or max_kv_size < 1
+    ):
         raise UsageError(f"mlx: max_kv_size must be a positive integer, got {max_kv_size!r}")
     if keep is not None and (max_kv_size is None or not isinstance(keep, int) or not 0 <= keep < max_kv_size):
         raise UsageError(f"mlx: keep needs max_kv_size and 0 <= keep < max_kv_size, got keep={keep!r}")

@@ -23,9 +23,10 @@ torch after the caller evaluated the logits, so probing adds no evaluation insid
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -39,7 +40,7 @@ from .positions import BookkeepingError, fetched_positions
 @dataclass
 class _LayerCalls:
     rope: list[tuple[Any, Any, int]] = field(default_factory=list)  # (input, output, offset) per rope call
-    fetched: tuple[Any, Any, list[int], list[int]] | None = None     # keys, values, positions, slots
+    fetched: tuple[Any, Any, list[int], list[int]] | None = None  # keys, values, positions, slots
     hidden_in: Any = None
     mask: Any = None
 
@@ -67,8 +68,9 @@ class CacheProbe:
         try:
             positions, slots = fetched_positions(self._cache, out_k.shape[2], keys.shape[2])
         except BookkeepingError as exc:
-            raise AdapterError(self._adapter, "key_positions", "the cache's counters to describe its keys",
-                               str(exc)) from None
+            raise AdapterError(
+                self._adapter, "key_positions", "the cache's counters to describe its keys", str(exc)
+            ) from None
         self._calls.fetched = (out_k, out_v, positions, slots)
         return out_k, out_v
 
@@ -130,25 +132,34 @@ class ForwardProbe:
         recorder = AttentionRecorder(len(self.calls))
         for i, c in enumerate(self.calls):
             if not c.rope or c.fetched is None or c.hidden_in is None:
-                raise AdapterError(self.adapter, f"layers[{i}]", "a query rope and a cache update",
-                                   f"{len(c.rope)} rope call(s), update {'seen' if c.fetched else 'missing'}")
+                raise AdapterError(
+                    self.adapter,
+                    f"layers[{i}]",
+                    "a query rope and a cache update",
+                    f"{len(c.rope)} rope call(s), update {'seen' if c.fetched else 'missing'}",
+                )
             q_in, q_out, _ = c.rope[0]
             keys, values, positions, slots = c.fetched
-            q = _torch(q_out)[0].transpose(0, 1)        # [B, H, S, D] -> [S, H, D]
+            q = _torch(q_out)[0].transpose(0, 1)  # [B, H, S, D] -> [S, H, D]
             q_raw = _torch(q_in)[0].transpose(0, 1)
-            k = _torch(keys)[0].transpose(0, 1)          # [B, KVH, N, D] -> [N, KVH, D]
+            k = _torch(keys)[0].transpose(0, 1)  # [B, KVH, N, D] -> [N, KVH, D]
             v = _torch(values)[0].transpose(0, 1)
-            hidden = _torch(c.hidden_in)[0]              # [S, hidden]
+            hidden = _torch(c.hidden_in)[0]  # [S, hidden]
             pos = torch.tensor(positions, dtype=torch.int64)
             slot = torch.tensor(slots, dtype=torch.int64)
             if q.shape[0] == 1 and any(m.mask is not None and not isinstance(m.mask, str) for m in self.calls):
                 # mlx-lm masks a decode only for sliding layers narrower than their cache; which layers
                 # share that mask is the model's business, so the probe refuses instead of guessing.
-                raise AdapterError(self.adapter, f"layers[{i}]", "a decode step without a mask (all keys read)",
-                                   "a mask over cache rows (sliding layers narrower than their cache)")
+                raise AdapterError(
+                    self.adapter,
+                    f"layers[{i}]",
+                    "a decode step without a mask (all keys read)",
+                    "a mask over cache rows (sliding layers narrower than their cache)",
+                )
             sel = slice(None) if rows is None else torch.as_tensor(rows)
-            recorder.record(i, q=q[sel], k=k, key_positions=pos, key_slots=slot, hidden_in=hidden[sel],
-                            q_raw=q_raw[sel], v=v)
+            recorder.record(
+                i, q=q[sel], k=k, key_positions=pos, key_slots=slot, hidden_in=hidden[sel], q_raw=q_raw[sel], v=v
+            )
         return recorder.take()
 
 

@@ -36,12 +36,12 @@ SETUP_HINT = "run `make setup-mlx` (scripts/setup-mlx.sh installs Debian's libop
 class MLXRuntime:
     """The imported engine modules and the BLAS they run on."""
 
-    mx: ModuleType          # mlx.core
-    nn: ModuleType          # mlx.nn
-    mlx_lm: ModuleType      # mlx_lm
-    cache: ModuleType       # mlx_lm.models.cache
-    utils: ModuleType       # mlx_lm.utils
-    blas: str               # path of the BLAS library mlx resolves cblas_sgemm to ("bundled": the wheel's netlib)
+    mx: ModuleType  # mlx.core
+    nn: ModuleType  # mlx.nn
+    mlx_lm: ModuleType  # mlx_lm
+    cache: ModuleType  # mlx_lm.models.cache
+    utils: ModuleType  # mlx_lm.utils
+    blas: str  # path of the BLAS library mlx resolves cblas_sgemm to ("bundled": the wheel's netlib)
     versions: dict[str, str]
 
 
@@ -67,18 +67,23 @@ def import_mlx(blas: BlasChoice = "openblas") -> MLXRuntime:
         raise EngineUnavailable(f"mlx: blas must be 'openblas' or 'bundled', got {blas!r}")
     if _RUNTIME is not None:
         if (blas == "bundled") != (_RUNTIME.blas == "bundled"):
-            raise EngineUnavailable(f"mlx was already imported in this process with BLAS {_RUNTIME.blas}; "
-                                    f"blas={blas!r} needs a new process")
+            raise EngineUnavailable(
+                f"mlx was already imported in this process with BLAS {_RUNTIME.blas}; blas={blas!r} needs a new process"
+            )
         return _RUNTIME
     path = "bundled"
     if blas == "openblas" and sys.platform.startswith("linux"):
         if "mlx.core" in sys.modules:
-            raise EngineUnavailable("mlx.core was imported before ropekv could load OpenBLAS under it; "
-                                    "import ropekv.adapters.mlx first, or pass blas='bundled'")
+            raise EngineUnavailable(
+                "mlx.core was imported before ropekv could load OpenBLAS under it; "
+                "import ropekv.adapters.mlx first, or pass blas='bundled'"
+            )
         lib = openblas_path()
         if lib is None:
-            raise EngineUnavailable(f"mlx: no OpenBLAS found ({DEBIAN_OPENBLAS} or libopenblas.so.0); {SETUP_HINT}, "
-                                    "or pass --mlx-blas bundled to accept the wheel's reference BLAS (10-15x slower)")
+            raise EngineUnavailable(
+                f"mlx: no OpenBLAS found ({DEBIAN_OPENBLAS} or libopenblas.so.0); {SETUP_HINT}, "
+                "or pass --mlx-blas bundled to accept the wheel's reference BLAS (10-15x slower)"
+            )
         try:
             ctypes.CDLL(str(lib), mode=ctypes.RTLD_GLOBAL)
         except OSError as exc:
@@ -91,8 +96,9 @@ def import_mlx(blas: BlasChoice = "openblas") -> MLXRuntime:
         import mlx_lm.models.cache as cache
         import mlx_lm.utils as utils
     except ImportError as exc:
-        raise EngineUnavailable(f"engine 'mlx' is not available in this environment (run it from .venv-mlx: "
-                                f"make setup-mlx): {exc}") from None
+        raise EngineUnavailable(
+            f"engine 'mlx' is not available in this environment (run it from .venv-mlx: make setup-mlx): {exc}"
+        ) from None
     import importlib.metadata as md
 
     versions = {name: md.version(name) for name in ("mlx", "mlx-lm")}

@@ -32,24 +32,42 @@ def __getattr__(name: str):
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
     """``ropekv check --engine vllm`` flags (the dtype comes from the common ``--dtype``)."""
-    group.add_argument("--vllm-block-size", type=int, default=DEFAULT_BLOCK_SIZE,
-                       help="vLLM KV cache block size (a multiple of 32 on CPU; default 32)")
-    group.add_argument("--vllm-max-num-batched-tokens", type=int, default=None,
-                       help="vLLM's token budget per forward; small values split prompts (chunked prefill)")
+    group.add_argument(
+        "--vllm-block-size",
+        type=int,
+        default=DEFAULT_BLOCK_SIZE,
+        help="vLLM KV cache block size (a multiple of 32 on CPU; default 32)",
+    )
+    group.add_argument(
+        "--vllm-max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="vLLM's token budget per forward; small values split prompts (chunked prefill)",
+    )
     group.add_argument("--vllm-no-prefix-caching", action="store_true", help="turn vLLM's prefix cache off")
     group.add_argument("--vllm-top-k", type=int, default=20, help="log-probabilities vLLM returns per row (k)")
 
 
-def from_args(args: argparse.Namespace) -> "VLLMEngine":
+def from_args(args: argparse.Namespace) -> VLLMEngine:
     from .engine import VLLMEngine
 
-    return VLLMEngine(getattr(args, "model", None), dtype=getattr(args, "dtype", None) or "float32",
-                      block_size=args.vllm_block_size, enable_prefix_caching=not args.vllm_no_prefix_caching,
-                      max_num_batched_tokens=args.vllm_max_num_batched_tokens, top_k=args.vllm_top_k)
+    return VLLMEngine(
+        getattr(args, "model", None),
+        dtype=getattr(args, "dtype", None) or "float32",
+        block_size=args.vllm_block_size,
+        enable_prefix_caching=not args.vllm_no_prefix_caching,
+        max_num_batched_tokens=args.vllm_max_num_batched_tokens,
+        top_k=args.vllm_top_k,
+    )
 
 
-def vllm_cases(block_size: int = DEFAULT_BLOCK_SIZE, *, max_num_batched_tokens: int | None = None,
-               long_context: int = 600, decode_steps: int = 3) -> list[Case]:
+def vllm_cases(
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    *,
+    max_num_batched_tokens: int | None = None,
+    long_context: int = 600,
+    decode_steps: int = 3,
+) -> list[Case]:
     """The issue's matrix for one vLLM engine: length 1; one below / at / one above a block; prefix hits
     of one and two blocks and of a prefix that is not a block multiple; a long context (chunked when
     ``max_num_batched_tokens`` is smaller); several decode steps. No windows: vLLM runs the model's own."""
@@ -71,8 +89,11 @@ def default_cases(args: argparse.Namespace) -> list[Case]:
     """The cases ``ropekv check --engine vllm`` runs when no case flag is given: :func:`vllm_cases` for
     the engine's block size and token budget (ropekv's default matrix has windows and block sizes
     vLLM cannot run)."""
-    return vllm_cases(args.vllm_block_size, max_num_batched_tokens=args.vllm_max_num_batched_tokens,
-                      decode_steps=getattr(args, "decode_steps", None) or 3)
+    return vllm_cases(
+        args.vllm_block_size,
+        max_num_batched_tokens=args.vllm_max_num_batched_tokens,
+        decode_steps=getattr(args, "decode_steps", None) or 3,
+    )
 
 
 def engine_tolerance(adapter) -> None:

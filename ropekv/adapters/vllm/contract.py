@@ -66,8 +66,13 @@ class VLLMContract:
         """Fields where vLLM runs something else than ``spec``; ``tolerance`` bounds the cos/sin table
         error that counts as the same table (its dtype's rounding)."""
         out = []
-        want = {"rope_type": spec.scaling.rope_type, "theta": float(spec.theta), "head_dim": spec.head_dim,
-                "rotary_dim": spec.rotary_dim, "layout": spec.layout}
+        want = {
+            "rope_type": spec.scaling.rope_type,
+            "theta": float(spec.theta),
+            "head_dim": spec.head_dim,
+            "rotary_dim": spec.rotary_dim,
+            "layout": spec.layout,
+        }
         for name, value in want.items():
             got = getattr(self, name)
             if got != value:
@@ -76,15 +81,19 @@ class VLLMContract:
             out.append(FieldDiff("scaling.factor", self.scaling_factor, spec.scaling.factor))
         error = table_error(self.cos_sin_table, spec)
         if error is not None and error > tolerance:
-            out.append(FieldDiff("cos_sin_cache", f"max error {error:.3g}",
-                                 f"within {tolerance:.3g} of ropekv's float64 table"))
+            out.append(
+                FieldDiff(
+                    "cos_sin_cache", f"max error {error:.3g}", f"within {tolerance:.3g} of ropekv's float64 table"
+                )
+            )
         if not self.same_module_all_layers:
             out.append(FieldDiff("rotary module", "differs between layers", "one rotation for every layer"))
         return tuple(out)
 
 
-def read_contract(model: torch.nn.Module, spec: RopeSpec, *, block_size: int, dtype: torch.dtype,
-                  kv_cache_dtype: str) -> VLLMContract:
+def read_contract(
+    model: torch.nn.Module, spec: RopeSpec, *, block_size: int, dtype: torch.dtype, kv_cache_dtype: str
+) -> VLLMContract:
     """Read the contract from vLLM's loaded ``model`` (a ``*ForCausalLM`` with ``model.layers``)."""
     layers = list(model.model.layers)
     attn0 = layers[0].self_attn
@@ -92,18 +101,30 @@ def read_contract(model: torch.nn.Module, spec: RopeSpec, *, block_size: int, dt
     cls = type(rope).__name__
     table = getattr(rope, "cos_sin_cache", None)  # [max_positions, rotary_dim]: cos | sin halves
     table = None if table is None else table.detach().clone()
-    same = all(getattr(l.self_attn, "rotary_emb", None) is rope or _same_rope(l.self_attn.rotary_emb, rope)
-               for l in layers)
+    same = all(
+        getattr(block.self_attn, "rotary_emb", None) is rope or _same_rope(block.self_attn.rotary_emb, rope)
+        for block in layers
+    )
     return VLLMContract(
-        rope_class=cls, rope_type=ROPE_CLASSES.get(cls), theta=float(rope.base), head_dim=int(rope.head_size),
-        rotary_dim=int(rope.rotary_dim), layout="neox" if rope.is_neox_style else "gptj",
-        scaling_factor=_scaling_factor(rope), max_position_embeddings=int(rope.max_position_embeddings),
+        rope_class=cls,
+        rope_type=ROPE_CLASSES.get(cls),
+        theta=float(rope.base),
+        head_dim=int(rope.head_size),
+        rotary_dim=int(rope.rotary_dim),
+        layout="neox" if rope.is_neox_style else "gptj",
+        scaling_factor=_scaling_factor(rope),
+        max_position_embeddings=int(rope.max_position_embeddings),
         cos_sin_dtype=str(table.dtype).removeprefix("torch.") if table is not None else "none",
         cos_sin_positions=int(table.shape[0]) if table is not None else 0,
-        cos_sin_max_error=table_error(table, spec), cos_sin_table=table,
-        same_module_all_layers=same, block_size=block_size, dtype=str(dtype).removeprefix("torch."),
-        kv_cache_dtype=kv_cache_dtype, attention_backend=type(attn0.attn.impl).__name__,
-        kernel_isa=str(getattr(attn0.attn, "isa", "unknown")))
+        cos_sin_max_error=table_error(table, spec),
+        cos_sin_table=table,
+        same_module_all_layers=same,
+        block_size=block_size,
+        dtype=str(dtype).removeprefix("torch."),
+        kv_cache_dtype=kv_cache_dtype,
+        attention_backend=type(attn0.attn.impl).__name__,
+        kernel_isa=str(getattr(attn0.attn, "isa", "unknown")),
+    )
 
 
 def table_error(table: torch.Tensor | None, spec: RopeSpec) -> float | None:
@@ -126,5 +147,12 @@ def _scaling_factor(rope: torch.nn.Module) -> float | None:
 
 def _same_rope(a: torch.nn.Module, b: torch.nn.Module) -> bool:
     ta, tb = getattr(a, "cos_sin_cache", None), getattr(b, "cos_sin_cache", None)
-    return (type(a) is type(b) and a.base == b.base and a.rotary_dim == b.rotary_dim
-            and ta is not None and tb is not None and ta.shape == tb.shape and bool(torch.equal(ta, tb)))
+    return (
+        type(a) is type(b)
+        and a.base == b.base
+        and a.rotary_dim == b.rotary_dim
+        and ta is not None
+        and tb is not None
+        and ta.shape == tb.shape
+        and bool(torch.equal(ta, tb))
+    )

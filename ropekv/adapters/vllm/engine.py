@@ -72,16 +72,27 @@ class VLLMEngine:
     tier = Tier.FORENSICS
     key_form = "rotated"
 
-    def __init__(self, model_dir: str | os.PathLike | None, *, dtype: str | torch.dtype, block_size: int,
-                 enable_prefix_caching: bool = True, max_num_batched_tokens: int | None = None,
-                 top_k: int = 20, **llm_kwargs: Any):
+    def __init__(
+        self,
+        model_dir: str | os.PathLike | None,
+        *,
+        dtype: str | torch.dtype,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        max_num_batched_tokens: int | None = None,
+        top_k: int = 20,
+        **llm_kwargs: Any,
+    ):
         self.dtype_name = _dtype_name(dtype)
         self.dtype = DTYPES[self.dtype_name]
         if not isinstance(block_size, int) or block_size < BLOCK_MULTIPLE or block_size % BLOCK_MULTIPLE:
-            raise UsageError(f"vLLM's CPU attention backend needs a block size that is a multiple of "
-                             f"{BLOCK_MULTIPLE}, got {block_size!r}")
-        if max_num_batched_tokens is not None and (not isinstance(max_num_batched_tokens, int)
-                                                   or max_num_batched_tokens < 1):
+            raise UsageError(
+                f"vLLM's CPU attention backend needs a block size that is a multiple of "
+                f"{BLOCK_MULTIPLE}, got {block_size!r}"
+            )
+        if max_num_batched_tokens is not None and (
+            not isinstance(max_num_batched_tokens, int) or max_num_batched_tokens < 1
+        ):
             raise UsageError(f"max_num_batched_tokens must be a positive integer, got {max_num_batched_tokens!r}")
         if not isinstance(top_k, int) or not 1 <= top_k <= 1000:
             raise UsageError(f"top_k must be an integer in [1, 1000], got {top_k!r}")
@@ -103,14 +114,26 @@ class VLLMEngine:
         try:
             import vllm
         except ImportError as exc:
-            raise EngineUnavailable(f"vLLM is not importable here (run from .venv-vllm: make setup-vllm): {exc}") from None
+            raise EngineUnavailable(
+                f"vLLM is not importable here (run from .venv-vllm: make setup-vllm): {exc}"
+            ) from None
         self.vllm_version = vllm.__version__
         started = time.perf_counter()
-        kwargs = dict(model=str(self.model_dir), dtype=self.dtype_name, block_size=block_size,
-                      enable_prefix_caching=self.enable_prefix_caching, enforce_eager=True,
-                      load_format="safetensors", trust_remote_code=False, skip_tokenizer_init=True,
-                      max_num_seqs=1, seed=0, max_logprobs=top_k, logits_processors=[forced.processor_class()],
-                      max_model_len=min(int(file_config["max_position_embeddings"]), 8192))
+        kwargs = dict(
+            model=str(self.model_dir),
+            dtype=self.dtype_name,
+            block_size=block_size,
+            enable_prefix_caching=self.enable_prefix_caching,
+            enforce_eager=True,
+            load_format="safetensors",
+            trust_remote_code=False,
+            skip_tokenizer_init=True,
+            max_num_seqs=1,
+            seed=0,
+            max_logprobs=top_k,
+            logits_processors=[forced.processor_class()],
+            max_model_len=min(int(file_config["max_position_embeddings"]), 8192),
+        )
         if max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = max_num_batched_tokens
         kwargs.update(llm_kwargs)
@@ -130,24 +153,37 @@ class VLLMEngine:
         cfg: ModelConfig = self.checkpoint.config
         self.name = f"vLLM {self.vllm_version} (CPU, {self.dtype_name}, block {block_size})"
         self.contract: VLLMContract = read_contract(
-            self.model, cfg.rope, block_size=block_size, dtype=self.dtype,
-            kv_cache_dtype=str(self.vllm_config.cache_config.cache_dtype))
+            self.model,
+            cfg.rope,
+            block_size=block_size,
+            dtype=self.dtype,
+            kv_cache_dtype=str(self.vllm_config.cache_config.cache_dtype),
+        )
         self.contract_diff = self.contract.diff(cfg.rope, tolerance=cos_sin_tolerance(self.dtype))
         self.probes = Probes(self.model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
 
     # ------------------------------------------------------------------ the protocol
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.name, "engine": "vllm", "vllm_version": self.vllm_version, "in_process": True,
-                "enforce_eager": True, "model_dir": str(self.model_dir), "dtype": self.dtype_name,
-                "block_size": self.block_size, "enable_prefix_caching": self.enable_prefix_caching,
-                "max_num_batched_tokens": self.max_num_batched_tokens,
-                "kv_cache_blocks": int(self.vllm_config.cache_config.num_gpu_blocks or 0),
-                "key_form": self.key_form, "top_k": self.top_k,
-                "logits": f"top-{self.top_k} log-probabilities (decode logprobs vs prompt_logprobs)",
-                "contract": self.contract.to_dict(),
-                "contract_diff": [f"{d.field}: vLLM {d.vllm}, checkpoint {d.checkpoint}" for d in self.contract_diff],
-                "startup_seconds": round(self.startup_seconds, 2)}
+        return {
+            "name": self.name,
+            "engine": "vllm",
+            "vllm_version": self.vllm_version,
+            "in_process": True,
+            "enforce_eager": True,
+            "model_dir": str(self.model_dir),
+            "dtype": self.dtype_name,
+            "block_size": self.block_size,
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "kv_cache_blocks": int(self.vllm_config.cache_config.num_gpu_blocks or 0),
+            "key_form": self.key_form,
+            "top_k": self.top_k,
+            "logits": f"top-{self.top_k} log-probabilities (decode logprobs vs prompt_logprobs)",
+            "contract": self.contract.to_dict(),
+            "contract_diff": [f"{d.field}: vLLM {d.vllm}, checkpoint {d.checkpoint}" for d in self.contract_diff],
+            "startup_seconds": round(self.startup_seconds, 2),
+        }
 
     def ignored(self, case: Case) -> tuple[str, ...]:
         """Block size and chunking are engine-wide in vLLM: a case asking for others runs with vLLM's."""
@@ -171,27 +207,36 @@ class VLLMEngine:
         with self.probes.installed():
             if P:
                 vocab = self.checkpoint.config.vocab_size
-                other = [(t + 1) % vocab for t in ids[P: P + _PARENT_EXTRA]]
+                other = [(t + 1) % vocab for t in ids[P : P + _PARENT_EXTRA]]
                 self._generate(ids[:P] + other, max_tokens=1)
             first = len(self.probes.forwards)
-            out = self._generate(ids[: P + L], max_tokens=S + 1, logprobs=self.top_k, forced_ids=ids[P + L: P + L + S])
+            out = self._generate(ids[: P + L], max_tokens=S + 1, logprobs=self.top_k, forced_ids=ids[P + L : P + L + S])
         generated = list(out.outputs[0].token_ids)
-        if generated[:S] != ids[P + L: P + L + S]:
-            raise AdapterError(ADAPTER, "decode tokens", f"the forced stream {ids[P + L: P + L + S]}", str(generated[:S]))
+        if generated[:S] != ids[P + L : P + L + S]:
+            raise AdapterError(
+                ADAPTER, "decode tokens", f"the forced stream {ids[P + L : P + L + S]}", str(generated[:S])
+            )
         cached = int(out.num_cached_tokens or 0)
-        notes.append(f"vLLM took {cached} of {P + L} prompt tokens from its prefix cache "
-                     f"(case prefix {P}, block {self.block_size}: whole blocks only)")
+        notes.append(
+            f"vLLM took {cached} of {P + L} prompt tokens from its prefix cache "
+            f"(case prefix {P}, block {self.block_size}: whole blocks only)"
+        )
         prefill = [f for f in self.probes.forwards[first:] if int(f.positions[0]) < P + L]
-        notes.append(f"prefill of {P + L - cached} tokens ran in {len(prefill)} forward pass(es) "
-                     f"(max_num_batched_tokens={self.max_num_batched_tokens})")
+        notes.append(
+            f"prefill of {P + L - cached} tokens ran in {len(prefill)} forward pass(es) "
+            f"(max_num_batched_tokens={self.max_num_batched_tokens})"
+        )
         steps = []
         for s, t in enumerate(case.decode_positions):
             fwd = self.probes.forward_at(t)
             if fwd.positions.numel() != 1:
-                raise AdapterError(ADAPTER, f"decode step at {t}", "a one-token forward", f"{fwd.positions.numel()} tokens")
+                raise AdapterError(
+                    ADAPTER, f"decode step at {t}", "a one-token forward", f"{fwd.positions.numel()} tokens"
+                )
             token_ids, values = _top_k(out.outputs[0].logprobs[s + 1], self.top_k)
-            steps.append(StepRecord(position=t, logits=values, token_ids=token_ids,
-                                    layers=self.probes.decode_probes(t)))
+            steps.append(
+                StepRecord(position=t, logits=values, token_ids=token_ids, layers=self.probes.decode_probes(t))
+            )
         self.probes.reset()
         return CaseRun(steps=tuple(steps), notes=tuple(notes))
 
@@ -211,23 +256,42 @@ class VLLMEngine:
             out = self._generate(ids, max_tokens=1, logprobs=self.top_k, prompt_logprobs=self.top_k)
             layers = self.probes.full_probes(rows)
         if int(out.num_cached_tokens or 0):
-            raise AdapterError(ADAPTER, "full forward", "no prefix-cache reads", f"{out.num_cached_tokens} cached tokens")
+            raise AdapterError(
+                ADAPTER, "full forward", "no prefix-cache reads", f"{out.num_cached_tokens} cached tokens"
+            )
         per_row = [out.prompt_logprobs[r + 1] if r < T - 1 else out.outputs[0].logprobs[0] for r in rows]
         pairs = [_top_k(lp, self.top_k) for lp in per_row]
         self.probes.reset()
-        return FullRun(rows=torch.tensor(rows, dtype=torch.int64), logits=torch.stack([v for _, v in pairs]),
-                       token_ids=torch.stack([i for i, _ in pairs]), layers=layers)
+        return FullRun(
+            rows=torch.tensor(rows, dtype=torch.int64),
+            logits=torch.stack([v for _, v in pairs]),
+            token_ids=torch.stack([i for i, _ in pairs]),
+            layers=layers,
+        )
 
     # ------------------------------------------------------------------ running
 
-    def _generate(self, prompt: list[int], *, max_tokens: int, logprobs: int | None = None,
-                  prompt_logprobs: int | None = None, forced_ids: list[int] | None = None):
+    def _generate(
+        self,
+        prompt: list[int],
+        *,
+        max_tokens: int,
+        logprobs: int | None = None,
+        prompt_logprobs: int | None = None,
+        forced_ids: list[int] | None = None,
+    ):
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=logprobs,
-                                prompt_logprobs=prompt_logprobs, detokenize=False, ignore_eos=True,
-                                extra_args={forced.EXTRA_ARG: list(forced_ids)} if forced_ids else None)
+        params = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            detokenize=False,
+            ignore_eos=True,
+            extra_args={forced.EXTRA_ARG: list(forced_ids)} if forced_ids else None,
+        )
         try:
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
         except RopeKVError:  # the probes' own verdicts (AdapterError) pass through vLLM unchanged
@@ -238,8 +302,10 @@ class VLLMEngine:
 
     def _refuse_window(self, case: Case) -> None:
         if case.window is not None or case.sink_tokens:
-            raise UsageError(f"case {case.label()}: vLLM applies only the model's own sliding window; "
-                             "a case window or sinks cannot be run on it")
+            raise UsageError(
+                f"case {case.label()}: vLLM applies only the model's own sliding window; "
+                "a case window or sinks cannot be run on it"
+            )
 
 
 # ---------------------------------------------------------------------- helpers
@@ -292,10 +358,14 @@ def _top_k(logprobs: dict, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(token_ids [k] int64, log-probabilities [k] float32)``: the ``k`` highest of vLLM's per-row
     dict (which adds the sampled / prompt token when it is not among them)."""
     if logprobs is None or len(logprobs) < k:
-        raise AdapterError(ADAPTER, "logprobs", f"at least {k} entries per row", str(None if logprobs is None else len(logprobs)))
+        raise AdapterError(
+            ADAPTER, "logprobs", f"at least {k} entries per row", str(None if logprobs is None else len(logprobs))
+        )
     best = sorted(logprobs.items(), key=lambda item: -item[1].logprob)[:k]
-    return (torch.tensor([t for t, _ in best], dtype=torch.int64),
-            torch.tensor([lp.logprob for _, lp in best], dtype=torch.float32))
+    return (
+        torch.tensor([t for t, _ in best], dtype=torch.int64),
+        torch.tensor([lp.logprob for _, lp in best], dtype=torch.float32),
+    )
 
 
 def _one_line(exc: BaseException) -> str:

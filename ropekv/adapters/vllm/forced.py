@@ -23,6 +23,7 @@ def _force(forced: tuple[int, ...]):
         out = torch.full_like(logits, float("-inf"))
         out[forced[i]] = 0.0
         return out
+
     return apply
 
 

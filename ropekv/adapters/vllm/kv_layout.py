@@ -51,11 +51,16 @@ def _block_order(isa: str, block_size: int, head_dim: int) -> torch.Tensor:
         return cells.view(head_dim, block_size).t()
     if isa == "amx":
         if block_size % 16 or head_dim % 2:
-            raise AdapterError(ADAPTER, "kv layout", "amx blocks of 16k tokens and an even head_dim",
-                               f"block_size={block_size}, head_dim={head_dim}")
+            raise AdapterError(
+                ADAPTER,
+                "kv layout",
+                "amx blocks of 16k tokens and an even head_dim",
+                f"block_size={block_size}, head_dim={head_dim}",
+            )
         return cells.view(block_size // 16, head_dim // 2, 16, 2).permute(0, 2, 1, 3).reshape(block_size, head_dim)
-    raise AdapterError(ADAPTER, "kv layout", f"a CPU attention ISA ropekv can unpack ({', '.join(KNOWN_ISAS)})",
-                       repr(isa))
+    raise AdapterError(
+        ADAPTER, "kv layout", f"a CPU attention ISA ropekv can unpack ({', '.join(KNOWN_ISAS)})", repr(isa)
+    )
 
 
 def read_keys(key_cache: torch.Tensor, slots: torch.Tensor, isa: str) -> torch.Tensor:
@@ -65,8 +70,9 @@ def read_keys(key_cache: torch.Tensor, slots: torch.Tensor, isa: str) -> torch.T
     num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
     slots = slots.to(torch.int64)
     if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= num_blocks * block_size):
-        raise AdapterError(ADAPTER, "slots", f"in [0, {num_blocks * block_size})",
-                           f"{int(slots.min())}..{int(slots.max())}")
+        raise AdapterError(
+            ADAPTER, "slots", f"in [0, {num_blocks * block_size})", f"{int(slots.min())}..{int(slots.max())}"
+        )
     order = _block_order(isa, block_size, head_dim)  # [B, D]
     blocks, offsets = slots // block_size, slots % block_size
     used, where = torch.unique(blocks, return_inverse=True)  # each block copied once
@@ -82,7 +88,10 @@ def write_keys(key_cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor,
     num_blocks, num_kv_heads, block_size, head_dim = key_cache.shape
     order = _block_order(isa, block_size, head_dim)
     cells = _cells(key_cache)
-    if cells.data_ptr() != key_cache.data_ptr() or cells.untyped_storage().data_ptr() != key_cache.untyped_storage().data_ptr():
+    if (
+        cells.data_ptr() != key_cache.data_ptr()
+        or cells.untyped_storage().data_ptr() != key_cache.untyped_storage().data_ptr()
+    ):
         raise AdapterError(ADAPTER, "key cache", "a view of the cache tensor", "a copy")
     slots = slots.to(torch.int64)
     blocks, offsets = slots // block_size, slots % block_size

@@ -22,8 +22,8 @@ labelled by looking their slots up there (never derived from slot numbers).
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 import torch
 
@@ -83,7 +83,7 @@ class Probes:
         self.read_keys_position = read_keys_position
 
     @contextlib.contextmanager
-    def installed(self) -> Iterator["Probes"]:
+    def installed(self) -> Iterator[Probes]:
         import vllm._custom_ops as ops
 
         handles = []
@@ -111,8 +111,9 @@ class Probes:
             residual = args[2] if len(args) > 2 else kwargs.get("residual")
             if i == 0:
                 positions = positions.detach().reshape(-1).to(torch.int64).clone()  # [N]
-                rows = torch.tensor([r for r, p in enumerate(positions.tolist()) if p in self.probe_positions],
-                                    dtype=torch.int64)
+                rows = torch.tensor(
+                    [r for r, p in enumerate(positions.tolist()) if p in self.probe_positions], dtype=torch.int64
+                )
                 self._current = ForwardRecord(positions=positions, rows=rows)
                 self.forwards.append(self._current)
             fwd = self._current
@@ -120,6 +121,7 @@ class Probes:
             if fwd.rows.numel():
                 stream = hidden if residual is None else hidden + residual  # [N, hidden]
                 rec.hidden_in = stream[fwd.rows].detach().clone()
+
         return hook
 
     def _qkv_hook(self, i: int, attn: torch.nn.Module):
@@ -130,10 +132,11 @@ class Probes:
             fwd = self._current
             rec = fwd.layers.setdefault(i, LayerRecord())
             n = out.shape[0]
-            rec.k_raw = out[:, q_size: q_size + kv_size].detach().reshape(n, self.num_kv_heads, self.head_dim).clone()
+            rec.k_raw = out[:, q_size : q_size + kv_size].detach().reshape(n, self.num_kv_heads, self.head_dim).clone()
             if fwd.rows.numel():
                 q = out[:, :q_size].reshape(n, self.num_heads, self.head_dim)
                 rec.q_raw = q[fwd.rows].detach().clone()
+
         return hook
 
     def _attn_hook(self, i: int):
@@ -149,6 +152,7 @@ class Probes:
             self._layer = i
             if i == 0:
                 self._note_slots(module)
+
         return hook
 
     def _note_slots(self, module: torch.nn.Module) -> None:
@@ -169,28 +173,59 @@ class Probes:
                 self.slot_position[s] = p
 
     def _kernel(self, original):
-        def wrapper(query, key_cache, value_cache, output, query_start_loc, seq_lens, scale, causal,
-                    alibi_slopes, sliding_window, block_table, *args, **kwargs):
+        def wrapper(
+            query,
+            key_cache,
+            value_cache,
+            output,
+            query_start_loc,
+            seq_lens,
+            scale,
+            causal,
+            alibi_slopes,
+            sliding_window,
+            block_table,
+            *args,
+            **kwargs,
+        ):
             fwd, i = self._current, self._layer
             if fwd is not None and i is not None:
                 self._on_kernel(fwd, i, query, key_cache, query_start_loc, seq_lens, block_table)
-            return original(query, key_cache, value_cache, output, query_start_loc, seq_lens, scale, causal,
-                            alibi_slopes, sliding_window, block_table, *args, **kwargs)
+            return original(
+                query,
+                key_cache,
+                value_cache,
+                output,
+                query_start_loc,
+                seq_lens,
+                scale,
+                causal,
+                alibi_slopes,
+                sliding_window,
+                block_table,
+                *args,
+                **kwargs,
+            )
+
         return wrapper
 
-    def _on_kernel(self, fwd: ForwardRecord, i: int, query, key_cache, query_start_loc, seq_lens,
-                   block_table) -> None:
+    def _on_kernel(self, fwd: ForwardRecord, i: int, query, key_cache, query_start_loc, seq_lens, block_table) -> None:
         # query: [n, H, D]; key_cache: [num_blocks, KVH, B, D] (the kernel's view); block_table: [reqs, max_blocks]
         if seq_lens.numel() != 1:
-            raise AdapterError(ADAPTER, "batch", "one request per forward (ropekv runs requests one by one)",
-                               f"{seq_lens.numel()} requests")
+            raise AdapterError(
+                ADAPTER,
+                "batch",
+                "one request per forward (ropekv runs requests one by one)",
+                f"{seq_lens.numel()} requests",
+            )
         rec = fwd.layers[i]
         layer = self.layers[i].self_attn.attn
         isa = str(layer.isa)
         block_size = key_cache.shape[2]
         fwd.seq_len = int(seq_lens[0])
-        reads = fwd.rows.numel() > 0 or (self.read_keys_position is not None
-                                         and self.read_keys_position in fwd.positions.tolist())
+        reads = fwd.rows.numel() > 0 or (
+            self.read_keys_position is not None and self.read_keys_position in fwd.positions.tolist()
+        )
         if not reads:
             return
         # The write: the slots this forward filled must hold exactly the keys the Attention module got.
@@ -200,8 +235,12 @@ class Probes:
         stored = kv_layout.read_keys(real_keys, fwd.slots[:n][written], isa)
         if not torch.equal(stored, rec.k_rot[written].to(stored.dtype)):
             diff = float((stored.float() - rec.k_rot[written].float()).abs().max())
-            raise AdapterError(ADAPTER, f"layer {i} kv cache", "the keys read back at the slot mapping (isa "
-                               f"{isa}) to equal the keys the Attention module wrote", f"max difference {diff:.3g}")
+            raise AdapterError(
+                ADAPTER,
+                f"layer {i} kv cache",
+                f"the keys read back at the slot mapping (isa {isa}) to equal the keys the Attention module wrote",
+                f"max difference {diff:.3g}",
+            )
         if fwd.rows.numel():
             rec.q_kernel = query.detach()[fwd.rows].clone()
         if reads:
@@ -225,8 +264,12 @@ class Probes:
         """``[S]`` logical positions of the keys at ``slots``, from what vLLM wrote there."""
         missing = [s for s in slots.tolist() if s not in self.slot_position]
         if missing:
-            raise AdapterError(ADAPTER, "key slots", "slots written by a request ropekv observed",
-                               f"{len(missing)} unknown slots, first {missing[0]}")
+            raise AdapterError(
+                ADAPTER,
+                "key slots",
+                "slots written by a request ropekv observed",
+                f"{len(missing)} unknown slots, first {missing[0]}",
+            )
         return torch.tensor([self.slot_position[s] for s in slots.tolist()], dtype=torch.int64)
 
     def raw_keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor | None:
@@ -247,8 +290,12 @@ class Probes:
         for fwd in reversed(self.forwards):
             if fwd.rows.numel() and position in fwd.positions[fwd.rows].tolist():
                 return fwd
-        raise AdapterError(ADAPTER, "forwards", f"a forward pass at position {position}",
-                           f"positions {[f.positions.tolist()[:1] + f.positions.tolist()[-1:] for f in self.forwards]}")
+        raise AdapterError(
+            ADAPTER,
+            "forwards",
+            f"a forward pass at position {position}",
+            f"positions {[f.positions.tolist()[:1] + f.positions.tolist()[-1:] for f in self.forwards]}",
+        )
 
     def decode_probes(self, position: int) -> tuple[LayerProbe, ...]:
         """Per layer the probe of the single-token forward at ``position`` (R = 1)."""
@@ -257,10 +304,17 @@ class Probes:
         out = []
         for i in range(len(self.layers)):
             rec = fwd.layers[i]
-            out.append(LayerProbe(
-                q=rec.q_kernel[row: row + 1], k=rec.keys, key_positions=self.key_positions(rec.key_slots),
-                key_slots=rec.key_slots, hidden_in=rec.hidden_in[row: row + 1],
-                q_raw=rec.q_raw[row: row + 1], k_raw=self.raw_keys(i, rec.key_slots)))
+            out.append(
+                LayerProbe(
+                    q=rec.q_kernel[row : row + 1],
+                    k=rec.keys,
+                    key_positions=self.key_positions(rec.key_slots),
+                    key_slots=rec.key_slots,
+                    hidden_in=rec.hidden_in[row : row + 1],
+                    q_raw=rec.q_raw[row : row + 1],
+                    k_raw=self.raw_keys(i, rec.key_slots),
+                )
+            )
         return tuple(out)
 
     def full_probes(self, rows: list[int]) -> tuple[LayerProbe, ...]:
@@ -276,8 +330,15 @@ class Probes:
                 rec = fwd.layers[i]
                 qs.append(rec.q_kernel[r]), hs.append(rec.hidden_in[r]), qr.append(rec.q_raw[r])
             rec = last.layers[i]
-            out.append(LayerProbe(
-                q=torch.stack(qs), k=rec.keys, key_positions=self.key_positions(rec.key_slots),
-                key_slots=rec.key_slots, hidden_in=torch.stack(hs), q_raw=torch.stack(qr),
-                k_raw=self.raw_keys(i, rec.key_slots)))
+            out.append(
+                LayerProbe(
+                    q=torch.stack(qs),
+                    k=rec.keys,
+                    key_positions=self.key_positions(rec.key_slots),
+                    key_slots=rec.key_slots,
+                    hidden_in=torch.stack(hs),
+                    q_raw=torch.stack(qr),
+                    k_raw=self.raw_keys(i, rec.key_slots),
+                )
+            )
         return tuple(out)

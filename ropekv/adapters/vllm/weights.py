@@ -25,5 +25,9 @@ def checkpoint_for(model_dir: Path, dtype: torch.dtype, *, default: bool) -> Che
         return checkpoint
     weights = {name: t.to(dtype).to(torch.float32) for name, t in checkpoint.weights.items()}
     digest = hashlib.sha256(f"{checkpoint.fingerprint} rounded to {dtype}".encode()).hexdigest()
-    return Checkpoint(checkpoint.config, weights, f"{checkpoint.source} (weights rounded to {dtype} as vLLM loads them)",
-                      fingerprint_of(checkpoint.config, digest))
+    return Checkpoint(
+        checkpoint.config,
+        weights,
+        f"{checkpoint.source} (weights rounded to {dtype} as vLLM loads them)",
+        fingerprint_of(checkpoint.config, digest),
+    )

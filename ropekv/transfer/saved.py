@@ -12,28 +12,31 @@ the next token at position 0 (vllm-metal #144).
 from __future__ import annotations
 
 import os
+from collections.abc import Hashable
 from pathlib import Path
-from typing import TYPE_CHECKING, Hashable
+from typing import TYPE_CHECKING
 
 import torch
 
-from .errors import CacheError, UsageError
+from ..errors import CacheError, UsageError
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from ..engine import Engine
 
 
-def save_sequence(engine: "Engine", seq_id: Hashable, path: str | os.PathLike, tokens: torch.Tensor) -> int:
+def save_sequence(engine: Engine, seq_id: Hashable, path: str | os.PathLike, tokens: torch.Tensor) -> int:
     """Write ``seq_id`` to ``path`` (atomically: a temporary file, then a rename); returns bytes written.
     ``tokens [n]`` are the ids the sequence consumed. A sequence with evicted tokens is refused (the
     payload holds every token of a full-attention layer)."""
-    from .transfer.importer import export_handoff
-    from .transfer.payload import write_payload
+    from .importer import export_handoff
+    from .payload import write_payload
 
     holes = engine.cache.holes(seq_id)  # CacheError for an unknown sequence
     if holes:
-        raise CacheError(f"save of {seq_id!r}: {holes} token(s) were evicted; the payload format stores every "
-                         "token of a full-attention layer, so a sequence with holes cannot be saved")
+        raise CacheError(
+            f"save of {seq_id!r}: {holes} token(s) were evicted; the payload format stores every "
+            "token of a full-attention layer, so a sequence with holes cannot be saved"
+        )
     data = write_payload(export_handoff(engine.cache, seq_id, tokens))
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
@@ -46,11 +49,12 @@ def save_sequence(engine: "Engine", seq_id: Hashable, path: str | os.PathLike, t
     return len(data)
 
 
-def load_sequence(engine: "Engine", path: str | os.PathLike, seq_id: Hashable | None = None
-                  ) -> tuple[Hashable, torch.Tensor]:
+def load_sequence(
+    engine: Engine, path: str | os.PathLike, seq_id: Hashable | None = None
+) -> tuple[Hashable, torch.Tensor]:
     """Import the sequence saved at ``path`` into ``engine``; returns ``(seq_id, tokens [n])``."""
-    from .transfer.importer import import_handoff
-    from .transfer.payload import read_payload
+    from .importer import import_handoff
+    from .payload import read_payload
 
     try:
         data = Path(path).read_bytes()

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .models.config import Checkpoint, ModelConfig
-from .models.mla import LATENT_NORM_EPS
+from ..models.config import Checkpoint, ModelConfig
+from ..models.mla import LATENT_NORM_EPS
 
 
 @dataclass(frozen=True, eq=False)
@@ -96,7 +96,9 @@ class DecoderWeights:
     lm_head_bias: torch.Tensor | None = None  # [vocab] (phi, gptj)
 
     @classmethod
-    def from_checkpoint(cls, ckpt: Checkpoint, dtype: torch.dtype, device: str | torch.device = "cpu") -> "DecoderWeights":
+    def from_checkpoint(
+        cls, ckpt: Checkpoint, dtype: torch.dtype, device: str | torch.device = "cpu"
+    ) -> DecoderWeights:
         cfg = ckpt.config
         fam = cfg.family
         w = {k: v.to(device=device, dtype=dtype).contiguous() for k, v in ckpt.weights.items()}
@@ -137,47 +139,69 @@ class DecoderWeights:
                 shared = spec.shared_expert_size is not None
                 s = p + "mlp.shared_experts."
                 moe = MoeWeights(
-                    router=w[p + "mlp.gate.weight"], gate_up=w[p + "mlp.experts.gate_up_proj"],
+                    router=w[p + "mlp.gate.weight"],
+                    gate_up=w[p + "mlp.experts.gate_up_proj"],
                     down=w[p + "mlp.experts.down_proj"],
-                    shared_gate_up=cat([p + "mlp.shared_expert.gate_proj.weight", p + "mlp.shared_expert.up_proj.weight"])
-                    if shared else None,
+                    shared_gate_up=cat(
+                        [p + "mlp.shared_expert.gate_proj.weight", p + "mlp.shared_expert.up_proj.weight"]
+                    )
+                    if shared
+                    else None,
                     shared_down=w[p + "mlp.shared_expert.down_proj.weight"] if shared else None,
                     shared_gate=w[p + "mlp.shared_expert_gate.weight"] if shared and spec.shared_expert_gated else None,
                     correction_bias=opt(p + "mlp.gate.e_score_correction_bias"),
                     experts_gate_up=cat([s + "gate_proj.weight", s + "up_proj.weight"]),
                     experts_gate_up_bias=cat([s + "gate_proj.bias", s + "up_proj.bias"]),
-                    experts_down=opt(s + "down_proj.weight"), experts_down_bias=opt(s + "down_proj.bias"),
-                    router_bias=opt(p + "mlp.gate.bias"), gate_up_bias=opt(p + "mlp.experts.gate_up_proj_bias"),
-                    down_bias=opt(p + "mlp.experts.down_proj_bias"))
+                    experts_down=opt(s + "down_proj.weight"),
+                    experts_down_bias=opt(s + "down_proj.bias"),
+                    router_bias=opt(p + "mlp.gate.bias"),
+                    gate_up_bias=opt(p + "mlp.experts.gate_up_proj_bias"),
+                    down_bias=opt(p + "mlp.experts.down_proj_bias"),
+                )
             mla = None
             if cfg.mla is not None:
-                mla = MlaWeights(q=opt(a + "q_proj.weight"), q_a=opt(a + "q_a_proj.weight"), q_a_bias=opt(a + "q_a_proj.bias"),
-                                 q_a_norm=opt(a + "q_a_layernorm.weight"), q_b=opt(a + "q_b_proj.weight"),
-                                 kv_a=w[a + "kv_a_proj_with_mqa.weight"], kv_a_bias=opt(a + "kv_a_proj_with_mqa.bias"),
-                                 kv_a_norm=w[a + "kv_a_layernorm.weight"], kv_b=w[a + "kv_b_proj.weight"])
-            layers.append(LayerWeights(
-                attn_in=norm(p + attn_in if attn_in else None),
-                attn_out=norm(p + attn_out if attn_out else None),
-                mlp_in=norm(p + mlp_in if mlp_in else None),
-                mlp_out=norm(p + mlp_out if mlp_out else None),
-                qkv=None if mla else torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]),
-                qkv_bias=cat([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"])
-                if cfg.attention_bias and not mla else None,
-                q_norm=qk_norm(i, a + "q_norm"),
-                k_norm=qk_norm(i, a + "k_norm"),
-                o=w[a + "o_proj.weight"],
-                o_bias=opt(a + "o_proj.bias"),
-                gate_up=moe.gate_up.reshape(-1, cfg.hidden_size) if moe else cat([p + f"mlp.{m}.weight" for m in mlp]),
-                gate_up_bias=cat([p + f"mlp.{m}.bias" for m in mlp]) if cfg.mlp_bias and moe is None else None,
-                down=moe.down.reshape(cfg.hidden_size, -1) if moe else w[p + "mlp.down_proj.weight"],
-                down_bias=opt(p + "mlp.down_proj.bias") if moe is None else None,
-                moe=moe,
-                mla=mla,
-                xielu=tuple(w[p + "mlp.act_fn." + n] for n in ("alpha_p", "alpha_n", "beta", "eps"))
-                if cfg.hidden_act == "xielu" else None,
-                temperature=cfg.layer_temperature(i),
-                sinks=w[a + "sinks"] if cfg.attention_sinks else None,
-            ))
+                mla = MlaWeights(
+                    q=opt(a + "q_proj.weight"),
+                    q_a=opt(a + "q_a_proj.weight"),
+                    q_a_bias=opt(a + "q_a_proj.bias"),
+                    q_a_norm=opt(a + "q_a_layernorm.weight"),
+                    q_b=opt(a + "q_b_proj.weight"),
+                    kv_a=w[a + "kv_a_proj_with_mqa.weight"],
+                    kv_a_bias=opt(a + "kv_a_proj_with_mqa.bias"),
+                    kv_a_norm=w[a + "kv_a_layernorm.weight"],
+                    kv_b=w[a + "kv_b_proj.weight"],
+                )
+            layers.append(
+                LayerWeights(
+                    attn_in=norm(p + attn_in if attn_in else None),
+                    attn_out=norm(p + attn_out if attn_out else None),
+                    mlp_in=norm(p + mlp_in if mlp_in else None),
+                    mlp_out=norm(p + mlp_out if mlp_out else None),
+                    qkv=None
+                    if mla
+                    else torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]),
+                    qkv_bias=cat([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"])
+                    if cfg.attention_bias and not mla
+                    else None,
+                    q_norm=qk_norm(i, a + "q_norm"),
+                    k_norm=qk_norm(i, a + "k_norm"),
+                    o=w[a + "o_proj.weight"],
+                    o_bias=opt(a + "o_proj.bias"),
+                    gate_up=moe.gate_up.reshape(-1, cfg.hidden_size)
+                    if moe
+                    else cat([p + f"mlp.{m}.weight" for m in mlp]),
+                    gate_up_bias=cat([p + f"mlp.{m}.bias" for m in mlp]) if cfg.mlp_bias and moe is None else None,
+                    down=moe.down.reshape(cfg.hidden_size, -1) if moe else w[p + "mlp.down_proj.weight"],
+                    down_bias=opt(p + "mlp.down_proj.bias") if moe is None else None,
+                    moe=moe,
+                    mla=mla,
+                    xielu=tuple(w[p + "mlp.act_fn." + n] for n in ("alpha_p", "alpha_n", "beta", "eps"))
+                    if cfg.hidden_act == "xielu"
+                    else None,
+                    temperature=cfg.layer_temperature(i),
+                    sinks=w[a + "sinks"] if cfg.attention_sinks else None,
+                )
+            )
         embed = w["model.embed_tokens.weight"]
         lm_head = embed if cfg.tie_word_embeddings else w["lm_head.weight"]
         return cls(cfg, embed, norm(fam.final_norm), lm_head, tuple(layers), opt("lm_head.bias"))
@@ -260,8 +284,9 @@ def embed(cfg: ModelConfig, weights: DecoderWeights, tokens: torch.Tensor) -> to
     return h * cfg.embedding_scale if cfg.embedding_scale != 1.0 else h
 
 
-def project_qkv(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor,
-                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def project_qkv(
+    cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor, positions: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Raw (pre-RoPE) q ``[n, H, D]``, k ``[n, KVH, D]``, v ``[n, KVH, D]`` from hidden ``h [n, hidden]``
     at ``positions [n]`` (needed where the layer scales its queries by position: llama4's temperature).
 
@@ -304,10 +329,10 @@ def _mla_qkv(cfg: ModelConfig, mw: MlaWeights, x: torch.Tensor) -> tuple[torch.T
     else:
         q = F.linear(rms_norm(F.linear(x, mw.q_a, mw.q_a_bias), mw.q_a_norm, LATENT_NORM_EPS), mw.q_b)
     kv_a = F.linear(x, mw.kv_a, mw.kv_a_bias)  # [n, kv_lora_rank + rope]
-    latent, k_pe = kv_a[:, :m.kv_lora_rank], kv_a[:, m.kv_lora_rank:]
+    latent, k_pe = kv_a[:, : m.kv_lora_rank], kv_a[:, m.kv_lora_rank :]
     kv = F.linear(rms_norm(latent, mw.kv_a_norm, LATENT_NORM_EPS), mw.kv_b).view(n, H, -1)  # [n, H, nope + v]
-    k = torch.cat((kv[..., :m.qk_nope_head_dim], k_pe[:, None, :].expand(n, H, m.qk_rope_head_dim)), dim=-1)
-    v = F.pad(kv[..., m.qk_nope_head_dim:], (0, m.qk_head_dim - m.v_head_dim))
+    k = torch.cat((kv[..., : m.qk_nope_head_dim], k_pe[:, None, :].expand(n, H, m.qk_rope_head_dim)), dim=-1)
+    v = F.pad(kv[..., m.qk_nope_head_dim :], (0, m.qk_head_dim - m.v_head_dim))
     return q.view(n, H, m.qk_head_dim), k, v
 
 
@@ -330,7 +355,7 @@ def finish_layer(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor, attn_out: 
     """Residual around attention (``attn_out [n, H, D]``) and the MLP; returns the next hidden state."""
     eps, scale = cfg.rms_norm_eps, cfg.residual_scale
     if cfg.mla is not None:  # the values' zero padding (see _mla_qkv)
-        attn_out = attn_out[..., :cfg.mla.v_head_dim]
+        attn_out = attn_out[..., : cfg.mla.v_head_dim]
     a = apply_norm(F.linear(attn_out.reshape(h.shape[0], -1), lw.o, lw.o_bias), lw.attn_out, eps)
     if cfg.parallel:  # attention and MLP both read the block input: through attn_in, or the MLP's own norm
         m = _mlp(cfg, lw, apply_norm(h, lw.mlp_in if lw.mlp_in is not None else lw.attn_in, eps))
@@ -351,11 +376,14 @@ def _mlp(cfg: ModelConfig, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
     return F.linear(act, lw.down, lw.down_bias)
 
 
-def _xielu(x: torch.Tensor, alpha_p: torch.Tensor, alpha_n: torch.Tensor, beta: torch.Tensor,
-           eps: torch.Tensor) -> torch.Tensor:
+def _xielu(
+    x: torch.Tensor, alpha_p: torch.Tensor, alpha_n: torch.Tensor, beta: torch.Tensor, eps: torch.Tensor
+) -> torch.Tensor:
     """xIELU with learned ``alpha_p``, ``alpha_n`` (through softplus) and fixed ``beta``, ``eps``."""
     a_n = beta + F.softplus(alpha_n)
-    return torch.where(x > 0, F.softplus(alpha_p) * x * x + beta * x, (torch.expm1(torch.minimum(x, eps)) - x) * a_n + beta * x)
+    return torch.where(
+        x > 0, F.softplus(alpha_p) * x * x + beta * x, (torch.expm1(torch.minimum(x, eps)) - x) * a_n + beta * x
+    )
 
 
 def _moe(cfg: ModelConfig, mw: MoeWeights, x: torch.Tensor) -> torch.Tensor:
@@ -371,8 +399,9 @@ def _moe(cfg: ModelConfig, mw: MoeWeights, x: torch.Tensor) -> torch.Tensor:
         xe = x[token] * w if scale_input else x[token]
         bias = None if mw.gate_up_bias is None else mw.gate_up_bias[e]
         gate, up = F.linear(xe, mw.gate_up[e], bias).chunk(2, dim=-1)
-        y = F.linear(_expert_act(spec, cfg.hidden_act, gate, up), mw.down[e],
-                     None if mw.down_bias is None else mw.down_bias[e])
+        y = F.linear(
+            _expert_act(spec, cfg.hidden_act, gate, up), mw.down[e], None if mw.down_bias is None else mw.down_bias[e]
+        )
         out.index_add_(0, token, y if scale_input else y * w)
     if mw.shared_gate_up is not None:
         gate, up = F.linear(x, mw.shared_gate_up).chunk(2, dim=-1)
@@ -410,7 +439,9 @@ def _route(spec, mw: MoeWeights, logits: torch.Tensor) -> tuple[torch.Tensor, to
     choice = scores + mw.correction_bias.float()
     best = choice.view(groups).topk(2, dim=-1).values.sum(-1).topk(spec.top_groups, dim=-1).indices
     keep = torch.zeros(groups[:2], dtype=torch.bool, device=logits.device).scatter_(1, best, True)
-    experts = choice.masked_fill(~keep.repeat_interleave(groups[2], dim=1), float("-inf")).topk(spec.top_k, dim=-1).indices
+    experts = (
+        choice.masked_fill(~keep.repeat_interleave(groups[2], dim=1), float("-inf")).topk(spec.top_k, dim=-1).indices
+    )
     weights = scores.gather(1, experts)
     if spec.normalize:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -428,7 +459,9 @@ def _expert_act(spec, act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.T
 
 def final_logits(cfg: ModelConfig, weights: DecoderWeights, h: torch.Tensor) -> torch.Tensor:
     """Logits ``[n, vocab]`` in float32 from the last hidden state ``h [n, hidden]``."""
-    logits = F.linear(apply_norm(h, weights.final_norm, cfg.rms_norm_eps), weights.lm_head, weights.lm_head_bias).float()
+    logits = F.linear(
+        apply_norm(h, weights.final_norm, cfg.rms_norm_eps), weights.lm_head, weights.lm_head_bias
+    ).float()
     if cfg.logits_scale != 1.0:
         logits = logits * cfg.logits_scale
     if cfg.final_softcap is not None:

@@ -17,17 +17,18 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
-from ...errors import UsageError
-from ...rope import apply_rotation
-from . import kv_layout
+from ..adapters.vllm import kv_layout
+from ..errors import UsageError
+from ..rope import apply_rotation
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .engine import VLLMEngine
+    from ..adapters.vllm.engine import VLLMEngine
 
 
 @dataclass(frozen=True)
@@ -35,21 +36,21 @@ class VLLMFault:
     name: str
     kind: str  # the bug class forensics should name
     summary: str
-    install: Callable[["VLLMEngine"], list[Callable[[], None]]]  # patches; returns the undo steps
+    install: Callable[[VLLMEngine], list[Callable[[], None]]]  # patches; returns the undo steps
 
 
 def _is_decode(positions: torch.Tensor) -> bool:
     return positions.numel() == 1 and int(positions.reshape(-1)[0]) > 0
 
 
-def _rotary_modules(engine: "VLLMEngine") -> list[torch.nn.Module]:
+def _rotary_modules(engine: VLLMEngine) -> list[torch.nn.Module]:
     seen: dict[int, torch.nn.Module] = {}
     for layer in engine.model.model.layers:
         seen.setdefault(id(layer.self_attn.rotary_emb), layer.self_attn.rotary_emb)
     return list(seen.values())
 
 
-def _patch_rotary(engine: "VLLMEngine", decode_forward) -> list[Callable[[], None]]:
+def _patch_rotary(engine: VLLMEngine, decode_forward) -> list[Callable[[], None]]:
     """Replace each rotary module's ``forward`` on decode steps by ``decode_forward(rope, original,
     positions, query, key)``; prefill keeps the original."""
     undo = []
@@ -78,8 +79,9 @@ def _other_base(base: float) -> float:
 
 def _decode_base(rope, original, positions, query, key):
     table = rope.cos_sin_cache
-    inv_freq = 1.0 / (_other_base(float(rope.base)) ** (torch.arange(0, rope.rotary_dim, 2, dtype=torch.float)
-                                                          / rope.rotary_dim))
+    inv_freq = 1.0 / (
+        _other_base(float(rope.base)) ** (torch.arange(0, rope.rotary_dim, 2, dtype=torch.float) / rope.rotary_dim)
+    )
     freqs = torch.arange(table.shape[0], dtype=torch.float)[:, None] * inv_freq[None, :]
     rope.cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(table.dtype)
     try:
@@ -88,7 +90,7 @@ def _decode_base(rope, original, positions, query, key):
         rope.cos_sin_cache = table
 
 
-def _install_reader(engine: "VLLMEngine", turn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+def _install_reader(engine: VLLMEngine, turn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
     """Patch each layer's CPU attention ``forward`` so that on decode the kernel reads every cached key
     turned once more by ``turn(positions, slots)`` (a buggy re-indexing step on the decode read path)."""
     rope = _rotary_modules(engine)[0]
@@ -128,22 +130,39 @@ def _turned_copy(kv_cache: torch.Tensor, md, rope: torch.nn.Module, isa: str, tu
     return copy, dataclasses.replace(md, block_table=table)
 
 
-FAULTS: dict[str, VLLMFault] = {f.name: f for f in (
-    VLLMFault("double_rotation", "double_rotation",
-              "decode reads every cached key rotated a second time (R(2j) k_j)",
-              lambda e: _install_reader(e, lambda positions, slots: positions)),
-    VLLMFault("query_position_offset", "query_position_offset", "decode rotates the query at t + 1",
-              lambda e: _patch_rotary(e, _query_off_by_one)),
-    VLLMFault("slot_as_position", "slot_as_position",
-              "decode re-indexes cached keys by their physical slot (R(slot) k_j)",
-              lambda e: _install_reader(e, lambda positions, slots: slots - positions)),
-    VLLMFault("frequency_mismatch", "frequency_mismatch", "decode rotates with another RoPE base (10,000)",
-              lambda e: _patch_rotary(e, _decode_base)),
-)}
+FAULTS: dict[str, VLLMFault] = {
+    f.name: f
+    for f in (
+        VLLMFault(
+            "double_rotation",
+            "double_rotation",
+            "decode reads every cached key rotated a second time (R(2j) k_j)",
+            lambda e: _install_reader(e, lambda positions, slots: positions),
+        ),
+        VLLMFault(
+            "query_position_offset",
+            "query_position_offset",
+            "decode rotates the query at t + 1",
+            lambda e: _patch_rotary(e, _query_off_by_one),
+        ),
+        VLLMFault(
+            "slot_as_position",
+            "slot_as_position",
+            "decode re-indexes cached keys by their physical slot (R(slot) k_j)",
+            lambda e: _install_reader(e, lambda positions, slots: slots - positions),
+        ),
+        VLLMFault(
+            "frequency_mismatch",
+            "frequency_mismatch",
+            "decode rotates with another RoPE base (10,000)",
+            lambda e: _patch_rotary(e, _decode_base),
+        ),
+    )
+}
 
 
 @contextlib.contextmanager
-def injected(engine: "VLLMEngine", name: str) -> Iterator[VLLMFault]:
+def injected(engine: VLLMEngine, name: str) -> Iterator[VLLMFault]:
     """Patch ``engine``'s running vLLM with fault ``name`` for the duration of the block."""
     if name not in FAULTS:
         raise UsageError(f"unknown vLLM fault {name!r}; known: {', '.join(FAULTS)}")

@@ -17,8 +17,8 @@ from typing import Literal, get_args
 
 import torch
 
-from .contract import CacheContract, KeyForm
-from .errors import ContractMismatch, UsageError
+from ..contract import CacheContract, KeyForm
+from ..errors import ContractMismatch, UsageError
 
 BackendName = Literal["rotated", "rotate_on_read"]
 BACKENDS: tuple[str, ...] = get_args(BackendName)
@@ -68,8 +68,13 @@ def backend_for(contract: CacheContract) -> Backend:
     return ROTATE_ON_READ if contract.key_form == "raw" else ROTATED
 
 
-def visibility(query_positions: torch.Tensor, key_positions: torch.Tensor, window: int | None,
-               sink_tokens: int, chunk: int | None = None) -> torch.Tensor:
+def visibility(
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    window: int | None,
+    sink_tokens: int,
+    chunk: int | None = None,
+) -> torch.Tensor:
     """Boolean mask ``[n, N]``: key ``j`` is visible to query ``i`` iff ``j <= i`` and
     (``i - W < j`` or ``j < sink_tokens``) — HF's sliding-window semantics plus StreamingLLM sinks —
     and, on a chunked layer, ``j >= floor(i / chunk) * chunk`` (llama4: keys of the query's chunk)."""
@@ -86,9 +91,17 @@ def visibility(query_positions: torch.Tensor, key_positions: torch.Tensor, windo
 _BLOCK_BYTES = 32 << 20  # logits of one query block; below glibc's mmap threshold, so blocks reuse heap memory
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, *,
-           scale: float | None = None, softcap: float | None = None, sinks: torch.Tensor | None = None,
-           with_logits: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    with_logits: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Scaled dot-product attention with grouped KV heads, computed in float32 or wider.
 
     q ``[n, H, D]`` (rotated), k ``[N, KVH, D]`` (as the kernel uses them), v ``[N, KVH, D]``,
@@ -121,9 +134,15 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor
     return out, None
 
 
-def attend_segments(q: torch.Tensor, keys: tuple[torch.Tensor, ...], values: tuple[torch.Tensor, ...], *,
-                    scale: float | None = None, softcap: float | None = None,
-                    sinks: torch.Tensor | None = None) -> torch.Tensor:
+def attend_segments(
+    q: torch.Tensor,
+    keys: tuple[torch.Tensor, ...],
+    values: tuple[torch.Tensor, ...],
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """:func:`attend` of queries that see every key (a decode step without a window), with the keys
     and values given as segments along the key axis (``keys[s]``/``values[s]``: ``[N_s, KVH, D]``,
     e.g. the cached tokens as views of the pool, then the step's new ones). Returns ``out [n, H, D]``.
@@ -144,7 +163,7 @@ def attend_segments(q: torch.Tensor, keys: tuple[torch.Tensor, ...], values: tup
     probs = softmax_with_sinks(logits, None if sinks is None else _sink_column(sinks, num_kv, group, n))
     out, start = None, 0
     for v in values:
-        part = torch.bmm(probs[..., start:start + v.shape[0]], v.to(work).permute(1, 0, 2))  # [KVH, G * n, D]
+        part = torch.bmm(probs[..., start : start + v.shape[0]], v.to(work).permute(1, 0, 2))  # [KVH, G * n, D]
         out = part if out is None else out.add_(part)
         start += v.shape[0]
     return out.view(num_kv, group, n, head_dim).permute(2, 0, 1, 3).reshape(n, num_heads, head_dim).to(q.dtype)
@@ -166,9 +185,15 @@ def _sink_column(sinks: torch.Tensor, num_kv: int, group: int, n: int) -> torch.
     return sinks.reshape(num_kv, group, 1, 1).expand(num_kv, group, n, 1).reshape(num_kv, group * n, 1)
 
 
-def _attend_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-                  scale: float | None, softcap: float | None,
-                  sinks: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _attend_block(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None,
+    softcap: float | None,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attend` of one block of queries, logits included."""
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
     n, num_heads, head_dim = q.shape

@@ -1,7 +1,7 @@
 """Where positions become rotations: the one place the engine turns positions into RoPE.
 
 :class:`RotationPolicy` is the correct behaviour. Every bug class of the primer is a small subclass
-that overrides one method (see ``ropekv.adapters.faults``), so a fault is a named, reviewable variant
+that overrides one method (see ``ropekv.faults.catalogue``), so a fault is a named, reviewable variant
 and the engine itself has no fault switches. Stored positions are always the logical truth; a policy
 only decides how they turn queries and keys.
 
@@ -15,12 +15,13 @@ across steps or kept in module state.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Literal
 
 import torch
 
-from .rope import RopeSpec, apply_rotation
+from ..rope import RopeSpec, apply_rotation
 
 
 @dataclass(frozen=True, eq=False)
@@ -45,9 +46,14 @@ class RopeTable:
     def serves(self, rope: RopeSpec, positions: torch.Tensor, x: torch.Tensor) -> bool:
         """Whether this table is ``rope.cos_sin(positions)`` for ``x [T, heads, D]`` (the engine hands
         every layer the very ``positions`` tensor it built the table from)."""
-        return (positions is self.positions and (rope is self.rope or rope == self.rope) and x.dim() == 3
-                and x.shape[0] == self.cos.shape[0] and self.heads in (0, x.shape[1])
-                and (x.dtype == self.cos.dtype or x.dtype in (torch.bfloat16, torch.float16)))
+        return (
+            positions is self.positions
+            and (rope is self.rope or rope == self.rope)
+            and x.dim() == 3
+            and x.shape[0] == self.cos.shape[0]
+            and self.heads in (0, x.shape[1])
+            and (x.dtype == self.cos.dtype or x.dtype in (torch.bfloat16, torch.float16))
+        )
 
     def rotate(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """``rope.rotate(x, positions)`` for ``x [T, heads, D]``, written into ``out`` when given (same
@@ -98,8 +104,12 @@ class RopeTables:
     def table(self, positions: torch.Tensor, heads: int = 1) -> RopeTable | None:
         """The rows of ``positions [T]`` expanded to ``heads``, or None when a table cannot serve them
         (length-dependent RoPE, negative or huge positions, an empty tensor)."""
-        if (self.rope.length_dependent or positions.dim() != 1 or positions.dtype != torch.int64
-                or positions.numel() == 0):
+        if (
+            self.rope.length_dependent
+            or positions.dim() != 1
+            or positions.dtype != torch.int64
+            or positions.numel() == 0
+        ):
             return None
         lo, hi = (int(v) for v in torch.aminmax(positions))
         if lo < 0 or hi >= self.MAX_POSITIONS:
@@ -134,8 +144,8 @@ class OpFacts:
 
     The correct policy ignores them: stored positions are the truth after every operation. They exist
     so that a fault policy can model an engine whose rotation offset an operation put out of step with
-    the logical positions (``ropekv.adapters.op_faults``). ``padding`` is the row's left padding in a
-    merged batch (``ropekv.batch``).
+    the logical positions (``ropekv.faults.ops``). ``padding`` is the row's left padding in a
+    merged batch (``ropekv.engine.batch``).
     """
 
     rolled_back: int = 0  # tokens given back by rollbacks
@@ -145,6 +155,10 @@ class OpFacts:
 
 
 NO_OPS = OpFacts()
+
+# "prefill": a chunk of new tokens; "decode": one new token; "full": the engine's cache-free forward
+Phase = Literal["prefill", "decode", "full"]
+CACHED_PHASES: tuple[Phase, ...] = ("prefill", "decode")  # the phases that read and write the cache
 
 
 @dataclass(frozen=True)
@@ -160,7 +174,7 @@ class StepContext:
     by every layer of the step, or None.
     """
 
-    phase: str
+    phase: Phase
     seq_len: int
     fork_offset: int = 0
     block_size: int = 1
@@ -171,7 +185,12 @@ class StepContext:
     tables: tuple[RopeTable, ...] = field(default=(), compare=False)
     key_scratch: torch.Tensor | None = field(default=None, compare=False)
 
-    def for_layer(self, layer: int) -> "StepContext":
+    @property
+    def cached(self) -> bool:
+        """The step goes through the cache (a prefill chunk or a decode), not the cache-free forward."""
+        return self.phase in CACHED_PHASES
+
+    def for_layer(self, layer: int) -> StepContext:
         """This context for ``layer`` (faults that confuse layers read ``layer`` and ``layer_ropes``)."""
         return dataclasses.replace(self, layer=layer)
 
@@ -191,7 +210,7 @@ class RotationPolicy:
         change with the sequence length (dynamic NTK, LongRoPE) would keep stale frequencies."""
         specs = [contract.layer_rope(i) for i in range(contract.num_layers)]
         if contract.key_form == "rotated" and any(r is not None and r.length_dependent for r in specs):
-            from .errors import ContractMismatch
+            from ..errors import ContractMismatch
 
             raise ContractMismatch(
                 f"key_form 'rotated' cannot serve {contract.rope.scaling.rope_type} RoPE: its frequencies change "
@@ -206,13 +225,22 @@ class RotationPolicy:
         """Rotate queries ``q [n, H, D]`` to their rotation indices ``positions [n]``."""
         return rotate(rope, q, positions, ctx)
 
-    def write_key(self, rope: RopeSpec, k: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                  ctx: StepContext) -> torch.Tensor:
+    def write_key(
+        self, rope: RopeSpec, k: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, ctx: StepContext
+    ) -> torch.Tensor:
         """The form a ``"rotated"`` cache stores for new raw keys ``k [n, KVH, D]``: rotated at ``positions``."""
         return rotate(rope, k, positions, ctx)
 
-    def read_keys(self, rope: RopeSpec, stored: torch.Tensor, rotation_index: torch.Tensor, slots: torch.Tensor,
-                  ctx: StepContext, *, backend_rotates: bool) -> torch.Tensor:
+    def read_keys(
+        self,
+        rope: RopeSpec,
+        stored: torch.Tensor,
+        rotation_index: torch.Tensor,
+        slots: torch.Tensor,
+        ctx: StepContext,
+        *,
+        backend_rotates: bool,
+    ) -> torch.Tensor:
         """Keys ``[N, KVH, D]`` as the kernel uses them, from the stored form.
 
         A rotating backend turns raw keys to ``rotation_index`` (logical positions, never ``slots``) in
@@ -226,13 +254,19 @@ class RotationPolicy:
         if table is None:
             return rotate(rope, work, rotation_index, ctx)
         out = ctx.key_scratch  # for the layer's keys (a table expanded to the KV heads), not a step's new key
-        fits = (out is not None and table.heads == stored.shape[1] > 1 and out.shape[0] >= stored.shape[0]
-                and out.shape[1:] == stored.shape[1:] and out.dtype == table.cos.dtype)
+        fits = (
+            out is not None
+            and table.heads == stored.shape[1] > 1
+            and out.shape[0] >= stored.shape[0]
+            and out.shape[1:] == stored.shape[1:]
+            and out.dtype == table.cos.dtype
+        )
         return table.rotate(stored, out[: stored.shape[0]] if fits else None)
 
 
-def rotate(rope: RopeSpec | None, x: torch.Tensor, positions: torch.Tensor,
-           ctx: StepContext | None = None) -> torch.Tensor:
+def rotate(
+    rope: RopeSpec | None, x: torch.Tensor, positions: torch.Tensor, ctx: StepContext | None = None
+) -> torch.Tensor:
     """``rope.rotate(x, positions, ctx.seq_len)`` (working dtype), from the step's table when it has
     one for these positions, else computed (faults hand in other positions or specs); ``x`` itself
     for ``rope=None`` (a NoPE layer: no position embedding, nothing turns)."""

@@ -1,6 +1,6 @@
 """The fault catalogue: small, named variants of the engine, one per bug class of the primer.
 
-Each fault overrides one decision of :class:`~ropekv.rotation.RotationPolicy` (or, for stale dynamic
+Each fault overrides one decision of :class:`~ropekv.engine.rotation.RotationPolicy` (or, for stale dynamic
 scaling, lets the engine accept a contract it would refuse; for chunked attention, runs the engine
 under a contract that forgets the chunks). ``ropekv check --inject NAME`` runs the
 harness on the faulty engine; the tests assert that each is caught and named with its own kind.
@@ -8,19 +8,17 @@ harness on the faulty engine; the tests assert that each is caught and named wit
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-from .native import NativeAdapter
+from ..adapters.native import NativeAdapter
 from ..contract import CacheContract
+from ..engine.rotation import RotationPolicy, rotate
 from ..errors import UsageError
 from ..models.config import Checkpoint
 from ..rope import RopeScaling, RopeSpec, apply_rotation
-from ..rotation import RotationPolicy, rotate
-
-CACHED = ("prefill", "decode")  # phases that go through the cache (not the engine's full forward)
 
 
 class DoubleRotation(RotationPolicy):
@@ -40,7 +38,7 @@ class MissingRotation(RotationPolicy):
     name = "missing-rotation"
 
     def write_key(self, rope, k, positions, slots, ctx):
-        return k if ctx.phase in CACHED else super().write_key(rope, k, positions, slots, ctx)
+        return k if ctx.cached else super().write_key(rope, k, positions, slots, ctx)
 
 
 class SlotAsPosition(RotationPolicy):
@@ -49,7 +47,7 @@ class SlotAsPosition(RotationPolicy):
     name = "slot-as-position"
 
     def read_keys(self, rope, stored, rotation_index, slots, ctx, *, backend_rotates):
-        index = slots if ctx.phase in CACHED else rotation_index
+        index = slots if ctx.cached else rotation_index
         return super().read_keys(rope, stored, index, slots, ctx, backend_rotates=backend_rotates)
 
 
@@ -59,10 +57,10 @@ class IgnoredPrefixOffset(RotationPolicy):
     name = "ignored-prefix-offset"
 
     def query(self, rope, q, positions, ctx):
-        return super().query(rope, q, positions - ctx.fork_offset if ctx.phase in CACHED else positions, ctx)
+        return super().query(rope, q, positions - ctx.fork_offset if ctx.cached else positions, ctx)
 
     def write_key(self, rope, k, positions, slots, ctx):
-        shifted = positions - ctx.fork_offset if ctx.phase in CACHED else positions
+        shifted = positions - ctx.fork_offset if ctx.cached else positions
         return super().write_key(rope, k, shifted, slots, ctx)
 
 
@@ -72,7 +70,7 @@ class BlockLocalPosition(RotationPolicy):
     name = "block-local-position"
 
     def write_key(self, rope, k, positions, slots, ctx):
-        local = positions % ctx.block_size if ctx.phase in CACHED else positions
+        local = positions % ctx.block_size if ctx.cached else positions
         return super().write_key(rope, k, local, slots, ctx)
 
 
@@ -125,8 +123,13 @@ def _bf16_rotate(rope: RopeSpec | None, x: torch.Tensor, positions: torch.Tensor
     if rope is None:  # a NoPE layer
         return x
     ang = (positions.to(torch.bfloat16)[:, None] * rope.inv_freq(seq_len).to(torch.bfloat16)[None, :]).double()
-    return apply_rotation(x, torch.cos(ang) * rope.attention_factor, torch.sin(ang) * rope.attention_factor,
-                          rope.layout, rope.rotary_offset)
+    return apply_rotation(
+        x,
+        torch.cos(ang) * rope.attention_factor,
+        torch.sin(ang) * rope.attention_factor,
+        rope.layout,
+        rope.rotary_offset,
+    )
 
 
 class LowPrecisionAngles(RotationPolicy):
@@ -180,34 +183,103 @@ class Fault:
         if self.model is not None:
             checkpoint = self.model(checkpoint)
         form = self.key_form if self.fixed_key_form else (key_form or self.key_form)
-        return NativeAdapter(checkpoint, key_form=form, dtype=dtype, rotation=self.policy(),
-                             name=f"ropekv engine with fault {self.name}", contract_change=self.contract_change)
+        return NativeAdapter(
+            checkpoint,
+            key_form=form,
+            dtype=dtype,
+            rotation=self.policy(),
+            name=f"ropekv engine with fault {self.name}",
+            contract_change=self.contract_change,
+        )
 
 
-FAULTS: dict[str, Fault] = {f.name: f for f in (
-    Fault("double-rotation", "double_rotation", "decode rotates already-rotated keys again", "rotated",
-          "any decode past position 0", DoubleRotation),
-    Fault("missing-rotation", "missing_rotation", "raw keys stored where rotated ones are expected", "rotated",
-          "any decode past position 0", MissingRotation),
-    Fault("slot-as-position", "slot_as_position", "ring slot used as rotation index", "raw",
-          "a sliding window that has wrapped", SlotAsPosition),
-    Fault("ignored-prefix-offset", "ignored_prefix_offset", "positions restart at 0 after a prefix-cache hit",
-          "rotated", "a nonzero prefix offset", IgnoredPrefixOffset),
-    Fault("block-local-position", "block_local_position", "keys rotated by their offset inside the block",
-          "rotated", "a context longer than one block", BlockLocalPosition),
-    Fault("decode-position-off-by-one", "query_position_offset", "decode query rotated at t + 1", "rotated",
-          "any decode", DecodePositionOffByOne),
-    Fault("scaling-mismatch", "frequency_mismatch", "decode side uses theta x 4", "rotated", "any decode",
-          ScalingMismatch),
-    Fault("layout-mismatch", "layout_mismatch", "decode side pairs channels the other way", "rotated",
-          "any decode", LayoutMismatch),
-    Fault("low-precision-angles", "low_precision_angles", "rotation angles computed in bfloat16 in every path",
-          "rotated", "positions past a few hundred; only the float64 reference sees it", LowPrecisionAngles),
-    Fault("stale-dynamic-scaling", "stale_dynamic_scaling",
-          "rotated keys under dynamic NTK (original length 64, factor 2 unless the model has its own)", "rotated",
-          "decoding past the original length", StaleDynamicRotation,
-          model=lambda c: c if c.config.rope.length_dependent else dynamic_variant(c), fixed_key_form=True),
-)}
+FAULTS: dict[str, Fault] = {
+    f.name: f
+    for f in (
+        Fault(
+            "double-rotation",
+            "double_rotation",
+            "decode rotates already-rotated keys again",
+            "rotated",
+            "any decode past position 0",
+            DoubleRotation,
+        ),
+        Fault(
+            "missing-rotation",
+            "missing_rotation",
+            "raw keys stored where rotated ones are expected",
+            "rotated",
+            "any decode past position 0",
+            MissingRotation,
+        ),
+        Fault(
+            "slot-as-position",
+            "slot_as_position",
+            "ring slot used as rotation index",
+            "raw",
+            "a sliding window that has wrapped",
+            SlotAsPosition,
+        ),
+        Fault(
+            "ignored-prefix-offset",
+            "ignored_prefix_offset",
+            "positions restart at 0 after a prefix-cache hit",
+            "rotated",
+            "a nonzero prefix offset",
+            IgnoredPrefixOffset,
+        ),
+        Fault(
+            "block-local-position",
+            "block_local_position",
+            "keys rotated by their offset inside the block",
+            "rotated",
+            "a context longer than one block",
+            BlockLocalPosition,
+        ),
+        Fault(
+            "decode-position-off-by-one",
+            "query_position_offset",
+            "decode query rotated at t + 1",
+            "rotated",
+            "any decode",
+            DecodePositionOffByOne,
+        ),
+        Fault(
+            "scaling-mismatch",
+            "frequency_mismatch",
+            "decode side uses theta x 4",
+            "rotated",
+            "any decode",
+            ScalingMismatch,
+        ),
+        Fault(
+            "layout-mismatch",
+            "layout_mismatch",
+            "decode side pairs channels the other way",
+            "rotated",
+            "any decode",
+            LayoutMismatch,
+        ),
+        Fault(
+            "low-precision-angles",
+            "low_precision_angles",
+            "rotation angles computed in bfloat16 in every path",
+            "rotated",
+            "positions past a few hundred; only the float64 reference sees it",
+            LowPrecisionAngles,
+        ),
+        Fault(
+            "stale-dynamic-scaling",
+            "stale_dynamic_scaling",
+            "rotated keys under dynamic NTK (original length 64, factor 2 unless the model has its own)",
+            "rotated",
+            "decoding past the original length",
+            StaleDynamicRotation,
+            model=lambda c: c if c.config.rope.length_dependent else dynamic_variant(c),
+            fixed_key_form=True,
+        ),
+    )
+}
 
 
 # ---------------------------------------------------------------------- architecture faults
@@ -231,8 +303,9 @@ class _DecodeLayerSpec(RotationPolicy):
         return super().write_key(self._pick(rope, ctx), k, positions, slots, ctx)
 
     def read_keys(self, rope, stored, rotation_index, slots, ctx, *, backend_rotates):
-        return super().read_keys(self._pick(rope, ctx), stored, rotation_index, slots, ctx,
-                                 backend_rotates=backend_rotates)
+        return super().read_keys(
+            self._pick(rope, ctx), stored, rotation_index, slots, ctx, backend_rotates=backend_rotates
+        )
 
 
 class PartialRotaryAllChannels(_DecodeLayerSpec):
@@ -291,7 +364,7 @@ class MlaRopeRotatedTwice(RotationPolicy):
 
     def write_key(self, rope, k, positions, slots, ctx):
         once = super().write_key(rope, k, positions, slots, ctx)
-        return rotate(rope, once, positions, ctx) if ctx.phase in CACHED and rope is not None else once
+        return rotate(rope, once, positions, ctx) if ctx.cached and rope is not None else once
 
 
 def _has_mla(cfg) -> bool:
@@ -305,8 +378,11 @@ def _has_partial(cfg) -> bool:
 def _has_two_kinds(cfg) -> bool:
     sliding = [i for i, t in enumerate(cfg.layer_types) if t == "sliding_attention"]
     full = [i for i, t in enumerate(cfg.layer_types) if t != "sliding_attention"]
-    return bool(sliding and full) and cfg.layer_rope(sliding[0]) not in (None, cfg.layer_rope(full[0])) and \
-        cfg.layer_rope(full[0]) is not None
+    return (
+        bool(sliding and full)
+        and cfg.layer_rope(sliding[0]) not in (None, cfg.layer_rope(full[0]))
+        and cfg.layer_rope(full[0]) is not None
+    )
 
 
 def _has_nope(cfg) -> bool:
@@ -331,39 +407,83 @@ class ArchFault(Fault):
 
     def adapter(self, checkpoint: Checkpoint, *, dtype: str = "float32", key_form: str | None = None) -> NativeAdapter:
         if not self.applies(checkpoint.config):
-            raise UsageError(f"fault {self.name!r} needs a model with {self.needs}; "
-                             f"{checkpoint.config.architecture} here has none")
+            raise UsageError(
+                f"fault {self.name!r} needs a model with {self.needs}; {checkpoint.config.architecture} here has none"
+            )
         return super().adapter(checkpoint, dtype=dtype, key_form=key_form)
 
 
-ARCH_FAULTS: dict[str, ArchFault] = {f.name: f for f in (
-    ArchFault("partial-rotary-all-channels", "partial_rotary_mismatch",
-              "partial rotary applied to every channel of the head", "rotated", "any decode",
-              PartialRotaryAllChannels, needs="partial rotary (phi3, glm, stablelm, nemotron, gpt_neox)", applies=_has_partial),
-    ArchFault("local-rope-on-global-layers", "layer_rope_mismatch",
-              "global layers turn with the local layers' RoPE", "rotated", "any decode",
-              LocalRopeOnGlobalLayers, needs="different RoPE on sliding and full layers (gemma3)",
-              applies=_has_two_kinds),
-    ArchFault("global-rope-on-local-layers", "layer_rope_mismatch",
-              "local layers turn with the global layers' RoPE", "rotated", "any decode",
-              GlobalRopeOnLocalLayers, needs="different RoPE on sliding and full layers (gemma3)",
-              applies=_has_two_kinds),
-    ArchFault("nope-layer-rotated", "nope_rotated", "a NoPE layer turns its queries and keys", "rotated",
-              "any decode past position 0", NopeLayerRotated, needs="NoPE layers (cohere2, smollm3, exaone4)",
-              applies=_has_nope),
-    ArchFault("mla-rope-rotated-twice", "mla_rope_rotated_twice",
-              "MLA's shared rope part rotated in the latent and again after expansion", "rotated",
-              "any decode past position 0", MlaRopeRotatedTwice,
-              needs="multi-head latent attention (deepseek_v2, deepseek_v3)", applies=_has_mla, fixed_key_form=True),
-    ArchFault("chunked-layers-read-earlier-chunks", "chunk_mismatch",
-              "chunked layers attend to the keys of earlier chunks (read as full attention)", "rotated",
-              "a query past the first chunk boundary", RotationPolicy, needs="chunked attention (llama4)",
-              applies=_has_chunks, contract_change=_forget_chunks),
-)}
+ARCH_FAULTS: dict[str, ArchFault] = {
+    f.name: f
+    for f in (
+        ArchFault(
+            "partial-rotary-all-channels",
+            "partial_rotary_mismatch",
+            "partial rotary applied to every channel of the head",
+            "rotated",
+            "any decode",
+            PartialRotaryAllChannels,
+            needs="partial rotary (phi3, glm, stablelm, nemotron, gpt_neox)",
+            applies=_has_partial,
+        ),
+        ArchFault(
+            "local-rope-on-global-layers",
+            "layer_rope_mismatch",
+            "global layers turn with the local layers' RoPE",
+            "rotated",
+            "any decode",
+            LocalRopeOnGlobalLayers,
+            needs="different RoPE on sliding and full layers (gemma3)",
+            applies=_has_two_kinds,
+        ),
+        ArchFault(
+            "global-rope-on-local-layers",
+            "layer_rope_mismatch",
+            "local layers turn with the global layers' RoPE",
+            "rotated",
+            "any decode",
+            GlobalRopeOnLocalLayers,
+            needs="different RoPE on sliding and full layers (gemma3)",
+            applies=_has_two_kinds,
+        ),
+        ArchFault(
+            "nope-layer-rotated",
+            "nope_rotated",
+            "a NoPE layer turns its queries and keys",
+            "rotated",
+            "any decode past position 0",
+            NopeLayerRotated,
+            needs="NoPE layers (cohere2, smollm3, exaone4)",
+            applies=_has_nope,
+        ),
+        ArchFault(
+            "mla-rope-rotated-twice",
+            "mla_rope_rotated_twice",
+            "MLA's shared rope part rotated in the latent and again after expansion",
+            "rotated",
+            "any decode past position 0",
+            MlaRopeRotatedTwice,
+            needs="multi-head latent attention (deepseek_v2, deepseek_v3)",
+            applies=_has_mla,
+            fixed_key_form=True,
+        ),
+        ArchFault(
+            "chunked-layers-read-earlier-chunks",
+            "chunk_mismatch",
+            "chunked layers attend to the keys of earlier chunks (read as full attention)",
+            "rotated",
+            "a query past the first chunk boundary",
+            RotationPolicy,
+            needs="chunked attention (llama4)",
+            applies=_has_chunks,
+            contract_change=_forget_chunks,
+        ),
+    )
+}
 
 
-# Cache-operation faults (issue 14) join the catalogue; they need a case running their operation.
-from .op_faults import OP_FAULTS  # noqa: E402 -- op_faults does not import this module
+# Cache-operation faults join the catalogue; they need a case running their operation.
+from .ops import OP_FAULTS  # noqa: E402 -- op_faults does not import this module
 
 FAULTS.update(OP_FAULTS)
 

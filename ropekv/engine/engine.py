@@ -21,14 +21,15 @@ from dataclasses import dataclass
 
 import torch
 
+from ..attention_kind import LayerAttention
+from ..cache.paged import PagedKVCache
+from ..cache.policy import CacheOpPolicy
+from ..contract import CacheContract
+from ..errors import CacheError, ContractMismatch, UsageError
+from ..models.config import Checkpoint
+from ..probe import LayerProbe
 from .attention import Backend, attend, attend_segments, backend_for, get_backend, visibility
-from .cache.paged import PagedKVCache
-from .cache.policy import CacheOpPolicy
-from .contract import CacheContract, LayerAttention
-from .errors import CacheError, ContractMismatch, UsageError
-from .models.config import Checkpoint
-from .probe import LayerProbe
-from .rotation import NO_OPS, OpFacts, RopeTable, RopeTables, RotationPolicy, StepContext
+from .rotation import NO_OPS, OpFacts, Phase, RopeTable, RopeTables, RotationPolicy, StepContext
 from .transformer import DecoderWeights, after_rope, embed, final_logits, finish_layer, project_qkv
 
 
@@ -42,10 +43,20 @@ class StepOutput:
 class Engine:
     """A paged-KV engine for a llama-family checkpoint under an explicit :class:`CacheContract`."""
 
-    def __init__(self, checkpoint: Checkpoint, contract: CacheContract, num_blocks: int = 1024, *,
-                 backend: str | Backend | None = None, rotation: RotationPolicy | None = None,
-                 device: str | torch.device = "cpu", weights: DecoderWeights | None = None,
-                 compile_rotation: bool = False, cache_ops: CacheOpPolicy | None = None, rollback_depth: int = 16):
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        contract: CacheContract,
+        num_blocks: int = 1024,
+        *,
+        backend: str | Backend | None = None,
+        rotation: RotationPolicy | None = None,
+        device: str | torch.device = "cpu",
+        weights: DecoderWeights | None = None,
+        compile_rotation: bool = False,
+        cache_ops: CacheOpPolicy | None = None,
+        rollback_depth: int = 16,
+    ):
         cfg = checkpoint.config
         self.checkpoint = checkpoint
         self.config = cfg
@@ -53,16 +64,20 @@ class Engine:
         self.rotation = rotation or RotationPolicy()
         self.device = torch.device(device)
         self._check_contract_fits_model()
-        self.backend = backend_for(contract) if backend is None else (
-            get_backend(backend) if isinstance(backend, str) else backend)
+        self.backend = (
+            backend_for(contract)
+            if backend is None
+            else (get_backend(backend) if isinstance(backend, str) else backend)
+        )
         self.backend.check(contract)
         self.rotation.check_contract(contract)
         self.dtype = contract.torch_dtype
         if weights is not None and (weights.config != cfg or weights.embed.dtype != self.dtype):
             raise UsageError("shared weights were built for another config or dtype")
         self.weights = weights or DecoderWeights.from_checkpoint(checkpoint, self.dtype, self.device)
-        self.cache = PagedKVCache(contract, num_blocks, device=self.device, rollback_depth=rollback_depth,
-                                  policy=cache_ops)
+        self.cache = PagedKVCache(
+            contract, num_blocks, device=self.device, rollback_depth=rollback_depth, policy=cache_ops
+        )
         self._fork_offset: dict[object, int] = {}
         self._op_facts: dict[object, OpFacts] = {}  # cache operations per sequence, for StepContext.ops
         self._join_buffers: list[torch.Tensor | None] = [None, None]  # keys, values; see _joined
@@ -70,8 +85,9 @@ class Engine:
         work = torch.float64 if self.dtype == torch.float64 else torch.float32
         # cos/sin rows, see _step_tables; compile_rotation: a rotating backend turns keys in one
         # torch.compile'd pass (tests/test_bench.py holds it to the eager step within float32 rounding)
-        self._rope_tables = RopeTables(contract.rope, work, self.device,
-                                       compile_keys=compile_rotation and self.backend.rotates)
+        self._rope_tables = RopeTables(
+            contract.rope, work, self.device, compile_keys=compile_rotation and self.backend.rotates
+        )
 
     # ------------------------------------------------------------------ public API
 
@@ -91,7 +107,7 @@ class Engine:
             step = chunk_size or tokens.numel()
             out = None
             for start in range(0, tokens.numel(), step):
-                out = self._step(seq_id, tokens[start:start + step], phase="prefill", probe=False, last_logits=True)
+                out = self._step(seq_id, tokens[start : start + step], phase="prefill", probe=False, last_logits=True)
         except Exception:
             if created and self.cache.num_tokens(seq_id) == 0:
                 self.free(seq_id)
@@ -140,13 +156,13 @@ class Engine:
 
     def save(self, seq_id, path, tokens: torch.Tensor) -> int:
         """Write ``seq_id`` (whose consumed ids are ``tokens [n]``) to a safetensors file; returns its size."""
-        from .saved import save_sequence
+        from ..transfer.saved import save_sequence
 
         return save_sequence(self, seq_id, path, tokens)
 
     def load(self, path, seq_id=None):
         """Load a file written by :meth:`save`; returns ``(seq_id, tokens)``. All or nothing."""
-        from .saved import load_sequence
+        from ..transfer.saved import load_sequence
 
         sid, tokens = load_sequence(self, path, seq_id)
         self._fork_offset[sid] = 0
@@ -155,7 +171,7 @@ class Engine:
 
     def decode_batch(self, seq_ids: list, tokens: torch.Tensor, *, probe: bool = False) -> list[StepOutput]:
         """One decode step for several sequences of different lengths at once, in a left-padded
-        batch: every row at its own next position (see :mod:`ropekv.batch`)."""
+        batch: every row at its own next position (see :mod:`ropekv.engine.batch`)."""
         from .batch import decode_batch
 
         return decode_batch(self, seq_ids, tokens, probe=probe)
@@ -166,53 +182,83 @@ class Engine:
 
     def _note(self, seq_id, **counts: int) -> None:
         facts = self.op_facts(seq_id)
-        self._op_facts[seq_id] = dataclasses.replace(
-            facts, **{k: getattr(facts, k) + v for k, v in counts.items()})
+        self._op_facts[seq_id] = dataclasses.replace(facts, **{k: getattr(facts, k) + v for k, v in counts.items()})
 
-    def forward_full(self, tokens: torch.Tensor, *, probe_rows: list[int] | None = None,
-                     logits_rows: list[int] | None = None) -> StepOutput:
+    def forward_full(
+        self, tokens: torch.Tensor, *, probe_rows: list[int] | None = None, logits_rows: list[int] | None = None
+    ) -> StepOutput:
         """The engine's own cache-free forward over ``tokens [T]`` at positions ``0..T-1``. Logits
         ``[T, vocab]``, or ``[R, vocab]`` of ``logits_rows`` only (a check compares a few rows: at
         8,190 tokens all rows are 1.6 GB of float32 logits)."""
         tokens = self._check_tokens(tokens)
-        return self._run(tokens, torch.arange(tokens.numel()), None, phase="full", probe_rows=probe_rows,
-                         logits_rows=logits_rows)
+        return self._run(
+            tokens, torch.arange(tokens.numel()), None, phase="full", probe_rows=probe_rows, logits_rows=logits_rows
+        )
 
     # ------------------------------------------------------------------ internals
 
     def _check_contract_fits_model(self) -> None:
         cfg, c = self.config, self.contract
         problems = []
-        for field, ours, theirs in (("num_layers", c.num_layers, cfg.num_layers),
-                                    ("num_kv_heads", c.num_kv_heads, cfg.num_kv_heads),
-                                    ("head_dim", c.head_dim, cfg.head_dim)):
+        for field, ours, theirs in (
+            ("num_layers", c.num_layers, cfg.num_layers),
+            ("num_kv_heads", c.num_kv_heads, cfg.num_kv_heads),
+            ("head_dim", c.head_dim, cfg.head_dim),
+        ):
             if ours != theirs:
                 problems.append((field, f"{field}: contract {ours}, model {theirs}"))
         if cfg.mla is not None and (c.mla is None or c.mla.cached != "expanded"):
-            problems.append(("mla.cached", f"mla.cached: contract {None if c.mla is None else c.mla.cached!r}, "
-                                           "ropekv's engine caches MLA keys 'expanded' (per-head keys and values, "
-                                           "the rope part last)"))
+            problems.append(
+                (
+                    "mla.cached",
+                    f"mla.cached: contract {None if c.mla is None else c.mla.cached!r}, "
+                    "ropekv's engine caches MLA keys 'expanded' (per-head keys and values, "
+                    "the rope part last)",
+                )
+            )
         elif c.mla is not None and cfg.mla is None:
             problems.append(("mla", "mla: the contract describes multi-head latent attention, the model has none"))
         if c.rope != cfg.rope:
-            problems.append(("rope", f"rope: contract {c.rope.fingerprint()}, model {cfg.rope.fingerprint()} "
-                                     "(keys and queries would turn differently from what the model was trained with)"))
+            problems.append(
+                (
+                    "rope",
+                    f"rope: contract {c.rope.fingerprint()}, model {cfg.rope.fingerprint()} "
+                    "(keys and queries would turn differently from what the model was trained with)",
+                )
+            )
         elif c.layer_ropes != cfg.layer_ropes:
             bad = [i for i in range(cfg.num_layers) if c.layer_rope(i) != cfg.layer_rope(i)]
-            problems.append(("layer_ropes", f"layer_ropes: layer(s) {bad[:8]} turn with another RoPE (or none) in the "
-                                            "contract than in the model"))
+            problems.append(
+                (
+                    "layer_ropes",
+                    f"layer_ropes: layer(s) {bad[:8]} turn with another RoPE (or none) in the "
+                    "contract than in the model",
+                )
+            )
         if c.key_form == "raw" and cfg.qk_norm and cfg.family.qk_norm == "head_after_rope":
-            problems.append(("key_form", f"key_form: 'raw' has no meaning for {cfg.architecture}: its q/k norm is "
-                                         "applied after RoPE, so the key the kernel reads is norm(R(j) k), not a "
-                                         "rotation of any key a cache could hold raw; use key_form 'rotated' "
-                                         "(with a length-dependent RoPE, dynamic NTK without alpha, no key form can "
-                                         "serve it: rotated keys keep stale frequencies)"))
+            problems.append(
+                (
+                    "key_form",
+                    f"key_form: 'raw' has no meaning for {cfg.architecture}: its q/k norm is "
+                    "applied after RoPE, so the key the kernel reads is norm(R(j) k), not a "
+                    "rotation of any key a cache could hold raw; use key_form 'rotated' "
+                    "(with a length-dependent RoPE, dynamic NTK without alpha, no key form can "
+                    "serve it: rotated keys keep stale frequencies)",
+                )
+            )
         if c.model_fingerprint and c.model_fingerprint != self.checkpoint.fingerprint:
-            problems.append(("model_fingerprint", f"model_fingerprint: contract {c.model_fingerprint}, model "
-                                                  f"{self.checkpoint.fingerprint} (keys would come from another model)"))
+            problems.append(
+                (
+                    "model_fingerprint",
+                    f"model_fingerprint: contract {c.model_fingerprint}, model "
+                    f"{self.checkpoint.fingerprint} (keys would come from another model)",
+                )
+            )
         if problems:
-            raise ContractMismatch("the cache contract does not fit the model: " + "; ".join(p for _, p in problems),
-                                   fields=tuple(f for f, _ in problems))
+            raise ContractMismatch(
+                "the cache contract does not fit the model: " + "; ".join(p for _, p in problems),
+                fields=tuple(f for f, _ in problems),
+            )
 
     def _check_positions(self, last: int) -> None:
         if last >= self.config.position_limit:
@@ -226,25 +272,45 @@ class Engine:
             raise UsageError(f"token ids must be in [0, {self.config.vocab_size})")
         return tokens.to(torch.int64)
 
-    def _step(self, seq_id, tokens: torch.Tensor, *, phase: str, probe: bool, last_logits: bool = False) -> StepOutput:
+    def _step(
+        self, seq_id, tokens: torch.Tensor, *, phase: Phase, probe: bool, last_logits: bool = False
+    ) -> StepOutput:
         start = self.cache.last_position(seq_id) + 1
         positions = torch.arange(start, start + tokens.numel(), dtype=torch.int64)
         self._check_positions(int(positions[-1]))
         rows = list(range(tokens.numel())) if probe else None
-        return self._run(tokens, positions, seq_id, phase=phase, probe_rows=rows,
-                         logits_rows=[tokens.numel() - 1] if last_logits else None)
+        return self._run(
+            tokens,
+            positions,
+            seq_id,
+            phase=phase,
+            probe_rows=rows,
+            logits_rows=[tokens.numel() - 1] if last_logits else None,
+        )
 
-    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, seq_id, *, phase: str,
-             probe_rows: list[int] | None, logits_rows: list[int] | None = None) -> StepOutput:
+    def _run(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        seq_id,
+        *,
+        phase: Phase,
+        probe_rows: list[int] | None,
+        logits_rows: list[int] | None = None,
+    ) -> StepOutput:
         cfg, c, rot = self.config, self.contract, self.rotation
-        n = tokens.numel()
         groups = self._step_groups(seq_id, positions, probe_rows is not None)
-        step_ctx = StepContext(phase=phase, seq_len=int(positions.max()) + 1,
-                               fork_offset=self._fork_offset.get(seq_id, 0), block_size=c.block_size,
-                               layer_ropes=tuple(c.layer_rope(i) for i in range(c.num_layers)),
-                               window_layers=c.window_layers, ops=self.op_facts(seq_id),
-                               tables=self._step_tables(positions, groups.values()),
-                               key_scratch=None if probe_rows is not None else self._scratch(groups.values()))
+        step_ctx = StepContext(
+            phase=phase,
+            seq_len=int(positions.max()) + 1,
+            fork_offset=self._fork_offset.get(seq_id, 0),
+            block_size=c.block_size,
+            layer_ropes=tuple(c.layer_rope(i) for i in range(c.num_layers)),
+            window_layers=c.window_layers,
+            ops=self.op_facts(seq_id),
+            tables=self._step_tables(positions, groups.values()),
+            key_scratch=None if probe_rows is not None else self._scratch(groups.values()),
+        )
         h = embed(cfg, self.weights, tokens.to(self.device))  # [n, hidden]
         new_keys, new_values, traces = [], [], []
         for layer, lw in enumerate(self.weights.layers):
@@ -256,16 +322,27 @@ class Engine:
             # before the cache can change.
             view = self.cache.view(seq_id, layer, copy=False) if seq_id is not None else None
             # raw keys exist only where q/k norms (if any) come before RoPE (_check_contract_fits_model)
-            stored_new = k if c.key_form == "raw" else after_rope(
-                cfg, lw.k_norm, rot.write_key(rope, k, positions, g.new_slots, ctx))
+            stored_new = (
+                k
+                if c.key_form == "raw"
+                else after_rope(cfg, lw.k_norm, rot.write_key(rope, k, positions, g.new_slots, ctx))
+            )
             if g.segments:  # a decode step that sees every key: cached keys read in place, no join
                 q_eff = after_rope(cfg, lw.q_norm, rot.query(rope, q, positions, ctx))
-                k_cached = rot.read_keys(rope, view.keys, view.positions, view.slots, ctx,
-                                         backend_rotates=self.backend.rotates)
-                k_new = rot.read_keys(rope, stored_new, positions, g.new_slots, ctx,
-                                      backend_rotates=self.backend.rotates)
-                out = attend_segments(q_eff, (k_cached, k_new), (view.values, v), scale=cfg.attn_scale,
-                                      softcap=cfg.attn_softcap, sinks=lw.sinks)
+                k_cached = rot.read_keys(
+                    rope, view.keys, view.positions, view.slots, ctx, backend_rotates=self.backend.rotates
+                )
+                k_new = rot.read_keys(
+                    rope, stored_new, positions, g.new_slots, ctx, backend_rotates=self.backend.rotates
+                )
+                out = attend_segments(
+                    q_eff,
+                    (k_cached, k_new),
+                    (view.values, v),
+                    scale=cfg.attn_scale,
+                    softcap=cfg.attn_softcap,
+                    sinks=lw.sinks,
+                )
             else:
                 if view is not None:
                     reuse = probe_rows is None  # probes keep k_eff (the keys themselves when read as stored)
@@ -277,10 +354,17 @@ class Engine:
                     out, q_eff, k_eff = self._attend_cache_index(q, keys, values, g.mask, g.key_slots, ctx)
                 else:
                     q_eff = after_rope(cfg, lw.q_norm, rot.query(rope, q, positions, ctx))
-                    k_eff = rot.read_keys(rope, keys, g.key_pos, g.key_slots, ctx,
-                                          backend_rotates=self.backend.rotates)
-                    out, _ = attend(q_eff, k_eff, values, g.attn_mask, scale=cfg.attn_scale,
-                                    softcap=cfg.attn_softcap, sinks=lw.sinks, with_logits=False)
+                    k_eff = rot.read_keys(rope, keys, g.key_pos, g.key_slots, ctx, backend_rotates=self.backend.rotates)
+                    out, _ = attend(
+                        q_eff,
+                        k_eff,
+                        values,
+                        g.attn_mask,
+                        scale=cfg.attn_scale,
+                        softcap=cfg.attn_softcap,
+                        sinks=lw.sinks,
+                        with_logits=False,
+                    )
                 if probe_rows is not None:
                     traces.append(_probe(probe_rows, h, q, q_eff, k_eff, values, g.key_pos, g.key_slots, g.mask))
             new_keys.append(stored_new)
@@ -292,7 +376,7 @@ class Engine:
             h = h[torch.as_tensor(logits_rows, dtype=torch.int64)]
         return StepOutput(final_logits(cfg, self.weights, h), positions, tuple(traces))
 
-    def _step_groups(self, seq_id, positions: torch.Tensor, probed: bool) -> dict[LayerAttention, "_StepGroup"]:
+    def _step_groups(self, seq_id, positions: torch.Tensor, probed: bool) -> dict[LayerAttention, _StepGroup]:
         """Slots, key positions and the mask of this step per attention kind (full, the window, the
         chunk), built once per step: every layer of a kind gets the same tensors (and the same cos/sin
         table). Chunked layers live in the full cache group: every key stays cached, and the mask
@@ -314,8 +398,15 @@ class Engine:
             mask = visibility(positions, key_pos, kind.window, c.sink_tokens, kind.chunk)
             everything = bool(mask.all())  # decode without a window hiding anything: attend skips masking
             segments = view is not None and everything and not probed and c.rotation_index == "logical"
-            out[kind] = _StepGroup(new_slots, key_pos, key_slots, mask, None if everything else mask,
-                                     segments, view.positions if segments else key_pos)
+            out[kind] = _StepGroup(
+                new_slots,
+                key_pos,
+                key_slots,
+                mask,
+                None if everything else mask,
+                segments,
+                view.positions if segments else key_pos,
+            )
         return out
 
     def _step_tables(self, positions: torch.Tensor, groups) -> tuple[RopeTable, ...]:
@@ -367,10 +458,17 @@ class Engine:
             vis = mask[i]
             index = torch.cumsum(vis.to(torch.int64), 0) - 1  # rank among visible keys
             k_eff = rot.read_keys(rope, keys, index.clamp(min=0), key_slots, ctx, backend_rotates=self.backend.rotates)
-            qi = rot.query(rope, q[i:i + 1], index[vis][-1:].reshape(1), ctx)
-            o, _ = attend(qi, k_eff, values, mask[i:i + 1], scale=self.config.attn_scale,
-                          softcap=self.config.attn_softcap, sinks=self.weights.layers[ctx.layer].sinks,
-                          with_logits=False)
+            qi = rot.query(rope, q[i : i + 1], index[vis][-1:].reshape(1), ctx)
+            o, _ = attend(
+                qi,
+                k_eff,
+                values,
+                mask[i : i + 1],
+                scale=self.config.attn_scale,
+                softcap=self.config.attn_softcap,
+                sinks=self.weights.layers[ctx.layer].sinks,
+                with_logits=False,
+            )
             outs.append(o)
             q_effs.append(qi)
         return torch.cat(outs), torch.cat(q_effs), k_eff
@@ -395,5 +493,12 @@ def _probe(rows: list[int], h, q, q_eff, k_eff, values, key_pos, key_slots, mask
     full forward): every key, and the reader masks by position."""
     r = torch.as_tensor(rows)
     keep = mask[r[0]] if len(rows) == 1 else slice(None)
-    return LayerProbe(q=q_eff[r], k=k_eff[keep], key_positions=key_pos[keep], key_slots=key_slots[keep],
-                      hidden_in=h[r].detach(), q_raw=q[r], v=values[keep])
+    return LayerProbe(
+        q=q_eff[r],
+        k=k_eff[keep],
+        key_positions=key_pos[keep],
+        key_slots=key_slots[keep],
+        hidden_in=h[r].detach(),
+        q_raw=q[r],
+        v=values[keep],
+    )

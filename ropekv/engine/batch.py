@@ -10,12 +10,11 @@ the whole step, row by row, and a row that cannot be written takes the rows befo
 
 from __future__ import annotations
 
-
 import torch
 
+from ..errors import CacheError, UsageError
+from ..probe import LayerProbe
 from .attention import softmax_with_sinks, visibility
-from .errors import CacheError, UsageError
-from .probe import LayerProbe
 from .rotation import StepContext
 from .transformer import after_rope, embed, final_logits, finish_layer, project_qkv
 
@@ -36,17 +35,27 @@ def decode_batch(engine, seq_ids: list, tokens: torch.Tensor, *, probe: bool = F
         if not cache.has(sid) or cache.num_tokens(sid) == 0:
             raise CacheError(f"decode_batch: unknown or empty sequence {sid!r}")
     if c.rotation_index == "cache":
-        raise UsageError("decode_batch: rotation_index='cache' re-indexes per row and is not batched; decode one by one")
+        raise UsageError(
+            "decode_batch: rotation_index='cache' re-indexes per row and is not batched; decode one by one"
+        )
     positions = torch.tensor([cache.last_position(s) + 1 for s in seq_ids], dtype=torch.int64)  # [B]
     for p in positions.tolist():
         engine._check_positions(p)
     for sid in seq_ids:
         cache.check_room(sid, 1)
     cursor = int(positions.max())
-    ctxs = [StepContext(phase="decode", seq_len=int(p) + 1, fork_offset=engine._fork_offset.get(s, 0),
-                        block_size=c.block_size, layer_ropes=tuple(c.layer_rope(i) for i in range(c.num_layers)),
-                        window_layers=c.window_layers, ops=_with_padding(engine.op_facts(s), cursor - int(p)))
-            for s, p in zip(seq_ids, positions.tolist())]
+    ctxs = [
+        StepContext(
+            phase="decode",
+            seq_len=int(p) + 1,
+            fork_offset=engine._fork_offset.get(s, 0),
+            block_size=c.block_size,
+            layer_ropes=tuple(c.layer_rope(i) for i in range(c.num_layers)),
+            window_layers=c.window_layers,
+            ops=_with_padding(engine.op_facts(s), cursor - int(p)),
+        )
+        for s, p in zip(seq_ids, positions.tolist())
+    ]
     num_before = [cache.num_tokens(s) for s in seq_ids]
     h = embed(cfg, engine.weights, tokens.to(engine.device))  # [B, hidden]
     new_keys = [[] for _ in range(B)]
@@ -58,42 +67,59 @@ def decode_batch(engine, seq_ids: list, tokens: torch.Tensor, *, probe: bool = F
         q, k, v = project_qkv(cfg, lw, h, positions)  # [B, H, D], [B, KVH, D], [B, KVH, D]
         rows = []
         for r, sid in enumerate(seq_ids):
-            pos, ctx = positions[r:r + 1], ctxs[r].for_layer(layer)
+            pos, ctx = positions[r : r + 1], ctxs[r].for_layer(layer)
             view = cache.view(sid, layer)
             new_slot = cache.slots_of(layer, num_before[r], 1)
-            stored = k[r:r + 1] if c.key_form == "raw" else after_rope(
-                cfg, lw.k_norm, rot.write_key(rope, k[r:r + 1], pos, new_slot, ctx))
+            stored = (
+                k[r : r + 1]
+                if c.key_form == "raw"
+                else after_rope(cfg, lw.k_norm, rot.write_key(rope, k[r : r + 1], pos, new_slot, ctx))
+            )
             keys = torch.cat([view.keys, stored.to(view.keys.dtype)])  # [N_r, KVH, D]
-            values = torch.cat([view.values, v[r:r + 1].to(view.values.dtype)])
+            values = torch.cat([view.values, v[r : r + 1].to(view.values.dtype)])
             key_pos = torch.cat([view.positions, pos.to(view.positions.device)])  # [N_r]
             key_slots = torch.cat([view.slots, new_slot.to(view.slots.device)])
             k_eff = rot.read_keys(rope, keys, key_pos, key_slots, ctx, backend_rotates=engine.backend.rotates)
-            q_eff = after_rope(cfg, lw.q_norm, rot.query(rope, q[r:r + 1], pos, ctx))  # [1, H, D]
+            q_eff = after_rope(cfg, lw.q_norm, rot.query(rope, q[r : r + 1], pos, ctx))  # [1, H, D]
             mask = visibility(pos, key_pos, kind.window, c.sink_tokens, kind.chunk)[0]  # [N_r]
             rows.append((q_eff, k_eff, values, key_pos, key_slots, mask))
             new_keys[r].append(stored)
-            new_values[r].append(v[r:r + 1])
+            new_values[r].append(v[r : r + 1])
             if probe:
-                traces[r].append(LayerProbe(q=q_eff, k=k_eff[mask], key_positions=key_pos[mask],
-                                            key_slots=key_slots[mask], hidden_in=h[r:r + 1].detach(),
-                                            q_raw=q[r:r + 1], v=values[mask]))
+                traces[r].append(
+                    LayerProbe(
+                        q=q_eff,
+                        k=k_eff[mask],
+                        key_positions=key_pos[mask],
+                        key_slots=key_slots[mask],
+                        hidden_in=h[r : r + 1].detach(),
+                        q_raw=q[r : r + 1],
+                        v=values[mask],
+                    )
+                )
         out = _padded_attention(rows, cfg.num_heads, q.dtype, cfg.attn_scale, cfg.attn_softcap, lw.sinks)  # [B, H, D]
         h = finish_layer(cfg, lw, h, out)
     logits = final_logits(cfg, engine.weights, h)  # [B, vocab]
     written = []
     try:
         for r, sid in enumerate(seq_ids):
-            cache.append(sid, positions[r:r + 1], new_keys[r], new_values[r], key_form=c.key_form)
+            cache.append(sid, positions[r : r + 1], new_keys[r], new_values[r], key_form=c.key_form)
             written.append(sid)
     except BaseException:
         for sid in written:
             cache.rollback(sid, 1)
         raise
-    return [StepOutput(logits[r:r + 1], positions[r:r + 1], tuple(traces[r])) for r in range(B)]
+    return [StepOutput(logits[r : r + 1], positions[r : r + 1], tuple(traces[r])) for r in range(B)]
 
 
-def _padded_attention(rows: list, num_heads: int, dtype: torch.dtype, scale: float,
-                      softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+def _padded_attention(
+    rows: list,
+    num_heads: int,
+    dtype: torch.dtype,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention of every row over one left-padded key tensor ``[B, N_max, KVH, D]``.
 
     ``rows[r] = (q_eff [1, H, D], k_eff [N_r, KVH, D], values [N_r, KVH, D], _, _, mask [N_r])``; the

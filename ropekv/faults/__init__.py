@@ -1,0 +1,1 @@
+"""The fault catalogue: every catalogued bug as a small, named variant of correct code."""
