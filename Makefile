@@ -1,4 +1,4 @@
-.PHONY: setup check test test-core bench setup-engines test-engines
+.PHONY: setup check lint test test-core bench setup-engines test-engines
 setup:
 	@bash scripts/setup.sh
 
@@ -11,7 +11,14 @@ check: setup
 # fails its set-up, and with it `make test`: nothing is skipped.
 test: test-core test-engines
 
-test-core: setup
+# Lint, format and types (config in pyproject.toml); `make test` runs it first, so CI enforces it.
+LINT_PATHS = ropekv tests engine_tests scripts examples
+lint: setup
+	.venv/bin/ruff check $(LINT_PATHS)
+	.venv/bin/ruff format --check $(LINT_PATHS)
+	.venv/bin/mypy
+
+test-core: lint
 	.venv/bin/python -m pytest
 
 bench: setup
