@@ -8,6 +8,8 @@ happens here.
 from __future__ import annotations
 
 from .adapters.native import NativeAdapter
+from .contract import KeyForm
+from .engine.attention import BackendName
 from .models.config import Checkpoint
 from .parity.cases import Case
 from .parity.compare import Tolerance
@@ -28,8 +30,8 @@ def check(
     decode_steps: int | None = None,
     dtype: str | None = None,
     reference: str = "float64",
-    key_form: str | None = None,
-    backend: str | None = None,
+    key_form: KeyForm | None = None,
+    backend: BackendName | None = None,
     seed: int = 0,
     cases: list[Case] | None = None,
     progress: bool | str = False,

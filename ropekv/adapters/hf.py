@@ -44,7 +44,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -60,8 +60,10 @@ try:
     from transformers import DynamicCache, StaticCache
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    _HAS_TRANSFORMERS = True
 except ImportError:  # pragma: no cover - exercised only without the extra
-    transformers = None
+    _HAS_TRANSFORMERS = False
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 CACHE_KINDS = ("dynamic", "static")
@@ -70,7 +72,7 @@ _serial = itertools.count()
 
 
 def _need_transformers() -> None:
-    if transformers is None:
+    if not _HAS_TRANSFORMERS:
         raise UsageError("the HF engine needs transformers: pip install 'ropekv[hf]'")
 
 
@@ -80,8 +82,8 @@ class _Call:
 
     positions: torch.Tensor  # [q] logical positions of this call's tokens
     rows: torch.Tensor | None  # [R] indices into the q tokens to record; None records nothing
+    recorder: AttentionRecorder  # the layers' attention as the kernel saw it
     raw: bool = False  # record raw keys (k_proj / k_norm output)
-    recorder: AttentionRecorder | None = None  # the layers' attention as the kernel saw it
     kv_offset: dict[int, int] = field(default_factory=dict)
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [R, hidden]
     raw_keys: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [q, KVH, D]
@@ -159,7 +161,7 @@ class HFEngine:
         # ropekv shows its own progress; transformers' loading bars and warnings would interleave with it.
         transformers.utils.logging.disable_progress_bar()
         transformers.utils.logging.set_verbosity_error()
-        auto = transformers.AutoModelForCausalLM
+        auto: Any = transformers.AutoModelForCausalLM  # an auto class of transformers
         if _multimodal(folder):  # Qwen2-VL: the image-text class, checked as its text model
             auto = transformers.AutoModelForImageTextToText
         try:
@@ -312,7 +314,7 @@ class HFEngine:
                 undo.append(lambda: model.set_attn_implementation(impl))
             else:  # an architecture with its own attention method (GPT-J's _attn): wrap it per module
                 for attn in self.attentions:
-                    setattr(attn, self._attention_method, self._method_probe(attn))
+                    setattr(attn, self._attention_method, self._method_probe(attn, self._attention_method))
                     undo.append(lambda attn=attn: delattr(attn, self._attention_method))
             for i, (layer, attn) in enumerate(zip(self.layers, self.attentions)):
                 k_mod = getattr(attn, "k_norm", None) or getattr(attn, "k_proj", None)
@@ -371,7 +373,7 @@ class HFEngine:
 
         return hook
 
-    def _mla_raw_key_hooks(self, layer: int, attn: torch.nn.Module) -> list:
+    def _mla_raw_key_hooks(self, layer: int, attn: Any) -> list:
         """Multi-head latent attention (DeepSeek V2/V3): the raw key of head ``h`` is ``[k_nope_h, k_pe]``,
         ``k_nope`` from ``kv_b_proj``'s output, ``k_pe`` (one head, not rotated) the last
         ``qk_rope_head_dim`` channels of ``kv_a_proj_with_mqa``'s; both seen on the cache-free forward."""
@@ -393,9 +395,9 @@ class HFEngine:
 
         return [attn.kv_a_proj_with_mqa.register_forward_hook(pe_hook), attn.kv_b_proj.register_forward_hook(nope_hook)]
 
-    def _method_probe(self, module: torch.nn.Module):
-        """``module``'s own attention method (``Family.hf_attention_method``), recording first."""
-        original = getattr(module, self._attention_method)  # the bound class method
+    def _method_probe(self, module: torch.nn.Module, method: str):
+        """``module``'s own attention method ``method`` (``Family.hf_attention_method``), recording first."""
+        original = getattr(module, method)  # the bound class method
 
         def probe(query, key, value, attention_mask=None, *args, **kwargs):
             call = self._call
@@ -428,6 +430,7 @@ class HFEngine:
         k = key[0].transpose(0, 1)  # [N, KVH, D]
         num_keys = k.shape[0]
         rows = call.rows
+        assert rows is not None  # only a call with rows is recorded
         qpos = call.positions[rows]  # [R]
         kpos = call.kv_offset.get(layer, 0) + torch.arange(num_keys)  # [N]
         visible = _visibility(mask, rows, qpos, kpos, kwargs.get("sliding_window"))  # [R, N]
@@ -454,12 +457,12 @@ class HFEngine:
         mask = None
         if case.window is not None:
             kv_len = (cache.get_seq_length() if cache is not None else 0) + ids.shape[0]
-            mask = self._window_mask(positions, kv_len, case)
+            mask = self._window_mask(positions, kv_len, case.window, case.sink_tokens)
         call = _Call(
             positions,
             None if rows is None else torch.as_tensor(rows, dtype=torch.long),
-            raw,
             AttentionRecorder(len(self.layers)),
+            raw,
         )
         self._call = call
         try:
@@ -500,11 +503,11 @@ class HFEngine:
         sliding = "sliding_attention" in types or "chunked_attention" in types
         return case.window is not None or (self.cache_kind == "dynamic" and not sliding)
 
-    def _window_mask(self, positions: torch.Tensor, kv_len: int, case: Case) -> torch.Tensor:
-        """``[1, 1, q, kv_len]``: key j visible to query i iff j <= i and (i - W < j or j < sinks);
+    def _window_mask(self, positions: torch.Tensor, kv_len: int, window: int, sinks: int) -> torch.Tensor:
+        """``[1, 1, q, kv_len]``: key j visible to query i iff j <= i and (i - window < j or j < sinks);
         additive (0 / dtype min) for eager attention, boolean otherwise."""
         i, j = positions[:, None], torch.arange(kv_len)[None, :]
-        visible = (j <= i) & ((j > i - case.window) | (j < case.sink_tokens))
+        visible = (j <= i) & ((j > i - window) | (j < sinks))
         if self.attn_implementation == "eager":
             return torch.zeros(visible.shape, dtype=self.dtype).masked_fill(~visible, torch.finfo(self.dtype).min)[
                 None, None
@@ -514,10 +517,11 @@ class HFEngine:
     def _reset_rope(self) -> None:
         _apply_rope(self._fresh_rope)
 
-    def _decoder_layers(self) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
+    def _decoder_layers(self) -> tuple[list[torch.nn.Module], list[Any]]:
         """The decoder layers and their attention modules, where the architecture's description says
         they are (``Family.hf_layers`` or ``layers_prefix``, and ``attn_module``; llama's names for an
-        undescribed one)."""
+        undescribed one). The attention modules are transformers' own classes (``Any``: their
+        attributes, ``head_dim`` and the MLA projections, are read as each architecture names them)."""
         config = self.model.config
         name = family_of(list(getattr(config, "architectures", None) or []), getattr(config, "model_type", None))
         fam = FAMILIES.get(name) if name is not None else None
@@ -532,7 +536,7 @@ class HFEngine:
                 "it; check the checkpoint with ropekv's engine (ropekv check DIR)"
             )
         try:
-            layers = self.model.get_submodule(where)
+            layers: torch.nn.ModuleList | None = cast(torch.nn.ModuleList, self.model.get_submodule(where))
         except AttributeError:
             layers = None
         if layers is None or not all(hasattr(block, attn_name) for block in layers):
@@ -555,7 +559,9 @@ def _multimodal(folder: Path) -> bool:
         return False  # transformers' own loader reports it
     if not isinstance(config, dict):
         return False
-    archs = config.get("architectures") if isinstance(config.get("architectures"), list) else []
+    archs = config.get("architectures")
+    if not isinstance(archs, list):
+        archs = []
     family = family_of(archs, config.get("model_type"))
     return family is not None and FAMILIES[family].text_config
 

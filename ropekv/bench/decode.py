@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..contract import CacheContract
+from ..contract import CacheContract, KeyForm
 from ..engine import Engine
 from ..engine.transformer import DecoderWeights
 from ..models.config import Checkpoint
@@ -71,8 +71,8 @@ class Driver:
     """One engine's sequence: ``prefill(start, end)`` appends tokens ``start..end-1``, ``decode(p)``
     decodes the token at position ``p``; ``keep`` holds whatever must outlive the run (the engine)."""
 
-    prefill: Callable[[int, int], None]
-    decode: Callable[[int], None]
+    prefill: Callable[[int, int], object]  # what they return is not used
+    decode: Callable[[int], object]
     keep: Any = None
 
 
@@ -140,7 +140,7 @@ def time_interleaved(
 
 def ropekv_driver(
     checkpoint: Checkpoint,
-    key_form: str,
+    key_form: KeyForm,
     tokens: torch.Tensor,
     max_tokens: int,
     *,

@@ -73,7 +73,7 @@ def measure_handoff(
         log = open(workdir / f"rank{rank}.log", "w")  # noqa: SIM115 -- closed after its process ends, below
         procs.append((subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT), log))
     deadline = time.monotonic() + timeout
-    codes = []
+    codes: list[int | None] = []  # None: the rank did not finish in time
     try:
         for proc, _ in procs:
             try:
@@ -179,6 +179,7 @@ def _rank_main(args: argparse.Namespace) -> int:
             else:
                 works = [dist.irecv(b, 0) for b in buffers]
             for w in works:
+                assert w is not None  # point-to-point ops return their request on a member of the group
                 w.wait()
             if rank == 1:
                 seconds["bare_chunks"].append(time.perf_counter() - t0)
@@ -222,7 +223,9 @@ def _exchange_sizes(rank: int, facts: dict[str, Any]) -> dict[str, Any]:
 
     box = [facts if rank == 0 else None]
     dist.broadcast_object_list(box, src=0)
-    return box[0]
+    sizes = box[0]
+    assert sizes is not None  # rank 0's facts, broadcast to every rank
+    return sizes
 
 
 def _same(cache, seq_id: str, handoff) -> bool:

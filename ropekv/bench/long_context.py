@@ -84,7 +84,7 @@ def measure(
         passed = json.loads(report.read_text()).get("passed") if report.exists() else None
         entry.update(check_seconds=wall, check_peak_rss_bytes=rss, check_exit_code=code, check_passed=passed)
         progress(f"  {wall:.1f} s, peak RSS {rss / 2**30:.2f} GiB, exit {code}")
-        parts = {}
+        parts: dict[str, dict[str, Any]] = {}  # part -> its JSON record
         for part in PARTS:
             progress(f"  {part.replace('_', ' ')} alone")
             out = workdir / f"{part}-{length}.json"

@@ -29,10 +29,12 @@ from typing import Any
 
 import torch
 
+from ..contract import KeyForm
 from ..errors import UsageError
 from .bandwidth import measure_bandwidth
 from .decode import (
     DecodeRun,
+    Driver,
     floor_driver,
     load_transformers_model,
     ropekv_driver,
@@ -72,7 +74,7 @@ GOAL_LABELS: dict[str, tuple[str, str]] = {
     "naive_over_sweep": ("shared full forwards: what they save", "naive check s / check s"),
 }
 # key form -> the backend that honours it (ropekv.engine.attention.backend_for), the name figures are keyed by
-BACKENDS = {"rotated": "rotated", "raw": "rotate_on_read"}
+BACKENDS: dict[KeyForm, str] = {"rotated": "rotated", "raw": "rotate_on_read"}
 
 
 @dataclass
@@ -187,7 +189,7 @@ def run_bench(settings: BenchSettings, progress: Callable[[str], None] | None = 
     # ---------------------------------------------------------------- decode, all engines interleaved
     t0 = time.perf_counter()
     max_tokens = max(contexts) + room
-    drivers = {}
+    drivers: dict[str, Driver] = {}  # backend -> its sequence
     for key_form, backend in BACKENDS.items():
         weights = drivers["rotated"].keep[0].weights if drivers else None  # one copy of the weights
         drivers[backend] = ropekv_driver(

@@ -16,6 +16,7 @@ import time
 
 from ropekv.adapters.llamacpp import LlamaCppEngine
 from ropekv.adapters.llamacpp.shift import check_shift
+from ropekv.adapters.llamacpp.tap import ShiftFaultKind
 from ropekv.models.default import default_gguf_path
 from ropekv.models.reference import ReferenceDecoder
 from ropekv.parity.cases import token_stream
@@ -33,7 +34,7 @@ def main() -> None:
         engine = LlamaCppEngine(path, n_ctx=max(deltas) + args.n + 64, tier="forensics")
         reference = ReferenceDecoder(engine.checkpoint)
         tokens = token_stream(engine.config.vocab_size, args.n + 1).tolist()
-        runs = [(d, None) for d in deltas] + (
+        runs: list[tuple[int, ShiftFaultKind | None]] = [(d, None) for d in deltas] + (
             [(1000, "not_rerotated"), (1000, "rerotated_twice")] if weights == "f32" else []
         )
         for delta, fault in runs:

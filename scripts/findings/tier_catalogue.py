@@ -13,6 +13,7 @@ import dataclasses
 from ropekv.faults.catalogue import FAULTS
 from ropekv.faults.ops import OP_FAULTS
 from ropekv.models import load_checkpoint
+from ropekv.models.config import Checkpoint
 from ropekv.parity.cases import Case
 from ropekv.parity.harness import check
 from ropekv.parity.protocol import Tier
@@ -59,7 +60,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="a checkpoint directory (default: a tiny random llama)")
     args = ap.parse_args()
-    ckpt = load_checkpoint(args.model) if args.model else tiny_checkpoint("llama", max_position_embeddings=1024)
+    if args.model:
+        ckpt = load_checkpoint(args.model)
+    else:
+        tiny = tiny_checkpoint("llama", max_position_embeddings=1024)
+        assert isinstance(tiny, Checkpoint)  # no save_to: the checkpoint in memory
+        ckpt = tiny
     print(f"{'fault':<28} {'logits tier':<30} {'attention tier':<30} forensics tier")
     for fault in (f for name, f in FAULTS.items() if name not in OP_FAULTS):  # op faults need op cases
         adapter = fault.adapter(ckpt)

@@ -18,6 +18,7 @@ if __name__ == "__main__":
 
     for dtype in ("float32", "bfloat16"):
         engine = VLLMEngine(None, dtype=dtype, block_size=32, num_gpu_blocks_override=32, max_model_len=512)
+        assert engine.contract.cos_sin_table is not None  # vLLM's rotary module keeps its cos_sin_cache
         table = engine.contract.cos_sin_table.double()  # [positions, rotary_dim]
         cos, sin = engine.checkpoint.config.rope.cos_sin(torch.arange(table.shape[0]))
         err = (table - torch.cat((cos, sin), dim=-1)).abs().max(dim=-1).values  # [positions]

@@ -31,7 +31,7 @@ from ...parity.cases import Case
 from ...parity.protocol import CaseRun, FullRun, StepRecord, Tier
 from ...probe import LayerProbe
 from .context import ContextSpec, TappedContext
-from .tap import GraphTap, visible_cells
+from .tap import Capture, GraphTap, visible_cells
 from .tolerance import KV_TYPES, tolerance_for_run, weight_kind
 
 _GGML_TYPE = {"f32": 0, "f16": 1, "q8_0": 8}
@@ -159,15 +159,15 @@ class LlamaCppEngine:
         return tuple(out)
 
     def run_case(self, case: Case, tokens: torch.Tensor) -> CaseRun:
-        tokens = [int(t) for t in tokens.tolist()]
+        ids = [int(t) for t in tokens.tolist()]
         self._check_fits(case.total)
         if self.tier >= Tier.ATTENTION:
-            return self._run_tapped(case, tokens)
-        return self._run_public(case, tokens)
+            return self._run_tapped(case, ids)
+        return self._run_public(case, ids)
 
     def full_forward(self, tokens: torch.Tensor, rows: list[int], case: Case) -> FullRun:
-        tokens = [int(t) for t in tokens.tolist()]
-        T = len(tokens)
+        ids = [int(t) for t in tokens.tolist()]
+        T = len(ids)
         self._check_fits(T)
         if self._full is None:
             self._full = self._context(self.n_ctx, self.full_tap)
@@ -177,12 +177,12 @@ class LlamaCppEngine:
         for r in rows:
             outputs[r] = True
         tap.start(rows=list(rows))
-        ctx.decode(tokens, list(range(T)), outputs)
+        ctx.decode(ids, list(range(T)), outputs)
         cap = tap.stop()
         logits = torch.from_numpy(np.stack([ctx.logits(r) for r in rows]))
         layers: tuple[LayerProbe, ...] = ()
         if self.tier >= Tier.ATTENTION:
-            cells = visible_cells(cap.mask[T - 1])  # the last row sees every key of the sequence
+            cells = visible_cells(self._mask(cap)[T - 1])  # the last row sees every key of the sequence
             positions = np.array([tap.cells[c] for c in cells], dtype=np.int64)
             order = np.argsort(positions, kind="stable")
             cells, positions = cells[order], positions[order]
@@ -229,6 +229,7 @@ class LlamaCppEngine:
 
     def _run_tapped(self, case: Case, tokens: list[int]) -> CaseRun:
         ctx = self._cached
+        assert ctx is not None  # made at construction for the attention tier and above
         ctx.clear()
         notes = []
         if case.prefix:
@@ -254,7 +255,7 @@ class LlamaCppEngine:
         self.last_capture = cap
         if cap.positions is None or int(cap.positions[0]) != position:
             raise AdapterError(self.name, "decode position", str(position), str(cap.positions))
-        cells = visible_cells(cap.mask[0])
+        cells = visible_cells(self._mask(cap)[0])
         missing = [int(c) for c in cells if int(c) not in tap.cells]
         if missing:
             raise AdapterError(self.name, "attended cells", "cells a batch wrote", f"unwritten cells {missing[:5]}")
@@ -272,6 +273,12 @@ class LlamaCppEngine:
             for i in range(self.config.num_layers)
         )
         return StepRecord(position=position, logits=torch.from_numpy(ctx.logits(0)), layers=layers)
+
+    def _mask(self, cap: Capture) -> np.ndarray:
+        """``[T_pad, n_kv]`` the attention mask the graph computed (layer 0's ``kq_soft_max``)."""
+        if cap.mask is None:
+            raise AdapterError(self.name, "attention mask", "layer 0's kq_soft_max mask", "none in the graph")
+        return cap.mask
 
     def _check_fits(self, total: int) -> None:
         if total > self.n_ctx:

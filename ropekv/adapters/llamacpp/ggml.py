@@ -90,6 +90,14 @@ def src(t: GgmlTensor, i: int) -> GgmlTensor | None:
     return p.contents if p else None
 
 
+def operand(t: GgmlTensor, i: int) -> GgmlTensor:
+    """``src(t, i)`` of a node whose op always has it (a ROPE's input and positions, a SET_ROWS' rows)."""
+    p = src(t, i)
+    if p is None:
+        raise RuntimeError(f"llama.cpp graph: node {name_of(t)!r} has no source {i}")
+    return p
+
+
 def view_source(t: GgmlTensor) -> GgmlTensor | None:
     return t.view_src.contents if t.view_src else None
 
@@ -120,4 +128,4 @@ def _view(t: GgmlTensor) -> np.ndarray:
     nb = [int(t.nb[i]) for i in range(GGML_MAX_DIMS)]
     span = sum((n - 1) * s for n, s in zip(ne, nb)) + np.dtype(dtype).itemsize
     buf = (ctypes.c_char * span).from_address(int(t.data))
-    return np.ndarray(shape=tuple(reversed(ne)), dtype=dtype, buffer=buf, strides=tuple(reversed(nb)))
+    return np.ndarray(shape=tuple(reversed(ne)), dtype=dtype, buffer=memoryview(buf), strides=tuple(reversed(nb)))

@@ -141,7 +141,7 @@ class GraphTap:
         if op == "ROPE":
             base = ggml.src(t, 0)
             cache = ggml.view_source(base) if base is not None else None
-            if cache is not None and ggml.name_of(cache).startswith("cache_k_l"):
+            if base is not None and cache is not None and ggml.name_of(cache).startswith("cache_k_l"):
                 return self._shift(t, base, ggml.name_of(cache), ask)
         if not self.recording:
             return False
@@ -161,18 +161,18 @@ class GraphTap:
             return True
         cap = self.capture
         if kind == "Qcur":
-            cap.q[layer], cap.q_raw[layer] = self._rows(ggml.read(t, 3)), self._rows(ggml.read(ggml.src(t, 0), 3))
-            cap.positions = ggml.read(ggml.src(t, 1), 1).astype(np.int64)
+            cap.q[layer], cap.q_raw[layer] = self._rows(ggml.read(t, 3)), self._rows(ggml.read(ggml.operand(t, 0), 3))
+            cap.positions = ggml.read(ggml.operand(t, 1), 1).astype(np.int64)
         elif kind == "Kcur":
-            cap.k_new[layer], cap.k_new_raw[layer] = ggml.read(t, 3), ggml.read(ggml.src(t, 0), 3)
+            cap.k_new[layer], cap.k_new_raw[layer] = ggml.read(t, 3), ggml.read(ggml.operand(t, 0), 3)
         elif kind == "Vcur":
             cap.v_new[layer] = ggml.read(t, 3)
         elif kind == "kq":
             if self.keep_scores:
                 cap.kq[layer] = ggml.read(t, 3)
-            cap.k_cache[layer] = ggml.read(ggml.src(t, 0), 3).transpose(1, 0, 2)  # [KVH, n_kv, D] -> [n_kv, KVH, D]
+            cap.k_cache[layer] = ggml.read(ggml.operand(t, 0), 3).transpose(1, 0, 2)  # [KVH, n_kv, D] -> [n_kv, KVH, D]
         elif kind == "kq_soft_max" and layer == 0:
-            cap.mask = ggml.read(ggml.src(t, 1), 2)
+            cap.mask = ggml.read(ggml.operand(t, 1), 2)
         elif kind == "l_out":
             cap.hidden[layer + 1] = self._rows(ggml.read(t, 2))
         return True
@@ -183,12 +183,12 @@ class GraphTap:
     def _track_writes(self, t: GgmlTensor) -> None:
         """The batch's keys (``src[0]``, a view of ``Kcur-0``) went to cells ``src[1]``; their positions
         are ``Kcur-0``'s ``inp_pos``."""
-        idxs = ggml.read(ggml.src(t, 1), 1).astype(np.int64)
+        idxs = ggml.read(ggml.operand(t, 1), 1).astype(np.int64)
         k_view = ggml.src(t, 0)
         rope = ggml.view_source(k_view) if k_view is not None else None
         if rope is None or self.lib.op_name(rope.op) != "ROPE":
             raise RuntimeError("llama.cpp graph: the K-cache write does not come from a RoPE node")
-        positions = ggml.read(ggml.src(rope, 1), 1).astype(np.int64)
+        positions = ggml.read(ggml.operand(rope, 1), 1).astype(np.int64)
         if positions.shape != idxs.shape:
             raise RuntimeError(f"llama.cpp graph: {idxs.shape[0]} cache cells for {positions.shape[0]} positions")
         for cell, pos in zip(idxs.tolist(), positions.tolist()):
@@ -201,7 +201,7 @@ class GraphTap:
             if self.fault is not None:
                 self._before[layer] = ggml.read(view, 3)
             return True
-        shift = ggml.read(ggml.src(t, 1), 1).astype(np.int64)
+        shift = ggml.read(ggml.operand(t, 1), 1).astype(np.int64)
         if layer == 0:
             self.shifts_seen += 1
             for cell in list(self.cells):

@@ -40,7 +40,7 @@ def weight_kind(reader) -> str:
     """``"f32"`` when every 2-D weight of the GGUF is float32, else the most common other type's name."""
     types = Counter(t.tensor_type.name for t in reader.tensors if len(t.shape) >= 2)
     others = {k: v for k, v in types.items() if k != "F32"}
-    return "f32" if not others else max(others, key=others.get)
+    return "f32" if not others else max(others, key=lambda k: others[k])
 
 
 def tolerance_for_run(weights: str, type_k: str, type_v: str) -> Tolerance:

@@ -86,7 +86,7 @@ class CacheProbe:
         setattr(self._cache, name, value)
 
 
-def _module_wrapper(nn):
+def _module_wrapper(nn: Any):
     """Builds the wrapper classes on the imported ``mlx.nn`` (kept out of module scope: no mlx import here)."""
 
     class RopeProbe(nn.Module):

@@ -92,9 +92,10 @@ class VLLMContract:
 
 
 def read_contract(
-    model: torch.nn.Module, spec: RopeSpec, *, block_size: int, dtype: torch.dtype, kv_cache_dtype: str
+    model: Any, spec: RopeSpec, *, block_size: int, dtype: torch.dtype, kv_cache_dtype: str
 ) -> VLLMContract:
-    """Read the contract from vLLM's loaded ``model`` (a ``*ForCausalLM`` with ``model.layers``)."""
+    """Read the contract from vLLM's loaded ``model`` (a ``*ForCausalLM`` with ``model.layers``; ``Any``:
+    its attributes are vLLM's)."""
     layers = list(model.model.layers)
     attn0 = layers[0].self_attn
     rope = attn0.rotary_emb

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -57,13 +58,21 @@ class ForwardRecord:
     layers: dict[int, LayerRecord] = field(default_factory=dict)
 
 
+def _seen(value: torch.Tensor | None) -> torch.Tensor:
+    """A record the hooks fill in every forward with probed rows (their queries and hidden states, the
+    keys the kernel read and their slots); None there is a bug of these hooks."""
+    assert value is not None, "a probed forward's layer record is incomplete"
+    return value
+
+
 class Probes:
     """Records what vLLM's kernels saw while a request runs. ``probe_positions``: the positions whose
     query rows are kept (and in whose forwards the kernel's keys are read back); ``read_keys_position``
     also reads them back in the forward holding that position (the full forward's last token, whose
-    forward attends over every key)."""
+    forward attends over every key). ``model`` is vLLM's loaded ``*ForCausalLM`` (``Any``: its
+    modules' attributes are vLLM's)."""
 
-    def __init__(self, model: torch.nn.Module, num_heads: int, num_kv_heads: int, head_dim: int):
+    def __init__(self, model: Any, num_heads: int, num_kv_heads: int, head_dim: int):
         self.model = model
         self.layers = list(model.model.layers)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
@@ -116,7 +125,7 @@ class Probes:
                 )
                 self._current = ForwardRecord(positions=positions, rows=rows)
                 self.forwards.append(self._current)
-            fwd = self._current
+            fwd = self._current_forward()
             rec = fwd.layers.setdefault(i, LayerRecord())
             if fwd.rows.numel():
                 stream = hidden if residual is None else hidden + residual  # [N, hidden]
@@ -124,12 +133,17 @@ class Probes:
 
         return hook
 
-    def _qkv_hook(self, i: int, attn: torch.nn.Module):
+    def _current_forward(self) -> ForwardRecord:
+        """The forward being recorded: layer 0's pre-hook opens it before any other hook runs."""
+        assert self._current is not None, "a vLLM hook ran before layer 0's pre-hook"
+        return self._current
+
+    def _qkv_hook(self, i: int, attn: Any):
         q_size, kv_size = attn.q_size, attn.kv_size
 
         def hook(module, args, output):
             out = output[0] if isinstance(output, tuple) else output  # [N, q_size + 2 kv_size]
-            fwd = self._current
+            fwd = self._current_forward()
             rec = fwd.layers.setdefault(i, LayerRecord())
             n = out.shape[0]
             rec.k_raw = out[:, q_size : q_size + kv_size].detach().reshape(n, self.num_kv_heads, self.head_dim).clone()
@@ -143,7 +157,7 @@ class Probes:
         def hook(module, args, kwargs):
             query = args[0] if args else kwargs["query"]
             key = args[1] if len(args) > 1 else kwargs["key"]
-            fwd = self._current
+            fwd = self._current_forward()
             rec = fwd.layers.setdefault(i, LayerRecord())
             n = query.shape[0]
             rec.k_rot = key.detach().reshape(n, self.num_kv_heads, self.head_dim).clone()
@@ -155,14 +169,14 @@ class Probes:
 
         return hook
 
-    def _note_slots(self, module: torch.nn.Module) -> None:
+    def _note_slots(self, module: Any) -> None:
         """Slot mapping of this forward, from vLLM's forward context; ``slot -> position`` updated."""
         from vllm.forward_context import get_forward_context
 
         ctx = get_forward_context()
         mapping = ctx.slot_mapping
         slots = mapping.get(module.layer_name) if isinstance(mapping, dict) else mapping
-        fwd = self._current
+        fwd = self._current_forward()
         n = fwd.positions.shape[0]
         if slots is None:
             raise AdapterError(ADAPTER, "slot mapping", "the forward context's slot mapping", "none")
@@ -230,11 +244,12 @@ class Probes:
             return
         # The write: the slots this forward filled must hold exactly the keys the Attention module got.
         real_keys, _ = kv_layout.kernel_views(layer.kv_cache)
-        n = rec.k_rot.shape[0]
-        written = fwd.slots[:n] >= 0
-        stored = kv_layout.read_keys(real_keys, fwd.slots[:n][written], isa)
-        if not torch.equal(stored, rec.k_rot[written].to(stored.dtype)):
-            diff = float((stored.float() - rec.k_rot[written].float()).abs().max())
+        k_rot, slots = _seen(rec.k_rot), _seen(fwd.slots)  # this layer's Attention pre-hook; layer 0's
+        n = k_rot.shape[0]
+        written = slots[:n] >= 0
+        stored = kv_layout.read_keys(real_keys, slots[:n][written], isa)
+        if not torch.equal(stored, k_rot[written].to(stored.dtype)):
+            diff = float((stored.float() - k_rot[written].float()).abs().max())
             raise AdapterError(
                 ADAPTER,
                 f"layer {i} kv cache",
@@ -252,7 +267,7 @@ class Probes:
             rec.key_slots = kv_layout.slots_of(self._metadata(layer).block_table[0], fwd.seq_len, block_size)
 
     @staticmethod
-    def _metadata(layer: torch.nn.Module):
+    def _metadata(layer: Any) -> Any:
         from vllm.forward_context import get_forward_context
 
         md = get_forward_context().attn_metadata
@@ -304,15 +319,16 @@ class Probes:
         out = []
         for i in range(len(self.layers)):
             rec = fwd.layers[i]
+            key_slots = _seen(rec.key_slots)
             out.append(
                 LayerProbe(
-                    q=rec.q_kernel[row : row + 1],
-                    k=rec.keys,
-                    key_positions=self.key_positions(rec.key_slots),
-                    key_slots=rec.key_slots,
-                    hidden_in=rec.hidden_in[row : row + 1],
-                    q_raw=rec.q_raw[row : row + 1],
-                    k_raw=self.raw_keys(i, rec.key_slots),
+                    q=_seen(rec.q_kernel)[row : row + 1],
+                    k=_seen(rec.keys),
+                    key_positions=self.key_positions(key_slots),
+                    key_slots=key_slots,
+                    hidden_in=_seen(rec.hidden_in)[row : row + 1],
+                    q_raw=_seen(rec.q_raw)[row : row + 1],
+                    k_raw=self.raw_keys(i, key_slots),
                 )
             )
         return tuple(out)
@@ -328,17 +344,20 @@ class Probes:
                 fwd = self.forward_at(p)
                 r = fwd.positions[fwd.rows].tolist().index(p)
                 rec = fwd.layers[i]
-                qs.append(rec.q_kernel[r]), hs.append(rec.hidden_in[r]), qr.append(rec.q_raw[r])
+                qs.append(_seen(rec.q_kernel)[r])
+                hs.append(_seen(rec.hidden_in)[r])
+                qr.append(_seen(rec.q_raw)[r])
             rec = last.layers[i]
+            key_slots = _seen(rec.key_slots)
             out.append(
                 LayerProbe(
                     q=torch.stack(qs),
-                    k=rec.keys,
-                    key_positions=self.key_positions(rec.key_slots),
-                    key_slots=rec.key_slots,
+                    k=_seen(rec.keys),
+                    key_positions=self.key_positions(key_slots),
+                    key_slots=key_slots,
                     hidden_in=torch.stack(hs),
                     q_raw=torch.stack(qr),
-                    k_raw=self.raw_keys(i, rec.key_slots),
+                    k_raw=self.raw_keys(i, key_slots),
                 )
             )
         return tuple(out)
