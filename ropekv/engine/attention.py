@@ -169,6 +169,7 @@ def attend_segments(
         part = torch.bmm(probs[..., start : start + v.shape[0]], v.to(work).permute(1, 0, 2))  # [KVH, G * n, D]
         out = part if out is None else out.add_(part)
         start += v.shape[0]
+    assert out is not None  # at least one segment
     return out.view(num_kv, group, n, head_dim).permute(2, 0, 1, 3).reshape(n, num_heads, head_dim).to(q.dtype)
 
 

@@ -21,7 +21,7 @@ each row at its own next position. Every step, batched or not, goes through one 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -529,11 +529,11 @@ class Engine:
                 mask,
                 None if everything else mask,
                 segments,
-                view.positions if segments else key_pos,
+                view.positions if segments and view is not None else key_pos,
             )
         return out
 
-    def _step_tables(self, positions: torch.Tensor, groups) -> tuple[RopeTable, ...]:
+    def _step_tables(self, positions: torch.Tensor, groups: Iterable[StepGroup]) -> tuple[RopeTable, ...]:
         """The step's cos/sin tables: its query positions (queries and new keys), and for a rotating
         backend each group's key positions, expanded to the KV heads."""
         tables = []
@@ -542,7 +542,7 @@ class Engine:
         tables.append(self._rope_tables.table(positions))
         return tuple(t for t in tables if t is not None)
 
-    def _scratch(self, groups) -> torch.Tensor | None:
+    def _scratch(self, groups: Iterable[StepGroup]) -> torch.Tensor | None:
         """A buffer for the keys a rotating backend turns, as many rows as the step reads, reused by
         every layer (nothing keeps a layer's keys once the step is not probed)."""
         if not self.backend.rotates:
@@ -573,7 +573,15 @@ class Engine:
             self._join_buffers[which] = buf
         return torch.cat([cached, new], out=buf[:rows])
 
-    def _attend_cache_index(self, q, keys, values, mask, key_slots, ctx):
+    def _attend_cache_index(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor,
+        key_slots: torch.Tensor,
+        ctx: StepContext,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """StreamingLLM-style rotation: each query row turns itself and its visible keys to their order
         among the visible keys (sinks first). Exact with raw keys; one row at a time."""
         rope, rot = self.contract.layer_rope(ctx.layer), self.rotation
@@ -595,4 +603,5 @@ class Engine:
             )
             outs.append(o)
             q_effs.append(qi)
+        assert k_eff is not None  # q has at least one row
         return torch.cat(outs), torch.cat(q_effs), k_eff
