@@ -149,7 +149,7 @@ class OpFacts:
     The correct policy ignores them: stored positions are the truth after every operation. They exist
     so that a fault policy can model an engine whose rotation offset an operation put out of step with
     the logical positions (``ropekv.faults.ops``). ``padding`` is the row's left padding in a
-    merged batch (``ropekv.engine.batch``).
+    merged batch (``Engine.decode_batch``).
     """
 
     rolled_back: int = 0  # tokens given back by rollbacks
