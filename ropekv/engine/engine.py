@@ -30,7 +30,7 @@ from ..attention_kind import LayerAttention
 from ..cache.paged import PagedKVCache
 from ..cache.policy import CacheOpPolicy
 from ..contract import CacheContract
-from ..errors import CacheError, ContractMismatch, UsageError
+from ..errors import CacheError, UsageError
 from ..models.config import Checkpoint
 from ..probe import LayerProbe
 from .attention import (
@@ -43,6 +43,7 @@ from .attention import (
     get_backend,
     visibility,
 )
+from .fit import check_contract_fits_model
 from .rotation import NO_OPS, OpFacts, Phase, RopeTable, RopeTables, RotationPolicy, StepContext
 from .step import StepGroup, StepRow, layer_probe
 from .transformer import DecoderWeights, LayerWeights, after_rope, embed, final_logits, finish_layer, project_qkv
@@ -78,7 +79,7 @@ class Engine:
         self.contract = contract
         self.rotation = rotation or RotationPolicy()
         self.device = torch.device(device)
-        self._check_contract_fits_model()
+        check_contract_fits_model(checkpoint, contract)
         self.backend = (
             backend_for(contract)
             if backend is None
@@ -240,69 +241,6 @@ class Engine:
 
     # ------------------------------------------------------------------ internals
 
-    def _check_contract_fits_model(self) -> None:
-        cfg, c = self.config, self.contract
-        problems = []
-        for field, ours, theirs in (
-            ("num_layers", c.num_layers, cfg.num_layers),
-            ("num_kv_heads", c.num_kv_heads, cfg.num_kv_heads),
-            ("head_dim", c.head_dim, cfg.head_dim),
-        ):
-            if ours != theirs:
-                problems.append((field, f"{field}: contract {ours}, model {theirs}"))
-        if cfg.mla is not None and (c.mla is None or c.mla.cached != "expanded"):
-            problems.append(
-                (
-                    "mla.cached",
-                    f"mla.cached: contract {None if c.mla is None else c.mla.cached!r}, "
-                    "ropekv's engine caches MLA keys 'expanded' (per-head keys and values, "
-                    "the rope part last)",
-                )
-            )
-        elif c.mla is not None and cfg.mla is None:
-            problems.append(("mla", "mla: the contract describes multi-head latent attention, the model has none"))
-        if c.rope != cfg.rope:
-            problems.append(
-                (
-                    "rope",
-                    f"rope: contract {c.rope.fingerprint()}, model {cfg.rope.fingerprint()} "
-                    "(keys and queries would turn differently from what the model was trained with)",
-                )
-            )
-        elif c.layer_ropes != cfg.layer_ropes:
-            bad = [i for i in range(cfg.num_layers) if c.layer_rope(i) != cfg.layer_rope(i)]
-            problems.append(
-                (
-                    "layer_ropes",
-                    f"layer_ropes: layer(s) {bad[:8]} turn with another RoPE (or none) in the "
-                    "contract than in the model",
-                )
-            )
-        if c.key_form == "raw" and cfg.qk_norm and cfg.family.qk_norm == "head_after_rope":
-            problems.append(
-                (
-                    "key_form",
-                    f"key_form: 'raw' has no meaning for {cfg.architecture}: its q/k norm is "
-                    "applied after RoPE, so the key the kernel reads is norm(R(j) k), not a "
-                    "rotation of any key a cache could hold raw; use key_form 'rotated' "
-                    "(with a length-dependent RoPE, dynamic NTK without alpha, no key form can "
-                    "serve it: rotated keys keep stale frequencies)",
-                )
-            )
-        if c.model_fingerprint and c.model_fingerprint != self.checkpoint.fingerprint:
-            problems.append(
-                (
-                    "model_fingerprint",
-                    f"model_fingerprint: contract {c.model_fingerprint}, model "
-                    f"{self.checkpoint.fingerprint} (keys would come from another model)",
-                )
-            )
-        if problems:
-            raise ContractMismatch(
-                "the cache contract does not fit the model: " + "; ".join(p for _, p in problems),
-                fields=tuple(f for f, _ in problems),
-            )
-
     def _check_positions(self, last: int) -> None:
         if last >= self.config.position_limit:
             raise UsageError(f"position {last} is beyond the model's {self.config.position_limit} positions")
@@ -443,7 +381,7 @@ class Engine:
         # copy=False: the cached keys/values are read (or joined with this step's) right below,
         # before the cache can change.
         view = self.cache.view(row.seq_id, layer, copy=False) if row.seq_id is not None else None
-        # raw keys exist only where q/k norms (if any) come before RoPE (_check_contract_fits_model)
+        # raw keys exist only where q/k norms (if any) come before RoPE (check_contract_fits_model)
         stored = (
             k
             if c.key_form == "raw"
