@@ -15,6 +15,7 @@ from ropekv.errors import CacheError, ContractMismatch, PayloadError
 from ropekv.models import load_checkpoint
 from ropekv.parity.cases import Case
 from ropekv.rope import RopeScaling, RopeSpec
+from ropekv.transfer.saved import load_sequence, save_sequence
 
 KVH, D = 2, 8
 ROPE = RopeSpec(head_dim=D, rotary_dim=D, theta=10000.0)
@@ -156,11 +157,11 @@ def test_restore_refuses_another_contract_and_corruption_importing_nothing(llama
     src = NativeAdapter(llama).make_engine(Case(length=20, block_size=7))
     src.prefill("s", tokens)
     path = tmp_path / "s.safetensors"
-    src.save("s", path, tokens)
+    save_sequence(src, "s", path, tokens)
     other = NativeAdapter(llama, key_form="raw").make_engine(Case(length=20, block_size=7))
     digest = other.cache.state_digest()
     with pytest.raises(ContractMismatch) as err:
-        other.load(path)
+        load_sequence(other, path)
     assert err.value.exit_code == 3 and other.cache.state_digest() == digest
     data_ = bytearray(path.read_bytes())
     data_[-5] ^= 0x40
@@ -169,13 +170,13 @@ def test_restore_refuses_another_contract_and_corruption_importing_nothing(llama
     same_contract = NativeAdapter(llama).make_engine(Case(length=20, block_size=7))
     digest = same_contract.cache.state_digest()
     with pytest.raises(PayloadError):
-        same_contract.load(bad)
+        load_sequence(same_contract, bad)
     assert same_contract.cache.state_digest() == digest and not same_contract.cache.seq_ids()
-    sid, back = same_contract.load(path)
+    sid, back = load_sequence(same_contract, path)
     assert torch.equal(back, tokens) and same_contract.cache.positions(sid).tolist() == list(range(20))
     src.evict("s", [3])
     with pytest.raises(CacheError, match="evicted"):
-        src.save("s", tmp_path / "holes.safetensors", tokens)
+        save_sequence(src, "s", tmp_path / "holes.safetensors", tokens)
 
 
 def test_batched_decode_matches_one_by_one(llama):

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from ropekv.cache.paged import FULL, SLIDING, PagedKVCache
+from ropekv.cache.paged import PagedKVCache
 from ropekv.contract import CacheContract
 from ropekv.errors import CacheError, CapacityError, ContractMismatch
 from ropekv.rope import RopeSpec
@@ -158,10 +158,10 @@ def test_accounting():
     ref.create("a")
     ref.append("a", 30)
     # full group: 30 tokens -> 8 blocks for 2 layers; sliding ring of 7 slots -> 2 blocks for 1 layer
-    assert cache.num_free_blocks(FULL) == 2 and cache.num_free_blocks(SLIDING) == 8
+    assert cache.num_free_blocks("full") == 2 and cache.num_free_blocks("sliding") == 8
     assert cache.bytes_in_use() == 8 * per_block * 2 + 2 * per_block * 1
     cache.free("a")
-    assert cache.bytes_in_use() == 0 and cache.num_free_blocks(FULL) == 10
+    assert cache.bytes_in_use() == 0 and cache.num_free_blocks("full") == 10
 
 
 # ---------------------------------------------------------------------- forks
@@ -232,7 +232,7 @@ def test_fork_of_a_fork_and_free_in_any_order():
     ref.check("c")
     cache.free("a")
     cache.free("c")
-    assert cache.num_free_blocks(FULL) == cache.num_free_blocks(SLIDING) == 40
+    assert cache.num_free_blocks("full") == cache.num_free_blocks("sliding") == 40
 
 
 def _fork_is_safe(p, n_parent, window, sinks):
@@ -311,7 +311,7 @@ def test_sliding_window_wraps_with_logical_positions(window, sinks, block_size):
     assert sorted(view.slots.tolist()) == list(range(sinks + window))  # every ring slot is live
     assert view.slots.tolist() != sorted(view.slots.tolist())  # and the slots have wrapped
     assert cache.view("w", 1).positions.tolist() == list(range(50, 50 + total))  # the full layer keeps all
-    assert len(cache.block_table("w", SLIDING)) == math.ceil((sinks + window) / block_size)
+    assert len(cache.block_table("w", "sliding")) == math.ceil((sinks + window) / block_size)
 
 
 @pytest.mark.parametrize("sinks", [0, 2])
@@ -324,7 +324,7 @@ def test_chunk_longer_than_the_ring(sinks):
     ref.check("x")
     ref.append("x", 12)
     ref.check("x")
-    assert cache.groups == (SLIDING,)
+    assert cache.groups == ("sliding",)
     assert cache.positions("x").tolist() == ref.pos["x"][:sinks] + ref.pos["x"][-5:]
 
 

@@ -14,6 +14,7 @@ import torch
 from ..engine import Engine
 from ..parity.cases import Case
 from ..parity.protocol import CaseRun, StepRecord
+from ..transfer.saved import load_sequence, save_sequence
 
 
 def run_op_case(adapter, engine: Engine, case: Case, tokens: torch.Tensor) -> CaseRun:
@@ -39,9 +40,9 @@ def run_op_case(adapter, engine: Engine, case: Case, tokens: torch.Tensor) -> Ca
         n = case.prefix + case.length
         with tempfile.TemporaryDirectory(prefix="ropekv-restore-") as tmp:
             path = Path(tmp) / "prompt.safetensors"
-            size = engine.save("prompt", path, tokens[:n])
+            size = save_sequence(engine, "prompt", path, tokens[:n])
             engine = adapter.make_engine(case)  # a fresh engine: nothing survives but the file
-            engine.load(path)
+            load_sequence(engine, path)
         notes = (f"saved to a {size}-byte safetensors file and restored into a fresh engine",)
     steps = []
     for t in case.decode_positions:

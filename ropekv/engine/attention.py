@@ -7,11 +7,14 @@
   slot numbers.
 
 Pairing a backend with a contract it cannot honour raises :class:`ContractMismatch` at construction.
+The kernels: :func:`attend` (one sequence's queries), :func:`attend_segments` (keys read in place, in
+segments) and :func:`attend_padded` (a batch of sequences over one left-padded key tensor).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -166,7 +169,49 @@ def attend_segments(
         part = torch.bmm(probs[..., start : start + v.shape[0]], v.to(work).permute(1, 0, 2))  # [KVH, G * n, D]
         out = part if out is None else out.add_(part)
         start += v.shape[0]
+    assert out is not None  # at least one segment
     return out.view(num_kv, group, n, head_dim).permute(2, 0, 1, 3).reshape(n, num_heads, head_dim).to(q.dtype)
+
+
+@dataclass(frozen=True, eq=False)
+class PaddedRow:
+    """One row of a left-padded batch (:func:`attend_padded`): its query and every key it may read."""
+
+    q: torch.Tensor  # [1, H, D] rotated
+    keys: torch.Tensor  # [N_r, KVH, D] as the kernel uses them
+    values: torch.Tensor  # [N_r, KVH, D]
+    visible: torch.Tensor  # [N_r] bool: the row's own mask (window, sinks, chunk)
+
+
+def attend_padded(
+    rows: Sequence[PaddedRow],
+    num_heads: int,
+    dtype: torch.dtype,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of every row over one left-padded key tensor ``[B, N_max, KVH, D]``: the padding
+    (and each row's own masked keys) is -inf before the softmax. Returns ``[B, H, D]`` in ``dtype``."""
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    B, n_max = len(rows), max(r.keys.shape[0] for r in rows)
+    kvh, d = rows[0].keys.shape[1:]
+    dev = rows[0].keys.device
+    keys = torch.zeros(B, n_max, kvh, d, dtype=work, device=dev)
+    values = torch.zeros(B, n_max, kvh, d, dtype=work, device=dev)
+    visible = torch.zeros(B, n_max, dtype=torch.bool, device=dev)
+    for i, row in enumerate(rows):
+        pad = n_max - row.keys.shape[0]  # left padding of row i
+        keys[i, pad:], values[i, pad:], visible[i, pad:] = row.keys.to(work), row.values.to(work), row.visible.to(dev)
+    q = torch.cat([r.q for r in rows]).to(work)  # [B, H, D]
+    kv_head = torch.arange(num_heads, device=dev) // (num_heads // kvh)  # [H]
+    logits = torch.einsum("bhd,bnhd->bhn", q, keys[:, :, kv_head]) * scale  # [B, H, N_max]
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
+    probs = softmax_with_sinks(logits, None if sinks is None else sinks.reshape(1, -1, 1))  # sinks [H] -> [1, H, 1]
+    out = torch.einsum("bhn,bnhd->bhd", probs, values[:, :, kv_head])
+    return out.to(dtype)
 
 
 def softmax_with_sinks(logits: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:

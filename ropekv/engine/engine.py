@@ -12,11 +12,16 @@ the frequencies of the current length, as a full forward over the same tokens do
 contract (see docs/contract.md). Re-rotating every cached key at each length change was rejected: it
 costs a pass over the whole cache per step and still leaves deeper layers' keys and values computed
 under the old frequencies.
+
+``decode_batch`` decodes several sequences of different lengths in one step: a left-padded batch,
+each row at its own next position. Every step, batched or not, goes through one layer loop
+(``_run``): a batch is ``B`` rows of one token (:mod:`ropekv.engine.step`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -25,19 +30,30 @@ from ..attention_kind import LayerAttention
 from ..cache.paged import PagedKVCache
 from ..cache.policy import CacheOpPolicy
 from ..contract import CacheContract
-from ..errors import CacheError, ContractMismatch, UsageError
+from ..errors import CacheError, UsageError
 from ..models.config import Checkpoint
 from ..probe import LayerProbe
-from .attention import Backend, attend, attend_segments, backend_for, get_backend, visibility
+from .attention import (
+    Backend,
+    PaddedRow,
+    attend,
+    attend_padded,
+    attend_segments,
+    backend_for,
+    get_backend,
+    visibility,
+)
+from .fit import check_contract_fits_model
 from .rotation import NO_OPS, OpFacts, Phase, RopeTable, RopeTables, RotationPolicy, StepContext
-from .transformer import DecoderWeights, after_rope, embed, final_logits, finish_layer, project_qkv
+from .step import StepGroup, StepRow, layer_probe
+from .transformer import DecoderWeights, LayerWeights, after_rope, embed, final_logits, finish_layer, project_qkv
 
 
 @dataclass(frozen=True, eq=False)
 class StepOutput:
     logits: torch.Tensor  # [n, vocab] float32 (decode: n = 1; prefill: its last row; [R, vocab] of logits_rows)
     positions: torch.Tensor  # [n]
-    layers: tuple[LayerProbe, ...] = ()  # per layer when probed (see _probe)
+    layers: tuple[LayerProbe, ...] = ()  # per layer when probed (see step.layer_probe)
 
 
 class Engine:
@@ -56,14 +72,14 @@ class Engine:
         compile_rotation: bool = False,
         cache_ops: CacheOpPolicy | None = None,
         rollback_depth: int = 16,
-    ):
+    ) -> None:
         cfg = checkpoint.config
         self.checkpoint = checkpoint
         self.config = cfg
         self.contract = contract
         self.rotation = rotation or RotationPolicy()
         self.device = torch.device(device)
-        self._check_contract_fits_model()
+        check_contract_fits_model(checkpoint, contract)
         self.backend = (
             backend_for(contract)
             if backend is None
@@ -78,8 +94,8 @@ class Engine:
         self.cache = PagedKVCache(
             contract, num_blocks, device=self.device, rollback_depth=rollback_depth, policy=cache_ops
         )
-        self._fork_offset: dict[object, int] = {}
-        self._op_facts: dict[object, OpFacts] = {}  # cache operations per sequence, for StepContext.ops
+        self._fork_offset: dict[Hashable, int] = {}
+        self._op_facts: dict[Hashable, OpFacts] = {}  # cache operations per sequence, for StepContext.ops
         self._join_buffers: list[torch.Tensor | None] = [None, None]  # keys, values; see _joined
         self._key_scratch: torch.Tensor | None = None  # keys a rotating backend turns; see _scratch
         work = torch.float64 if self.dtype == torch.float64 else torch.float32
@@ -91,7 +107,7 @@ class Engine:
 
     # ------------------------------------------------------------------ public API
 
-    def prefill(self, seq_id, tokens: torch.Tensor, *, chunk_size: int | None = None) -> torch.Tensor:
+    def prefill(self, seq_id: Hashable, tokens: torch.Tensor, *, chunk_size: int | None = None) -> torch.Tensor:
         """Append ``tokens [n]`` to ``seq_id`` (created if new); returns the last token's logits ``[vocab]``."""
         tokens = self._check_tokens(tokens)
         if chunk_size is not None and chunk_size < 1:
@@ -112,75 +128,103 @@ class Engine:
             if created and self.cache.num_tokens(seq_id) == 0:
                 self.free(seq_id)
             raise
+        assert out is not None  # tokens is non-empty: at least one chunk ran
         return out.logits[-1]
 
-    def decode(self, seq_id, token: int | torch.Tensor, *, probe: bool = False) -> StepOutput:
+    def decode(self, seq_id: Hashable, token: int | torch.Tensor, *, probe: bool = False) -> StepOutput:
         """Append one token to an existing sequence; returns its next-token logits (and probes)."""
         if not self.cache.has(seq_id):
             raise CacheError(f"decode: unknown sequence {seq_id!r}")
         tokens = self._check_tokens(torch.as_tensor([int(token)] if not torch.is_tensor(token) else token.reshape(1)))
         return self._step(seq_id, tokens, phase="decode", probe=probe)
 
-    def fork(self, new_seq_id, prefix_seq_id, prefix_len: int) -> None:
+    def decode_batch(
+        self, seq_ids: Sequence[Hashable], tokens: torch.Tensor, *, probe: bool = False
+    ) -> list[StepOutput]:
+        """Decode ``tokens [B]`` (row ``r`` continues ``seq_ids[r]``) in one step; one ``StepOutput`` per row.
+
+        Sequences are prefilled alone (each at its own positions ``0..n_r - 1``), then decoded
+        together: the step's hidden states are one ``[B, hidden]`` tensor, and attention runs over one
+        left-padded key tensor ``[B, N_max, KVH, D]`` whose padding is masked out. Every row's query and
+        new key turn at that row's own next position (its last cached position + 1), never at a
+        shared cursor: a shared cursor puts the shorter rows' queries off by their padding. The cache
+        is written after the whole step, row by row, and a row that cannot be written takes the rows
+        before it back out."""
+        cache, c = self.cache, self.contract
+        seq_ids = list(seq_ids)
+        tokens = self._check_tokens(torch.as_tensor(tokens).reshape(-1))
+        B = len(seq_ids)
+        if B == 0 or tokens.numel() != B:
+            raise UsageError(
+                f"decode_batch: {B} sequence(s) and {tokens.numel()} token(s); give one token per sequence"
+            )
+        if len(set(seq_ids)) != B:
+            raise UsageError("decode_batch: a sequence appears twice in one batch")
+        for sid in seq_ids:
+            if not cache.has(sid) or cache.num_tokens(sid) == 0:
+                raise CacheError(f"decode_batch: unknown or empty sequence {sid!r}")
+        if c.rotation_index == "cache":
+            raise UsageError(
+                "decode_batch: rotation_index='cache' re-indexes per row and is not batched; decode one by one"
+            )
+        positions = torch.tensor([cache.last_position(s) + 1 for s in seq_ids], dtype=torch.int64)  # [B]
+        for p in positions.tolist():
+            self._check_positions(p)
+        for sid in seq_ids:
+            cache.check_room(sid, 1)
+        cursor = int(positions.max())
+        rows = [
+            self._row(sid, slice(r, r + 1), positions[r : r + 1], "decode", probed=probe, padding=cursor - int(p))
+            for r, (sid, p) in enumerate(zip(seq_ids, positions.tolist()))
+        ]
+        return self._run(tokens, positions, rows, padded=True, probe_rows=[0] if probe else None)
+
+    def fork(self, new_seq_id: Hashable, prefix_seq_id: Hashable, prefix_len: int) -> None:
         """Start ``new_seq_id`` from the first ``prefix_len`` cached tokens of ``prefix_seq_id``."""
         self.cache.fork(new_seq_id, prefix_seq_id, prefix_len)
         self._fork_offset[new_seq_id] = prefix_len
 
-    def free(self, seq_id) -> None:
+    def adopt(self, seq_id: Hashable, *, restored: int) -> None:
+        """Take on ``seq_id``, a sequence of ``restored`` tokens written into the cache from outside (a
+        saved file, ``ropekv.transfer.saved``): no fork offset, and its op facts note the restore."""
+        if not self.cache.has(seq_id):
+            raise CacheError(f"adopt: unknown sequence {seq_id!r}")
+        self._fork_offset[seq_id] = 0
+        self._note(seq_id, restored=restored)
+
+    def free(self, seq_id: Hashable) -> None:
         if not self.cache.has(seq_id):
             raise CacheError(f"free: unknown sequence {seq_id!r}")
         self.cache.free(seq_id)
         self._fork_offset.pop(seq_id, None)
         self._op_facts.pop(seq_id, None)
 
-    def num_tokens(self, seq_id) -> int:
+    def num_tokens(self, seq_id: Hashable) -> int:
         return self.cache.num_tokens(seq_id)
 
     # ------------------------------------------------------------------ cache operations (docs/ops.md)
 
-    def rollback(self, seq_id, n: int) -> None:
+    def rollback(self, seq_id: Hashable, n: int) -> None:
         """Give back the last ``n`` tokens (a rejected draft); see :meth:`PagedKVCache.rollback`."""
         self.cache.rollback(seq_id, n)
         self._note(seq_id, rolled_back=n)
 
-    def evict(self, seq_id, positions) -> None:
+    def evict(self, seq_id: Hashable, positions: Sequence[int] | torch.Tensor) -> None:
         """Drop the tokens at ``positions``; survivors keep theirs (see :meth:`PagedKVCache.evict`)."""
         self.cache.evict(seq_id, positions)
         self._note(seq_id, evicted=len(positions))
 
-    def shift(self, seq_id, delta: int, from_position: int = 0) -> None:
+    def shift(self, seq_id: Hashable, delta: int, from_position: int = 0) -> None:
         """Move the tokens at or after ``from_position`` by ``delta`` (see :meth:`PagedKVCache.shift`)."""
         last = self.cache.last_position(seq_id) + (delta if self.cache.last_position(seq_id) >= from_position else 0)
         self._check_positions(last)
         self.cache.shift(seq_id, delta, from_position)
 
-    def save(self, seq_id, path, tokens: torch.Tensor) -> int:
-        """Write ``seq_id`` (whose consumed ids are ``tokens [n]``) to a safetensors file; returns its size."""
-        from ..transfer.saved import save_sequence
-
-        return save_sequence(self, seq_id, path, tokens)
-
-    def load(self, path, seq_id=None):
-        """Load a file written by :meth:`save`; returns ``(seq_id, tokens)``. All or nothing."""
-        from ..transfer.saved import load_sequence
-
-        sid, tokens = load_sequence(self, path, seq_id)
-        self._fork_offset[sid] = 0
-        self._note(sid, restored=int(tokens.numel()))
-        return sid, tokens
-
-    def decode_batch(self, seq_ids: list, tokens: torch.Tensor, *, probe: bool = False) -> list[StepOutput]:
-        """One decode step for several sequences of different lengths at once, in a left-padded
-        batch: every row at its own next position (see :mod:`ropekv.engine.batch`)."""
-        from .batch import decode_batch
-
-        return decode_batch(self, seq_ids, tokens, probe=probe)
-
-    def op_facts(self, seq_id) -> OpFacts:
+    def op_facts(self, seq_id: Hashable | None) -> OpFacts:
         """Cache operations ``seq_id`` went through (what :class:`StepContext` hands rotation policies)."""
         return self._op_facts.get(seq_id, NO_OPS)
 
-    def _note(self, seq_id, **counts: int) -> None:
+    def _note(self, seq_id: Hashable, **counts: int) -> None:
         facts = self.op_facts(seq_id)
         self._op_facts[seq_id] = dataclasses.replace(facts, **{k: getattr(facts, k) + v for k, v in counts.items()})
 
@@ -191,74 +235,11 @@ class Engine:
         ``[T, vocab]``, or ``[R, vocab]`` of ``logits_rows`` only (a check compares a few rows: at
         8,190 tokens all rows are 1.6 GB of float32 logits)."""
         tokens = self._check_tokens(tokens)
-        return self._run(
-            tokens, torch.arange(tokens.numel()), None, phase="full", probe_rows=probe_rows, logits_rows=logits_rows
-        )
+        positions = torch.arange(tokens.numel())
+        row = self._row(None, slice(0, tokens.numel()), positions, "full", probed=probe_rows is not None)
+        return self._run(tokens, positions, [row], padded=False, probe_rows=probe_rows, logits_rows=logits_rows)[0]
 
     # ------------------------------------------------------------------ internals
-
-    def _check_contract_fits_model(self) -> None:
-        cfg, c = self.config, self.contract
-        problems = []
-        for field, ours, theirs in (
-            ("num_layers", c.num_layers, cfg.num_layers),
-            ("num_kv_heads", c.num_kv_heads, cfg.num_kv_heads),
-            ("head_dim", c.head_dim, cfg.head_dim),
-        ):
-            if ours != theirs:
-                problems.append((field, f"{field}: contract {ours}, model {theirs}"))
-        if cfg.mla is not None and (c.mla is None or c.mla.cached != "expanded"):
-            problems.append(
-                (
-                    "mla.cached",
-                    f"mla.cached: contract {None if c.mla is None else c.mla.cached!r}, "
-                    "ropekv's engine caches MLA keys 'expanded' (per-head keys and values, "
-                    "the rope part last)",
-                )
-            )
-        elif c.mla is not None and cfg.mla is None:
-            problems.append(("mla", "mla: the contract describes multi-head latent attention, the model has none"))
-        if c.rope != cfg.rope:
-            problems.append(
-                (
-                    "rope",
-                    f"rope: contract {c.rope.fingerprint()}, model {cfg.rope.fingerprint()} "
-                    "(keys and queries would turn differently from what the model was trained with)",
-                )
-            )
-        elif c.layer_ropes != cfg.layer_ropes:
-            bad = [i for i in range(cfg.num_layers) if c.layer_rope(i) != cfg.layer_rope(i)]
-            problems.append(
-                (
-                    "layer_ropes",
-                    f"layer_ropes: layer(s) {bad[:8]} turn with another RoPE (or none) in the "
-                    "contract than in the model",
-                )
-            )
-        if c.key_form == "raw" and cfg.qk_norm and cfg.family.qk_norm == "head_after_rope":
-            problems.append(
-                (
-                    "key_form",
-                    f"key_form: 'raw' has no meaning for {cfg.architecture}: its q/k norm is "
-                    "applied after RoPE, so the key the kernel reads is norm(R(j) k), not a "
-                    "rotation of any key a cache could hold raw; use key_form 'rotated' "
-                    "(with a length-dependent RoPE, dynamic NTK without alpha, no key form can "
-                    "serve it: rotated keys keep stale frequencies)",
-                )
-            )
-        if c.model_fingerprint and c.model_fingerprint != self.checkpoint.fingerprint:
-            problems.append(
-                (
-                    "model_fingerprint",
-                    f"model_fingerprint: contract {c.model_fingerprint}, model "
-                    f"{self.checkpoint.fingerprint} (keys would come from another model)",
-                )
-            )
-        if problems:
-            raise ContractMismatch(
-                "the cache contract does not fit the model: " + "; ".join(p for _, p in problems),
-                fields=tuple(f for f, _ in problems),
-            )
 
     def _check_positions(self, last: int) -> None:
         if last >= self.config.position_limit:
@@ -273,117 +254,198 @@ class Engine:
         return tokens.to(torch.int64)
 
     def _step(
-        self, seq_id, tokens: torch.Tensor, *, phase: Phase, probe: bool, last_logits: bool = False
+        self, seq_id: Hashable, tokens: torch.Tensor, *, phase: Phase, probe: bool, last_logits: bool = False
     ) -> StepOutput:
+        """One sequence's chunk (or decode token) as a step of one row."""
         start = self.cache.last_position(seq_id) + 1
         positions = torch.arange(start, start + tokens.numel(), dtype=torch.int64)
         self._check_positions(int(positions[-1]))
-        rows = list(range(tokens.numel())) if probe else None
+        row = self._row(seq_id, slice(0, tokens.numel()), positions, phase, probed=probe)
         return self._run(
             tokens,
             positions,
-            seq_id,
-            phase=phase,
-            probe_rows=rows,
+            [row],
+            padded=False,
+            probe_rows=list(range(tokens.numel())) if probe else None,
             logits_rows=[tokens.numel() - 1] if last_logits else None,
-        )
+        )[0]
 
-    def _run(
+    def _row(
         self,
-        tokens: torch.Tensor,
+        seq_id: Hashable | None,
+        tokens: slice,
         positions: torch.Tensor,
-        seq_id,
-        *,
         phase: Phase,
-        probe_rows: list[int] | None,
-        logits_rows: list[int] | None = None,
-    ) -> StepOutput:
-        cfg, c, rot = self.config, self.contract, self.rotation
-        groups = self._step_groups(seq_id, positions, probe_rows is not None)
-        step_ctx = StepContext(
+        *,
+        probed: bool,
+        padding: int | None = None,
+    ) -> StepRow:
+        """``seq_id``'s share of a step: ``positions [n_r]`` at ``tokens`` of the step, its context and
+        groups. ``padding`` (a row of a left-padded batch): the row's left padding, noted in its op
+        facts. A batch row keeps its keys until the batch attends (no join buffer, no key scratch)
+        and turns its one query and key without step tables."""
+        padded = padding is not None
+        c = self.contract
+        groups = self._step_groups(seq_id, positions, in_place=not (probed or padded))
+        ops = self.op_facts(seq_id)
+        ctx = StepContext(
             phase=phase,
             seq_len=int(positions.max()) + 1,
             fork_offset=self._fork_offset.get(seq_id, 0),
             block_size=c.block_size,
             layer_ropes=tuple(c.layer_rope(i) for i in range(c.num_layers)),
             window_layers=c.window_layers,
-            ops=self.op_facts(seq_id),
-            tables=self._step_tables(positions, groups.values()),
-            key_scratch=None if probe_rows is not None else self._scratch(groups.values()),
+            ops=ops if padding is None else dataclasses.replace(ops, padding=padding),
+            tables=() if padded else self._step_tables(positions, groups.values()),
+            key_scratch=None if probed or padded else self._scratch(groups.values()),
         )
+        return StepRow(seq_id, tokens, positions, ctx, groups)
+
+    def _run(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        rows: Sequence[StepRow],
+        *,
+        padded: bool,
+        probe_rows: list[int] | None,
+        logits_rows: list[int] | None = None,
+    ) -> list[StepOutput]:
+        """The layer loop of every step: ``tokens [n]`` at ``positions [n]``, split into ``rows`` (one
+        sequence each). Each layer projects all rows at once, treats each row alone
+        (:meth:`_attend_row`), and under ``padded`` attends over all rows in one left-padded batch.
+        The cache is written after the last layer, row by row; a row that cannot be written takes
+        the rows before it back out. ``probe_rows``/``logits_rows`` count within a row."""
+        cfg, c = self.config, self.contract
         h = embed(cfg, self.weights, tokens.to(self.device))  # [n, hidden]
-        new_keys, new_values, traces = [], [], []
+        new_keys: list[list[torch.Tensor]] = [[] for _ in rows]
+        new_values: list[list[torch.Tensor]] = [[] for _ in rows]
+        traces: list[list[LayerProbe]] = [[] for _ in rows]
         for layer, lw in enumerate(self.weights.layers):
-            rope = c.layer_rope(layer)  # None: a NoPE layer (the policy leaves its q/k unrotated)
-            ctx = step_ctx.for_layer(layer)
-            g = groups[c.layer_attention(layer)]
             q, k, v = project_qkv(cfg, lw, h, positions)  # [n, H, D], [n, KVH, D], [n, KVH, D]
-            # copy=False: the cached keys/values are read (or joined with this step's) right below,
-            # before the cache can change.
-            view = self.cache.view(seq_id, layer, copy=False) if seq_id is not None else None
-            # raw keys exist only where q/k norms (if any) come before RoPE (_check_contract_fits_model)
-            stored_new = (
-                k
-                if c.key_form == "raw"
-                else after_rope(cfg, lw.k_norm, rot.write_key(rope, k, positions, g.new_slots, ctx))
+            outs, batch = [], []
+            for i, row in enumerate(rows):
+                stored, out, operands, trace = self._attend_row(layer, lw, row, h, q, k, v, padded, probe_rows)
+                new_keys[i].append(stored)
+                new_values[i].append(v[row.tokens])
+                if trace is not None:
+                    traces[i].append(trace)
+                if out is not None:
+                    outs.append(out)
+                if operands is not None:
+                    batch.append(operands)
+            if padded:  # [B, H, D]
+                attn = attend_padded(batch, cfg.num_heads, q.dtype, cfg.attn_scale, cfg.attn_softcap, lw.sinks)
+            else:
+                (attn,) = outs
+            h = finish_layer(cfg, lw, h, attn)
+        written: list[StepRow] = []
+        try:
+            for row, keys, values in zip(rows, new_keys, new_values):
+                if row.seq_id is not None:
+                    self.cache.append(row.seq_id, row.positions, keys, values, key_form=c.key_form)
+                    written.append(row)
+        except BaseException:
+            for row in written:
+                self.cache.rollback(row.seq_id, row.positions.numel())
+            raise
+        if logits_rows is not None:  # only the rows a caller reads ([R, hidden] -> [R, vocab] logits)
+            h = h[torch.as_tensor(logits_rows, dtype=torch.int64)]
+        logits = final_logits(cfg, self.weights, h)
+        if len(rows) == 1:
+            return [StepOutput(logits, rows[0].positions, tuple(traces[0]))]
+        return [StepOutput(logits[row.tokens], row.positions, tuple(t)) for row, t in zip(rows, traces)]
+
+    def _attend_row(
+        self,
+        layer: int,
+        lw: LayerWeights,
+        row: StepRow,
+        h: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        padded: bool,
+        probe_rows: list[int] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, PaddedRow | None, LayerProbe | None]:
+        """One row in one layer, from the step's ``h [n, hidden]``, ``q [n, H, D]``, ``k``/``v``
+        ``[n, KVH, D]``: the row's new keys in the stored form, then its attention output ``[n_r, H, D]``
+        or (``padded``) the operands the batch attends over, and its probe when probed."""
+        cfg, c, rot = self.config, self.contract, self.rotation
+        rope = c.layer_rope(layer)  # None: a NoPE layer (the policy leaves its q/k unrotated)
+        ctx = row.ctx.for_layer(layer)
+        g = row.groups[c.layer_attention(layer)]
+        if not (row.tokens.start == 0 and row.tokens.stop == q.shape[0]):  # a row of several
+            h, q, k, v = h[row.tokens], q[row.tokens], k[row.tokens], v[row.tokens]
+        positions = row.positions
+        # copy=False: the cached keys/values are read (or joined with this step's) right below,
+        # before the cache can change.
+        view = self.cache.view(row.seq_id, layer, copy=False) if row.seq_id is not None else None
+        # raw keys exist only where q/k norms (if any) come before RoPE (check_contract_fits_model)
+        stored = (
+            k
+            if c.key_form == "raw"
+            else after_rope(cfg, lw.k_norm, rot.write_key(rope, k, positions, g.new_slots, ctx))
+        )
+        if g.segments:  # a decode step that sees every key: cached keys read in place, no join
+            assert view is not None  # segments come only with cached keys
+            q_eff = after_rope(cfg, lw.q_norm, rot.query(rope, q, positions, ctx))
+            k_cached = rot.read_keys(
+                rope, view.keys, view.positions, view.slots, ctx, backend_rotates=self.backend.rotates
             )
-            if g.segments:  # a decode step that sees every key: cached keys read in place, no join
-                q_eff = after_rope(cfg, lw.q_norm, rot.query(rope, q, positions, ctx))
-                k_cached = rot.read_keys(
-                    rope, view.keys, view.positions, view.slots, ctx, backend_rotates=self.backend.rotates
-                )
-                k_new = rot.read_keys(
-                    rope, stored_new, positions, g.new_slots, ctx, backend_rotates=self.backend.rotates
-                )
-                out = attend_segments(
+            k_new = rot.read_keys(rope, stored, positions, g.new_slots, ctx, backend_rotates=self.backend.rotates)
+            out = attend_segments(
+                q_eff,
+                (k_cached, k_new),
+                (view.values, v),
+                scale=cfg.attn_scale,
+                softcap=cfg.attn_softcap,
+                sinks=lw.sinks,
+            )
+            return stored, out, None, None
+        if view is not None:
+            # probes and batch rows keep k_eff (the keys themselves when read as stored)
+            reuse = probe_rows is None and not padded
+            keys = self._joined(0, view.keys, stored.to(view.keys.dtype), reuse)
+            values = self._joined(1, view.values, v.to(view.values.dtype), reuse)
+        else:
+            keys, values = stored, v
+        attn: torch.Tensor | None = None
+        if c.rotation_index == "cache":  # never batched (decode_batch refuses it)
+            attn, q_eff, k_eff = self._attend_cache_index(q, keys, values, g.mask, g.key_slots, ctx)
+        else:
+            q_eff = after_rope(cfg, lw.q_norm, rot.query(rope, q, positions, ctx))
+            k_eff = rot.read_keys(rope, keys, g.key_pos, g.key_slots, ctx, backend_rotates=self.backend.rotates)
+            if not padded:
+                attn, _ = attend(
                     q_eff,
-                    (k_cached, k_new),
-                    (view.values, v),
+                    k_eff,
+                    values,
+                    g.attn_mask,
                     scale=cfg.attn_scale,
                     softcap=cfg.attn_softcap,
                     sinks=lw.sinks,
+                    with_logits=False,
                 )
-            else:
-                if view is not None:
-                    reuse = probe_rows is None  # probes keep k_eff (the keys themselves when read as stored)
-                    keys = self._joined(0, view.keys, stored_new.to(view.keys.dtype), reuse)
-                    values = self._joined(1, view.values, v.to(view.values.dtype), reuse)
-                else:
-                    keys, values = stored_new, v
-                if c.rotation_index == "cache":
-                    out, q_eff, k_eff = self._attend_cache_index(q, keys, values, g.mask, g.key_slots, ctx)
-                else:
-                    q_eff = after_rope(cfg, lw.q_norm, rot.query(rope, q, positions, ctx))
-                    k_eff = rot.read_keys(rope, keys, g.key_pos, g.key_slots, ctx, backend_rotates=self.backend.rotates)
-                    out, _ = attend(
-                        q_eff,
-                        k_eff,
-                        values,
-                        g.attn_mask,
-                        scale=cfg.attn_scale,
-                        softcap=cfg.attn_softcap,
-                        sinks=lw.sinks,
-                        with_logits=False,
-                    )
-                if probe_rows is not None:
-                    traces.append(_probe(probe_rows, h, q, q_eff, k_eff, values, g.key_pos, g.key_slots, g.mask))
-            new_keys.append(stored_new)
-            new_values.append(v)
-            h = finish_layer(cfg, lw, h, out)
-        if seq_id is not None:
-            self.cache.append(seq_id, positions, new_keys, new_values, key_form=c.key_form)
-        if logits_rows is not None:  # only the rows a caller reads ([R, hidden] -> [R, vocab] logits)
-            h = h[torch.as_tensor(logits_rows, dtype=torch.int64)]
-        return StepOutput(final_logits(cfg, self.weights, h), positions, tuple(traces))
+        trace = (
+            None
+            if probe_rows is None
+            else layer_probe(probe_rows, h, q, q_eff, k_eff, values, g.key_pos, g.key_slots, g.mask)
+        )
+        operands = PaddedRow(q_eff, k_eff, values, g.mask[0]) if padded else None
+        return stored, attn, operands, trace
 
-    def _step_groups(self, seq_id, positions: torch.Tensor, probed: bool) -> dict[LayerAttention, _StepGroup]:
-        """Slots, key positions and the mask of this step per attention kind (full, the window, the
+    def _step_groups(
+        self, seq_id: Hashable | None, positions: torch.Tensor, *, in_place: bool
+    ) -> dict[LayerAttention, StepGroup]:
+        """Slots, key positions and the mask of a row per attention kind (full, the window, the
         chunk), built once per step: every layer of a kind gets the same tensors (and the same cos/sin
         table). Chunked layers live in the full cache group: every key stays cached, and the mask
-        hides the keys of earlier chunks (docs/contract.md)."""
+        hides the keys of earlier chunks (docs/contract.md). ``in_place``: the row may read its cached
+        keys in place (neither probed nor batched)."""
         c, n = self.contract, positions.numel()
         num_before = self.cache.num_tokens(seq_id) if seq_id is not None else 0
-        out: dict[LayerAttention, _StepGroup] = {}
+        out: dict[LayerAttention, StepGroup] = {}
         for layer in range(c.num_layers):
             kind = c.layer_attention(layer)
             if kind in out:
@@ -397,19 +459,19 @@ class Engine:
                 key_pos, key_slots = positions, new_slots
             mask = visibility(positions, key_pos, kind.window, c.sink_tokens, kind.chunk)
             everything = bool(mask.all())  # decode without a window hiding anything: attend skips masking
-            segments = view is not None and everything and not probed and c.rotation_index == "logical"
-            out[kind] = _StepGroup(
+            segments = view is not None and everything and in_place and c.rotation_index == "logical"
+            out[kind] = StepGroup(
                 new_slots,
                 key_pos,
                 key_slots,
                 mask,
                 None if everything else mask,
                 segments,
-                view.positions if segments else key_pos,
+                view.positions if segments and view is not None else key_pos,
             )
         return out
 
-    def _step_tables(self, positions: torch.Tensor, groups) -> tuple[RopeTable, ...]:
+    def _step_tables(self, positions: torch.Tensor, groups: Iterable[StepGroup]) -> tuple[RopeTable, ...]:
         """The step's cos/sin tables: its query positions (queries and new keys), and for a rotating
         backend each group's key positions, expanded to the KV heads."""
         tables = []
@@ -418,7 +480,7 @@ class Engine:
         tables.append(self._rope_tables.table(positions))
         return tuple(t for t in tables if t is not None)
 
-    def _scratch(self, groups) -> torch.Tensor | None:
+    def _scratch(self, groups: Iterable[StepGroup]) -> torch.Tensor | None:
         """A buffer for the keys a rotating backend turns, as many rows as the step reads, reused by
         every layer (nothing keeps a layer's keys once the step is not probed)."""
         if not self.backend.rotates:
@@ -449,7 +511,15 @@ class Engine:
             self._join_buffers[which] = buf
         return torch.cat([cached, new], out=buf[:rows])
 
-    def _attend_cache_index(self, q, keys, values, mask, key_slots, ctx):
+    def _attend_cache_index(
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor,
+        key_slots: torch.Tensor,
+        ctx: StepContext,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """StreamingLLM-style rotation: each query row turns itself and its visible keys to their order
         among the visible keys (sinks first). Exact with raw keys; one row at a time."""
         rope, rot = self.contract.layer_rope(ctx.layer), self.rotation
@@ -471,34 +541,5 @@ class Engine:
             )
             outs.append(o)
             q_effs.append(qi)
+        assert k_eff is not None  # q has at least one row
         return torch.cat(outs), torch.cat(q_effs), k_eff
-
-
-@dataclass(frozen=True, eq=False)
-class _StepGroup:
-    """One attention kind's share of a step (see ``Engine._step_groups``)."""
-
-    new_slots: torch.Tensor  # [n] slots of the step's tokens
-    key_pos: torch.Tensor  # [N + n] positions of every key the step's queries may read
-    key_slots: torch.Tensor  # [N + n]
-    mask: torch.Tensor  # [n, N + n] visibility
-    attn_mask: torch.Tensor | None  # the mask, or None when it hides nothing
-    segments: bool  # read the cached keys in place (attend_segments) instead of joining them
-    read_positions: torch.Tensor  # positions of the keys a rotating read turns in one call
-
-
-def _probe(rows: list[int], h, q, q_eff, k_eff, values, key_pos, key_slots, mask) -> LayerProbe:
-    """The layer as its kernel saw it at ``rows``. One row (a decode step, or a per-position full
-    forward): exactly the keys the kernel attended to, by the engine's own mask. Several rows (a probed
-    full forward): every key, and the reader masks by position."""
-    r = torch.as_tensor(rows)
-    keep = mask[r[0]] if len(rows) == 1 else slice(None)
-    return LayerProbe(
-        q=q_eff[r],
-        k=k_eff[keep],
-        key_positions=key_pos[keep],
-        key_slots=key_slots[keep],
-        hidden_in=h[r].detach(),
-        q_raw=q[r],
-        v=values[keep],
-    )

@@ -21,6 +21,8 @@ from typing import Literal
 
 import torch
 
+from ..contract import CacheContract
+from ..errors import ContractMismatch
 from ..rope import RopeSpec, apply_rotation
 
 
@@ -69,7 +71,9 @@ class RopeTable:
             x = x.to(work)
         if self.kernel is not None:  # one fused pass (torch.compile); ``out`` would only add a copy
             return self.kernel(x.transpose(0, 1), self.cos.transpose(0, 1), self.sin.transpose(0, 1)).transpose(0, 1)
-        if self.cos_wide is not None:  # a key table: every operand seen head-major, [heads, T, .]
+        if (
+            self.cos_wide is not None and self.sin_heads is not None
+        ):  # a key table: every operand seen head-major, [heads, T, .]
             if out is None:  # head-major, as the pool
                 out = torch.empty((x.shape[1], x.shape[0], x.shape[2]), dtype=work, device=x.device).transpose(0, 1)
             xh, oh = x.transpose(0, 1), out.transpose(0, 1)
@@ -145,7 +149,7 @@ class OpFacts:
     The correct policy ignores them: stored positions are the truth after every operation. They exist
     so that a fault policy can model an engine whose rotation offset an operation put out of step with
     the logical positions (``ropekv.faults.ops``). ``padding`` is the row's left padding in a
-    merged batch (``ropekv.engine.batch``).
+    merged batch (``Engine.decode_batch``).
     """
 
     rolled_back: int = 0  # tokens given back by rollbacks
@@ -205,13 +209,11 @@ class RotationPolicy:
 
     name = "correct"
 
-    def check_contract(self, contract) -> None:
+    def check_contract(self, contract: CacheContract) -> None:
         """Refuse a contract this policy cannot serve exactly: rotated keys under RoPE whose frequencies
         change with the sequence length (dynamic NTK, LongRoPE) would keep stale frequencies."""
         specs = [contract.layer_rope(i) for i in range(contract.num_layers)]
         if contract.key_form == "rotated" and any(r is not None and r.length_dependent for r in specs):
-            from ..errors import ContractMismatch
-
             raise ContractMismatch(
                 f"key_form 'rotated' cannot serve {contract.rope.scaling.rope_type} RoPE: its frequencies change "
                 "with the sequence length, so cached keys would keep stale frequencies while new queries turn "
@@ -221,19 +223,19 @@ class RotationPolicy:
                 fields=("key_form", "rope.scaling"),
             )
 
-    def query(self, rope: RopeSpec, q: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+    def query(self, rope: RopeSpec | None, q: torch.Tensor, positions: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """Rotate queries ``q [n, H, D]`` to their rotation indices ``positions [n]``."""
         return rotate(rope, q, positions, ctx)
 
     def write_key(
-        self, rope: RopeSpec, k: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, ctx: StepContext
+        self, rope: RopeSpec | None, k: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, ctx: StepContext
     ) -> torch.Tensor:
         """The form a ``"rotated"`` cache stores for new raw keys ``k [n, KVH, D]``: rotated at ``positions``."""
         return rotate(rope, k, positions, ctx)
 
     def read_keys(
         self,
-        rope: RopeSpec,
+        rope: RopeSpec | None,
         stored: torch.Tensor,
         rotation_index: torch.Tensor,
         slots: torch.Tensor,
@@ -261,7 +263,7 @@ class RotationPolicy:
             and out.shape[1:] == stored.shape[1:]
             and out.dtype == table.cos.dtype
         )
-        return table.rotate(stored, out[: stored.shape[0]] if fits else None)
+        return table.rotate(stored, out[: stored.shape[0]] if out is not None and fits else None)
 
 
 def rotate(

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ..models.config import Checkpoint, ModelConfig
 from ..models.mla import LATENT_NORM_EPS
+from ..models.moe import MoeSpec
 
 
 @dataclass(frozen=True, eq=False)
@@ -73,7 +74,7 @@ class LayerWeights:
     k_norm: Norm | None
     o: torch.Tensor  # [hidden, H * D]
     o_bias: torch.Tensor | None
-    gate_up: torch.Tensor  # [2 * intermediate, hidden] (gated), [intermediate, hidden] (plain)
+    gate_up: torch.Tensor | None  # [2 * intermediate, hidden] (gated), [intermediate, hidden] (plain); None: missing
     gate_up_bias: torch.Tensor | None
     down: torch.Tensor  # [hidden, intermediate]
     down_bias: torch.Tensor | None
@@ -117,8 +118,8 @@ class DecoderWeights:
             return Norm("layer" if fam.norm.startswith("layer") else "rms", weight, opt(name + ".bias"))
 
         def cat(names: list[str]) -> torch.Tensor | None:
-            parts = [w.get(n) for n in names]
-            return None if any(t is None for t in parts) else torch.cat(parts)
+            parts = [w[n] for n in names if n in w]
+            return torch.cat(parts) if len(parts) == len(names) else None
 
         def qk_norm(layer: int, name: str) -> Norm | None:
             if not cfg.layer_qk_norm(layer):
@@ -204,7 +205,9 @@ class DecoderWeights:
             )
         embed = w["model.embed_tokens.weight"]
         lm_head = embed if cfg.tie_word_embeddings else w["lm_head.weight"]
-        return cls(cfg, embed, norm(fam.final_norm), lm_head, tuple(layers), opt("lm_head.bias"))
+        final_norm = norm(fam.final_norm)
+        assert final_norm is not None  # every family names its final norm
+        return cls(cfg, embed, final_norm, lm_head, tuple(layers), opt("lm_head.bias"))
 
     def nbytes(self) -> int:
         seen: set[int] = set()
@@ -295,6 +298,7 @@ def project_qkv(
     x = apply_norm(h, lw.attn_in, cfg.rms_norm_eps)
     if lw.mla is not None:
         return _mla_qkv(cfg, lw.mla, x)
+    assert lw.qkv is not None  # every layer but MLA's has a fused qkv
     qkv = F.linear(x, lw.qkv, lw.qkv_bias)
     if cfg.clip_qkv is not None:
         qkv = qkv.clamp(-cfg.clip_qkv, cfg.clip_qkv)
@@ -324,9 +328,11 @@ def _mla_qkv(cfg: ModelConfig, mw: MlaWeights, x: torch.Tensor) -> tuple[torch.T
     ``[n, H, D]``: ``v_head_dim`` channels, zero-padded to ``D`` so that values share the keys' cache
     rows (the padding's attention output is zero and :func:`finish_layer` drops it)."""
     m, n, H = cfg.mla, x.shape[0], cfg.num_heads
+    assert m is not None  # MLA weights come with an MLA config
     if mw.q is not None:
         q = F.linear(x, mw.q)
     else:
+        assert mw.q_a is not None and mw.q_a_norm is not None and mw.q_b is not None  # the q_lora path
         q = F.linear(rms_norm(F.linear(x, mw.q_a, mw.q_a_bias), mw.q_a_norm, LATENT_NORM_EPS), mw.q_b)
     kv_a = F.linear(x, mw.kv_a, mw.kv_a_bias)  # [n, kv_lora_rank + rope]
     latent, k_pe = kv_a[:, : m.kv_lora_rank], kv_a[:, m.kv_lora_rank :]
@@ -340,6 +346,7 @@ def query_temperature(cfg: ModelConfig, positions: torch.Tensor) -> torch.Tensor
     """llama4's attention temperature ``[n]`` at ``positions [n]`` (arXiv 2501.19399), in float32 as
     transformers computes it: ``log1p(floor((p + 1) / floor_scale)) * attn_scale + 1``."""
     p = positions.to(torch.float32)
+    assert cfg.temperature_floor_scale is not None  # set wherever a layer tunes its temperature
     return torch.log1p(torch.floor((p + 1.0) / cfg.temperature_floor_scale)) * cfg.temperature_attn_scale + 1.0
 
 
@@ -368,6 +375,7 @@ def finish_layer(cfg: ModelConfig, lw: LayerWeights, h: torch.Tensor, attn_out: 
 def _mlp(cfg: ModelConfig, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
     if lw.moe is not None:
         return _moe(cfg, lw.moe, x)
+    assert lw.gate_up is not None  # a dense MLP has its gate/up weights
     if cfg.family.mlp == "gated":
         gate, up = F.linear(x, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
         return F.linear(activation(gate, cfg.hidden_act) * up, lw.down, lw.down_bias)
@@ -389,6 +397,7 @@ def _xielu(
 def _moe(cfg: ModelConfig, mw: MoeWeights, x: torch.Tensor) -> torch.Tensor:
     """Top-k routing of ``x [n, hidden]``; each expert runs once on the tokens routed to it."""
     spec = cfg.moe
+    assert spec is not None  # MoE weights come with an MoE config
     logits = F.linear(x, mw.router, mw.router_bias).float()  # [n, E]
     weights, experts = _route(spec, mw, logits)
     scale_input = spec.router == "topk_sigmoid_input"  # llama4: the scores scale each expert's input
@@ -404,16 +413,18 @@ def _moe(cfg: ModelConfig, mw: MoeWeights, x: torch.Tensor) -> torch.Tensor:
         )
         out.index_add_(0, token, y if scale_input else y * w)
     if mw.shared_gate_up is not None:
+        assert mw.shared_down is not None  # a shared expert has both projections
         gate, up = F.linear(x, mw.shared_gate_up).chunk(2, dim=-1)
         shared = F.linear(activation(gate, cfg.hidden_act) * up, mw.shared_down)
         out = out + (shared if mw.shared_gate is None else torch.sigmoid(F.linear(x, mw.shared_gate)) * shared)
     if mw.experts_gate_up is not None:  # ungated shared experts
+        assert mw.experts_down is not None
         gate, up = F.linear(x, mw.experts_gate_up, mw.experts_gate_up_bias).chunk(2, dim=-1)
         out = out + F.linear(activation(gate, cfg.hidden_act) * up, mw.experts_down, mw.experts_down_bias)
     return out
 
 
-def _route(spec, mw: MoeWeights, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _route(spec: MoeSpec, mw: MoeWeights, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Routing weights and experts ``[n, k]`` from float32 router ``logits [n, E]`` (models/moe.py)."""
     if spec.router == "topk_softmax":
         top, experts = logits.topk(spec.top_k, dim=-1)
@@ -436,6 +447,7 @@ def _route(spec, mw: MoeWeights, logits: torch.Tensor) -> tuple[torch.Tensor, to
         weights, experts = scores.masked_fill(~keep.repeat_interleave(groups[2], dim=1), 0.0).topk(spec.top_k, dim=-1)
         return weights * spec.routed_scale, experts
     scores = torch.sigmoid(logits)  # sigmoid_group
+    assert mw.correction_bias is not None  # a sigmoid_group router has its correction bias
     choice = scores + mw.correction_bias.float()
     best = choice.view(groups).topk(2, dim=-1).values.sum(-1).topk(spec.top_groups, dim=-1).indices
     keep = torch.zeros(groups[:2], dtype=torch.bool, device=logits.device).scatter_(1, best, True)
@@ -448,9 +460,9 @@ def _route(spec, mw: MoeWeights, logits: torch.Tensor) -> tuple[torch.Tensor, to
     return weights * spec.routed_scale, experts
 
 
-def _expert_act(spec, act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def _expert_act(spec: MoeSpec, act: str, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """``act(gate) * up``, or gpt_oss's clamped SwiGLU where the spec has a limit (models/moe.py)."""
-    if spec.swiglu_limit is None:
+    if spec.swiglu_limit is None or spec.swiglu_alpha is None:  # both or neither (MoeSpec)
         return activation(gate, act) * up
     gate = gate.clamp(max=spec.swiglu_limit)
     up = up.clamp(min=-spec.swiglu_limit, max=spec.swiglu_limit)

@@ -7,6 +7,9 @@ contract is refused with :class:`~ropekv.errors.ContractMismatch` (exit 3), a co
 one with :class:`~ropekv.errors.PayloadError`, and in both cases nothing is imported. Restoring the
 positions with the keys is the point: a restore that loads keys but restarts the offset at 0 rotates
 the next token at position 0 (vllm-metal #144).
+
+:func:`save_sequence` and :func:`load_sequence` work through the engine's public API (its cache, and
+:meth:`~ropekv.engine.Engine.adopt` for a loaded sequence), so the engine knows nothing of files.
 """
 
 from __future__ import annotations
@@ -14,22 +17,19 @@ from __future__ import annotations
 import os
 from collections.abc import Hashable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
+from ..engine import Engine
 from ..errors import CacheError, UsageError
-
-if TYPE_CHECKING:
-    from ..engine import Engine
+from .importer import export_handoff, import_handoff
+from .payload import read_payload, write_payload
 
 
 def save_sequence(engine: Engine, seq_id: Hashable, path: str | os.PathLike, tokens: torch.Tensor) -> int:
     """Write ``seq_id`` to ``path`` (atomically: a temporary file, then a rename); returns bytes written.
     ``tokens [n]`` are the ids the sequence consumed. A sequence with evicted tokens is refused (the
     payload holds every token of a full-attention layer)."""
-    from .importer import export_handoff
-    from .payload import write_payload
 
     holes = engine.cache.holes(seq_id)  # CacheError for an unknown sequence
     if holes:
@@ -52,9 +52,8 @@ def save_sequence(engine: Engine, seq_id: Hashable, path: str | os.PathLike, tok
 def load_sequence(
     engine: Engine, path: str | os.PathLike, seq_id: Hashable | None = None
 ) -> tuple[Hashable, torch.Tensor]:
-    """Import the sequence saved at ``path`` into ``engine``; returns ``(seq_id, tokens [n])``."""
-    from .importer import import_handoff
-    from .payload import read_payload
+    """Import the sequence saved at ``path`` into ``engine`` (all or nothing); returns ``(seq_id,
+    tokens [n])``. The sequence starts afresh (no fork offset; its op facts note the restore)."""
 
     try:
         data = Path(path).read_bytes()
@@ -62,4 +61,6 @@ def load_sequence(
         raise UsageError(f"cannot read the saved cache {path}: {exc.strerror or exc}") from None
     handoff = read_payload(data)  # PayloadError on any corruption, before anything is allocated
     sid = import_handoff(engine.cache, handoff, seq_id=seq_id)  # ContractMismatch / CacheError, all or nothing
-    return sid, handoff.tokens.clone()
+    tokens = handoff.tokens.clone()
+    engine.adopt(sid, restored=int(tokens.numel()))
+    return sid, tokens

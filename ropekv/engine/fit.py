@@ -1,0 +1,72 @@
+"""Whether a cache contract fits a model: the engine refuses a contract that does not, at construction."""
+
+from __future__ import annotations
+
+from ..contract import CacheContract
+from ..errors import ContractMismatch
+from ..models.config import Checkpoint
+
+
+def check_contract_fits_model(checkpoint: Checkpoint, contract: CacheContract) -> None:
+    """Raise :class:`ContractMismatch` (naming every field) unless ``contract`` describes the cache
+    ``checkpoint``'s model needs: its shapes, RoPE per layer, MLA form, key form and fingerprint."""
+    cfg, c = checkpoint.config, contract
+    problems = []
+    for field, ours, theirs in (
+        ("num_layers", c.num_layers, cfg.num_layers),
+        ("num_kv_heads", c.num_kv_heads, cfg.num_kv_heads),
+        ("head_dim", c.head_dim, cfg.head_dim),
+    ):
+        if ours != theirs:
+            problems.append((field, f"{field}: contract {ours}, model {theirs}"))
+    if cfg.mla is not None and (c.mla is None or c.mla.cached != "expanded"):
+        problems.append(
+            (
+                "mla.cached",
+                f"mla.cached: contract {None if c.mla is None else c.mla.cached!r}, "
+                "ropekv's engine caches MLA keys 'expanded' (per-head keys and values, "
+                "the rope part last)",
+            )
+        )
+    elif c.mla is not None and cfg.mla is None:
+        problems.append(("mla", "mla: the contract describes multi-head latent attention, the model has none"))
+    if c.rope != cfg.rope:
+        problems.append(
+            (
+                "rope",
+                f"rope: contract {c.rope.fingerprint()}, model {cfg.rope.fingerprint()} "
+                "(keys and queries would turn differently from what the model was trained with)",
+            )
+        )
+    elif c.layer_ropes != cfg.layer_ropes:
+        bad = [i for i in range(cfg.num_layers) if c.layer_rope(i) != cfg.layer_rope(i)]
+        problems.append(
+            (
+                "layer_ropes",
+                f"layer_ropes: layer(s) {bad[:8]} turn with another RoPE (or none) in the contract than in the model",
+            )
+        )
+    if c.key_form == "raw" and cfg.qk_norm and cfg.family.qk_norm == "head_after_rope":
+        problems.append(
+            (
+                "key_form",
+                f"key_form: 'raw' has no meaning for {cfg.architecture}: its q/k norm is "
+                "applied after RoPE, so the key the kernel reads is norm(R(j) k), not a "
+                "rotation of any key a cache could hold raw; use key_form 'rotated' "
+                "(with a length-dependent RoPE, dynamic NTK without alpha, no key form can "
+                "serve it: rotated keys keep stale frequencies)",
+            )
+        )
+    if c.model_fingerprint and c.model_fingerprint != checkpoint.fingerprint:
+        problems.append(
+            (
+                "model_fingerprint",
+                f"model_fingerprint: contract {c.model_fingerprint}, model "
+                f"{checkpoint.fingerprint} (keys would come from another model)",
+            )
+        )
+    if problems:
+        raise ContractMismatch(
+            "the cache contract does not fit the model: " + "; ".join(p for _, p in problems),
+            fields=tuple(f for f, _ in problems),
+        )

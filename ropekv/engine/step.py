@@ -1,0 +1,70 @@
+"""The records of one engine step: its rows (one per sequence), each kind's share of a row, probes.
+
+A step is the tokens ``[n]`` the engine runs through every layer at once. A prefill chunk, a decode
+step and the cache-free forward are one row; a batched decode is ``B`` rows of one token each (one
+per sequence, each at its own next position, ``Engine.decode_batch``). Every layer treats each row
+with the same code (``Engine._attend_row``); only a batch's attention then runs over all rows at
+once (:func:`~ropekv.engine.attention.attend_padded`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
+
+from ..attention_kind import LayerAttention
+from ..probe import LayerProbe
+from .rotation import StepContext
+
+
+@dataclass(frozen=True, eq=False)
+class StepGroup:
+    """One attention kind's share of a row (see ``Engine._step_groups``)."""
+
+    new_slots: torch.Tensor  # [n] slots of the row's tokens
+    key_pos: torch.Tensor  # [N + n] positions of every key the row's queries may read
+    key_slots: torch.Tensor  # [N + n]
+    mask: torch.Tensor  # [n, N + n] visibility
+    attn_mask: torch.Tensor | None  # the mask, or None when it hides nothing
+    segments: bool  # read the cached keys in place (attend_segments) instead of joining them
+    read_positions: torch.Tensor  # positions of the keys a rotating read turns in one call
+
+
+@dataclass(frozen=True, eq=False)
+class StepRow:
+    """One sequence's share of a step: its tokens' rows, positions, context and per-kind groups."""
+
+    seq_id: Hashable | None  # None: the cache-free forward
+    tokens: slice  # the row's tokens among the step's [n]
+    positions: torch.Tensor  # [n_r] logical positions
+    ctx: StepContext
+    groups: dict[LayerAttention, StepGroup]
+
+
+def layer_probe(
+    rows: list[int],
+    h: torch.Tensor,
+    q: torch.Tensor,
+    q_eff: torch.Tensor,
+    k_eff: torch.Tensor,
+    values: torch.Tensor,
+    key_pos: torch.Tensor,
+    key_slots: torch.Tensor,
+    mask: torch.Tensor,
+) -> LayerProbe:
+    """The layer as its kernel saw it at ``rows``. One row (a decode step, or a per-position full
+    forward): exactly the keys the kernel attended to, by the engine's own mask. Several rows (a probed
+    full forward): every key, and the reader masks by position."""
+    r = torch.as_tensor(rows)
+    keep = mask[r[0]] if len(rows) == 1 else slice(None)
+    return LayerProbe(
+        q=q_eff[r],
+        k=k_eff[keep],
+        key_positions=key_pos[keep],
+        key_slots=key_slots[keep],
+        hidden_in=h[r].detach(),
+        q_raw=q[r],
+        v=values[keep],
+    )
