@@ -11,16 +11,17 @@ causal forward is the reference for position ``t``); for dynamic NTK and LongRoP
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from typing import Any
 
 import torch
 
-from ..errors import AdapterError, UsageError
+from ..contract import DTYPES
+from ..errors import UsageError
 from ..models.config import Checkpoint
 from ..models.reference import ReferenceDecoder, ReferenceOutput
-from . import forensics, ops
+from . import ops
+from .bug_class import BugClass
 from .cases import Case, build_matrix, token_stream
 from .compare import (
     LogitsOf,
@@ -35,21 +36,18 @@ from .compare import (
     tolerance_for,
     worst_entry,
 )
-from .layer_forensics import diagnose_layer
+from .diagnosis import Diagnosis
+from .layer_diagnosis import diagnose_divergence, diagnose_unlocated
 from .progress import Progress
-from .protocol import CaseRun, EngineAdapter, FullRun, Tier
+from .protocol import CaseRun, EngineAdapter, EngineDescription, FullRun, Tier
 from .provenance import provenance
-from .report import CaseResult, Diagnosis, Divergence, ParityReport
-from .validate import check_adapter, check_case_run, check_full_run, check_ignored
+from .report import CaseResult, Divergence, ParityReport
+from .validate import check_adapter, check_case_run, check_description, check_full_run, check_ignored
 
 _MAX_FORENSIC_CASES = 6
-_REFERENCE_DTYPES = {"float64": torch.float64, "float32": torch.float32}
-_ENGINE_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float64": torch.float64,
-}
+REFERENCE_DTYPES = ("float64", "float32")  # names in ropekv.contract.DTYPES the reference decoder runs in
+if not set(REFERENCE_DTYPES) <= set(DTYPES):
+    raise AssertionError(f"reference dtypes {REFERENCE_DTYPES} must be names in ropekv.contract.DTYPES")
 
 
 def check(
@@ -84,8 +82,8 @@ def check(
     """
     adapter = _as_adapter(engine, dtype=dtype, key_form=key_form, backend=backend)
     tier = check_adapter(adapter)
-    if reference not in _REFERENCE_DTYPES:
-        raise UsageError(f"reference must be one of {', '.join(_REFERENCE_DTYPES)}, got {reference!r}")
+    if reference not in REFERENCE_DTYPES:
+        raise UsageError(f"reference must be one of {', '.join(REFERENCE_DTYPES)}, got {reference!r}")
     cfg = adapter.checkpoint.config
     if cases is None:
         cases = build_matrix(
@@ -103,10 +101,8 @@ def check(
     _check_ops(adapter, cases)
     started = time.perf_counter()
     tokens = token_stream(cfg.vocab_size, max(c.total for c in cases), seed)
-    refs = _References(
-        adapter, tier, ReferenceDecoder(adapter.checkpoint, dtype=_REFERENCE_DTYPES[reference]), tokens, cases
-    )
-    tol_ref = tolerance or tolerance_for(adapter.dtype, _REFERENCE_DTYPES[reference])
+    refs = _References(adapter, tier, ReferenceDecoder(adapter.checkpoint, dtype=DTYPES[reference]), tokens, cases)
+    tol_ref = tolerance or tolerance_for(adapter.dtype, DTYPES[reference])
     tol_self = tolerance or tolerance_for(adapter.dtype, adapter.dtype)
 
     results, failed = [], []
@@ -149,7 +145,7 @@ def check(
                 self_attn_errors=tuple(e.attn for e in err_self),
                 logit_errors=tuple(e.logits for e in err_ref),
                 self_logit_errors=tuple(e.logits for e in err_self),
-                ignored=ignored,
+                ignored=tuple(x.text for x in ignored),
                 notes=run.notes + ops.notes(case),
                 full_forward_error=full_err,
                 seconds=time.perf_counter() - t0,
@@ -170,9 +166,9 @@ def check(
             for result, run in failed:
                 bar.describe("forensics")
                 found = _diagnose(adapter, refs, result, run)
-                if diagnosis is None or diagnosis.kind == "unknown":
-                    diagnosis = found if diagnosis is None or found.kind != "unknown" else diagnosis
-                if diagnosis.kind != "unknown":
+                if diagnosis is None or diagnosis.kind == BugClass.UNKNOWN:
+                    diagnosis = found if diagnosis is None or found.kind != BugClass.UNKNOWN else diagnosis
+                if diagnosis.kind != BugClass.UNKNOWN:
                     break
     ckpt = adapter.checkpoint
     passed = all(r.passed for r in results)
@@ -190,7 +186,7 @@ def check(
             "rope": cfg.rope.to_dict(),
             "rope_fingerprint": cfg.rope.fingerprint(),
         },
-        engine=adapter.describe(),
+        engine=_describe(adapter).to_dict(),
         reference=reference,
         tier=tier.value,
         limits=tier_limits(tier, results),
@@ -207,17 +203,15 @@ def check(
 
 
 def _check_ops(adapter: EngineAdapter, cases: list[Case]) -> None:
-    """A case with a cache operation runs only on an engine that declares it (``describe()["ops"]``):
+    """A case with a cache operation runs only on an engine that declares it (``describe().ops``):
     an adapter that knows nothing of operations would run the case as a plain one and be judged
     against the operation's reference. Refused loudly, with the adapter's own reason where it gives one."""
     wanted = [c for c in cases if c.op is not None]
     if not wanted:
         return
-    declared = adapter.describe().get("ops", ())
-    if not isinstance(declared, (list, tuple)) or not all(isinstance(k, str) for k in declared):
-        raise AdapterError(adapter.name, 'describe()["ops"]', "a list of cache operation names", repr(declared))
+    declared = _describe(adapter).ops
     for case in wanted:
-        why = [x for x in check_ignored(adapter, case, adapter.ignored(case)) if x.split(":")[0].strip() == "op"]
+        why = [x.text for x in check_ignored(adapter, case, adapter.ignored(case)) if x.param == "op"]
         if case.op.kind not in declared or why:
             reason = why[0] if why else f"it declares {', '.join(declared) or 'no cache operations'}"
             raise UsageError(
@@ -267,22 +261,26 @@ def _as_adapter(engine: Any, *, dtype, key_form, backend) -> EngineAdapter:
     check_adapter(engine)
     name = engine.name
     if dtype is not None:
-        want = _ENGINE_DTYPES.get(dtype)
+        want = DTYPES.get(dtype)
         if want is None:
-            raise UsageError(f"dtype must be one of {', '.join(_ENGINE_DTYPES)}, got {dtype!r}")
+            raise UsageError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         if want != engine.dtype:
             raise UsageError(
                 f"dtype={dtype!r}: adapter {name!r} computes in {engine.dtype}; build the adapter in "
                 f"{dtype} instead (the harness cannot change an engine's dtype)"
             )
-    facts = engine.describe()
-    for option, value in (("key_form", key_form), ("backend", backend)):
-        if value is not None and facts.get(option) != value:
+    facts = _describe(engine)
+    for option, value, runs in (("key_form", key_form, facts.key_form), ("backend", backend, facts.backend)):
+        if value is not None and runs != value:
             raise UsageError(
                 f"{option}={value!r}: adapter {name!r} does not run with it (it reports "
-                f"{option}={facts.get(option)!r}); {option} selects ropekv's own engine"
+                f"{option}={runs!r}); {option} selects ropekv's own engine"
             )
     return engine
+
+
+def _describe(adapter: EngineAdapter) -> EngineDescription:
+    return check_description(adapter, adapter.describe())
 
 
 def _rows_error(engine_row: RefRow, ref_row: RefRow) -> float:
@@ -480,145 +478,22 @@ def _divergence(
 
 
 def _diagnose(adapter: EngineAdapter, refs: _References, result: CaseResult, run: CaseRun) -> Diagnosis:
+    """The forensics of a failing case at its first divergence, from what the engine and the
+    reference computed there (:mod:`ropekv.parity.layer_diagnosis` names the bug)."""
     fd = result.first_divergence
-    if fd is None:
-        return Diagnosis("unknown", "the final logits diverged but no layer's attention did")
-    if fd.layer is None:
-        return Diagnosis("unknown", "only the final logits diverged; no layer's attention did")
-    view = run.steps[fd.step].layers[fd.layer]
-    out, i = refs.reference_output(result.case, fd.query_position)
-    probe = out.layers[fd.layer]
+    if fd is None or fd.layer is None:
+        return diagnose_unlocated(fd)
     case = result.case
-    cfg = adapter.checkpoint.config
-    chunk = cfg.layer_chunk(fd.layer) if case.window is None else None  # a case window replaces chunks
-    window = _window_diagnosis(refs.reference_row(case, fd.query_position).attn_logits[fd.layer], view, case, fd, chunk)
-    if window is not None:
-        return window
-    slots = view.key_slots if view.key_slots is not None else torch.full_like(view.key_positions, -1)
-    k_raw = probe.k_raw[view.key_positions - case.shift]  # the reference's rows are indices (a shift moves positions)
-    # Per-layer RoPE features first (NoPE layers, partial rotary, local/global RoPE): bug classes one
-    # spec alone cannot name. Then the general forensics under the diverging layer's own spec.
-    arch = diagnose_layer(
-        cfg,
-        fd.layer,
-        q_raw=probe.q_raw[i],
-        q_eff=view.q[0],
-        k_raw=k_raw,
-        k_eff=view.k,
-        key_positions=view.key_positions,
-        query_position=fd.query_position,
-        seq_len=fd.query_position + 1,
-    )
-    if arch is not None:
-        return Diagnosis(
-            arch.kind,
-            arch.evidence,
-            {**arch.details, "case": case.label(), "layer": fd.layer, "query_position": fd.query_position},
-        )
-    rope = cfg.layer_rope(fd.layer)
-    if rope is None:
-        return Diagnosis(
-            "unknown",
-            f"layer {fd.layer} has no position embedding and its query and keys are not "
-            "turned; the divergence is not a RoPE error of this layer",
-            {"case": case.label(), "layer": fd.layer, "query_position": fd.query_position},
-        )
-    q_raw, q_eff, k_eff = probe.q_raw[i], view.q[0], view.k
-    if rope.rotary_offset:  # MLA: only the rope part turns; the forensics read that slice as a head of its own
-        part = slice(rope.rotary_offset, rope.rotary_offset + rope.rotary_dim)
-        q_raw, q_eff, k_raw, k_eff = q_raw[..., part], q_eff[..., part], k_raw[..., part], k_eff[..., part]
-        rope = rope.replace(head_dim=rope.rotary_dim, rotary_offset=0)
-    inp = forensics.ForensicInput(
-        rope=rope,
-        q_raw=q_raw,
-        q_eff=q_eff,
-        k_raw=k_raw,
-        k_eff=k_eff,
-        query_position=fd.query_position,
-        key_positions=view.key_positions,
-        key_slots=slots,
-        fork_offset=case.prefix,
-        # Even where the adapter ignores block sizes, the case's block size is the hypothesis to test:
-        # an engine with its own blocks may still rotate keys by their offset inside one.
-        block_size=case.block_size,
+    out, i = refs.reference_output(case, fd.query_position)
+    return diagnose_divergence(
+        adapter.checkpoint.config,
+        case,
+        fd,
+        view=run.steps[fd.step].layers[fd.layer],
+        reference=out.layers[fd.layer],
+        row=i,
+        reference_attn=refs.reference_row(case, fd.query_position).attn_logits[fd.layer],
         handoff_len=run.handoff_len,
         self_parity_passed=result.self_passed,
-        seq_len=fd.query_position + 1,
-        op_hypotheses=ops.hypotheses(case, adapter.describe().get("key_form")),
+        key_form=_describe(adapter).key_form,
     )
-    d = forensics.diagnose(inp)
-    kind, evidence = d.kind, d.evidence
-    if kind == "unknown" and inp.rope.length_dependent and fd.layer > 0:
-        # Layer 0 matched and this layer's rotations are right: what differs is the cached prefix itself,
-        # whose deeper keys and values were computed under an earlier length's frequencies. A full
-        # forward over t + 1 tokens recomputes them; no cache can (docs/contract.md).
-        kind = "stale_dynamic_scaling"
-        evidence = (
-            f"layer 0 matches and layer {fd.layer} turns keys at the current frequencies, but its cached "
-            f"keys and values come from hidden states computed under an earlier length's frequencies "
-            f"(inherent to caching {inp.rope.scaling.rope_type} RoPE past position "
-            f"{inp.rope.switch_length}); {evidence}"
-        )
-    details = dict(d.details)
-    details.update(
-        {
-            "case": case.label(),
-            "layer": fd.layer,
-            "query_position": fd.query_position,
-            "query_effective": d.query_effective,
-            "fit": _finite(d.fit),
-        }
-    )
-    return Diagnosis(kind, evidence, details)
-
-
-def _window_diagnosis(ref_row: torch.Tensor, view, case: Case, fd, chunk: int | None = None) -> Diagnosis | None:
-    """The kernel read keys the reference's window hides, or missed keys it shows: a mask or window
-    bug (a cache that ignores its size, sinks kept where none are configured), not a rotation. On a
-    chunked layer (``chunk``) the same evidence is ``chunk_mismatch``: keys of an earlier chunk read
-    (an engine that treats llama4's chunked layers as full), or keys of the query's chunk missed."""
-    visible = torch.isfinite(ref_row[0])  # [T] by position
-    pos = view.key_positions
-    extra = pos[~visible[pos]]
-    read = torch.zeros_like(visible)
-    read[pos] = True
-    missed = torch.nonzero(visible & ~read).flatten()
-    if extra.numel() == 0 and missed.numel() == 0:
-        return None
-    parts = []
-    hides = (
-        "the window hides"
-        if chunk is None
-        else (
-            f"of earlier chunks (chunk size {chunk}: the query's chunk starts at {fd.query_position // chunk * chunk})"
-        )
-    )
-    if extra.numel():
-        parts.append(f"it read {extra.numel()} key(s) {hides} (positions {_span(extra)})")
-    if missed.numel():
-        parts.append(f"it missed {missed.numel()} visible key(s) (positions {_span(missed)})")
-    details = {
-        "case": case.label(),
-        "layer": fd.layer,
-        "query_position": fd.query_position,
-        "extra_keys": int(extra.numel()),
-        "missed_keys": int(missed.numel()),
-        "keys_read": int(pos.numel()),
-    }
-    if chunk is not None:
-        details["chunk_size"] = chunk
-    return Diagnosis(
-        "window_mismatch" if chunk is None else "chunk_mismatch",
-        f"layer {fd.layer}, query at {fd.query_position}: the reference attends to "
-        f"{int(visible.sum())} keys, the kernel to {pos.numel()}; " + "; ".join(parts),
-        details,
-    )
-
-
-def _span(positions: torch.Tensor) -> str:
-    p = sorted(positions.tolist())
-    return ", ".join(map(str, p)) if len(p) <= 6 else f"{p[0]}..{p[-1]}"
-
-
-def _finite(x: float) -> float | None:
-    return x if isinstance(x, (int, float)) and math.isfinite(x) else None

@@ -25,6 +25,7 @@ import dataclasses
 import torch
 
 from ..models.reference import ReferenceDecoder, ReferenceOutput
+from .bug_class import BugClass
 from .cases import Case
 from .compare import RefRow
 from .forensics import OpHypothesis
@@ -97,7 +98,7 @@ def hypotheses(case: Case, key_form: str | None) -> tuple[OpHypothesis, ...]:
     if kind == "rollback":
         out = [
             OpHypothesis(
-                "rollback_offset",
+                BugClass.ROLLBACK_OFFSET,
                 "query",
                 f"the offset kept the rejected {n}-token draft (advanced by the draft length, not the accepted count)",
                 offsets=(n,),
@@ -109,7 +110,7 @@ def hypotheses(case: Case, key_form: str | None) -> tuple[OpHypothesis, ...]:
             if overwritten:
                 out.append(
                     OpHypothesis(
-                        "rollback_stale_keys",
+                        BugClass.ROLLBACK_STALE_KEYS,
                         "misfit",
                         f"they are the ring slots the rolled-back "
                         f"{n}-token draft overwrote, left holding the rejected tokens' keys",
@@ -120,7 +121,7 @@ def hypotheses(case: Case, key_form: str | None) -> tuple[OpHypothesis, ...]:
     if kind == "evict":
         return (
             OpHypothesis(
-                "evict_offset",
+                BugClass.EVICT_OFFSET,
                 "query",
                 f"the offset counts kept rows ({n} evicted tokens subtracted from every later position)",
                 offsets=(-n,),
@@ -131,7 +132,7 @@ def hypotheses(case: Case, key_form: str | None) -> tuple[OpHypothesis, ...]:
         if key_form == "raw":
             return (
                 OpHypothesis(
-                    "shift_rotated_raw",
+                    BugClass.SHIFT_ROTATED_RAW,
                     "keys",
                     f"raw keys were turned by R({n}) although the reader rotates them at their new positions",
                     offsets=(n,),
@@ -140,14 +141,14 @@ def hypotheses(case: Case, key_form: str | None) -> tuple[OpHypothesis, ...]:
             )
         return (
             OpHypothesis(
-                "shift_not_rotated",
+                BugClass.SHIFT_NOT_ROTATED,
                 "keys",
                 f"rotated keys were relabelled by {n:+d} but not turned by R({n})",
                 offsets=(-n,),
                 positions=moved,
             ),
             OpHypothesis(
-                "shift_applied_twice",
+                BugClass.SHIFT_APPLIED_TWICE,
                 "keys",
                 f"rotated keys were turned by R({n}) twice for one relabelling",
                 offsets=(n,),
@@ -159,7 +160,7 @@ def hypotheses(case: Case, key_form: str | None) -> tuple[OpHypothesis, ...]:
         pads = tuple(sorted({max(lengths) - L for L in lengths} - {0}))
         return (
             OpHypothesis(
-                "padding_offset",
+                BugClass.PADDING_OFFSET,
                 "query",
                 "a shared cursor over the left-padded batch: the row's "
                 f"query is off by its padding (paddings {list(pads)})",
@@ -168,7 +169,7 @@ def hypotheses(case: Case, key_form: str | None) -> tuple[OpHypothesis, ...]:
         )
     return (
         OpHypothesis(
-            "restore_offset_lost",
+            BugClass.RESTORE_OFFSET_LOST,
             "query",
             f"the restored sequence's offset restarted at 0 (its {end} positions were not restored with the keys)",
             offsets=(-end,),

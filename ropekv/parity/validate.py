@@ -15,7 +15,7 @@ from ..errors import AdapterError
 from ..models.config import ModelConfig
 from ..probe import LayerProbe
 from .cases import Case
-from .protocol import REQUIRED_MEMBERS, CaseRun, FullRun, StepRecord, Tier
+from .protocol import REQUIRED_MEMBERS, CaseRun, EngineDescription, FullRun, Ignored, StepRecord, Tier
 
 MIN_TOP_K = 5  # fewest top-k log-probabilities per row an engine must expose for the logits comparison
 
@@ -43,10 +43,23 @@ def check_adapter(adapter: object) -> Tier:
     return tier
 
 
-def check_ignored(adapter: object, case: Case, ignored: object) -> tuple[str, ...]:
-    if not isinstance(ignored, (tuple, list)) or not all(isinstance(x, str) for x in ignored):
-        raise AdapterError(_name(adapter), f"ignored({case.label()})", "a tuple of strings", repr(ignored))
+def check_ignored(adapter: object, case: Case, ignored: object) -> tuple[Ignored, ...]:
+    """``ignored`` as the case parameters the adapter cannot honour, or AdapterError."""
+    if not isinstance(ignored, (tuple, list)) or not all(isinstance(x, Ignored) for x in ignored):
+        raise AdapterError(
+            _name(adapter),
+            f"ignored({case.label()})",
+            "a tuple of Ignored(param, text) records (not a bare string, nor a tuple of strings)",
+            repr(ignored),
+        )
     return tuple(ignored)
+
+
+def check_description(adapter: object, description: object) -> EngineDescription:
+    """``description`` (what ``adapter.describe()`` returned) as an :class:`EngineDescription`, or AdapterError."""
+    if not isinstance(description, EngineDescription):
+        raise AdapterError(_name(adapter), "describe()", "an EngineDescription", type(description).__name__)
+    return description
 
 
 def check_case_run(adapter: object, tier: Tier, cfg: ModelConfig, case: Case, run: object) -> CaseRun:
