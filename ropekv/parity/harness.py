@@ -18,8 +18,9 @@ import torch
 
 from ..contract import DTYPES
 from ..errors import UsageError
-from ..models.config import Checkpoint
+from ..models.config import Checkpoint, ModelConfig
 from ..models.reference import ReferenceDecoder, ReferenceOutput
+from ..probe import LayerProbe
 from . import ops
 from .bug_class import BugClass
 from .cases import Case, build_matrix, token_stream
@@ -39,7 +40,7 @@ from .compare import (
 from .diagnosis import Diagnosis
 from .layer_diagnosis import diagnose_divergence, diagnose_unlocated
 from .progress import Progress
-from .protocol import CaseRun, EngineAdapter, EngineDescription, FullRun, Tier
+from .protocol import CaseRun, EngineAdapter, EngineDescription, FullRun, StepRecord, Tier
 from .provenance import provenance
 from .report import CaseResult, Divergence, ParityReport
 from .validate import check_adapter, check_case_run, check_description, check_full_run, check_ignored
@@ -105,7 +106,8 @@ def check(
     tol_ref = tolerance or tolerance_for(adapter.dtype, DTYPES[reference])
     tol_self = tolerance or tolerance_for(adapter.dtype, adapter.dtype)
 
-    results, failed = [], []
+    results: list[CaseResult] = []
+    failed: list[tuple[CaseResult, CaseRun]] = []
     with Progress(total=refs.work + sum(c.total for c in cases), mode=progress) as bar:
         refs.bar = bar
         for n, case in enumerate(cases):
@@ -162,7 +164,7 @@ def check(
             # Forensics reads phases, and a query at position 1 or 2 has hardly turned (with theta = 1e5
             # most channel pairs stay put, so a wrong pairing looks like no rotation at all). The failing
             # case that diverged at the highest position carries the most evidence; the others follow.
-            failed.sort(key=lambda item: -item[0].first_divergence.query_position if item[0].first_divergence else 0)
+            failed.sort(key=lambda item: _divergence_position(item[0]))
             for result, run in failed:
                 bar.describe("forensics")
                 found = _diagnose(adapter, refs, result, run)
@@ -206,33 +208,33 @@ def _check_ops(adapter: EngineAdapter, cases: list[Case]) -> None:
     """A case with a cache operation runs only on an engine that declares it (``describe().ops``):
     an adapter that knows nothing of operations would run the case as a plain one and be judged
     against the operation's reference. Refused loudly, with the adapter's own reason where it gives one."""
-    wanted = [c for c in cases if c.op is not None]
+    wanted = [(c, c.op) for c in cases if c.op is not None]
     if not wanted:
         return
     declared = _describe(adapter).ops
-    for case in wanted:
+    for case, op in wanted:
         why = [x.text for x in check_ignored(adapter, case, adapter.ignored(case)) if x.param == "op"]
-        if case.op.kind not in declared or why:
+        if op.kind not in declared or why:
             reason = why[0] if why else f"it declares {', '.join(declared) or 'no cache operations'}"
             raise UsageError(
                 f"engine {adapter.name!r} cannot run the cache operation of case {case.label()} "
-                f"({reason}); leave {case.op.kind} out of --ops for it"
+                f"({reason}); leave {op.kind} out of --ops for it"
             )
 
 
 def tier_limits(tier: Tier, results: list[CaseResult]) -> str:
     """What the tier the engine ran at cannot conclude, in one sentence for the report."""
-    failing = [r for r in results if r.first_divergence is not None]
+    failing = [(r, r.first_divergence) for r in results if r.first_divergence is not None]
     if tier == Tier.LOGITS:
         if not failing:
             return (
                 "logits tier: next-token logits match; a fault that leaves the logits within tolerance "
                 "(or shows only in layers the logits hide) is not excluded; layer and bug class not examined"
             )
-        fd = failing[0].first_divergence
+        first, fd = failing[0]
         return (
             f"logits tier: divergence localized to decode step {fd.step} (position {fd.query_position}) "
-            f"of {failing[0].case.label()}; layer and bug class unknown"
+            f"of {first.case.label()}; layer and bug class unknown"
         )
     if tier == Tier.ATTENTION:
         return (
@@ -246,11 +248,18 @@ def tier_limits(tier: Tier, results: list[CaseResult]) -> str:
     return "forensics tier: all conclusions available"
 
 
-def _next(step) -> NextToken:
+def _divergence_position(result: CaseResult) -> int:
+    """Sort key of the failing cases for forensics: the highest divergence position first."""
+    fd = result.first_divergence
+    return -fd.query_position if fd else 0
+
+
+def _next(step: StepRecord) -> NextToken:
     return NextToken(step.logits, step.token_ids)
 
 
-def _as_adapter(engine: Any, *, dtype, key_form, backend) -> EngineAdapter:
+def _as_adapter(engine: Any, *, dtype: str | None, key_form: str | None, backend: str | None) -> EngineAdapter:
+    """``engine`` (any object a caller passed) as a checked adapter, or UsageError/AdapterError."""
     if isinstance(engine, Checkpoint):
         raise UsageError(
             "ropekv.parity.harness.check takes an engine adapter; ropekv.check(checkpoint) runs a "
@@ -276,7 +285,8 @@ def _as_adapter(engine: Any, *, dtype, key_form, backend) -> EngineAdapter:
                 f"{option}={value!r}: adapter {name!r} does not run with it (it reports "
                 f"{option}={runs!r}); {option} selects ropekv's own engine"
             )
-    return engine
+    adapter: EngineAdapter = engine
+    return adapter
 
 
 def _describe(adapter: EngineAdapter) -> EngineDescription:
@@ -305,10 +315,10 @@ class _References:
         self.adapter, self.tier, self.decoder, self.tokens = adapter, tier, decoder, tokens
         self.cfg = adapter.checkpoint.config
         self.per_position = self.cfg.rope.length_dependent
-        self.bar = None
+        self.bar: Progress | None = None
         self.seconds = {"float64_reference_forwards": 0.0, "engine_full_forwards": 0.0, "cached_runs": 0.0}
-        self._rows: dict[tuple, list[int]] = {}
-        self._cases: dict[tuple, Case] = {}
+        self._rows: dict[_Group, list[int]] = {}
+        self._cases: dict[_Group, Case] = {}
         for c in cases:
             # A cache operation's case reads the plain forwards at ops.self_rows (and, for evict and
             # shift, a float64 forward of its own, see ropekv.parity.ops).
@@ -316,8 +326,9 @@ class _References:
             if rows:
                 self._rows.setdefault(self._group(c), []).extend(rows)
                 self._cases.setdefault(self._group(c), dataclasses.replace(c, op=None))
-        self._ref: dict[tuple, ReferenceOutput] = {}
-        self._self: dict[tuple, FullRun] = {}
+        self._ref: dict[_Key, ReferenceOutput] = {}
+        self._op_ref: dict[Case, ReferenceOutput] = {}  # an evict or shift case's own reference
+        self._self: dict[_Key, FullRun] = {}
         if self.per_position:
             self.work = 2 * sum(t + 1 for rows in self._rows.values() for t in set(rows))
         else:
@@ -325,28 +336,28 @@ class _References:
         self.work += sum(max(c.decode_positions) + 1 - c.shift for c in cases if ops.needs_own_reference(c))
 
     @staticmethod
-    def _group(case: Case) -> tuple:
+    def _group(case: Case) -> _Group:
         return (case.window, case.sink_tokens)
 
-    def _key(self, case: Case, t: int) -> tuple:
-        return self._group(case) + ((t,) if self.per_position else ())
+    def _key(self, case: Case, t: int) -> _Key:
+        return (self._group(case), t if self.per_position else None)
 
-    def _rows_for(self, key: tuple) -> list[int]:
-        return [key[-1]] if self.per_position else sorted(set(self._rows[key]))
+    def _rows_for(self, key: _Key) -> list[int]:
+        group, t = key
+        return [t] if t is not None else sorted(set(self._rows[group]))
 
     def reference_output(self, case: Case, t: int) -> tuple[ReferenceOutput, int]:
-        if ops.needs_own_reference(case):
-            key = ("op", case)
-            if key not in self._ref:
+        if case.op is not None and ops.needs_own_reference(case):
+            if case not in self._op_ref:
                 if self.bar:
                     self.bar.describe(f"float64 reference forward for {case.op.label()}")
                 t0 = time.perf_counter()
-                self._ref[key] = ops.own_reference(self.decoder, case, self.tokens)
+                self._op_ref[case] = ops.own_reference(self.decoder, case, self.tokens)
                 self.seconds["float64_reference_forwards"] += time.perf_counter() - t0
                 if self.bar:
                     self.bar.advance(max(case.decode_positions) + 1 - case.shift)
-            out = self._ref[key]
-            return out, int((out.rows == t).nonzero()[0, 0])
+            out = self._op_ref[case]
+            return out, _index(out.rows, t)
         key = self._key(case, t)
         if key not in self._ref:
             rows = self._rows_for(key)
@@ -362,11 +373,13 @@ class _References:
             if self.bar:
                 self.bar.advance(n)
         out = self._ref[key]
-        return out, int((out.rows == t).nonzero()[0, 0])
+        return out, _index(out.rows, t)
 
     def reference_row(self, case: Case, t: int) -> RefRow:
         out, i = self.reference_output(case, t)
         logits = out.logits[i] if out.probed_logits else out.logits[t - case.shift]
+        if out.rows is None:
+            raise UsageError("the reference forward was run without probed rows")
         return ops.hide_evicted(case, _row(out.layers, out.rows, i, NextToken(logits), case, self.cfg))
 
     def self_row(self, case: Case, t: int) -> RefRow:
@@ -392,7 +405,7 @@ class _References:
             if self.bar:
                 self.bar.advance(n)
         run = self._self[key]
-        i = int((run.rows == t).nonzero()[0, 0])
+        i = _index(run.rows, t)
         ids = None if run.token_ids is None else run.token_ids[i]
         layers = run.layers if self.tier >= Tier.ATTENTION else ()
         if relabel:
@@ -400,7 +413,20 @@ class _References:
         return _row(layers, run.rows + relabel, i, NextToken(run.logits[i], ids), case, self.cfg)
 
 
-def _row(layers, rows: torch.Tensor, i: int, logits: NextToken, case: Case, cfg) -> RefRow:
+_Group = tuple[int | None, int]  # (window, sink_tokens): the cases that share full forwards
+_Key = tuple[_Group, int | None]  # a group and, for length-dependent RoPE, the one position t forwarded
+
+
+def _index(rows: torch.Tensor | None, t: int) -> int:
+    """Where position ``t`` is among the probed ``rows [R]``."""
+    if rows is None:
+        raise UsageError("the forward was run without probed rows")
+    return int(torch.nonzero(torch.eq(rows, t))[0, 0])
+
+
+def _row(
+    layers: tuple[LayerProbe, ...], rows: torch.Tensor, i: int, logits: NextToken, case: Case, cfg: ModelConfig
+) -> RefRow:
     """Row ``i`` of probed layers: per layer its input and attention logits ``[H, T]``."""
     of = LogitsOf(cfg, case.window, case.sink_tokens)
     r = rows[i : i + 1]
@@ -409,7 +435,7 @@ def _row(layers, rows: torch.Tensor, i: int, logits: NextToken, case: Case, cfg)
     return RefRow(hidden_in=hidden, attn_logits=attn, logits=logits)
 
 
-def _at(p, i: int):
+def _at(p: LayerProbe, i: int) -> LayerProbe:
     """The probe restricted to query row ``i`` (keys unchanged)."""
     return dataclasses.replace(
         p,

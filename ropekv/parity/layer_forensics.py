@@ -86,6 +86,8 @@ def diagnose_layer(
             others.append(candidate)
     if spec is None:
         for candidate in others:
+            if candidate is None:  # others differ from spec: never None here
+                continue
             q_fit, k_fit = fits(candidate)
             if q_fit or k_fit:
                 what = " and ".join(n for n, f in (("query", q_fit), ("keys", k_fit)) if f)

@@ -24,6 +24,7 @@ import dataclasses
 
 import torch
 
+from ..errors import UsageError
 from ..models.reference import ReferenceDecoder, ReferenceOutput
 from .bug_class import BugClass
 from .cases import Case
@@ -39,6 +40,8 @@ def needs_own_reference(case: Case) -> bool:
 
 def own_reference(decoder: ReferenceDecoder, case: Case, tokens: torch.Tensor) -> ReferenceOutput:
     """The float64 reference of an ``evict`` or ``shift`` case, probed at its decode positions."""
+    if case.op is None or case.op.kind not in OWN_REFERENCE:
+        raise UsageError(f"case {case.label()} has no reference of its own (only {', '.join(OWN_REFERENCE)} do)")
     d = case.shift
     rows = [t - d for t in case.decode_positions]  # token indices
     T = max(rows) + 1

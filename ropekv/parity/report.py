@@ -105,7 +105,7 @@ class ParityReport:
     model: dict[str, Any]
     engine: dict[str, Any]
     reference: str
-    tolerances: dict[str, float]
+    tolerances: dict[str, dict[str, float]]  # "reference"/"self" -> Tolerance.to_dict()
     cases: tuple[CaseResult, ...]
     diagnosis: Diagnosis | None
     seconds: float

@@ -9,9 +9,11 @@ description of itself beyond its declared tier.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from ..errors import AdapterError
+from ..errors import AdapterError, UsageError
 from ..models.config import ModelConfig
 from ..probe import LayerProbe
 from .cases import Case
@@ -34,12 +36,14 @@ def check_adapter(adapter: object) -> Tier:
     for m in ("describe", "ignored", "run_case", "full_forward"):
         if not callable(getattr(adapter, m)):
             raise AdapterError(name, m, "a method", type(getattr(adapter, m)).__name__)
+    members: Any = adapter  # any object, whose members were found above; their values are checked here
+    declared, dtype = members.tier, members.dtype
     try:
-        tier = Tier(adapter.tier)
+        tier = Tier(declared)
     except ValueError:
-        raise AdapterError(name, "tier", "one of " + ", ".join(t.value for t in Tier), repr(adapter.tier)) from None
-    if not isinstance(adapter.dtype, torch.dtype) or not adapter.dtype.is_floating_point:
-        raise AdapterError(name, "dtype", "a floating torch.dtype", repr(adapter.dtype))
+        raise AdapterError(name, "tier", "one of " + ", ".join(t.value for t in Tier), repr(declared)) from None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise AdapterError(name, "dtype", "a floating torch.dtype", repr(dtype))
     return tier
 
 
@@ -112,7 +116,7 @@ def check_full_run(
 # ---------------------------------------------------------------------- pieces
 
 
-def _check_scores(name: str, field: str, cfg: ModelConfig, values, token_ids, rows: int | None) -> None:
+def _check_scores(name: str, field: str, cfg: ModelConfig, values: object, token_ids: object, rows: int | None) -> None:
     lead = () if rows is None else (rows,)
     if not torch.is_tensor(values) or not values.dtype.is_floating_point:
         raise AdapterError(name, field, "a floating tensor", _describe(values))
@@ -165,7 +169,7 @@ def _check_layers(
     field: str,
     tier: Tier,
     cfg: ModelConfig,
-    layers,
+    layers: object,
     *,
     rows: torch.Tensor,
     case: Case,
@@ -174,6 +178,9 @@ def _check_layers(
 ) -> None:
     if tier < Tier.ATTENTION:
         return
+    if full and num_tokens is None:
+        raise UsageError(f"{field}: a full forward's layers are checked against its number of tokens")
+    T = num_tokens or 0
     if not isinstance(layers, tuple) or len(layers) != cfg.num_layers:
         got = len(layers) if isinstance(layers, (tuple, list)) else type(layers).__name__
         raise AdapterError(
@@ -227,7 +234,7 @@ def _check_layers(
         if len(set(pos.tolist())) != pos.numel():
             raise AdapterError(name, f"{f}.key_positions", "distinct positions", "repeated positions")
         if full:
-            if pos.numel() > num_tokens or int(pos.min()) < 0 or int(pos.max()) >= num_tokens:
+            if pos.numel() > T or int(pos.min()) < 0 or int(pos.max()) >= T:
                 raise AdapterError(
                     name,
                     f"{f}.key_positions",
@@ -265,14 +272,14 @@ def _check_layers(
                 raise AdapterError(name, f"{f}.{extra}", f"shape {list(want)}", f"shape {list(t_.shape)}")
 
 
-def _float(name: str, field: str, t) -> None:
+def _float(name: str, field: str, t: object) -> None:
     if not torch.is_tensor(t) or not t.dtype.is_floating_point:
         raise AdapterError(name, field, "a floating tensor", _describe(t))
     if not bool(torch.isfinite(t).all()):
         raise AdapterError(name, field, "finite values", f"{int((~torch.isfinite(t)).sum())} non-finite")
 
 
-def _describe(x) -> str:
+def _describe(x: object) -> str:
     if torch.is_tensor(x):
         return f"{x.dtype} tensor of shape {list(x.shape)}"
     return type(x).__name__ if x is not None else "None"
