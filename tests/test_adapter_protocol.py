@@ -14,7 +14,7 @@ from ropekv.errors import AdapterError, UsageError
 from ropekv.faults.catalogue import FAULTS
 from ropekv.models import load_checkpoint
 from ropekv.parity.cases import Case
-from ropekv.parity.protocol import CaseRun, FullRun, Tier
+from ropekv.parity.protocol import CaseRun, EngineDescription, FullRun, Tier
 from ropekv.testing import assert_parity
 
 CASES = [Case(length=9, block_size=4, decode_steps=3), Case(length=5, prefix=3, block_size=4, decode_steps=2)]
@@ -38,7 +38,7 @@ class Wrapper:
         self.tier, self.checkpoint, self.dtype = inner.tier, inner.checkpoint, inner.dtype
 
     def describe(self):
-        return {"name": self.name}
+        return EngineDescription(name=self.name)
 
     def ignored(self, case):
         return ()
@@ -169,7 +169,7 @@ class MissingFullForward:
         self.checkpoint, self.dtype = inner.checkpoint, inner.dtype
 
     def describe(self):
-        return {}
+        return EngineDescription()
 
     def ignored(self, case):
         return ()

@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from ropekv.errors import UsageError
-from ropekv.parity.forensics import KINDS, Diagnosis, ForensicInput, diagnose, effective_positions
+from ropekv.parity.bug_class import BugClass
+from ropekv.parity.diagnosis import Diagnosis
+from ropekv.parity.forensics import ForensicInput, diagnose, effective_positions
 from ropekv.rope import RopeScaling, RopeSpec, apply_rotation
 
 H, KVH = 4, 2
@@ -57,7 +59,7 @@ def make_case(
 def check(inp: ForensicInput, kind: str) -> Diagnosis:
     d = diagnose(inp)
     assert d.kind == kind, d.evidence
-    assert d.kind in KINDS
+    assert d.kind in BugClass
     assert len(d.key_effective) == inp.key_positions.numel()
     assert 0.0 <= d.fit <= 1.0
     json.dumps(d.details)

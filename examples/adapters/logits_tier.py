@@ -4,7 +4,7 @@ import torch
 from transformers import DynamicCache
 
 from ropekv.models.config import Checkpoint
-from ropekv.parity.protocol import CaseRun, FullRun, StepRecord, Tier
+from ropekv.parity.protocol import CaseRun, EngineDescription, FullRun, Ignored, StepRecord, Tier
 
 
 class MyEngine:
@@ -14,11 +14,12 @@ class MyEngine:
         self.model, self.name, self.dtype = model, name, next(model.parameters()).dtype
         self.checkpoint = Checkpoint.from_tensors(model.config.to_dict(), model.state_dict(), source=name)
 
-    def describe(self):
-        return {"name": self.name, "key_form": "rotated", "cache": "DynamicCache"}
+    def describe(self):  # the facts the harness reads are typed; the rest goes to the report as it is
+        return EngineDescription(name=self.name, key_form="rotated", extra={"cache": "DynamicCache"})
 
     def ignored(self, case):  # what this engine cannot honour is reported, never dropped silently
-        return ("block_size",) + (("prefix served by prefill, no prefix cache",) if case.prefix else ())
+        prefix = (Ignored("prefix", "prefix served by prefill, no prefix cache"),) if case.prefix else ()
+        return (Ignored("block_size"),) + prefix
 
     @torch.no_grad()
     def forward(self, ids, start, cache):  # logits [n, vocab] of ids at positions start..start+n-1

@@ -48,11 +48,12 @@ from typing import Any, cast
 
 import torch
 
+from ..contract import DTYPES
 from ..errors import CheckpointError, RopeKVError, UsageError
 from ..models.config import Checkpoint
 from ..models.families import FAMILIES, family_of
 from ..parity.cases import Case
-from ..parity.protocol import CaseRun, FullRun, StepRecord, Tier
+from ..parity.protocol import CaseRun, EngineDescription, FullRun, Ignored, StepRecord, Tier
 from ..parity.recorder import AttentionRecorder
 
 try:
@@ -65,7 +66,6 @@ try:
 except ImportError:  # pragma: no cover - exercised only without the extra
     _HAS_TRANSFORMERS = False
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 CACHE_KINDS = ("dynamic", "static")
 _PARENT_EXTRA = 3  # tokens of another continuation the parent request cached beyond the prefix
 _serial = itertools.count()
@@ -117,7 +117,7 @@ class HFEngine:
         self.attn_implementation = impl
         self.backend = impl  # what ropekv.check compares a --backend flag with
         self.dtype = next(model.parameters()).dtype
-        names = {v: k for k, v in _DTYPES.items()}
+        names = {v: k for k, v in DTYPES.items()}
         if self.dtype not in names:
             raise UsageError(f"unsupported model dtype {self.dtype}")
         self.dtype_name = names[self.dtype]
@@ -146,8 +146,8 @@ class HFEngine:
         """
         _need_transformers()
         dtype = dtype or "float32"
-        if dtype not in _DTYPES:
-            raise UsageError(f"dtype must be one of {', '.join(_DTYPES)}, got {dtype!r}")
+        if dtype not in DTYPES:
+            raise UsageError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         if path is None:
             from ..models.default import default_checkpoint_dir
 
@@ -167,7 +167,7 @@ class HFEngine:
         try:
             model = auto.from_pretrained(
                 folder,
-                dtype=_DTYPES[dtype],
+                dtype=DTYPES[dtype],
                 local_files_only=True,
                 trust_remote_code=False,
                 use_safetensors=True,
@@ -193,32 +193,38 @@ class HFEngine:
 
     # ------------------------------------------------------------------ the protocol
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> EngineDescription:
         rope = self.model.config.to_dict().get("rope_parameters")
-        return {
-            "name": self.name,
-            "engine": "transformers",
-            "transformers_version": transformers.__version__,
-            "model_class": type(self.model).__name__,
-            "attn_implementation": self.attn_implementation,
-            "cache": {"dynamic": "DynamicCache", "static": "StaticCache"}[self.cache_kind],
-            "dtype": self.dtype_name,
-            "key_form": self.key_form,
-            "rope_parameters": rope,
-            "ops": ["rollback"],  # DynamicCache.crop
-            "windows": "the model's own when case.window is None; a case window (and sinks) as a custom 4D "
-            "attention mask over a full DynamicCache",
-            "rope_state": "reset to a fresh model's before each request",
-        }
+        return EngineDescription(
+            name=self.name,
+            key_form=self.key_form,
+            ops=("rollback",),  # DynamicCache.crop
+            extra={
+                "engine": "transformers",
+                "transformers_version": transformers.__version__,
+                "model_class": type(self.model).__name__,
+                "attn_implementation": self.attn_implementation,
+                "cache": {"dynamic": "DynamicCache", "static": "StaticCache"}[self.cache_kind],
+                "dtype": self.dtype_name,
+                "rope_parameters": rope,
+                "windows": "the model's own when case.window is None; a case window (and sinks) as a custom 4D "
+                "attention mask over a full DynamicCache",
+                "rope_state": "reset to a fresh model's before each request",
+            },
+        )
 
-    def ignored(self, case: Case) -> tuple[str, ...]:
+    def ignored(self, case: Case) -> tuple[Ignored, ...]:
         """``block_size`` never applies; a case window overrides a static cache (see the module doc)."""
-        out = ["block_size"]
+        out = [Ignored("block_size")]
         if case.window is not None and self.cache_kind == "static":
-            out.append("cache=static (a case window runs on a full DynamicCache)")
+            out.append(Ignored("cache", "cache=static (a case window runs on a full DynamicCache)"))
         if case.op is not None and not (case.op.kind == "rollback" and self._croppable(case)):
             # The harness refuses such a case (UsageError) rather than pass it.
-            out.append(f"op: the transformers adapter runs only rollback (DynamicCache.crop), not {case.op.label()}")
+            out.append(
+                Ignored(
+                    "op", f"op: the transformers adapter runs only rollback (DynamicCache.crop), not {case.op.label()}"
+                )
+            )
         return tuple(out)
 
     @torch.no_grad()

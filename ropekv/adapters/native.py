@@ -3,21 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import Any
 
 import torch
 
 from ..cache.policy import CacheOpPolicy
-from ..contract import CacheContract, KeyForm
+from ..contract import DTYPES, CacheContract, KeyForm
 from ..engine import Engine
 from ..engine.attention import BackendName
 from ..engine.rotation import RotationPolicy
 from ..engine.transformer import DecoderWeights
 from ..models.config import Checkpoint
 from ..parity.cases import OP_KINDS, Case
-from ..parity.protocol import CaseRun, FullRun, StepRecord, Tier
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+from ..parity.protocol import CaseRun, EngineDescription, FullRun, Ignored, StepRecord, Tier
 
 
 class NativeAdapter:
@@ -42,7 +39,7 @@ class NativeAdapter:
         self.key_form = key_form
         self.backend = backend
         self.dtype_name = dtype
-        self.dtype = _DTYPES[dtype]
+        self.dtype = DTYPES[dtype]
         self.rotation = rotation
         self.cache_ops = cache_ops
         # The contract the engine runs under, from the model's: a fault hands in one that forgets a
@@ -88,22 +85,24 @@ class NativeAdapter:
             cache_ops=self.cache_ops,
         )
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> EngineDescription:
         """Facts for the report; ``contract`` is the one of the last case run (its block size and window
         are the case's), ``block_sizes`` every block size the cases used."""
         engine = self.make_engine(self._last_case or Case(length=1), num_blocks=1)
-        return {
-            "name": self.name,
-            "key_form": self.key_form,
-            "backend": engine.backend.name,
-            "dtype": self.dtype_name,
-            "rotation_policy": engine.rotation.name,
-            "contract": engine.contract.to_dict(),
-            "block_sizes": sorted(self._block_sizes),
-            "ops": list(OP_KINDS),
-        }
+        return EngineDescription(
+            name=self.name,
+            key_form=self.key_form,
+            backend=engine.backend.name,
+            ops=OP_KINDS,
+            extra={
+                "dtype": self.dtype_name,
+                "rotation_policy": engine.rotation.name,
+                "contract": engine.contract.to_dict(),
+                "block_sizes": sorted(self._block_sizes),
+            },
+        )
 
-    def ignored(self, case: Case) -> tuple[str, ...]:
+    def ignored(self, case: Case) -> tuple[Ignored, ...]:
         return ()
 
     def run_case(self, case: Case, tokens: torch.Tensor) -> CaseRun:

@@ -92,7 +92,7 @@ def measure_sweep(
             per_case.append({"case": case.label(), "seconds": time.perf_counter() - c0})
         naive_s = time.perf_counter() - t0
     return {
-        "engine": adapter.describe()["name"],
+        "engine": adapter.describe().name,
         "dtype": dtype,
         "cases": [c.label() for c in cases],
         "num_cases": len(cases),

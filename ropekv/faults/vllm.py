@@ -3,7 +3,7 @@
 Each fault patches the live engine's modules (instance attributes, undone on exit), never ropekv's
 code, so the adapter sees a buggy vLLM exactly as it would see one shipped that way. "Decode" is a
 forward of a single token at a position > 0 (vLLM's decode step); prefill is left correct, so only the
-cached path diverges. Each names the :data:`~ropekv.parity.forensics.KINDS` entry forensics should find.
+cached path diverges. Each names the :class:`~ropekv.parity.bug_class.BugClass` forensics should find.
 
 - ``double_rotation``: the decode-side reader rotates every cached (already rotated) key again before
   the kernel reads it; the kernel sees ``R(2j) k_j``.

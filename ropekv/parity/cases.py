@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import asdict, dataclass
-from typing import Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 import torch
 
@@ -67,7 +67,7 @@ def parse_ops(text: str) -> list[CacheOp]:
             raise UsageError(f"--ops: {item!r}: the amount must be an integer")
         if kind != "restore" and not sep:
             raise UsageError(f"--ops: {kind} needs an amount, e.g. {kind}:3")
-        ops.append(CacheOp(kind, int(amount) if sep else 0))
+        ops.append(CacheOp(cast(OpKind, kind), int(amount) if sep else 0))
     return ops
 
 
@@ -142,10 +142,12 @@ class Case:
 
     def draft_tokens(self, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """The rejected draft of a ``rollback`` case: ids that differ from the real continuation."""
-        n = self.prefix + self.length
-        real = tokens[n : n + self.op.amount]
-        if real.numel() < self.op.amount:
-            real = torch.cat([real, tokens[: self.op.amount - real.numel()]])
+        if self.op is None:
+            raise UsageError(f"case {self.label()} runs no cache operation: it has no draft")
+        n, amount = self.prefix + self.length, self.op.amount
+        real = tokens[n : n + amount]
+        if real.numel() < amount:
+            real = torch.cat([real, tokens[: amount - real.numel()]])
         return (real + _DRAFT_SHIFT) % vocab_size
 
     @property
@@ -185,7 +187,7 @@ class Case:
             parts.append(self.op.label())
         return " ".join(parts)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
 
@@ -228,20 +230,20 @@ def op_matrix(ops: list[CacheOp], base: list[Case] | None) -> list[Case]:
     """Cases for ``ops``: each operation on every ``base`` case, or on its own default case
     (:func:`default_op_cases`, with the given amount) when there is no base."""
     if base is None:
-        defaults = {c.op.kind: c for c in default_op_cases()}
+        defaults = {c.op.kind: c for c in default_op_cases() if c.op is not None}
         return [dataclasses.replace(defaults[op.kind], op=op) for op in ops]
     return [dataclasses.replace(c, op=op) for op in ops for c in base]
 
 
 def build_matrix(
     *,
-    lengths=None,
-    block_sizes=None,
-    prefix_offsets=None,
-    window=None,
-    sink_tokens=0,
-    chunk=None,
-    decode_steps=None,
+    lengths: list[int] | None = None,
+    block_sizes: list[int] | None = None,
+    prefix_offsets: list[int] | None = None,
+    window: int | None = None,
+    sink_tokens: int = 0,
+    chunk: int | None = None,
+    decode_steps: int | None = None,
     max_positions: int,
     ops: list[CacheOp] | None = None,
 ) -> list[Case]:

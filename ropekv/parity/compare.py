@@ -26,7 +26,7 @@ class Tolerance:
     hidden: float
     logits: float
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, float]:
         return {"attn_logits": self.attn, "hidden_in": self.hidden, "final_logits": self.logits}
 
 

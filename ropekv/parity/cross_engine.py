@@ -57,7 +57,7 @@ def cross_engine_parity(
     if tier >= Tier.ATTENTION:
         for layer, (mine, theirs) in enumerate(zip(full.layers, ref.layers)):
             attn.append(scaled_error(of.rows(layer, mine, r), of.rows(layer, theirs, r)))
-            if mine.hidden_in is not None:
+            if mine.hidden_in is not None and theirs.hidden_in is not None:  # the reference always has it
                 hidden.append(scaled_error(mine.hidden_in, theirs.hidden_in))
     logits = max(
         logits_error(

@@ -1,6 +1,7 @@
 """Forensics at the first divergent layer: where did the query and each key really sit?
 
-Pure: tensors in, a frozen :class:`Diagnosis` out. Method (primer, section 6): each channel pair of a
+Pure: tensors in, a frozen :class:`~ropekv.parity.diagnosis.Diagnosis` out (its kind a
+:class:`~ropekv.parity.bug_class.BugClass`). Method (primer, section 6): each channel pair of a
 vector is a complex number ``z = a + i b`` (``a`` the pair's first channel, as in
 :func:`ropekv.rope.pair_channels`). :func:`ropekv.rope.apply_rotation` multiplies it by
 ``A exp(i p w_m)``, so for raw ``r`` and effective ``c`` the cross spectrum ``X_m = sum_heads conj(r_m) c_m``
@@ -33,37 +34,16 @@ every key is still checked against the named hypotheses for ``key_effective``.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Literal, Protocol
 
 import torch
 
 from ..errors import UsageError
 from ..rope import RopeSpec, pair_channels
-
-KINDS = (
-    "double_rotation",
-    "missing_rotation",
-    "slot_as_position",
-    "ignored_prefix_offset",
-    "block_local_position",
-    "query_position_offset",
-    "key_position_offset",
-    "frequency_mismatch",
-    "layout_mismatch",
-    "low_precision_angles",
-    "stale_dynamic_scaling",
-    "rotate_on_transfer",
-    # cache operations (docs/ops.md), tried first when the case ran one (ForensicInput.op_hypotheses)
-    "rollback_offset",
-    "rollback_stale_keys",
-    "evict_offset",
-    "shift_not_rotated",
-    "shift_rotated_raw",
-    "shift_applied_twice",
-    "padding_offset",
-    "restore_offset_lost",
-    "unknown",
-)
+from .bug_class import BugClass
+from .diagnosis import Diagnosis
 
 FIT_OK = 0.98  # a token "fits" an explanation at this weighted fit (bf16 storage costs ~1e-5)
 MOST = 0.9  # share of the examined keys a vote needs (robust to a few noisy keys)
@@ -83,8 +63,8 @@ class OpHypothesis:
     all are exactly among ``positions``). ``text`` is the explanation that goes into the evidence.
     """
 
-    kind: str
-    target: str
+    kind: BugClass
+    target: Literal["query", "keys", "misfit"]
     text: str
     offsets: tuple[int, ...] = ()
     positions: tuple[int, ...] = ()
@@ -130,24 +110,6 @@ class ForensicInput:
             )
         if self.block_size < 1 or self.fork_offset < 0 or self.handoff_len < 0 or self.query_position < 0:
             raise UsageError("forensics: block_size must be >= 1; fork_offset, handoff_len, query_position >= 0")
-
-
-@dataclass(frozen=True)
-class Diagnosis:
-    """The bug class and what shows it.
-
-    ``key_effective`` has one entry per key: the effective position under the winning explanation, None
-    where nothing fits (keys beyond the :data:`MAX_KEYS` examined ones are only tried against the named
-    hypotheses). ``fit`` is the |r||c|-weighted mean fit of the query and the examined keys under that
-    explanation (the query's alone for ``frequency_mismatch``). ``details`` holds json-able numbers.
-    """
-
-    kind: str  # one of KINDS
-    evidence: str  # "logical 37, slot 5, effective 74; ...; query logical 40, effective 40"
-    query_effective: int | None
-    key_effective: tuple[int | None, ...]  # [N]
-    fit: float  # in [0, 1]
-    details: dict = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------- spectral core
@@ -211,6 +173,26 @@ def effective_positions(
     return _search(x, norm, inv_freq, candidates)
 
 
+@dataclass(frozen=True, eq=False)
+class _Analysis:
+    """The query's and every key's cross spectra and best integer positions under one pairing."""
+
+    qx: torch.Tensor  # [1, n] the query's cross spectrum
+    qn: torch.Tensor  # [1] its weight
+    kx: torch.Tensor  # [N, n] the keys' cross spectra
+    kn: torch.Tensor  # [N]
+    qp: int  # the query's effective position
+    qf: float  # and its fit
+    kp: torch.Tensor  # [N] int64 each key's effective position (search, or the best named hypothesis)
+    kf: torch.Tensor  # [N] its fit
+
+
+class _Done(Protocol):
+    """A pattern's diagnosis from its kind, sentence and the keys that show it (``show [M]`` bool)."""
+
+    def __call__(self, kind: BugClass, text: str, show: torch.Tensor, **details: object) -> Diagnosis: ...
+
+
 # ---------------------------------------------------------------------- helpers
 
 
@@ -227,7 +209,8 @@ def _sample_keys(pos: torch.Tensor, inp: ForensicInput) -> torch.Tensor:
             keep.append(torch.nonzero((pos - b).abs() <= 4).flatten()[:16])
     fixed = torch.unique(torch.cat(keep))
     spread = order[torch.linspace(0, n - 1, MAX_KEYS - fixed.numel()).round().long()]
-    return torch.unique(torch.cat((fixed, spread)))
+    sample: torch.Tensor = torch.unique(torch.cat((fixed, spread)))
+    return sample
 
 
 def _mode(values: torch.Tensor) -> int:
@@ -256,14 +239,14 @@ def _wfit(qf: float, qn: torch.Tensor, kf: torch.Tensor, kn: torch.Tensor) -> fl
 
 
 def _diagnosis(
-    kind: str,
+    kind: BugClass,
     text: str,
     q: tuple[int, int | None, float],
     keys: list[str],
     eff: torch.Tensor,
     fit_all: torch.Tensor,
     fit: float,
-    **details,
+    **details: object,
 ) -> Diagnosis:
     t, q_eff, q_fit = q
     qtxt = f"query logical {t}, " + (
@@ -271,14 +254,21 @@ def _diagnosis(
     )
     key_eff = tuple(int(p) if f >= FIT_OK else None for p, f in zip(eff.tolist(), fit_all.tolist()))
     evidence = "; ".join([text, *keys, qtxt])
-    return Diagnosis(kind, evidence, q_eff, key_eff, float(max(0.0, min(1.0, fit))), dict(details))
+    return Diagnosis(
+        kind,
+        evidence,
+        dict(details),
+        query_effective=q_eff,
+        key_effective=key_eff,
+        fit=float(max(0.0, min(1.0, fit))),
+    )
 
 
 # ---------------------------------------------------------------------- diagnosis
 
 
 def diagnose(inp: ForensicInput) -> Diagnosis:
-    """Estimate the effective position of the query and every key and name the bug class (see KINDS)."""
+    """Estimate the effective position of the query and every key and name the bug class (a :class:`BugClass`)."""
     inp = dataclasses.replace(
         inp,
         **{
@@ -296,7 +286,7 @@ def diagnose(inp: ForensicInput) -> Diagnosis:
     hi = min(max(hi, int(slots.max()) + 1), 4 * (t + 1) + 64)  # slots beyond this are still tried per key
     cands = torch.arange(-(t + 2), hi + 1)  # [C]
 
-    def analyse(layout: str) -> dict:
+    def analyse(layout: str) -> _Analysis:
         qx, qn = _cross(inp.q_raw[None], inp.q_eff[None], layout, rd)  # [1, n], [1]
         kx, kn = _cross(inp.k_raw, inp.k_eff, layout, rd)  # [N, n], [N]
         p, f = _search(torch.cat((qx, kx[sel])), torch.cat((qn, kn[sel])), w, cands)  # one phase table
@@ -313,26 +303,26 @@ def diagnose(inp: ForensicInput) -> Diagnosis:
         kp, kf = hyps.gather(1, idx[:, None])[:, 0], best
         better = sf > kf[sel]
         kp[sel], kf[sel] = torch.where(better, sp, kp[sel]), torch.where(better, sf, kf[sel])
-        return dict(qx=qx, qn=qn, kx=kx, kn=kn, qp=int(qp[0]), qf=float(qf[0]), kp=kp, kf=kf)
+        return _Analysis(qx=qx, qn=qn, kx=kx, kn=kn, qp=int(qp[0]), qf=float(qf[0]), kp=kp, kf=kf)
 
     a = analyse(rope.layout)
     if inp.op_hypotheses:
         found = _diagnose_op(inp, a)
         if found is not None:
             return found
-    misfit = a["kf"][sel] < FIT_OK
-    if a["qf"] < FIT_OK or float(misfit.double().mean()) > 1 - MOST:
+    misfit = a.kf[sel] < FIT_OK
+    if a.qf < FIT_OK or float(misfit.double().mean()) > 1 - MOST:
         return _diagnose_misfit(inp, a, analyse, w, seq_len, sel)
     return _diagnose_pattern(inp, a, sel)
 
 
-def _diagnose_op(inp: ForensicInput, a: dict) -> Diagnosis | None:
+def _diagnose_op(inp: ForensicInput, a: _Analysis) -> Diagnosis | None:
     """The case's cache-operation hypotheses, over every key (each was tried at its named offsets)."""
-    t, kp, kf = inp.query_position, a["kp"], a["kf"]
+    t, kp, kf = inp.query_position, a.kp, a.kf
     j = inp.key_positions.long()
     ok = kf >= FIT_OK
-    d, d_q = kp - j, a["qp"] - t
-    q_ok = a["qf"] >= FIT_OK
+    d, d_q = kp - j, a.qp - t
+    q_ok = a.qf >= FIT_OK
     everything = torch.arange(j.numel())
     for h in inp.op_hypotheses:
         at = torch.isin(j, torch.tensor(h.positions, dtype=torch.int64)) if h.positions else torch.zeros_like(ok)
@@ -359,11 +349,11 @@ def _diagnose_op(inp: ForensicInput, a: dict) -> Diagnosis | None:
         else:
             continue
         keys = [_tok(inp, int(i), int(kp[i]) if ok[i] else None, float(kf[i])) for i in _spread(show)]
-        fit = _wfit(a["qf"], a["qn"], kf[ok], a["kn"][ok]) if ok.any() else a["qf"]
+        fit = _wfit(a.qf, a.qn, kf[ok], a.kn[ok]) if ok.any() else a.qf
         return _diagnosis(
             h.kind,
             text,
-            (t, a["qp"] if q_ok else None, a["qf"]),
+            (t, a.qp if q_ok else None, a.qf),
             keys,
             kp,
             kf,
@@ -380,56 +370,64 @@ def _tok(inp: ForensicInput, i: int, p: int | None, f: float | None = None) -> s
     return head + (f"effective {p}" if p is not None else f"no integer fits (fit {f:.3f})")
 
 
-def _diagnose_pattern(inp: ForensicInput, a: dict, sel: torch.Tensor) -> Diagnosis:
+def _diagnose_pattern(inp: ForensicInput, a: _Analysis, sel: torch.Tensor) -> Diagnosis:
     """Query and keys are integer rotations under the contract: match positions against the patterns."""
-    t, kp, kf = inp.query_position, a["kp"][sel], a["kf"][sel]
+    t, kp, kf = inp.query_position, a.kp[sel], a.kf[sel]
     j, s = inp.key_positions.long()[sel], inp.key_slots.long()[sel]
     ok = kf >= FIT_OK
     inf = ok & (j > 0)  # R(0) = I: j = 0 says nothing about multiplicative bugs
-    d, d_q = kp - j, a["qp"] - t
-    fit = _wfit(a["qf"], a["qn"], kf, a["kn"][sel])
+    d, d_q = kp - j, a.qp - t
+    fit = _wfit(a.qf, a.qn, kf, a.kn[sel])
 
-    def done(kind: str, text: str, show: torch.Tensor, **details) -> Diagnosis:
+    def done(kind: BugClass, text: str, show: torch.Tensor, **details: object) -> Diagnosis:
         keys = [_tok(inp, int(sel[i]), int(kp[i])) for i in _spread(torch.nonzero(show).flatten())]
         details.update(query_offset=d_q, examined_keys=int(sel.numel()), fitting_keys=int(ok.sum()))
-        return _diagnosis(kind, text, (t, a["qp"], a["qf"]), keys, a["kp"], a["kf"], fit, **details)
+        return _diagnosis(kind, text, (t, a.qp, a.qf), keys, a.kp, a.kf, fit, **details)
 
     H, P, B = inp.handoff_len, inp.fork_offset, inp.block_size
     early, late = inf & (j < H), ok & (j >= H)
     if H > 0 and early.any() and late.any() and _most(early, kp == 2 * j) and _most(late, d == 0):
         return done(
-            "rotate_on_transfer",
+            BugClass.ROTATE_ON_TRANSFER,
             f"the {H} handed-off tokens sit at 2j, later keys at j: the handoff rotated already rotated keys once more",
             early,
         )
     if _most(inf, kp == 2 * j):
         return done(
-            "double_rotation", "keys sit at twice their position (rotated when written and again when read)", inf
+            BugClass.DOUBLE_ROTATION, "keys sit at twice their position (rotated when written and again when read)", inf
         )
     if _most(inf, kp == 0):
-        return done("missing_rotation", "keys sit at position 0 (stored raw, read as if rotated)", inf)
+        return done(BugClass.MISSING_ROTATION, "keys sit at position 0 (stored raw, read as if rotated)", inf)
     if (inf & (s != j)).any() and _most(inf, kp == s):
         return done(
-            "slot_as_position", "keys sit at their physical slot instead of their logical position", inf & (s != j)
+            BugClass.SLOT_AS_POSITION,
+            "keys sit at their physical slot instead of their logical position",
+            inf & (s != j),
         )
     after, before = ok & (j >= P), inf & (j < P)
     if P > 0 and after.any() and _most(after, kp == j - P) and (not before.any() or _most(before, d == 0)):
         return done(
-            "ignored_prefix_offset",
+            BugClass.IGNORED_PREFIX_OFFSET,
             f"keys after the {P}-token cached prefix sit at j - {P}" + (" and so does the query" if d_q == -P else ""),
             after,
         )
     if B > 1 and (inf & (j >= B)).any() and _most(inf, kp == j % B):
-        return done("block_local_position", f"keys sit at their index inside their block (j mod {B})", inf & (j >= B))
+        return done(
+            BugClass.BLOCK_LOCAL_POSITION, f"keys sit at their index inside their block (j mod {B})", inf & (j >= B)
+        )
     if d_q != 0 and _most(ok, d == d_q):
-        return done("unknown", f"query and keys all shifted by {d_q}: a global shift changes no logit", ok, offset=d_q)
+        return done(
+            BugClass.UNKNOWN, f"query and keys all shifted by {d_q}: a global shift changes no logit", ok, offset=d_q
+        )
     if d_q != 0 and _most(ok, d == 0):
-        return done("query_position_offset", f"keys are right but the query sits at t {d_q:+d}", ok & (j > t - 3))
+        return done(
+            BugClass.QUERY_POSITION_OFFSET, f"keys are right but the query sits at t {d_q:+d}", ok & (j > t - 3)
+        )
     nz = ok & (d != 0)
     c = _mode(d[nz])
     if d_q == 0 and nz.any() and _most(nz, d == c) and _most(ok, (d == 0) | (d == c)):
         return done(
-            "key_position_offset",
+            BugClass.KEY_POSITION_OFFSET,
             f"{int(nz.sum())} of {int(ok.sum())} keys sit at j {c:+d} while the query is right",
             nz,
             offset=c,
@@ -437,20 +435,20 @@ def _diagnose_pattern(inp: ForensicInput, a: dict, sel: torch.Tensor) -> Diagnos
     if d_q == 0 and _most(ok, d == 0):
         return _residual_trend(inp, a, sel, done)
     return done(
-        "unknown",
+        BugClass.UNKNOWN,
         f"no single pattern: query offset {d_q}, key offsets {sorted(set(d[ok].tolist()))[:8]}",
         ok & (d != 0),
     )
 
 
-def _residual_trend(inp: ForensicInput, a: dict, sel: torch.Tensor, done) -> Diagnosis:
+def _residual_trend(inp: ForensicInput, a: _Analysis, sel: torch.Tensor, done: _Done) -> Diagnosis:
     """All at the right integers: a weighted residual phase growing with position means a low-precision
     angle table (bf16 angles lose ~p w 2^-9 rad); otherwise the rotation is clean at this layer."""
     j = inp.key_positions.long()[sel].double()
     w = inp.rope.inv_freq(inp.seq_len if inp.seq_len is not None else inp.query_position + 1)
-    z = a["kx"][sel] * torch.exp(-1j * j[:, None] * w)  # [M, n] residual per pair
+    z = a.kx[sel] * torch.exp(-1j * j[:, None] * w)  # [M, n] residual per pair
     res = ((z.abs() * z.angle() ** 2).sum(1) / z.abs().sum(1).clamp_min(_TINY)).sqrt()  # [M] rad
-    keep = (j > 0) & (a["kf"][sel] >= FIT_OK)
+    keep = (j > 0) & (a.kf[sel] >= FIT_OK)
     rj, rr = j[keep], res[keep]
     rho, top, low = 0.0, 0.0, 0.0
     if rj.numel() >= 8:
@@ -467,14 +465,14 @@ def _residual_trend(inp: ForensicInput, a: dict, sel: torch.Tensor, done) -> Dia
     if rho >= need and top >= RES_TOL and top >= 3 * low:
         sp = " (the engine agrees with itself: both of its paths share the table)" if inp.self_parity_passed else ""
         return done(
-            "low_precision_angles",
+            BugClass.LOW_PRECISION_ANGLES,
             f"positions are right but the phase error grows with position, "
             f"{low:.3g} rad at the oldest keys to {top:.3g} rad at the newest{sp}",
             keep,
             **details,
         )
     return done(
-        "unknown",
+        BugClass.UNKNOWN,
         "query and keys sit at their logical positions: no RoPE error visible at this layer",
         keep & (j == j.max()),
         **details,
@@ -482,45 +480,50 @@ def _residual_trend(inp: ForensicInput, a: dict, sel: torch.Tensor, done) -> Dia
 
 
 def _diagnose_misfit(
-    inp: ForensicInput, a: dict, analyse, w: torch.Tensor, seq_len: int, sel: torch.Tensor
+    inp: ForensicInput,
+    a: _Analysis,
+    analyse: Callable[[str], _Analysis],
+    w: torch.Tensor,
+    seq_len: int,
+    sel: torch.Tensor,
 ) -> Diagnosis:
     """Not integer rotations under the contract: other pairing, stale length, low precision, frequencies."""
     rope, t, rd = inp.rope, inp.query_position, inp.rope.rotary_dim
     j = inp.key_positions.long()[sel]
-    q = (t, a["qp"] if a["qf"] >= FIT_OK else None, a["qf"])
-    bad = torch.nonzero(a["kf"][sel] < FIT_OK).flatten()
-    bad_toks = [_tok(inp, int(sel[i]), None, float(a["kf"][sel][i])) for i in _spread(bad)]
-    base = dict(query_fit=a["qf"], misfit_keys=int(bad.numel()), examined_keys=int(sel.numel()))
+    q = (t, a.qp if a.qf >= FIT_OK else None, a.qf)
+    bad = torch.nonzero(a.kf[sel] < FIT_OK).flatten()
+    bad_toks = [_tok(inp, int(sel[i]), None, float(a.kf[sel][i])) for i in _spread(bad)]
+    base = dict(query_fit=a.qf, misfit_keys=int(bad.numel()), examined_keys=int(sel.numel()))
 
     other = "gptj" if rope.layout == "neox" else "neox"
     b = analyse(other)
-    fits_other = b["kf"][sel] >= FIT_OK
-    misfit = a["kf"][sel] < FIT_OK
+    fits_other = b.kf[sel] >= FIT_OK
+    misfit = a.kf[sel] < FIT_OK
     # Either everything is paired the other way, or only the decode side is: the query (and the keys
     # it wrote) fit the other pairing while the prefill's keys still fit the contract's.
     everything = _most(torch.ones_like(j, dtype=torch.bool), fits_other)
-    decode_side = a["qf"] < FIT_OK and (not bool(misfit.any()) or _most(misfit, fits_other))
-    if b["qf"] >= FIT_OK and (everything or decode_side):
-        toks = [_tok(inp, int(sel[i]), int(b["kp"][sel][i])) for i in _spread(torch.arange(sel.numel()))]
-        fit = _wfit(b["qf"], b["qn"], b["kf"][sel], b["kn"][sel])
+    decode_side = a.qf < FIT_OK and (not bool(misfit.any()) or _most(misfit, fits_other))
+    if b.qf >= FIT_OK and (everything or decode_side):
+        toks = [_tok(inp, int(sel[i]), int(b.kp[sel][i])) for i in _spread(torch.arange(sel.numel()))]
+        fit = _wfit(b.qf, b.qn, b.kf[sel], b.kn[sel])
         what = (
             "query and keys are exact rotations"
             if everything and not decode_side
             else "the decode side's query (and the keys it wrote) are exact rotations, the prefill's keys are not,"
         )
         return _diagnosis(
-            "layout_mismatch",
+            BugClass.LAYOUT_MISMATCH,
             f"contract pairs {rope.layout} but {what} under the {other} pairing",
-            (t, b["qp"], b["qf"]),
+            (t, b.qp, b.qf),
             toks,
-            b["kp"],
-            b["kf"],
+            b.kp,
+            b.kf,
             fit,
             **base,
             effective_layout=other,
         )
 
-    qx, qn, kn = a["qx"], a["qn"], a["kn"][sel]
+    qx, qn, kn = a.qx, a.qn, a.kn[sel]
     stale = _stale_frequencies(inp, a, w, seq_len, sel, base, strict=True)
     if stale is not None:
         return stale
@@ -530,11 +533,11 @@ def _diagnose_misfit(
             continue
         qf = float(_fit_at(qx, qn, (torch.tensor([t]).to(dt)[:, None] * w.to(dt)[None]).double())[0])
         pos = inp.key_positions.long()  # [N]
-        fit_all = _fit_at(a["kx"], a["kn"], (pos.to(dt)[:, None] * w.to(dt)[None]).double())  # [N]
+        fit_all = _fit_at(a.kx, a.kn, (pos.to(dt)[:, None] * w.to(dt)[None]).double())  # [N]
         if qf >= FIT_OK and _most(torch.ones_like(j, dtype=torch.bool), fit_all[sel] >= FIT_OK):
             name = str(dt).replace("torch.", "")
             return _diagnosis(
-                "low_precision_angles",
+                BugClass.LOW_PRECISION_ANGLES,
                 f"query and keys match angles computed as position x inv_freq "
                 f"in {name}, an error that grows with position",
                 (t, t, qf),
@@ -556,13 +559,13 @@ def _diagnose_misfit(
             else f"frequencies scaled by ~ {x:.4g}"
         )
         return _diagnosis(
-            "frequency_mismatch",
+            BugClass.FREQUENCY_MISMATCH,
             f"still rotations (pair magnitudes kept) but not at integer multiples "
             f"of the contract's frequencies; the query fits {est} at fit {fq:.4f}",
             q,
             bad_toks,
-            a["kp"],
-            a["kf"],
+            a.kp,
+            a.kf,
             fq,
             **base,
             family=family,
@@ -570,21 +573,28 @@ def _diagnose_misfit(
             theta_estimate=rope.theta * x if family == "theta" else None,
         )
     return _diagnosis(
-        "unknown",
+        BugClass.UNKNOWN,
         "query or keys are not rotations of the reference under any tried explanation "
         f"(layouts, lengths, angle dtypes, frequencies; query pair-magnitude deviation "
         f"{float(dev_q[0]):.3g})",
         q,
         bad_toks,
-        a["kp"],
-        a["kf"],
-        _wfit(a["qf"], qn, a["kf"][sel], kn),
+        a.kp,
+        a.kf,
+        _wfit(a.qf, qn, a.kf[sel], kn),
         **base,
     )
 
 
 def _stale_frequencies(
-    inp: ForensicInput, a: dict, w: torch.Tensor, seq_len: int, sel: torch.Tensor, base: dict, *, strict: bool
+    inp: ForensicInput,
+    a: _Analysis,
+    w: torch.Tensor,
+    seq_len: int,
+    sel: torch.Tensor,
+    base: Mapping[str, object],
+    *,
+    strict: bool,
 ) -> Diagnosis | None:
     """Length-dependent RoPE: do the keys fit the frequencies of an earlier length while the query fits
     the current ones? ``strict``: keys misfit the current frequencies outright. Otherwise (just past the
@@ -594,7 +604,7 @@ def _stale_frequencies(
     if not rope.length_dependent:
         return None
     j = inp.key_positions.long()[sel]
-    qx, qn, kx, kn = a["qx"], a["qn"], a["kx"][sel], a["kn"][sel]
+    qx, qn, kx, kn = a.qx, a.qn, a.kx[sel], a.kn[sel]
     orig = rope.scaling.original_max_position_embeddings or rope.max_position_embeddings
     lengths = list(range(orig, seq_len))
     if len(lengths) > 256:
@@ -622,10 +632,10 @@ def _stale_frequencies(
         for i in _spread(torch.nonzero(stale).flatten())
     ]
     kf = torch.maximum(best, cur)
-    eff, fit_all = a["kp"].clone(), a["kf"].clone()
+    eff, fit_all = a.kp.clone(), a.kf.clone()
     eff[sel[stale]], fit_all[sel[stale]] = j[stale], best[stale]
     return _diagnosis(
-        "stale_dynamic_scaling",
+        BugClass.STALE_DYNAMIC_SCALING,
         f"keys keep the frequencies of length {s_len} while the "
         f"query uses those of length {seq_len}; they differ once the sequence passes "
         f"{orig} tokens (positions >= {orig})",

@@ -11,16 +11,18 @@ causal forward is the reference for position ``t``); for dynamic NTK and LongRoP
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from typing import Any
 
 import torch
 
-from ..errors import AdapterError, UsageError
-from ..models.config import Checkpoint
+from ..contract import DTYPES
+from ..errors import UsageError
+from ..models.config import Checkpoint, ModelConfig
 from ..models.reference import ReferenceDecoder, ReferenceOutput
-from . import forensics, ops
+from ..probe import LayerProbe
+from . import ops
+from .bug_class import BugClass
 from .cases import Case, build_matrix, token_stream
 from .compare import (
     LogitsOf,
@@ -35,21 +37,18 @@ from .compare import (
     tolerance_for,
     worst_entry,
 )
-from .layer_forensics import diagnose_layer
+from .diagnosis import Diagnosis
+from .layer_diagnosis import diagnose_divergence, diagnose_unlocated
 from .progress import Progress
-from .protocol import CaseRun, EngineAdapter, FullRun, Tier
+from .protocol import CaseRun, EngineAdapter, EngineDescription, FullRun, StepRecord, Tier
 from .provenance import provenance
-from .report import CaseResult, Diagnosis, Divergence, ParityReport
-from .validate import check_adapter, check_case_run, check_full_run, check_ignored
+from .report import CaseResult, Divergence, ParityReport
+from .validate import check_adapter, check_case_run, check_description, check_full_run, check_ignored
 
 _MAX_FORENSIC_CASES = 6
-_REFERENCE_DTYPES = {"float64": torch.float64, "float32": torch.float32}
-_ENGINE_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "float64": torch.float64,
-}
+REFERENCE_DTYPES = ("float64", "float32")  # names in ropekv.contract.DTYPES the reference decoder runs in
+if not set(REFERENCE_DTYPES) <= set(DTYPES):
+    raise AssertionError(f"reference dtypes {REFERENCE_DTYPES} must be names in ropekv.contract.DTYPES")
 
 
 def check(
@@ -84,8 +83,8 @@ def check(
     """
     adapter = _as_adapter(engine, dtype=dtype, key_form=key_form, backend=backend)
     tier = check_adapter(adapter)
-    if reference not in _REFERENCE_DTYPES:
-        raise UsageError(f"reference must be one of {', '.join(_REFERENCE_DTYPES)}, got {reference!r}")
+    if reference not in REFERENCE_DTYPES:
+        raise UsageError(f"reference must be one of {', '.join(REFERENCE_DTYPES)}, got {reference!r}")
     cfg = adapter.checkpoint.config
     if cases is None:
         cases = build_matrix(
@@ -103,13 +102,12 @@ def check(
     _check_ops(adapter, cases)
     started = time.perf_counter()
     tokens = token_stream(cfg.vocab_size, max(c.total for c in cases), seed)
-    refs = _References(
-        adapter, tier, ReferenceDecoder(adapter.checkpoint, dtype=_REFERENCE_DTYPES[reference]), tokens, cases
-    )
-    tol_ref = tolerance or tolerance_for(adapter.dtype, _REFERENCE_DTYPES[reference])
+    refs = _References(adapter, tier, ReferenceDecoder(adapter.checkpoint, dtype=DTYPES[reference]), tokens, cases)
+    tol_ref = tolerance or tolerance_for(adapter.dtype, DTYPES[reference])
     tol_self = tolerance or tolerance_for(adapter.dtype, adapter.dtype)
 
-    results, failed = [], []
+    results: list[CaseResult] = []
+    failed: list[tuple[CaseResult, CaseRun]] = []
     with Progress(total=refs.work + sum(c.total for c in cases), mode=progress) as bar:
         refs.bar = bar
         for n, case in enumerate(cases):
@@ -149,7 +147,7 @@ def check(
                 self_attn_errors=tuple(e.attn for e in err_self),
                 logit_errors=tuple(e.logits for e in err_ref),
                 self_logit_errors=tuple(e.logits for e in err_self),
-                ignored=ignored,
+                ignored=tuple(x.text for x in ignored),
                 notes=run.notes + ops.notes(case),
                 full_forward_error=full_err,
                 seconds=time.perf_counter() - t0,
@@ -166,13 +164,13 @@ def check(
             # Forensics reads phases, and a query at position 1 or 2 has hardly turned (with theta = 1e5
             # most channel pairs stay put, so a wrong pairing looks like no rotation at all). The failing
             # case that diverged at the highest position carries the most evidence; the others follow.
-            failed.sort(key=lambda item: -item[0].first_divergence.query_position if item[0].first_divergence else 0)
+            failed.sort(key=lambda item: _divergence_position(item[0]))
             for result, run in failed:
                 bar.describe("forensics")
                 found = _diagnose(adapter, refs, result, run)
-                if diagnosis is None or diagnosis.kind == "unknown":
-                    diagnosis = found if diagnosis is None or found.kind != "unknown" else diagnosis
-                if diagnosis.kind != "unknown":
+                if diagnosis is None or diagnosis.kind == BugClass.UNKNOWN:
+                    diagnosis = found if diagnosis is None or found.kind != BugClass.UNKNOWN else diagnosis
+                if diagnosis.kind != BugClass.UNKNOWN:
                     break
     ckpt = adapter.checkpoint
     passed = all(r.passed for r in results)
@@ -190,7 +188,7 @@ def check(
             "rope": cfg.rope.to_dict(),
             "rope_fingerprint": cfg.rope.fingerprint(),
         },
-        engine=adapter.describe(),
+        engine=_describe(adapter).to_dict(),
         reference=reference,
         tier=tier.value,
         limits=tier_limits(tier, results),
@@ -207,38 +205,36 @@ def check(
 
 
 def _check_ops(adapter: EngineAdapter, cases: list[Case]) -> None:
-    """A case with a cache operation runs only on an engine that declares it (``describe()["ops"]``):
+    """A case with a cache operation runs only on an engine that declares it (``describe().ops``):
     an adapter that knows nothing of operations would run the case as a plain one and be judged
     against the operation's reference. Refused loudly, with the adapter's own reason where it gives one."""
-    wanted = [c for c in cases if c.op is not None]
+    wanted = [(c, c.op) for c in cases if c.op is not None]
     if not wanted:
         return
-    declared = adapter.describe().get("ops", ())
-    if not isinstance(declared, (list, tuple)) or not all(isinstance(k, str) for k in declared):
-        raise AdapterError(adapter.name, 'describe()["ops"]', "a list of cache operation names", repr(declared))
-    for case in wanted:
-        why = [x for x in check_ignored(adapter, case, adapter.ignored(case)) if x.split(":")[0].strip() == "op"]
-        if case.op.kind not in declared or why:
+    declared = _describe(adapter).ops
+    for case, op in wanted:
+        why = [x.text for x in check_ignored(adapter, case, adapter.ignored(case)) if x.param == "op"]
+        if op.kind not in declared or why:
             reason = why[0] if why else f"it declares {', '.join(declared) or 'no cache operations'}"
             raise UsageError(
                 f"engine {adapter.name!r} cannot run the cache operation of case {case.label()} "
-                f"({reason}); leave {case.op.kind} out of --ops for it"
+                f"({reason}); leave {op.kind} out of --ops for it"
             )
 
 
 def tier_limits(tier: Tier, results: list[CaseResult]) -> str:
     """What the tier the engine ran at cannot conclude, in one sentence for the report."""
-    failing = [r for r in results if r.first_divergence is not None]
+    failing = [(r, r.first_divergence) for r in results if r.first_divergence is not None]
     if tier == Tier.LOGITS:
         if not failing:
             return (
                 "logits tier: next-token logits match; a fault that leaves the logits within tolerance "
                 "(or shows only in layers the logits hide) is not excluded; layer and bug class not examined"
             )
-        fd = failing[0].first_divergence
+        first, fd = failing[0]
         return (
             f"logits tier: divergence localized to decode step {fd.step} (position {fd.query_position}) "
-            f"of {failing[0].case.label()}; layer and bug class unknown"
+            f"of {first.case.label()}; layer and bug class unknown"
         )
     if tier == Tier.ATTENTION:
         return (
@@ -252,11 +248,18 @@ def tier_limits(tier: Tier, results: list[CaseResult]) -> str:
     return "forensics tier: all conclusions available"
 
 
-def _next(step) -> NextToken:
+def _divergence_position(result: CaseResult) -> int:
+    """Sort key of the failing cases for forensics: the highest divergence position first."""
+    fd = result.first_divergence
+    return -fd.query_position if fd else 0
+
+
+def _next(step: StepRecord) -> NextToken:
     return NextToken(step.logits, step.token_ids)
 
 
-def _as_adapter(engine: Any, *, dtype, key_form, backend) -> EngineAdapter:
+def _as_adapter(engine: Any, *, dtype: str | None, key_form: str | None, backend: str | None) -> EngineAdapter:
+    """``engine`` (any object a caller passed) as a checked adapter, or UsageError/AdapterError."""
     if isinstance(engine, Checkpoint):
         raise UsageError(
             "ropekv.parity.harness.check takes an engine adapter; ropekv.check(checkpoint) runs a "
@@ -267,22 +270,27 @@ def _as_adapter(engine: Any, *, dtype, key_form, backend) -> EngineAdapter:
     check_adapter(engine)
     name = engine.name
     if dtype is not None:
-        want = _ENGINE_DTYPES.get(dtype)
+        want = DTYPES.get(dtype)
         if want is None:
-            raise UsageError(f"dtype must be one of {', '.join(_ENGINE_DTYPES)}, got {dtype!r}")
+            raise UsageError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
         if want != engine.dtype:
             raise UsageError(
                 f"dtype={dtype!r}: adapter {name!r} computes in {engine.dtype}; build the adapter in "
                 f"{dtype} instead (the harness cannot change an engine's dtype)"
             )
-    facts = engine.describe()
-    for option, value in (("key_form", key_form), ("backend", backend)):
-        if value is not None and facts.get(option) != value:
+    facts = _describe(engine)
+    for option, value, runs in (("key_form", key_form, facts.key_form), ("backend", backend, facts.backend)):
+        if value is not None and runs != value:
             raise UsageError(
                 f"{option}={value!r}: adapter {name!r} does not run with it (it reports "
-                f"{option}={facts.get(option)!r}); {option} selects ropekv's own engine"
+                f"{option}={runs!r}); {option} selects ropekv's own engine"
             )
-    return engine
+    adapter: EngineAdapter = engine
+    return adapter
+
+
+def _describe(adapter: EngineAdapter) -> EngineDescription:
+    return check_description(adapter, adapter.describe())
 
 
 def _rows_error(engine_row: RefRow, ref_row: RefRow) -> float:
@@ -307,10 +315,10 @@ class _References:
         self.adapter, self.tier, self.decoder, self.tokens = adapter, tier, decoder, tokens
         self.cfg = adapter.checkpoint.config
         self.per_position = self.cfg.rope.length_dependent
-        self.bar = None
+        self.bar: Progress | None = None
         self.seconds = {"float64_reference_forwards": 0.0, "engine_full_forwards": 0.0, "cached_runs": 0.0}
-        self._rows: dict[tuple, list[int]] = {}
-        self._cases: dict[tuple, Case] = {}
+        self._rows: dict[_Group, list[int]] = {}
+        self._cases: dict[_Group, Case] = {}
         for c in cases:
             # A cache operation's case reads the plain forwards at ops.self_rows (and, for evict and
             # shift, a float64 forward of its own, see ropekv.parity.ops).
@@ -318,8 +326,9 @@ class _References:
             if rows:
                 self._rows.setdefault(self._group(c), []).extend(rows)
                 self._cases.setdefault(self._group(c), dataclasses.replace(c, op=None))
-        self._ref: dict[tuple, ReferenceOutput] = {}
-        self._self: dict[tuple, FullRun] = {}
+        self._ref: dict[_Key, ReferenceOutput] = {}
+        self._op_ref: dict[Case, ReferenceOutput] = {}  # an evict or shift case's own reference
+        self._self: dict[_Key, FullRun] = {}
         if self.per_position:
             self.work = 2 * sum(t + 1 for rows in self._rows.values() for t in set(rows))
         else:
@@ -327,28 +336,28 @@ class _References:
         self.work += sum(max(c.decode_positions) + 1 - c.shift for c in cases if ops.needs_own_reference(c))
 
     @staticmethod
-    def _group(case: Case) -> tuple:
+    def _group(case: Case) -> _Group:
         return (case.window, case.sink_tokens)
 
-    def _key(self, case: Case, t: int) -> tuple:
-        return self._group(case) + ((t,) if self.per_position else ())
+    def _key(self, case: Case, t: int) -> _Key:
+        return (self._group(case), t if self.per_position else None)
 
-    def _rows_for(self, key: tuple) -> list[int]:
-        return [key[-1]] if self.per_position else sorted(set(self._rows[key]))
+    def _rows_for(self, key: _Key) -> list[int]:
+        group, t = key
+        return [t] if t is not None else sorted(set(self._rows[group]))
 
     def reference_output(self, case: Case, t: int) -> tuple[ReferenceOutput, int]:
-        if ops.needs_own_reference(case):
-            key = ("op", case)
-            if key not in self._ref:
+        if case.op is not None and ops.needs_own_reference(case):
+            if case not in self._op_ref:
                 if self.bar:
                     self.bar.describe(f"float64 reference forward for {case.op.label()}")
                 t0 = time.perf_counter()
-                self._ref[key] = ops.own_reference(self.decoder, case, self.tokens)
+                self._op_ref[case] = ops.own_reference(self.decoder, case, self.tokens)
                 self.seconds["float64_reference_forwards"] += time.perf_counter() - t0
                 if self.bar:
                     self.bar.advance(max(case.decode_positions) + 1 - case.shift)
-            out = self._ref[key]
-            return out, int((out.rows == t).nonzero()[0, 0])
+            out = self._op_ref[case]
+            return out, _index(out.rows, t)
         key = self._key(case, t)
         if key not in self._ref:
             rows = self._rows_for(key)
@@ -364,11 +373,13 @@ class _References:
             if self.bar:
                 self.bar.advance(n)
         out = self._ref[key]
-        return out, int((out.rows == t).nonzero()[0, 0])
+        return out, _index(out.rows, t)
 
     def reference_row(self, case: Case, t: int) -> RefRow:
         out, i = self.reference_output(case, t)
         logits = out.logits[i] if out.probed_logits else out.logits[t - case.shift]
+        if out.rows is None:
+            raise UsageError("the reference forward was run without probed rows")
         return ops.hide_evicted(case, _row(out.layers, out.rows, i, NextToken(logits), case, self.cfg))
 
     def self_row(self, case: Case, t: int) -> RefRow:
@@ -394,7 +405,7 @@ class _References:
             if self.bar:
                 self.bar.advance(n)
         run = self._self[key]
-        i = int((run.rows == t).nonzero()[0, 0])
+        i = _index(run.rows, t)
         ids = None if run.token_ids is None else run.token_ids[i]
         layers = run.layers if self.tier >= Tier.ATTENTION else ()
         if relabel:
@@ -402,7 +413,20 @@ class _References:
         return _row(layers, run.rows + relabel, i, NextToken(run.logits[i], ids), case, self.cfg)
 
 
-def _row(layers, rows: torch.Tensor, i: int, logits: NextToken, case: Case, cfg) -> RefRow:
+_Group = tuple[int | None, int]  # (window, sink_tokens): the cases that share full forwards
+_Key = tuple[_Group, int | None]  # a group and, for length-dependent RoPE, the one position t forwarded
+
+
+def _index(rows: torch.Tensor | None, t: int) -> int:
+    """Where position ``t`` is among the probed ``rows [R]``."""
+    if rows is None:
+        raise UsageError("the forward was run without probed rows")
+    return int(torch.nonzero(torch.eq(rows, t))[0, 0])
+
+
+def _row(
+    layers: tuple[LayerProbe, ...], rows: torch.Tensor, i: int, logits: NextToken, case: Case, cfg: ModelConfig
+) -> RefRow:
     """Row ``i`` of probed layers: per layer its input and attention logits ``[H, T]``."""
     of = LogitsOf(cfg, case.window, case.sink_tokens)
     r = rows[i : i + 1]
@@ -411,7 +435,7 @@ def _row(layers, rows: torch.Tensor, i: int, logits: NextToken, case: Case, cfg)
     return RefRow(hidden_in=hidden, attn_logits=attn, logits=logits)
 
 
-def _at(p, i: int):
+def _at(p: LayerProbe, i: int) -> LayerProbe:
     """The probe restricted to query row ``i`` (keys unchanged)."""
     return dataclasses.replace(
         p,
@@ -480,145 +504,22 @@ def _divergence(
 
 
 def _diagnose(adapter: EngineAdapter, refs: _References, result: CaseResult, run: CaseRun) -> Diagnosis:
+    """The forensics of a failing case at its first divergence, from what the engine and the
+    reference computed there (:mod:`ropekv.parity.layer_diagnosis` names the bug)."""
     fd = result.first_divergence
-    if fd is None:
-        return Diagnosis("unknown", "the final logits diverged but no layer's attention did")
-    if fd.layer is None:
-        return Diagnosis("unknown", "only the final logits diverged; no layer's attention did")
-    view = run.steps[fd.step].layers[fd.layer]
-    out, i = refs.reference_output(result.case, fd.query_position)
-    probe = out.layers[fd.layer]
+    if fd is None or fd.layer is None:
+        return diagnose_unlocated(fd)
     case = result.case
-    cfg = adapter.checkpoint.config
-    chunk = cfg.layer_chunk(fd.layer) if case.window is None else None  # a case window replaces chunks
-    window = _window_diagnosis(refs.reference_row(case, fd.query_position).attn_logits[fd.layer], view, case, fd, chunk)
-    if window is not None:
-        return window
-    slots = view.key_slots if view.key_slots is not None else torch.full_like(view.key_positions, -1)
-    k_raw = probe.k_raw[view.key_positions - case.shift]  # the reference's rows are indices (a shift moves positions)
-    # Per-layer RoPE features first (NoPE layers, partial rotary, local/global RoPE): bug classes one
-    # spec alone cannot name. Then the general forensics under the diverging layer's own spec.
-    arch = diagnose_layer(
-        cfg,
-        fd.layer,
-        q_raw=probe.q_raw[i],
-        q_eff=view.q[0],
-        k_raw=k_raw,
-        k_eff=view.k,
-        key_positions=view.key_positions,
-        query_position=fd.query_position,
-        seq_len=fd.query_position + 1,
-    )
-    if arch is not None:
-        return Diagnosis(
-            arch.kind,
-            arch.evidence,
-            {**arch.details, "case": case.label(), "layer": fd.layer, "query_position": fd.query_position},
-        )
-    rope = cfg.layer_rope(fd.layer)
-    if rope is None:
-        return Diagnosis(
-            "unknown",
-            f"layer {fd.layer} has no position embedding and its query and keys are not "
-            "turned; the divergence is not a RoPE error of this layer",
-            {"case": case.label(), "layer": fd.layer, "query_position": fd.query_position},
-        )
-    q_raw, q_eff, k_eff = probe.q_raw[i], view.q[0], view.k
-    if rope.rotary_offset:  # MLA: only the rope part turns; the forensics read that slice as a head of its own
-        part = slice(rope.rotary_offset, rope.rotary_offset + rope.rotary_dim)
-        q_raw, q_eff, k_raw, k_eff = q_raw[..., part], q_eff[..., part], k_raw[..., part], k_eff[..., part]
-        rope = rope.replace(head_dim=rope.rotary_dim, rotary_offset=0)
-    inp = forensics.ForensicInput(
-        rope=rope,
-        q_raw=q_raw,
-        q_eff=q_eff,
-        k_raw=k_raw,
-        k_eff=k_eff,
-        query_position=fd.query_position,
-        key_positions=view.key_positions,
-        key_slots=slots,
-        fork_offset=case.prefix,
-        # Even where the adapter ignores block sizes, the case's block size is the hypothesis to test:
-        # an engine with its own blocks may still rotate keys by their offset inside one.
-        block_size=case.block_size,
+    out, i = refs.reference_output(case, fd.query_position)
+    return diagnose_divergence(
+        adapter.checkpoint.config,
+        case,
+        fd,
+        view=run.steps[fd.step].layers[fd.layer],
+        reference=out.layers[fd.layer],
+        row=i,
+        reference_attn=refs.reference_row(case, fd.query_position).attn_logits[fd.layer],
         handoff_len=run.handoff_len,
         self_parity_passed=result.self_passed,
-        seq_len=fd.query_position + 1,
-        op_hypotheses=ops.hypotheses(case, adapter.describe().get("key_form")),
+        key_form=_describe(adapter).key_form,
     )
-    d = forensics.diagnose(inp)
-    kind, evidence = d.kind, d.evidence
-    if kind == "unknown" and inp.rope.length_dependent and fd.layer > 0:
-        # Layer 0 matched and this layer's rotations are right: what differs is the cached prefix itself,
-        # whose deeper keys and values were computed under an earlier length's frequencies. A full
-        # forward over t + 1 tokens recomputes them; no cache can (docs/contract.md).
-        kind = "stale_dynamic_scaling"
-        evidence = (
-            f"layer 0 matches and layer {fd.layer} turns keys at the current frequencies, but its cached "
-            f"keys and values come from hidden states computed under an earlier length's frequencies "
-            f"(inherent to caching {inp.rope.scaling.rope_type} RoPE past position "
-            f"{inp.rope.switch_length}); {evidence}"
-        )
-    details = dict(d.details)
-    details.update(
-        {
-            "case": case.label(),
-            "layer": fd.layer,
-            "query_position": fd.query_position,
-            "query_effective": d.query_effective,
-            "fit": _finite(d.fit),
-        }
-    )
-    return Diagnosis(kind, evidence, details)
-
-
-def _window_diagnosis(ref_row: torch.Tensor, view, case: Case, fd, chunk: int | None = None) -> Diagnosis | None:
-    """The kernel read keys the reference's window hides, or missed keys it shows: a mask or window
-    bug (a cache that ignores its size, sinks kept where none are configured), not a rotation. On a
-    chunked layer (``chunk``) the same evidence is ``chunk_mismatch``: keys of an earlier chunk read
-    (an engine that treats llama4's chunked layers as full), or keys of the query's chunk missed."""
-    visible = torch.isfinite(ref_row[0])  # [T] by position
-    pos = view.key_positions
-    extra = pos[~visible[pos]]
-    read = torch.zeros_like(visible)
-    read[pos] = True
-    missed = torch.nonzero(visible & ~read).flatten()
-    if extra.numel() == 0 and missed.numel() == 0:
-        return None
-    parts = []
-    hides = (
-        "the window hides"
-        if chunk is None
-        else (
-            f"of earlier chunks (chunk size {chunk}: the query's chunk starts at {fd.query_position // chunk * chunk})"
-        )
-    )
-    if extra.numel():
-        parts.append(f"it read {extra.numel()} key(s) {hides} (positions {_span(extra)})")
-    if missed.numel():
-        parts.append(f"it missed {missed.numel()} visible key(s) (positions {_span(missed)})")
-    details = {
-        "case": case.label(),
-        "layer": fd.layer,
-        "query_position": fd.query_position,
-        "extra_keys": int(extra.numel()),
-        "missed_keys": int(missed.numel()),
-        "keys_read": int(pos.numel()),
-    }
-    if chunk is not None:
-        details["chunk_size"] = chunk
-    return Diagnosis(
-        "window_mismatch" if chunk is None else "chunk_mismatch",
-        f"layer {fd.layer}, query at {fd.query_position}: the reference attends to "
-        f"{int(visible.sum())} keys, the kernel to {pos.numel()}; " + "; ".join(parts),
-        details,
-    )
-
-
-def _span(positions: torch.Tensor) -> str:
-    p = sorted(positions.tolist())
-    return ", ".join(map(str, p)) if len(p) <= 6 else f"{p[0]}..{p[-1]}"
-
-
-def _finite(x: float) -> float | None:
-    return x if isinstance(x, (int, float)) and math.isfinite(x) else None

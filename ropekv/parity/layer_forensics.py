@@ -6,7 +6,7 @@ rotary (phi3, glm, stablelm, nemotron) have bug classes that spec alone cannot n
 of the diverging layer are exact rotations, only under the wrong layer's spec, or rotated at all where
 the layer has no position embedding, or turned on channels that must pass through. This module tests
 those hypotheses directly, from the raw query/keys the reference recomputes and the ones the kernel
-used, and returns a :class:`~ropekv.parity.report.Diagnosis` or None (then the general forensics run).
+used, and returns a :class:`~ropekv.parity.diagnosis.Diagnosis` or None (then the general forensics run).
 
 Multi-head latent attention (DeepSeek V2/V3) rotates only the trailing rope part of each key
 (``rope.rotary_offset``); its own bug class is that part rotated twice (the shared ``k_pe`` turned once
@@ -22,9 +22,9 @@ import torch
 
 from ..models.config import ModelConfig
 from ..rope import RopeSpec
-from .report import Diagnosis
+from .bug_class import BugClass
+from .diagnosis import Diagnosis
 
-ARCH_KINDS = ("nope_rotated", "partial_rotary_mismatch", "layer_rope_mismatch", "mla_rope_rotated_twice")
 _MATCH = 1e-3  # scale-aware: float32 rotations agree to ~1e-6; a wrong spec is off by O(1)
 
 
@@ -86,11 +86,13 @@ def diagnose_layer(
             others.append(candidate)
     if spec is None:
         for candidate in others:
+            if candidate is None:  # others differ from spec: never None here
+                continue
             q_fit, k_fit = fits(candidate)
             if q_fit or k_fit:
                 what = " and ".join(n for n, f in (("query", q_fit), ("keys", k_fit)) if f)
                 return Diagnosis(
-                    "nope_rotated",
+                    BugClass.NOPE_ROTATED,
                     (
                         f"layer {layer} has no position embedding (NoPE), but its {what} are rotations under the RoPE "
                         f"of the other layers (theta {candidate.theta:g}, rotary_dim {candidate.rotary_dim})"
@@ -98,7 +100,7 @@ def diagnose_layer(
                     {"layer": layer, "theta": candidate.theta},
                 )
         return Diagnosis(
-            "nope_rotated",
+            BugClass.NOPE_ROTATED,
             f"layer {layer} has no position embedding (NoPE), but the kernel's query "
             "or keys differ from the raw ones: they were turned",
             {"layer": layer},
@@ -115,7 +117,7 @@ def diagnose_layer(
             if full is not None and any(fits(full)):
                 how = f": they fit a rotation of all {spec.head_dim} channels at the whole head's frequencies"
             return Diagnosis(
-                "partial_rotary_mismatch",
+                BugClass.PARTIAL_ROTARY_MISMATCH,
                 (
                     f"layer {layer} rotates only {spec.rotary_dim} of {spec.head_dim} channels, but the kernel's "
                     f"pass-through channels {_ranges(keep)} changed (partial rotary applied to "
@@ -130,7 +132,7 @@ def diagnose_layer(
         if (q_twice or k_twice) and (q_fit or q_twice) and (k_fit or k_twice):
             what = " and ".join(n for n, f in (("query", q_twice and not q_fit), ("keys", k_twice and not k_fit)) if f)
             return Diagnosis(
-                "mla_rope_rotated_twice",
+                BugClass.MLA_ROPE_ROTATED_TWICE,
                 (
                     f"layer {layer} is multi-head latent attention: its position-free channels 0.."
                     f"{spec.rotary_offset - 1} are intact, but the rope part (channels {spec.rotary_offset}.."
@@ -148,7 +150,7 @@ def diagnose_layer(
             source = next(i for i in range(cfg.num_layers) if cfg.layer_rope(i) == candidate)
             kind = cfg.layer_types[layer].replace("_attention", "")
             return Diagnosis(
-                "layer_rope_mismatch",
+                BugClass.LAYER_ROPE_MISMATCH,
                 (
                     f"layer {layer} ({kind}) should turn with theta {spec.theta:g} ({spec.scaling.rope_type}), but its "
                     f"query{' and keys' if k_fit else ''} are exact rotations under layer {source}'s RoPE "

@@ -24,7 +24,9 @@ import dataclasses
 
 import torch
 
+from ..errors import UsageError
 from ..models.reference import ReferenceDecoder, ReferenceOutput
+from .bug_class import BugClass
 from .cases import Case
 from .compare import RefRow
 from .forensics import OpHypothesis
@@ -38,6 +40,8 @@ def needs_own_reference(case: Case) -> bool:
 
 def own_reference(decoder: ReferenceDecoder, case: Case, tokens: torch.Tensor) -> ReferenceOutput:
     """The float64 reference of an ``evict`` or ``shift`` case, probed at its decode positions."""
+    if case.op is None or case.op.kind not in OWN_REFERENCE:
+        raise UsageError(f"case {case.label()} has no reference of its own (only {', '.join(OWN_REFERENCE)} do)")
     d = case.shift
     rows = [t - d for t in case.decode_positions]  # token indices
     T = max(rows) + 1
@@ -97,7 +101,7 @@ def hypotheses(case: Case, key_form: str | None) -> tuple[OpHypothesis, ...]:
     if kind == "rollback":
         out = [
             OpHypothesis(
-                "rollback_offset",
+                BugClass.ROLLBACK_OFFSET,
                 "query",
                 f"the offset kept the rejected {n}-token draft (advanced by the draft length, not the accepted count)",
                 offsets=(n,),
@@ -109,7 +113,7 @@ def hypotheses(case: Case, key_form: str | None) -> tuple[OpHypothesis, ...]:
             if overwritten:
                 out.append(
                     OpHypothesis(
-                        "rollback_stale_keys",
+                        BugClass.ROLLBACK_STALE_KEYS,
                         "misfit",
                         f"they are the ring slots the rolled-back "
                         f"{n}-token draft overwrote, left holding the rejected tokens' keys",
@@ -120,7 +124,7 @@ def hypotheses(case: Case, key_form: str | None) -> tuple[OpHypothesis, ...]:
     if kind == "evict":
         return (
             OpHypothesis(
-                "evict_offset",
+                BugClass.EVICT_OFFSET,
                 "query",
                 f"the offset counts kept rows ({n} evicted tokens subtracted from every later position)",
                 offsets=(-n,),
@@ -131,7 +135,7 @@ def hypotheses(case: Case, key_form: str | None) -> tuple[OpHypothesis, ...]:
         if key_form == "raw":
             return (
                 OpHypothesis(
-                    "shift_rotated_raw",
+                    BugClass.SHIFT_ROTATED_RAW,
                     "keys",
                     f"raw keys were turned by R({n}) although the reader rotates them at their new positions",
                     offsets=(n,),
@@ -140,14 +144,14 @@ def hypotheses(case: Case, key_form: str | None) -> tuple[OpHypothesis, ...]:
             )
         return (
             OpHypothesis(
-                "shift_not_rotated",
+                BugClass.SHIFT_NOT_ROTATED,
                 "keys",
                 f"rotated keys were relabelled by {n:+d} but not turned by R({n})",
                 offsets=(-n,),
                 positions=moved,
             ),
             OpHypothesis(
-                "shift_applied_twice",
+                BugClass.SHIFT_APPLIED_TWICE,
                 "keys",
                 f"rotated keys were turned by R({n}) twice for one relabelling",
                 offsets=(n,),
@@ -159,7 +163,7 @@ def hypotheses(case: Case, key_form: str | None) -> tuple[OpHypothesis, ...]:
         pads = tuple(sorted({max(lengths) - L for L in lengths} - {0}))
         return (
             OpHypothesis(
-                "padding_offset",
+                BugClass.PADDING_OFFSET,
                 "query",
                 "a shared cursor over the left-padded batch: the row's "
                 f"query is off by its padding (paddings {list(pads)})",
@@ -168,7 +172,7 @@ def hypotheses(case: Case, key_form: str | None) -> tuple[OpHypothesis, ...]:
         )
     return (
         OpHypothesis(
-            "restore_offset_lost",
+            BugClass.RESTORE_OFFSET_LOST,
             "query",
             f"the restored sequence's offset restarted at 0 (its {end} positions were not restored with the keys)",
             offsets=(-end,),

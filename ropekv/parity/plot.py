@@ -22,7 +22,7 @@ from matplotlib.ticker import FuncFormatter
 from .report import ParityReport
 
 
-def _plain(x: float, _pos=None) -> str:
+def _plain(x: float, _pos: object = None) -> str:
     """Tick labels as plain numbers: 1, 20, 300, 4,000; 0.001 rather than 10^-3 (1e-05 below that)."""
     if x >= 1:
         return f"{x:,.0f}"
@@ -34,7 +34,10 @@ def plot_report(report: ParityReport, path: str | Path) -> None:
     key = "attn_logits" if layered else "final_logits"
     tol = report.tolerances["reference"][key]
     tol_self = report.tolerances["self"][key]
-    columns, labels, bands, marks = [], [], [], []
+    columns: list[list[float]] = []
+    labels: list[str] = []
+    bands: list[tuple[int, int, str, bool]] = []
+    marks: list[tuple[int, int]] = []
     for r in report.cases:
         start = len(columns)
         rows = r.attn_errors if layered else [(e,) for e in r.logit_errors]

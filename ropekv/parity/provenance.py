@@ -6,6 +6,7 @@ import datetime as _dt
 import importlib.metadata
 import os
 import platform
+from typing import Any
 
 import torch
 
@@ -29,7 +30,7 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def provenance(call: str) -> dict:
+def provenance(call: str) -> dict[str, Any]:
     """JSON-able facts: package versions (ropekv, torch, transformers where installed), Python, the
     machine (CPU model, logical CPUs, torch threads), ``call`` (the API call or command line) and a UTC
     timestamp. The CLI adds ``command`` and ``exit_code``."""

@@ -92,18 +92,21 @@ class AttentionRecorder:
         record for the same layer replaces the first (an engine that runs a layer twice per forward
         reports the call that produced the output)."""
 
-        def cpu(t):
-            return None if t is None else t.detach().to("cpu").clone()
+        def cpu(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to("cpu").clone()
+
+        def maybe(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else cpu(t)
 
         self._layers[layer] = LayerProbe(
             q=cpu(q),
             k=cpu(k),
             key_positions=cpu(torch.as_tensor(key_positions)).to(torch.int64),
             key_slots=None if key_slots is None else cpu(torch.as_tensor(key_slots)).to(torch.int64),
-            hidden_in=cpu(hidden_in),
-            q_raw=cpu(q_raw),
-            k_raw=cpu(k_raw),
-            v=cpu(v),
+            hidden_in=maybe(hidden_in),
+            q_raw=maybe(q_raw),
+            k_raw=maybe(k_raw),
+            v=maybe(v),
         )
 
     def take(self) -> tuple[LayerProbe, ...]:

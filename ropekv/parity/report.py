@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .cases import Case
+from .diagnosis import Diagnosis
 
 REPORT_FORMAT = "ropekv.parity-report"
 REPORT_VERSION = 2  # 2: tier, limits, provenance, logit_errors, notes; nullable layer fields
@@ -51,13 +52,6 @@ class Divergence:
             f"{self.against}: step {self.step} pos {self.query_position} layer {self.layer} "
             f"head {self.head} key {self.key_position} (slot {self.key_slot})"
         )
-
-
-@dataclass(frozen=True)
-class Diagnosis:
-    kind: str
-    evidence: str
-    details: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -111,7 +105,7 @@ class ParityReport:
     model: dict[str, Any]
     engine: dict[str, Any]
     reference: str
-    tolerances: dict[str, float]
+    tolerances: dict[str, dict[str, float]]  # "reference"/"self" -> Tolerance.to_dict()
     cases: tuple[CaseResult, ...]
     diagnosis: Diagnosis | None
     seconds: float
@@ -137,9 +131,7 @@ class ParityReport:
             "seed": self.seed,
             "seconds": round(self.seconds, 2),
             "cases": [c.to_dict() for c in self.cases],
-            "diagnosis": None
-            if self.diagnosis is None
-            else {"kind": self.diagnosis.kind, "evidence": self.diagnosis.evidence, "details": self.diagnosis.details},
+            "diagnosis": None if self.diagnosis is None else self.diagnosis.to_dict(),
             "provenance": self.provenance,
             "phase_seconds": {k: round(v, 3) for k, v in self.phase_seconds.items()},
         }

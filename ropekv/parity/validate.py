@@ -9,13 +9,15 @@ description of itself beyond its declared tier.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from ..errors import AdapterError
+from ..errors import AdapterError, UsageError
 from ..models.config import ModelConfig
 from ..probe import LayerProbe
 from .cases import Case
-from .protocol import REQUIRED_MEMBERS, CaseRun, FullRun, StepRecord, Tier
+from .protocol import REQUIRED_MEMBERS, CaseRun, EngineDescription, FullRun, Ignored, StepRecord, Tier
 
 MIN_TOP_K = 5  # fewest top-k log-probabilities per row an engine must expose for the logits comparison
 
@@ -34,19 +36,34 @@ def check_adapter(adapter: object) -> Tier:
     for m in ("describe", "ignored", "run_case", "full_forward"):
         if not callable(getattr(adapter, m)):
             raise AdapterError(name, m, "a method", type(getattr(adapter, m)).__name__)
+    members: Any = adapter  # any object, whose members were found above; their values are checked here
+    declared, dtype = members.tier, members.dtype
     try:
-        tier = Tier(adapter.tier)
+        tier = Tier(declared)
     except ValueError:
-        raise AdapterError(name, "tier", "one of " + ", ".join(t.value for t in Tier), repr(adapter.tier)) from None
-    if not isinstance(adapter.dtype, torch.dtype) or not adapter.dtype.is_floating_point:
-        raise AdapterError(name, "dtype", "a floating torch.dtype", repr(adapter.dtype))
+        raise AdapterError(name, "tier", "one of " + ", ".join(t.value for t in Tier), repr(declared)) from None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise AdapterError(name, "dtype", "a floating torch.dtype", repr(dtype))
     return tier
 
 
-def check_ignored(adapter: object, case: Case, ignored: object) -> tuple[str, ...]:
-    if not isinstance(ignored, (tuple, list)) or not all(isinstance(x, str) for x in ignored):
-        raise AdapterError(_name(adapter), f"ignored({case.label()})", "a tuple of strings", repr(ignored))
+def check_ignored(adapter: object, case: Case, ignored: object) -> tuple[Ignored, ...]:
+    """``ignored`` as the case parameters the adapter cannot honour, or AdapterError."""
+    if not isinstance(ignored, (tuple, list)) or not all(isinstance(x, Ignored) for x in ignored):
+        raise AdapterError(
+            _name(adapter),
+            f"ignored({case.label()})",
+            "a tuple of Ignored(param, text) records (not a bare string, nor a tuple of strings)",
+            repr(ignored),
+        )
     return tuple(ignored)
+
+
+def check_description(adapter: object, description: object) -> EngineDescription:
+    """``description`` (what ``adapter.describe()`` returned) as an :class:`EngineDescription`, or AdapterError."""
+    if not isinstance(description, EngineDescription):
+        raise AdapterError(_name(adapter), "describe()", "an EngineDescription", type(description).__name__)
+    return description
 
 
 def check_case_run(adapter: object, tier: Tier, cfg: ModelConfig, case: Case, run: object) -> CaseRun:
@@ -99,7 +116,7 @@ def check_full_run(
 # ---------------------------------------------------------------------- pieces
 
 
-def _check_scores(name: str, field: str, cfg: ModelConfig, values, token_ids, rows: int | None) -> None:
+def _check_scores(name: str, field: str, cfg: ModelConfig, values: object, token_ids: object, rows: int | None) -> None:
     lead = () if rows is None else (rows,)
     if not torch.is_tensor(values) or not values.dtype.is_floating_point:
         raise AdapterError(name, field, "a floating tensor", _describe(values))
@@ -152,7 +169,7 @@ def _check_layers(
     field: str,
     tier: Tier,
     cfg: ModelConfig,
-    layers,
+    layers: object,
     *,
     rows: torch.Tensor,
     case: Case,
@@ -161,6 +178,9 @@ def _check_layers(
 ) -> None:
     if tier < Tier.ATTENTION:
         return
+    if full and num_tokens is None:
+        raise UsageError(f"{field}: a full forward's layers are checked against its number of tokens")
+    T = num_tokens or 0
     if not isinstance(layers, tuple) or len(layers) != cfg.num_layers:
         got = len(layers) if isinstance(layers, (tuple, list)) else type(layers).__name__
         raise AdapterError(
@@ -214,7 +234,7 @@ def _check_layers(
         if len(set(pos.tolist())) != pos.numel():
             raise AdapterError(name, f"{f}.key_positions", "distinct positions", "repeated positions")
         if full:
-            if pos.numel() > num_tokens or int(pos.min()) < 0 or int(pos.max()) >= num_tokens:
+            if pos.numel() > T or int(pos.min()) < 0 or int(pos.max()) >= T:
                 raise AdapterError(
                     name,
                     f"{f}.key_positions",
@@ -252,14 +272,14 @@ def _check_layers(
                 raise AdapterError(name, f"{f}.{extra}", f"shape {list(want)}", f"shape {list(t_.shape)}")
 
 
-def _float(name: str, field: str, t) -> None:
+def _float(name: str, field: str, t: object) -> None:
     if not torch.is_tensor(t) or not t.dtype.is_floating_point:
         raise AdapterError(name, field, "a floating tensor", _describe(t))
     if not bool(torch.isfinite(t).all()):
         raise AdapterError(name, field, "finite values", f"{int((~torch.isfinite(t)).sum())} non-finite")
 
 
-def _describe(x) -> str:
+def _describe(x: object) -> str:
     if torch.is_tensor(x):
         return f"{x.dtype} tensor of shape {list(x.shape)}"
     return type(x).__name__ if x is not None else "None"

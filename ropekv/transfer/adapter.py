@@ -25,7 +25,7 @@ from ..engine import Engine
 from ..errors import UsageError
 from ..models.config import Checkpoint
 from ..parity.cases import Case
-from ..parity.protocol import CaseRun, FullRun, Tier
+from ..parity.protocol import CaseRun, EngineDescription, FullRun, Ignored, Tier
 from ..rope import RopeSpec
 from .importer import ImportPolicy, export_handoff, import_handoff, plan_import
 from .payload import read_payload, write_payload
@@ -132,20 +132,22 @@ class HandoffAdapter:
             decode.contract(Case(length=1, block_size=prefill_contract.block_size)), prefill_contract, convert
         )
 
-    def describe(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "key_form": self.key_form,
-            "dtype": self.dtype_name,
-            "convert": self.convert,
-            "conversion": self.conversion,
-            "import_policy": self.policy.name,
-            "prefill_contract": self.prefill_contract.to_dict(),
-            "decode": self.decode_side.describe(),
-        }
+    def describe(self) -> EngineDescription:
+        return EngineDescription(
+            name=self.name,
+            key_form=self.key_form,
+            extra={
+                "dtype": self.dtype_name,
+                "convert": self.convert,
+                "conversion": self.conversion,
+                "import_policy": self.policy.name,
+                "prefill_contract": self.prefill_contract.to_dict(),
+                "decode": self.decode_side.describe().to_dict(),
+            },
+        )
 
-    def ignored(self, case: Case) -> tuple[str, ...]:
-        return ("op: a handed-off case runs no cache operation",) if case.op is not None else ()
+    def ignored(self, case: Case) -> tuple[Ignored, ...]:
+        return (Ignored("op", "op: a handed-off case runs no cache operation"),) if case.op is not None else ()
 
     def run_case(self, case: Case, tokens: torch.Tensor) -> CaseRun:
         engine, seq_id, n = self.handed_off(case, tokens)

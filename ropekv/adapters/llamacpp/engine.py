@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -28,7 +27,7 @@ import torch
 from ...errors import AdapterError, CheckpointError, EngineUnavailable, UsageError
 from ...models.gguf_file import load_gguf, open_gguf
 from ...parity.cases import Case
-from ...parity.protocol import CaseRun, FullRun, StepRecord, Tier
+from ...parity.protocol import CaseRun, EngineDescription, FullRun, Ignored, StepRecord, Tier
 from ...probe import LayerProbe
 from .context import ContextSpec, TappedContext
 from .tap import Capture, GraphTap, visible_cells
@@ -127,35 +126,37 @@ class LlamaCppEngine:
 
     # ------------------------------------------------------------------ protocol
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> EngineDescription:
         import llama_cpp
 
-        return {
-            "engine": "llama.cpp",
-            "llama_cpp_python": llama_cpp.__version__,
-            "gguf": str(self.gguf_path),
-            "weights": self.weights,
-            "type_k": self.type_k,
-            "type_v": self.type_v,
-            "n_batch": self.n_batch,
-            "n_ubatch": self.n_batch,
-            "n_ctx": self.n_ctx,
-            "flash_attn": False,
-            "n_threads": self.n_threads,
-            "key_form": "rotated",
-            "rope_pairing": "interleaved (llama.cpp NORM = ropekv 'gptj')",
-            "rope_theta": self.config.rope.theta,
-            "tier": str(self.tier),
-            "tolerance": self.tolerance.to_dict(),
-            "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
-        }
+        return EngineDescription(
+            key_form="rotated",
+            extra={
+                "engine": "llama.cpp",
+                "llama_cpp_python": llama_cpp.__version__,
+                "gguf": str(self.gguf_path),
+                "weights": self.weights,
+                "type_k": self.type_k,
+                "type_v": self.type_v,
+                "n_batch": self.n_batch,
+                "n_ubatch": self.n_batch,
+                "n_ctx": self.n_ctx,
+                "flash_attn": False,
+                "n_threads": self.n_threads,
+                "rope_pairing": "interleaved (llama.cpp NORM = ropekv 'gptj')",
+                "rope_theta": self.config.rope.theta,
+                "tier": str(self.tier),
+                "tolerance": self.tolerance.to_dict(),
+                "system_info": llama_cpp.llama_print_system_info().decode(errors="replace").strip(),
+            },
+        )
 
-    def ignored(self, case: Case) -> tuple[str, ...]:
-        out = ["block_size"]  # llama.cpp allocates single cells, not blocks
+    def ignored(self, case: Case) -> tuple[Ignored, ...]:
+        out = [Ignored("block_size")]  # llama.cpp allocates single cells, not blocks
         if case.window is not None:
-            out.append("window")  # llama.cpp applies only the model's own sliding window (none for llama)
+            out.append(Ignored("window"))  # llama.cpp applies only the model's own sliding window (none for llama)
         if case.sink_tokens:
-            out.append("sink_tokens")
+            out.append(Ignored("sink_tokens"))
         return tuple(out)
 
     def run_case(self, case: Case, tokens: torch.Tensor) -> CaseRun:

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch
 
 from ...models.reference import ReferenceDecoder
-from ...parity.forensics import Diagnosis, ForensicInput, diagnose
+from ...parity.diagnosis import Diagnosis
+from ...parity.forensics import ForensicInput, diagnose
 from ...parity.protocol import StepRecord
 from ...parity.recorder import attention_logits
 from .engine import LlamaCppEngine

@@ -11,22 +11,23 @@ from __future__ import annotations
 import copy
 import tempfile
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 import torch
 
+from ...contract import DTYPES
 from ...errors import CheckpointError, ConfigError, UsageError
 from ...models.config import Checkpoint, ModelConfig, fingerprint_of
 from ...models.safetensors_dir import read_dir_config, weights_digest
 from ...parity.cases import Case
-from ...parity.protocol import CaseRun, FullRun, StepRecord, Tier
+from ...parity.protocol import CaseRun, EngineDescription, FullRun, Ignored, StepRecord, Tier
 from ...parity.recorder import visible_keys
 from .probes import ForwardProbe, installed
 from .runtime import BlasChoice, import_mlx
 
 DType = Literal["float32", "bfloat16", "float16"]
-_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_NAMES: tuple[str, ...] = get_args(DType)  # the names in ropekv.contract.DTYPES mlx-lm runs in
 PARENT_EXTRA = 3  # tokens of another continuation the prefix's parent request cached (then trimmed)
 
 
@@ -61,12 +62,12 @@ class MLXEngine:
         blas: BlasChoice = "openblas",
     ):
         _check_options(max_kv_size, keep, rollback)
-        if dtype not in _TORCH_DTYPES:
-            raise UsageError(f"mlx: dtype must be one of {', '.join(_TORCH_DTYPES)}, got {dtype!r}")
+        if dtype not in _DTYPE_NAMES:
+            raise UsageError(f"mlx: dtype must be one of {', '.join(_DTYPE_NAMES)}, got {dtype!r}")
         self.rt = import_mlx(blas)
         self.max_kv_size, self.keep, self.dtype_name = max_kv_size, keep, dtype
         self.rollback, self.restore = rollback, bool(restore)
-        self.dtype = _TORCH_DTYPES[dtype]
+        self.dtype = DTYPES[dtype]
         self.path = _model_dir(model_dir)
         self.config: ModelConfig = read_dir_config(self.path)  # ConfigError / CheckpointError, one line
         try:
@@ -114,28 +115,30 @@ class MLXEngine:
             )
         return self._checkpoint
 
-    def describe(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "engine": "mlx-lm",
-            "versions": self.rt.versions,
-            "device": str(self.rt.mx.default_device()),
-            "blas": self.rt.blas,
-            "dtype": self.dtype_name,
-            "model_class": f"{type(self.model).__module__}.{type(self.model).__name__}",
-            "key_form": "rotated (mlx-lm applies RoPE at cache.offset before update_and_fetch)",
-            "caches": self._cache_text(),
-            "rollback": self.rollback,
-            "restore": self.restore,
-            "prefix_hit": f"parent request of P + {PARENT_EXTRA} tokens, copy.deepcopy, trim_prompt_cache "
-            f"({PARENT_EXTRA}); a parent of exactly P tokens where the cache cannot trim",
-            "key_positions": "from each cache's offset and ring write index (_idx, keep)",
-        }
+    def describe(self) -> EngineDescription:
+        return EngineDescription(
+            name=self.name,
+            key_form="rotated (mlx-lm applies RoPE at cache.offset before update_and_fetch)",
+            extra={
+                "engine": "mlx-lm",
+                "versions": self.rt.versions,
+                "device": str(self.rt.mx.default_device()),
+                "blas": self.rt.blas,
+                "dtype": self.dtype_name,
+                "model_class": f"{type(self.model).__module__}.{type(self.model).__name__}",
+                "caches": self._cache_text(),
+                "rollback": self.rollback,
+                "restore": self.restore,
+                "prefix_hit": f"parent request of P + {PARENT_EXTRA} tokens, copy.deepcopy, trim_prompt_cache "
+                f"({PARENT_EXTRA}); a parent of exactly P tokens where the cache cannot trim",
+                "key_positions": "from each cache's offset and ring write index (_idx, keep)",
+            },
+        )
 
-    def ignored(self, case: Case) -> tuple[str, ...]:
-        out = ["block_size"]
+    def ignored(self, case: Case) -> tuple[Ignored, ...]:
+        out = [Ignored("block_size")]
         if self.max_kv_size is not None and (case.window is not None or case.sink_tokens):
-            out.append(f"window/sink_tokens (the engine's caches are fixed: {self._cache_text()})")
+            out.append(Ignored("window", f"window/sink_tokens (the engine's caches are fixed: {self._cache_text()})"))
         return tuple(out)
 
     # ------------------------------------------------------------------ the protocol

@@ -27,17 +27,18 @@ from typing import Any
 
 import torch
 
+from ...contract import DTYPES
 from ...errors import AdapterError, CheckpointError, ConfigError, EngineUnavailable, RopeKVError, UsageError
 from ...models.config import ModelConfig
 from ...parity.cases import Case
-from ...parity.protocol import CaseRun, FullRun, StepRecord, Tier
+from ...parity.protocol import CaseRun, EngineDescription, FullRun, Ignored, StepRecord, Tier
 from . import forced
 from .contract import VLLMContract, read_contract
 from .probes import Probes
 from .weights import checkpoint_for
 
 ADAPTER = "vllm"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+CPU_DTYPES = {name: DTYPES[name] for name in ("float32", "bfloat16")}  # vLLM's CPU build, from one table
 BLOCK_MULTIPLE = 32  # vLLM's CPU attention backend: MultipleOf(32) kernel block sizes
 _PARENT_EXTRA = 3  # tokens of another continuation the parent request adds after the prefix
 # Environment vLLM reads when it starts; set here unless the caller already chose.
@@ -84,7 +85,7 @@ class VLLMEngine:
         **llm_kwargs: Any,
     ):
         self.dtype_name = _dtype_name(dtype)
-        self.dtype = DTYPES[self.dtype_name]
+        self.dtype = CPU_DTYPES[self.dtype_name]
         if not isinstance(block_size, int) or block_size < BLOCK_MULTIPLE or block_size % BLOCK_MULTIPLE:
             raise UsageError(
                 f"vLLM's CPU attention backend needs a block size that is a multiple of "
@@ -164,36 +165,47 @@ class VLLMEngine:
 
     # ------------------------------------------------------------------ the protocol
 
-    def describe(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "engine": "vllm",
-            "vllm_version": self.vllm_version,
-            "in_process": True,
-            "enforce_eager": True,
-            "model_dir": str(self.model_dir),
-            "dtype": self.dtype_name,
-            "block_size": self.block_size,
-            "enable_prefix_caching": self.enable_prefix_caching,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "kv_cache_blocks": int(self.vllm_config.cache_config.num_gpu_blocks or 0),
-            "key_form": self.key_form,
-            "top_k": self.top_k,
-            "logits": f"top-{self.top_k} log-probabilities (decode logprobs vs prompt_logprobs)",
-            "contract": self.contract.to_dict(),
-            "contract_diff": [f"{d.field}: vLLM {d.vllm}, checkpoint {d.checkpoint}" for d in self.contract_diff],
-            "startup_seconds": round(self.startup_seconds, 2),
-        }
+    def describe(self) -> EngineDescription:
+        return EngineDescription(
+            name=self.name,
+            key_form=self.key_form,
+            extra={
+                "engine": "vllm",
+                "vllm_version": self.vllm_version,
+                "in_process": True,
+                "enforce_eager": True,
+                "model_dir": str(self.model_dir),
+                "dtype": self.dtype_name,
+                "block_size": self.block_size,
+                "enable_prefix_caching": self.enable_prefix_caching,
+                "max_num_batched_tokens": self.max_num_batched_tokens,
+                "kv_cache_blocks": int(self.vllm_config.cache_config.num_gpu_blocks or 0),
+                "top_k": self.top_k,
+                "logits": f"top-{self.top_k} log-probabilities (decode logprobs vs prompt_logprobs)",
+                "contract": self.contract.to_dict(),
+                "contract_diff": [f"{d.field}: vLLM {d.vllm}, checkpoint {d.checkpoint}" for d in self.contract_diff],
+                "startup_seconds": round(self.startup_seconds, 2),
+            },
+        )
 
-    def ignored(self, case: Case) -> tuple[str, ...]:
+    def ignored(self, case: Case) -> tuple[Ignored, ...]:
         """Block size and chunking are engine-wide in vLLM: a case asking for others runs with vLLM's."""
         out = []
         if case.block_size != self.block_size:
-            out.append(f"block_size={case.block_size} (vLLM runs {self.block_size})")
+            out.append(Ignored("block_size", f"block_size={case.block_size} (vLLM runs {self.block_size})"))
         if case.chunk is not None and case.chunk != self.max_num_batched_tokens:
-            out.append(f"chunk={case.chunk} (vLLM chunks at max_num_batched_tokens={self.max_num_batched_tokens})")
+            out.append(
+                Ignored(
+                    "chunk", f"chunk={case.chunk} (vLLM chunks at max_num_batched_tokens={self.max_num_batched_tokens})"
+                )
+            )
         if case.chunk is None and case.length > self.max_num_batched_tokens:
-            out.append(f"chunk=None (vLLM splits the prompt at max_num_batched_tokens={self.max_num_batched_tokens})")
+            out.append(
+                Ignored(
+                    "chunk",
+                    f"chunk=None (vLLM splits the prompt at max_num_batched_tokens={self.max_num_batched_tokens})",
+                )
+            )
         return tuple(out)
 
     @torch.no_grad()
@@ -312,12 +324,12 @@ class VLLMEngine:
 
 
 def _dtype_name(dtype: str | torch.dtype) -> str:
-    names = {v: k for k, v in DTYPES.items()}
+    names = {v: k for k, v in CPU_DTYPES.items()}
     if isinstance(dtype, torch.dtype) and dtype in names:
         return names[dtype]
-    if isinstance(dtype, str) and dtype in DTYPES:
+    if isinstance(dtype, str) and dtype in CPU_DTYPES:
         return dtype
-    raise UsageError(f"the vLLM engine runs {', '.join(DTYPES)} on CPU, got {dtype!r}")
+    raise UsageError(f"the vLLM engine runs {', '.join(CPU_DTYPES)} on CPU, got {dtype!r}")
 
 
 def _model_dir(model_dir: str | os.PathLike | None) -> Path:

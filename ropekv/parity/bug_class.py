@@ -1,0 +1,46 @@
+"""The bug classes the forensics name: one spelling for every producer and reader.
+
+A :class:`BugClass` member is a ``str`` equal to its value, so a report's JSON ``"kind"`` and any
+comparison with a plain string (a fault's expected kind) read the same as before the enum existed.
+``j`` is a key's logical position, ``t`` the query's, ``P`` a cached prefix's length, ``B`` the
+block size.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class BugClass(StrEnum):
+    # the general forensics (ropekv.parity.forensics): where the query and keys really sit
+    DOUBLE_ROTATION = "double_rotation"  # keys rotated when written and again when read: they sit at 2j
+    MISSING_ROTATION = "missing_rotation"  # keys stored raw and read as if rotated: they sit at 0
+    SLOT_AS_POSITION = "slot_as_position"  # keys rotated by their physical slot, not their logical position
+    IGNORED_PREFIX_OFFSET = "ignored_prefix_offset"  # keys after a cached prefix sit at j - P
+    BLOCK_LOCAL_POSITION = "block_local_position"  # keys rotated by their index inside their block (j mod B)
+    QUERY_POSITION_OFFSET = "query_position_offset"  # keys right, the query rotated at t plus a constant
+    KEY_POSITION_OFFSET = "key_position_offset"  # query right, keys (all or some) at j plus one constant
+    FREQUENCY_MISMATCH = "frequency_mismatch"  # still rotations, at other frequencies (theta, scale)
+    LAYOUT_MISMATCH = "layout_mismatch"  # the channels paired the other way (neox against gptj)
+    LOW_PRECISION_ANGLES = "low_precision_angles"  # angles computed in bf16/fp16: an error growing with position
+    STALE_DYNAMIC_SCALING = "stale_dynamic_scaling"  # length-dependent RoPE: keys keep an earlier length's
+    ROTATE_ON_TRANSFER = "rotate_on_transfer"  # a prefill->decode handoff rotated rotated keys once more
+    # cache operations (docs/ops.md; ropekv.parity.ops), tried first when the case ran one
+    ROLLBACK_OFFSET = "rollback_offset"  # the offset kept a rejected draft: the query sits past its position
+    ROLLBACK_STALE_KEYS = "rollback_stale_keys"  # ring slots a rolled-back draft overwrote keep its keys
+    EVICT_OFFSET = "evict_offset"  # the offset counts kept rows: later positions lose the evicted tokens
+    SHIFT_NOT_ROTATED = "shift_not_rotated"  # rotated keys relabelled by a shift but not turned by it
+    SHIFT_ROTATED_RAW = "shift_rotated_raw"  # raw keys turned by a shift although the reader rotates them
+    SHIFT_APPLIED_TWICE = "shift_applied_twice"  # rotated keys turned twice for one relabelling
+    PADDING_OFFSET = "padding_offset"  # a shared cursor over a left-padded batch: a row's query off by its padding
+    RESTORE_OFFSET_LOST = "restore_offset_lost"  # a restored sequence's offset restarted at 0
+    # per-layer RoPE features (ropekv.parity.layer_forensics)
+    NOPE_ROTATED = "nope_rotated"  # a layer without position embedding had its query or keys turned
+    PARTIAL_ROTARY_MISMATCH = "partial_rotary_mismatch"  # partial rotary: pass-through channels turned too
+    LAYER_ROPE_MISMATCH = "layer_rope_mismatch"  # a layer turned under another layer's RoPE (local/global)
+    MLA_ROPE_ROTATED_TWICE = "mla_rope_rotated_twice"  # latent attention: the rope part rotated twice
+    # masks (ropekv.parity.layer_diagnosis): not a rotation at all
+    WINDOW_MISMATCH = "window_mismatch"  # the kernel read keys the window hides, or missed visible ones
+    CHUNK_MISMATCH = "chunk_mismatch"  # chunked attention: keys of an earlier chunk read, or of its own missed
+    # nothing above fits, or nothing is wrong at this layer (the evidence says which)
+    UNKNOWN = "unknown"

@@ -1,0 +1,197 @@
+"""The diagnosis at a case's first divergent layer, assembled from the forensics.
+
+The harness (:mod:`ropekv.parity.harness`) locates the first divergence and hands over what the
+engine's kernel used there and what the float64 reference computed; this module names the bug, in
+order (first match wins):
+
+1. a mask: the kernel read keys the reference's window (or chunk) hides, or missed visible ones ->
+   ``window_mismatch`` / ``chunk_mismatch`` (not a rotation at all);
+2. per-layer RoPE features (:func:`ropekv.parity.layer_forensics.diagnose_layer`: NoPE layers,
+   partial rotary, local/global RoPE, latent attention), which one spec alone cannot name;
+3. a layer without position embedding whose query and keys are not turned -> ``unknown``;
+4. the general forensics (:func:`ropekv.parity.forensics.diagnose`) under the layer's own spec (for
+   latent attention, its rope slice); a clean ``unknown`` on a deeper layer of length-dependent RoPE
+   becomes ``stale_dynamic_scaling`` (its cached prefix was computed under an earlier length).
+
+Every diagnosis's details carry the case, the layer and the query position.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..errors import UsageError
+from ..models.config import ModelConfig
+from ..probe import LayerProbe
+from . import forensics, ops
+from .bug_class import BugClass
+from .cases import Case
+from .diagnosis import Diagnosis
+from .layer_forensics import diagnose_layer
+from .report import Divergence
+
+
+def diagnose_unlocated(fd: Divergence | None) -> Diagnosis:
+    """A failing case whose divergence names no layer (``fd`` None, or at the logits only)."""
+    if fd is None:
+        return Diagnosis(BugClass.UNKNOWN, "the final logits diverged but no layer's attention did")
+    return Diagnosis(BugClass.UNKNOWN, "only the final logits diverged; no layer's attention did")
+
+
+def diagnose_divergence(
+    cfg: ModelConfig,
+    case: Case,
+    fd: Divergence,
+    *,
+    view: LayerProbe,
+    reference: LayerProbe,
+    row: int,
+    reference_attn: torch.Tensor,
+    handoff_len: int,
+    self_parity_passed: bool,
+    key_form: str | None,
+) -> Diagnosis:
+    """Name the bug at ``fd``'s layer (``fd.layer`` not None).
+
+    ``view``: the engine's probe of that layer at the diverging decode step (``q [1, H, D]``,
+    ``k [N, KVH, D]`` at ``key_positions [N]``, ``key_slots [N]`` or None); ``reference``: the float64
+    reference's probe of the layer (``q_raw [R, H, D]`` with the decode row at index ``row``,
+    ``k_raw [T, KVH, D]`` by token index); ``reference_attn [H, T]``: the reference's attention logits of
+    the decode row by position (-inf where its mask hides a key). ``handoff_len``: tokens that crossed
+    a handoff; ``key_form``: the engine's (shapes the cache-operation hypotheses).
+    """
+    layer = fd.layer
+    if layer is None:
+        raise UsageError("diagnose_divergence needs a divergence at a layer; see diagnose_unlocated")
+    where = {"case": case.label(), "layer": layer, "query_position": fd.query_position}
+    chunk = cfg.layer_chunk(layer) if case.window is None else None  # a case window replaces chunks
+    window = _window_diagnosis(reference_attn, view, case, fd, layer, chunk)
+    if window is not None:
+        return window
+    if reference.q_raw is None or reference.k_raw is None:
+        raise UsageError("the reference's probe carries no raw query and keys")
+    slots = view.key_slots if view.key_slots is not None else torch.full_like(view.key_positions, -1)
+    k_raw = reference.k_raw[
+        view.key_positions - case.shift
+    ]  # the reference's rows are indices (a shift moves positions)
+    q_raw, q_eff, k_eff = reference.q_raw[row], view.q[0], view.k
+    # Per-layer RoPE features first (NoPE layers, partial rotary, local/global RoPE): bug classes one
+    # spec alone cannot name. Then the general forensics under the diverging layer's own spec.
+    arch = diagnose_layer(
+        cfg,
+        layer,
+        q_raw=q_raw,
+        q_eff=q_eff,
+        k_raw=k_raw,
+        k_eff=k_eff,
+        key_positions=view.key_positions,
+        query_position=fd.query_position,
+        seq_len=fd.query_position + 1,
+    )
+    if arch is not None:
+        return Diagnosis(arch.kind, arch.evidence, {**arch.details, **where})
+    rope = cfg.layer_rope(layer)
+    if rope is None:
+        return Diagnosis(
+            BugClass.UNKNOWN,
+            f"layer {layer} has no position embedding and its query and keys are not "
+            "turned; the divergence is not a RoPE error of this layer",
+            where,
+        )
+    if rope.rotary_offset:  # MLA: only the rope part turns; the forensics read that slice as a head of its own
+        part = slice(rope.rotary_offset, rope.rotary_offset + rope.rotary_dim)
+        q_raw, q_eff, k_raw, k_eff = q_raw[..., part], q_eff[..., part], k_raw[..., part], k_eff[..., part]
+        rope = rope.replace(head_dim=rope.rotary_dim, rotary_offset=0)
+    inp = forensics.ForensicInput(
+        rope=rope,
+        q_raw=q_raw,
+        q_eff=q_eff,
+        k_raw=k_raw,
+        k_eff=k_eff,
+        query_position=fd.query_position,
+        key_positions=view.key_positions,
+        key_slots=slots,
+        fork_offset=case.prefix,
+        # Even where the adapter ignores block sizes, the case's block size is the hypothesis to test:
+        # an engine with its own blocks may still rotate keys by their offset inside one.
+        block_size=case.block_size,
+        handoff_len=handoff_len,
+        self_parity_passed=self_parity_passed,
+        seq_len=fd.query_position + 1,
+        op_hypotheses=ops.hypotheses(case, key_form),
+    )
+    d = forensics.diagnose(inp)
+    kind, evidence = d.kind, d.evidence
+    if kind == BugClass.UNKNOWN and inp.rope.length_dependent and layer > 0:
+        # Layer 0 matched and this layer's rotations are right: what differs is the cached prefix itself,
+        # whose deeper keys and values were computed under an earlier length's frequencies. A full
+        # forward over t + 1 tokens recomputes them; no cache can (docs/contract.md).
+        kind = BugClass.STALE_DYNAMIC_SCALING
+        evidence = (
+            f"layer 0 matches and layer {layer} turns keys at the current frequencies, but its cached "
+            f"keys and values come from hidden states computed under an earlier length's frequencies "
+            f"(inherent to caching {inp.rope.scaling.rope_type} RoPE past position "
+            f"{inp.rope.switch_length}); {evidence}"
+        )
+    details = dict(d.details)
+    details.update({**where, "query_effective": d.query_effective, "fit": _finite(d.fit)})
+    return Diagnosis(
+        kind, evidence, details, query_effective=d.query_effective, key_effective=d.key_effective, fit=d.fit
+    )
+
+
+def _window_diagnosis(
+    ref_row: torch.Tensor, view: LayerProbe, case: Case, fd: Divergence, layer: int, chunk: int | None
+) -> Diagnosis | None:
+    """The kernel read keys the reference's window hides, or missed keys it shows: a mask or window
+    bug (a cache that ignores its size, sinks kept where none are configured), not a rotation. On a
+    chunked layer (``chunk``) the same evidence is ``chunk_mismatch``: keys of an earlier chunk read
+    (an engine that treats llama4's chunked layers as full), or keys of the query's chunk missed.
+    ``ref_row [H, T]`` by position."""
+    visible = torch.isfinite(ref_row[0])  # [T] by position
+    pos = view.key_positions  # [N]
+    extra = pos[~visible[pos]]
+    read = torch.zeros_like(visible)
+    read[pos] = True
+    missed = torch.nonzero(visible & ~read).flatten()
+    if extra.numel() == 0 and missed.numel() == 0:
+        return None
+    parts = []
+    hides = (
+        "the window hides"
+        if chunk is None
+        else (
+            f"of earlier chunks (chunk size {chunk}: the query's chunk starts at {fd.query_position // chunk * chunk})"
+        )
+    )
+    if extra.numel():
+        parts.append(f"it read {extra.numel()} key(s) {hides} (positions {_span(extra)})")
+    if missed.numel():
+        parts.append(f"it missed {missed.numel()} visible key(s) (positions {_span(missed)})")
+    details: dict[str, object] = {
+        "case": case.label(),
+        "layer": layer,
+        "query_position": fd.query_position,
+        "extra_keys": int(extra.numel()),
+        "missed_keys": int(missed.numel()),
+        "keys_read": int(pos.numel()),
+    }
+    if chunk is not None:
+        details["chunk_size"] = chunk
+    return Diagnosis(
+        BugClass.WINDOW_MISMATCH if chunk is None else BugClass.CHUNK_MISMATCH,
+        f"layer {layer}, query at {fd.query_position}: the reference attends to "
+        f"{int(visible.sum())} keys, the kernel to {pos.numel()}; " + "; ".join(parts),
+        details,
+    )
+
+
+def _span(positions: torch.Tensor) -> str:
+    p = sorted(positions.tolist())
+    return ", ".join(map(str, p)) if len(p) <= 6 else f"{p[0]}..{p[-1]}"
+
+
+def _finite(x: float | None) -> float | None:
+    return x if isinstance(x, (int, float)) and math.isfinite(x) else None
