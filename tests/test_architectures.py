@@ -599,7 +599,7 @@ def test_omitted_fields_read_as_the_architectures_own_defaults(arch):
     from conftest import arch_kwargs
     from transformers import AutoConfig
 
-    from ropekv.models.config import ModelConfig
+    from ropekv.models.hf_config import read_model_config
 
     kwargs = {
         k: v for k, v in arch_kwargs(arch, _STRUCTURE_OVERRIDES.get(arch, {})).items() if k != "tie_word_embeddings"
@@ -622,7 +622,7 @@ def test_omitted_fields_read_as_the_architectures_own_defaults(arch):
         full = AutoConfig.for_model(arch, **kwargs).to_dict()
         minimal = {k: v for k, v in full.items() if k in _STRUCTURE}
     full["architectures"] = []
-    assert ModelConfig.from_hf_config(minimal) == ModelConfig.from_hf_config(full)
+    assert read_model_config(minimal) == read_model_config(full)
 
 
 def test_gpt_neox_legacy_fields_read_as_its_config_class_reads_them(make_arch_checkpoint, tmp_path):
@@ -745,12 +745,12 @@ def test_gpt_oss_without_rope_parameters_reads_its_config_class_yarn():
     from conftest import ARCH_BASE
     from transformers import AutoConfig
 
-    from ropekv.models.config import ModelConfig
+    from ropekv.models.hf_config import read_model_config
 
     full = AutoConfig.for_model("gpt_oss", **ARCH_BASE, rope_theta=1e4).to_dict()
     legacy = {k: v for k, v in full.items() if k != "rope_parameters"}
-    cfg = ModelConfig.from_hf_config({**legacy, "rope_theta": 1e4})
-    assert cfg == ModelConfig.from_hf_config(full)
+    cfg = read_model_config({**legacy, "rope_theta": 1e4})
+    assert cfg == read_model_config(full)
     assert (cfg.rope.theta, cfg.rope.scaling.rope_type, cfg.rope.scaling.factor, cfg.rope.scaling.truncate) == (
         1e4,
         "yarn",

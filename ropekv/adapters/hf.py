@@ -51,6 +51,7 @@ import torch
 from ..errors import CheckpointError, RopeKVError, UsageError
 from ..models.config import Checkpoint
 from ..models.families import FAMILIES, family_of
+from ..models.hf_config import read_model_config
 from ..parity.cases import Case
 from ..parity.protocol import CaseRun, FullRun, StepRecord, Tier
 from ..parity.recorder import AttentionRecorder
@@ -185,7 +186,7 @@ class HFEngine:
         if self._checkpoint is None:
             source = f"transformers {type(self.model).__name__} {getattr(self.model, 'name_or_path', '') or ''}".strip()
             self._checkpoint = Checkpoint.from_tensors(
-                self.model.config.to_dict(), self.model.state_dict(), source=source
+                read_model_config(self.model.config.to_dict(), source=source), self.model.state_dict(), source=source
             )
         return self._checkpoint
 

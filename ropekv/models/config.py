@@ -15,14 +15,23 @@ from typing import Any
 
 import torch
 
+from ..attention_kind import AttentionKindName, LayerAttention
 from ..errors import CheckpointError, ConfigError
-from ..rope import MAX_POSITIONS, RopeSpec, _finite, _is_real
-from .families import FAMILIES, REFUSED, Family, canonical_weights, family_of
+from ..numbers import is_finite_number, is_real
+from ..rope import MAX_POSITIONS, RopeSpec
+from .families import FAMILIES, Family, canonical_weights
 from .mla import MlaSpec
 from .moe import MoeSpec
 
 ARCHITECTURES = tuple(FAMILIES)
-LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+# transformers' layer_types strings, kept as the config's per-layer record (its to_dict and so its
+# fingerprint hold them), and the attention kind each one names (:class:`LayerAttention`).
+ATTENTION_KIND_OF_LAYER_TYPE: dict[str, AttentionKindName] = {
+    "full_attention": "full",
+    "sliding_attention": "sliding",
+    "chunked_attention": "chunked",
+}
+LAYER_TYPES = tuple(ATTENTION_KIND_OF_LAYER_TYPE)
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu", "relu2", "xielu")
 # xIELU's learned parameters, per layer under model.layers.{i}.mlp.act_fn. (apertus): shape of each
 XIELU_PARAMS = {"alpha_p": (1,), "alpha_n": (1,), "beta": (), "eps": ()}
@@ -140,7 +149,7 @@ class ModelConfig:
         if self.num_layers > MAX_LAYERS:
             raise ConfigError(f"config field 'num_layers' = {self.num_layers} is implausible (at most {MAX_LAYERS})")
         eps = self.rms_norm_eps
-        if not _is_real(eps) or not _finite(eps) or eps < 0:
+        if not is_real(eps) or not is_finite_number(eps) or eps < 0:
             raise ConfigError(f"config field 'rms_norm_eps' must be a finite number >= 0, got {eps!r}")
         if not isinstance(self.rope, RopeSpec):
             raise ConfigError(f"config field 'rope' must be a RopeSpec, got {type(self.rope).__name__}")
@@ -184,7 +193,7 @@ class ModelConfig:
                 object.__setattr__(self, "layer_ropes", None)  # normalize: one RoPE for every layer
         for name in ("query_scale", "attn_softcap", "final_softcap", "clip_qkv"):
             value = getattr(self, name)
-            if value is not None and not (_is_real(value) and _finite(value) and value > 0):
+            if value is not None and not (is_real(value) and is_finite_number(value) and value > 0):
                 raise ConfigError(f"config field {name!r} must be a finite number > 0 or null, got {value!r}")
         if self.qkv_groups is not None and (
             not isinstance(self.qkv_groups, int)
@@ -201,11 +210,11 @@ class ModelConfig:
         if self.moe is not None and not isinstance(self.moe, MoeSpec):
             raise ConfigError(f"config field 'moe' must be a MoeSpec or None, got {type(self.moe).__name__}")
         t = self.temperature_floor_scale
-        if t is not None and not (_is_real(t) and _finite(t) and t > 0):
+        if t is not None and not (is_real(t) and is_finite_number(t) and t > 0):
             raise ConfigError(f"config field 'temperature_floor_scale' must be a finite number > 0 or null, got {t!r}")
         for name in ("embedding_scale", "residual_scale", "logits_scale", "temperature_attn_scale"):
             value = getattr(self, name)
-            if not (_is_real(value) and _finite(value)):
+            if not (is_real(value) and is_finite_number(value)):
                 raise ConfigError(f"config field {name!r} must be a finite number, got {value!r}")
         if self.mla is not None:
             self._check_mla()
@@ -257,13 +266,24 @@ class ModelConfig:
             return int(base * max(1.0, self.rope.scaling.factor))
         return self.max_position_embeddings
 
+    def layer_attention(self, layer: int) -> LayerAttention:
+        """Which keys ``layer``'s queries see: its layer type with its window or chunk size."""
+        kind = ATTENTION_KIND_OF_LAYER_TYPE[self.layer_types[layer]]
+        size = {"full": None, "sliding": self.sliding_window, "chunked": self.attention_chunk_size}[kind]
+        return LayerAttention(kind, size)
+
+    @property
+    def layer_attentions(self) -> tuple[LayerAttention, ...]:
+        """:meth:`layer_attention` of every layer."""
+        return tuple(self.layer_attention(i) for i in range(self.num_layers))
+
     def layer_window(self, layer: int) -> int | None:
         """The window of ``layer``, or None for full attention."""
-        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+        return self.layer_attention(layer).window
 
     def layer_chunk(self, layer: int) -> int | None:
         """The chunk size of ``layer`` (a query at ``p`` sees keys at ``[floor(p/C)*C, p]``), or None."""
-        return self.attention_chunk_size if self.layer_types[layer] == "chunked_attention" else None
+        return self.layer_attention(layer).chunk
 
     def layer_temperature(self, layer: int) -> bool:
         """Whether ``layer``'s queries are scaled by llama4's position-dependent temperature (NoPE layers)."""
@@ -303,17 +323,6 @@ class ModelConfig:
             if d[name] == default:
                 del d[name]
         return d
-
-    @classmethod
-    def from_hf_config(
-        cls, config: Mapping[str, Any], *, source: str = "config.json", layout: str = "neox"
-    ) -> ModelConfig:
-        """Validate a transformers ``config.json`` dict, read as the architecture's own implementation
-        reads it (:mod:`ropekv.models.families`). Errors name ``source`` and the field; fields the
-        implementation ignores become ``warnings`` instead of being reinterpreted."""
-        from .hf_config import read_hf_config
-
-        return read_hf_config(cls, config, source=source, layout=layout)
 
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor a checkpoint of this config must hold, with its shape, under ropekv's canonical
@@ -472,15 +481,16 @@ class Checkpoint:
     @classmethod
     def from_tensors(
         cls,
-        config: ModelConfig | Mapping[str, Any],
+        config: ModelConfig,
         state_dict: Mapping[str, torch.Tensor],
         *,
         source: str = "tensors",
     ) -> Checkpoint:
-        """A checkpoint from a config (a :class:`ModelConfig` or a transformers ``config.json`` dict) and a
-        state dict (HF names), e.g. a model built in memory. Tensors are taken in float32 (shared, not
-        copied, where they already are); the fingerprint hashes the config and every weight byte."""
-        cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_hf_config(dict(config), source=source)
+        """A checkpoint from a config and a state dict (HF names), e.g. a model built in memory (a
+        transformers ``config.json`` dict: :func:`~ropekv.models.hf_config.read_model_config` first).
+        Tensors are taken in float32 (shared, not copied, where they already are); the fingerprint
+        hashes the config and every weight byte."""
+        cfg = config
         expected = cfg.expected_shapes()
         state_dict = canonical_weights(cfg, state_dict, source)
         weights = {k: v.detach().to(torch.float32) for k, v in state_dict.items() if k in expected}
@@ -524,23 +534,3 @@ def fingerprint_of(config: ModelConfig, weights_digest: str) -> str:
     """Model fingerprint: config (including RoPE) plus a digest of the weights."""
     blob = json.dumps(config.to_dict(), sort_keys=True) + weights_digest
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def _architecture(config: Mapping[str, Any], source: str) -> str:
-    archs = config.get("architectures") or []
-    if not isinstance(archs, list):
-        raise ConfigError(f"{source}: field 'architectures' must be a list")
-    model_type = config.get("model_type")
-    family = family_of(archs, model_type)
-    if family is not None:
-        return family
-    named = archs[0] if archs else model_type
-    if named is None:
-        raise ConfigError(f"{source}: missing field 'model_type' (or 'architectures')")
-    refused = REFUSED.get(model_type) if isinstance(model_type, str) else None
-    if refused:
-        raise ConfigError(
-            f"{source}: unsupported architecture {named!r}: ropekv does not model its {refused} "
-            "yet (see docs/architectures.md)"
-        )
-    raise ConfigError(f"{source}: unsupported architecture {named!r}; supported: {', '.join(ARCHITECTURES)}")

@@ -4,7 +4,7 @@ Every supported architecture is a pre-norm (or post-norm, or sandwich-norm) deco
 attention; what differs between them is data: the norm and where it sits, the MLP and its activation,
 which projections carry biases and which config field says so, q/k norms, multipliers, softcaps, the
 RoPE pairing layout, whether ``partial_rotary_factor`` is honoured, which layers rotate at all, how
-sliding layers are derived, attention sinks, and the tensor names. ``ModelConfig.from_hf_config`` reads a config through its family, the float64 reference
+sliding layers are derived, attention sinks, and the tensor names. ``hf_config.read_model_config`` reads a config through its family, the float64 reference
 decoder (``models/reference.py``) and the engine (``transformer.py``) both compute from the resulting
 config and never look at the architecture name, and the loaders map tensor names through
 :func:`canonical_weights`. Adding an architecture is a :class:`Family` entry, not a model file.
@@ -23,6 +23,7 @@ from typing import Literal
 import torch
 
 from ..errors import CheckpointError
+from ..rope import Layout
 
 # "layer_plain": mean-centred LayerNorm with neither weight nor bias (OLMo), no tensors at all.
 NormKind = Literal["rms", "rms_offset", "layer", "layer_offset", "layer_plain"]
@@ -37,7 +38,6 @@ QkNorm = Literal["none", "head", "per_head", "projection", "l2", "head_after_rop
 # GPT-NeoX and Persimmon with one query head per group, [heads, 3, D]; Falcon).
 FusedQkv = Literal["concat", "grouped"]
 RopeLayers = Literal["all", "no_rope_layers", "sliding_only", "sliding_only_if_window"]
-Layout = Literal["neox", "gptj"]
 Flag = bool | str  # a constant, or the config.json field that decides it
 
 
@@ -133,6 +133,15 @@ class Family:
     # hunyuan: a "dynamic" RoPE with a non-zero ``alpha`` is a fixed NTK base, theta * alpha ** (d / (d - 2)),
     # not dynamic NTK (HunYuanDenseV1RotaryEmbedding's ntk_alpha); hf_config._ntk_alpha reads it.
     ntk_alpha: bool = False
+    # gemma3: the config field holding the sliding layers' own theta where rope_parameters is not
+    # nested by layer type (rope_local_base_freq)
+    local_theta_key: str | None = None
+    # deepseek_v3: the config field choosing the RoPE pairing, "gptj" where true, "neox" where false
+    # (rope_interleave); it overrides the layout the caller asks for
+    layout_key: str | None = None
+    # config flags the architecture never acts on, with why: a warning where one is true
+    # (deepseek_v2's router never renormalizes, whatever norm_topk_prob says)
+    ignored_true_flags: Mapping[str, str] = field(default_factory=dict)
     dense_size_key: str = "intermediate_size"  # the dense MLP's size (llama4: intermediate_size_mlp)
     # llama4's attention temperature tuning on NoPE layers (attn_temperature_tuning, floor_scale, attn_scale)
     attn_temperature: bool = False
@@ -296,6 +305,7 @@ FAMILIES: dict[str, Family] = {
         Family(
             "gemma3_text",
             ("Gemma3ForCausalLM",),
+            local_theta_key="rope_local_base_freq",
             norm="rms_offset",
             embedding_scale="sqrt_hidden",
             act_key="hidden_activation",
@@ -787,6 +797,7 @@ FAMILIES.update(
             Family(
                 "deepseek_v2",
                 ("DeepseekV2ForCausalLM",),
+                ignored_true_flags={"norm_topk_prob": "router never renormalizes"},
                 attention="mla",
                 moe="deepseek_v2",
                 layout="gptj",
@@ -812,6 +823,7 @@ FAMILIES.update(
             Family(
                 "deepseek_v3",
                 ("DeepseekV3ForCausalLM",),
+                layout_key="rope_interleave",
                 attention="mla",
                 moe="deepseek_v3",
                 windows="none",

@@ -25,6 +25,7 @@ better reference than HF itself.
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +38,16 @@ from ..probe import LayerProbe
 from .config import Checkpoint, ModelConfig
 from .mla import LATENT_NORM_EPS
 
+
+class ModelWindows(enum.StrEnum):
+    """``window=MODEL_WINDOWS``: each layer attends as its config says (its sliding window, its
+    chunk), rather than one window forced on every layer. Its value is the string ``"model"``, which
+    it equals, so that ``CacheContract.for_model``'s ``window="model"`` and recorded calls read the same."""
+
+    MODEL = "model"
+
+
+MODEL_WINDOWS = ModelWindows.MODEL
 _QUERY_BLOCK = 256  # queries per attention block: bounds memory at [H, block, T] scores
 
 
@@ -67,7 +78,7 @@ class ReferenceDecoder:
         tokens: torch.Tensor | Sequence[int],
         *,
         probe_rows: torch.Tensor | Sequence[int] | None = None,
-        window: int | None | str = "model",
+        window: int | ModelWindows | None = MODEL_WINDOWS,
         sink_tokens: int = 0,
         positions: torch.Tensor | Sequence[int] | None = None,
         key_mask: torch.Tensor | None = None,
@@ -75,10 +86,10 @@ class ReferenceDecoder:
     ) -> ReferenceOutput:
         """Logits ``[T, vocab]`` for ``tokens [T]`` at positions ``0..T-1``, plus per-layer probes.
 
-        ``window="model"`` gives each layer its configured window; an int applies that window to
+        ``window=MODEL_WINDOWS`` gives each layer its configured window; an int applies that window to
         every layer (and no chunks); None means full causal attention. Key ``j`` is visible to query
         ``i`` iff ``j <= i`` and (no window, or ``i - W < j``, or ``j < sink_tokens``); on a chunked
-        layer (``"model"`` only) also ``j >= floor(i / C) * C``, by position. Length-dependent RoPE
+        layer (``MODEL_WINDOWS`` only) also ``j >= floor(i / C) * C``, by position. Length-dependent RoPE
         (dynamic NTK, LongRoPE) uses ``seq_len = T``, as transformers does for a full forward.
 
         Cache operations (docs/ops.md) need two more things, both optional: ``positions [T]`` (strictly
@@ -97,7 +108,7 @@ class ReferenceDecoder:
         if logits_for not in ("all", "probed") or (logits_for == "probed" and rows is None):  # before any work
             raise UsageError(f"logits_for must be 'all', or 'probed' with probe_rows; got {logits_for!r}")
         windows = self._layer_windows(window)
-        chunks = [self.config.layer_chunk(i) if window == "model" else None for i in range(cfg.num_layers)]
+        chunks = [self.config.layer_chunk(i) if window == MODEL_WINDOWS else None for i in range(cfg.num_layers)]
         if not isinstance(sink_tokens, int) or isinstance(sink_tokens, bool) or sink_tokens < 0:
             raise UsageError(f"sink_tokens must be a non-negative integer, got {sink_tokens!r}")
 
@@ -432,10 +443,10 @@ class ReferenceDecoder:
             raise UsageError(f"probe_rows must be in [0, {T}), got {r.tolist()}")
         return r
 
-    def _layer_windows(self, window: int | None | str) -> list[int | None]:
+    def _layer_windows(self, window: int | ModelWindows | None) -> list[int | None]:
         n = self.config.num_layers
-        if isinstance(window, str):
-            if window != "model":
+        if isinstance(window, str):  # MODEL_WINDOWS (a str enum: "model" reads the same)
+            if window != MODEL_WINDOWS:
                 raise UsageError(f"window must be 'model', None or a positive integer, got {window!r}")
             return [self.config.layer_window(i) for i in range(n)]
         if window is None:

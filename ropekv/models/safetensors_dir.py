@@ -27,6 +27,7 @@ from safetensors import safe_open
 from ..errors import CheckpointError, ConfigError
 from .config import Checkpoint, ModelConfig, fingerprint_of
 from .families import canonical_weights
+from .hf_config import read_model_config
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -121,7 +122,7 @@ def _read_json(file: Path, error: type[Exception]) -> Any:
 
 def _read_config(file: Path, layout: str) -> ModelConfig:
     data = _read_json(file, ConfigError)
-    return ModelConfig.from_hf_config(data, source=str(file), layout=layout)
+    return read_model_config(data, source=str(file), layout=layout)
 
 
 # ---------------------------------------------------------------------- which files

@@ -19,7 +19,7 @@ import torch
 
 from ..errors import AdapterError, UsageError
 from ..models.config import Checkpoint
-from ..models.reference import ReferenceDecoder, ReferenceOutput
+from ..models.reference import MODEL_WINDOWS, ReferenceDecoder, ReferenceOutput
 from . import forensics, ops
 from .cases import Case, build_matrix, token_stream
 from .compare import (
@@ -355,7 +355,7 @@ class _References:
             n = max(rows) + 1
             if self.bar:
                 self.bar.describe(f"float64 reference forward over {n} tokens")
-            window = "model" if case.window is None else case.window
+            window = MODEL_WINDOWS if case.window is None else case.window
             t0 = time.perf_counter()
             self._ref[key] = self.decoder.forward(
                 self.tokens[:n], probe_rows=rows, window=window, sink_tokens=case.sink_tokens, logits_for="probed"
