@@ -419,7 +419,7 @@ def test_reference_engine_and_hf_adapter_match_transformers(
     # chunk there.
     dependent = ckpt.config.rope.length_dependent
     # q/k norm after RoPE (hunyuan): the cached key is norm(R(j) k), "raw" has no meaning (refused there).
-    after_rope = ckpt.config.family.qk_norm == "head_after_rope"
+    after_rope = ckpt.config.family.block.qk_norm == "head_after_rope"
     for form in ("raw",) if dependent else ("rotated",) if after_rope else ("rotated", "raw"):
         engine = Engine(ckpt, CacheContract.for_model(ckpt.config, key_form=form, block_size=BLOCK))
         assert scaled(engine.forward_full(tokens).logits, ref) < TOL
@@ -434,7 +434,7 @@ def test_reference_engine_and_hf_adapter_match_transformers(
     # engine from the saved checkpoint.
     cases = cases_for(ckpt.config)
     native = NativeAdapter(ckpt, key_form="raw" if dependent else "rotated")
-    if FAMILIES[ckpt.config.architecture].hf_attention_inline:  # falcon: nothing to hook, refused by name
+    if FAMILIES[ckpt.config.architecture].hf.attention_inline:  # falcon: nothing to hook, refused by name
         with pytest.raises(UsageError, match="computes attention inline"):
             HFEngine(model)
         report = check(native, cases=cases)
@@ -604,7 +604,9 @@ def test_omitted_fields_read_as_the_architectures_own_defaults(arch):
     kwargs = {
         k: v for k, v in arch_kwargs(arch, _STRUCTURE_OVERRIDES.get(arch, {})).items() if k != "tie_word_embeddings"
     }
-    if FAMILIES[arch].attention == "mla":  # one KV head per query head; head_dim: the config class sets the rope part's
+    if (
+        FAMILIES[arch].reading.attention == "mla"
+    ):  # one KV head per query head; head_dim: the config class sets the rope part's
         kwargs.update(num_key_value_heads=kwargs["num_attention_heads"], num_experts_per_tok=2)
         kwargs.pop("head_dim", None)
     if arch in MULTIMODAL:  # the text model's fields under text_config; the mRoPE sections are structure

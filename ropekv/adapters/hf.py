@@ -523,10 +523,10 @@ class HFEngine:
         name = family_of(list(getattr(config, "architectures", None) or []), getattr(config, "model_type", None))
         fam = FAMILIES.get(name) if name is not None else None
         where, attn_name = (
-            (fam.hf_layers or fam.layers_prefix, fam.attn_module) if fam else ("model.layers", "self_attn")
+            (fam.hf.layers or fam.tensors.layers_prefix, fam.hf.attn_module) if fam else ("model.layers", "self_attn")
         )
-        self._attention_method = fam.hf_attention_method if fam else None
-        if fam is not None and fam.hf_attention_inline:
+        self._attention_method = fam.hf.attention_method if fam else None
+        if fam is not None and fam.hf.attention_inline:
             raise UsageError(
                 f"{type(self.model).__name__}: transformers' {fam.name} computes attention inline (no "
                 "attention interface, no attention method), so the transformers adapter cannot record "
@@ -558,7 +558,7 @@ def _multimodal(folder: Path) -> bool:
         return False
     archs = config.get("architectures") if isinstance(config.get("architectures"), list) else []
     family = family_of(archs, config.get("model_type"))
-    return family is not None and FAMILIES[family].text_config
+    return family is not None and FAMILIES[family].reading.text_config
 
 
 def _visibility(

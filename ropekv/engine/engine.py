@@ -235,7 +235,7 @@ class Engine:
                     "contract than in the model",
                 )
             )
-        if c.key_form == "raw" and cfg.qk_norm and cfg.family.qk_norm == "head_after_rope":
+        if c.key_form == "raw" and cfg.qk_norm and cfg.family.block.qk_norm == "head_after_rope":
             problems.append(
                 (
                     "key_form",

@@ -95,7 +95,7 @@ class ModelConfig:
     attention_bias: bool = False  # bias on q, k, v projections
     o_bias: bool = False  # bias on o_proj
     mlp_bias: bool = False
-    qk_norm: bool = False  # q/k norms (per head or over the projection, before RoPE or after: family.qk_norm)
+    qk_norm: bool = False  # q/k norms (per head or over the projection, before RoPE or after: family.block.qk_norm)
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
     name: str = ""
@@ -109,7 +109,7 @@ class ModelConfig:
     logits_scale: float = 1.0
     moe: MoeSpec | None = None  # mixture-of-experts MLP on moe.sparse_layers (models/moe.py)
     mla: MlaSpec | None = None  # multi-head latent attention (models/mla.py): head_dim is the key's, nope + rope
-    parallel: bool = False  # attention and MLP both read the block input (family.parallel)
+    parallel: bool = False  # attention and MLP both read the block input (family.reading.parallel)
     clip_qkv: float | None = None  # q, k, v clamped to [-clip_qkv, clip_qkv] after their projections
     parallel_mlp_norm: bool = False  # a parallel block's MLP reads the input through its own norm (mlp_in)
     # KV groups of a grouped fused qkv where fewer than num_kv_heads (Falcon's new decoder
@@ -179,7 +179,7 @@ class ModelConfig:
             raise ConfigError("chunked_attention layers need an attention_chunk_size")
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(f"activation {self.hidden_act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
-        if self.hidden_act == "xielu" and (self.family.mlp != "plain" or self.moe is not None):
+        if self.hidden_act == "xielu" and (self.family.block.mlp != "plain" or self.moe is not None):
             raise ConfigError("the xielu activation is modelled on a plain dense MLP only (apertus)")
         if self.layer_ropes is not None:
             if not isinstance(self.layer_ropes, tuple) or len(self.layer_ropes) != self.num_layers:
@@ -249,8 +249,8 @@ class ModelConfig:
         under ``model.layers.{i}.``; None: no norm there). In a parallel block ``mlp_in`` is the
         MLP's own norm of the block input (``parallel_mlp_norm``), None where it shares ``attn_in``."""
         fam = self.family
-        mlp_in = (fam.mlp_in if self.parallel_mlp_norm else None) if self.parallel else fam.mlp_in
-        return fam.attn_in, fam.attn_out, mlp_in, fam.mlp_out
+        mlp_in = (fam.block.mlp_in if self.parallel_mlp_norm else None) if self.parallel else fam.block.mlp_in
+        return fam.block.attn_in, fam.block.attn_out, mlp_in, fam.block.mlp_out
 
     @property
     def attn_scale(self) -> float:
@@ -263,7 +263,9 @@ class ModelConfig:
         exists to go past it (up to ``factor`` times, as it was tuned for)."""
         if self.rope.scaling.rope_type == "dynamic":
             base = max(self.max_position_embeddings, self.rope.max_position_embeddings)
-            return int(base * max(1.0, self.rope.scaling.factor))
+            factor = self.rope.scaling.factor
+            assert factor is not None  # dynamic NTK requires it (RopeScaling)
+            return int(base * max(1.0, factor))
         return self.max_position_embeddings
 
     def layer_attention(self, layer: int) -> LayerAttention:
@@ -291,7 +293,7 @@ class ModelConfig:
 
     def layer_qk_norm(self, layer: int) -> bool:
         """Whether ``layer`` normalizes q and k (llama4's L2 norm only on layers that rotate)."""
-        return self.qk_norm and (self.family.qk_norm != "l2" or self.layer_rope(layer) is not None)
+        return self.qk_norm and (self.family.block.qk_norm != "l2" or self.layer_rope(layer) is not None)
 
     def layer_moe(self, layer: int) -> MoeSpec | None:
         """The MoE MLP of ``layer``, or None where the layer's MLP is dense."""
@@ -330,15 +332,15 @@ class ModelConfig:
         fam = self.family
         h, d, i = self.hidden_size, self.head_dim, self.intermediate_size
         q, kv = self.num_heads * d, self.num_kv_heads * d
-        final = fam.final_norm
+        final = fam.block.final_norm
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h)}
-        norm_tensors = (".weight", ".bias") if fam.norm_bias else (".weight",)
-        if fam.norm == "layer_plain":  # no tensors
+        norm_tensors: tuple[str, ...] = (".weight", ".bias") if fam.block.norm_bias else (".weight",)
+        if fam.block.norm == "layer_plain":  # no tensors
             norm_tensors = ()
         shapes.update({final + t: (h,) for t in norm_tensors})
         if not self.tie_word_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, h)
-        if fam.lm_head_bias:
+        if fam.block.lm_head_bias:
             shapes["lm_head.bias"] = (self.vocab_size,)
         for n in range(self.num_layers):
             p = f"model.layers.{n}."
@@ -346,7 +348,7 @@ class ModelConfig:
                 if norm is not None:
                     shapes.update({p + norm + t: (h,) for t in norm_tensors})
             if self.mla is not None:
-                shapes.update(self._mla_shapes(p))
+                shapes.update(self._mla_shapes(self.mla, p))
             else:
                 shapes.update(
                     {
@@ -397,7 +399,7 @@ class ModelConfig:
                 shapes.update({p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i)})
                 if self.hidden_act == "xielu":
                     shapes.update({p + "mlp.act_fn." + n: shape for n, shape in XIELU_PARAMS.items()})
-            if fam.mlp == "gated" and moe is None:
+            if fam.block.mlp == "gated" and moe is None:
                 shapes[p + "mlp.gate_proj.weight"] = (i, h)
             if self.attention_bias and self.mla is None:
                 shapes.update(
@@ -411,26 +413,26 @@ class ModelConfig:
                 shapes[p + "self_attn.o_proj.bias"] = (h,)  # MLA: attention_bias too
             if self.mlp_bias and moe is None:
                 shapes.update({p + "mlp.up_proj.bias": (i,), p + "mlp.down_proj.bias": (h,)})
-                if fam.mlp == "gated":
+                if fam.block.mlp == "gated":
                     shapes[p + "mlp.gate_proj.bias"] = (i,)
             if self.attention_sinks:
                 shapes[p + "self_attn.sinks"] = (self.num_heads,)
-            if self.qk_norm and fam.qk_norm != "l2":  # llama4's L2 norm has no weights
+            if self.qk_norm and fam.block.qk_norm != "l2":  # llama4's L2 norm has no weights
                 qn, kn = {
                     "head": ((d,), (d,)),
                     "head_after_rope": ((d,), (d,)),
                     "per_head": ((self.num_heads, d), (self.num_kv_heads, d)),
                     "projection": ((q,), (kv,)),
-                }[fam.qk_norm]
+                }[fam.block.qk_norm]
                 shapes.update({p + "self_attn.q_norm.weight": qn, p + "self_attn.k_norm.weight": kn})
-                if fam.qk_norm_bias:
+                if fam.block.qk_norm_bias:
                     shapes.update({p + "self_attn.q_norm.bias": qn, p + "self_attn.k_norm.bias": kn})
         return shapes
 
-    def _mla_shapes(self, p: str) -> dict[str, tuple[int, ...]]:
+    def _mla_shapes(self, m: MlaSpec, p: str) -> dict[str, tuple[int, ...]]:
         """MLA's attention tensors under ``p`` (models/mla.py); ``attention_bias`` biases q_a_proj,
         kv_a_proj_with_mqa and o_proj."""
-        m, h, a = self.mla, self.hidden_size, p + "self_attn."
+        h, a = self.hidden_size, p + "self_attn."
         heads = self.num_heads
         shapes: dict[str, tuple[int, ...]] = {
             a + "kv_a_proj_with_mqa.weight": (m.kv_lora_rank + m.qk_rope_head_dim, h),
@@ -459,7 +461,8 @@ class ModelConfig:
         q, i = self.num_heads * self.head_dim, self.intermediate_size
         kv = (self.qkv_groups or self.num_kv_heads) * self.head_dim  # rows of k and of v in the fused tensor
         return {
-            name: (q, kv, kv) if parts[0] == "self_attn.q_proj" else (i, i) for name, parts in self.family.fused.items()
+            name: (q, kv, kv) if parts[0] == "self_attn.q_proj" else (i, i)
+            for name, parts in self.family.tensors.fused.items()
         }
 
 

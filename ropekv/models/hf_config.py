@@ -54,25 +54,25 @@ def read_model_config(config: Mapping[str, Any], *, source: str = "config.json",
     if not 1 <= num_layers <= MAX_LAYERS:
         raise ConfigError(f"{source}: field 'num_hidden_layers' must be in [1, {MAX_LAYERS}], got {num_layers}")
     head_dim, num_kv_heads, block = _heads(fam, fields, num_heads, hidden, warnings)
-    if fam.head_dim_key is None:  # what the RoPE reads below too
+    if fam.reading.head_dim_key is None:  # what the RoPE reads below too
         config["head_dim"] = head_dim
-    if fam.intermediate_multiple and config.get("intermediate_size") is None:
-        config["intermediate_size"] = fam.intermediate_multiple * hidden
-    if fam.rope_from == "rotary_dim":
+    if fam.reading.intermediate_multiple and config.get("intermediate_size") is None:
+        config["intermediate_size"] = fam.reading.intermediate_multiple * hidden
+    if fam.reading.rope_from == "rotary_dim":
         config["rope_parameters"] = rotary_dim_rope(config, head_dim, source)
-    sizes = {name: fields.need(name) for name in ("vocab_size", fam.dense_size_key, "max_position_embeddings")}
+    sizes = {name: fields.need(name) for name in ("vocab_size", fam.reading.dense_size_key, "max_position_embeddings")}
     eps = _eps(fam, fields)
     layer_types = layer_types_of(fam, fields, num_layers)
     sliding = _sliding_window(fam, fields, layer_types, warnings)
     chunk = _chunk_size(fam, fields, layer_types)
 
-    rope_layout = fam.layout if fam.layout != "neox" else layout
+    rope_layout = fam.reading.layout if fam.reading.layout != "neox" else layout
     mla = None
-    if fam.attention == "mla":  # models/mla.py: the key per head is [k_nope, k_pe]; only k_pe rotates
+    if fam.reading.attention == "mla":  # models/mla.py: the key per head is [k_nope, k_pe]; only k_pe rotates
         mla = read_mla(config, num_heads, source)
         head_dim, num_kv_heads = mla.qk_head_dim, num_heads
-    if fam.layout_key:
-        rope_layout = "gptj" if fields.flag(fam.layout_key) else "neox"
+    if fam.reading.layout_key:
+        rope_layout = "gptj" if fields.flag(fam.reading.layout_key) else "neox"
     if mla is not None:
         config = {**config, "head_dim": mla.qk_rope_head_dim}  # what transformers sizes the frequencies by
     ropes = _ropes(fam, config, layer_types, rope_layout, mla, warnings, source)
@@ -89,8 +89,8 @@ def read_model_config(config: Mapping[str, Any], *, source: str = "config.json",
     }
     qk_norm = _qk_norm(fam, fields, ropes, arch)
     temperature = _temperature(fam, fields, ropes)
-    moe = read_moe(fam.moe, config, num_layers, source) if fam.moe else None
-    for name, why in fam.ignored_true_flags.items():
+    moe = read_moe(fam.reading.moe, config, num_layers, source) if fam.reading.moe else None
+    for name, why in fam.reading.ignored_true_flags.items():
         if fields.flag(name):
             warnings.append(f"{name}=True is ignored: transformers' {arch} {why}")
     if fields.flag("use_bidirectional_attention"):  # gemma's embedding variants: not a causal decoder
@@ -104,7 +104,7 @@ def read_model_config(config: Mapping[str, Any], *, source: str = "config.json",
             architecture=arch,
             vocab_size=sizes["vocab_size"],
             hidden_size=hidden,
-            intermediate_size=sizes[fam.dense_size_key],
+            intermediate_size=sizes[fam.reading.dense_size_key],
             num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=num_kv_heads,
@@ -153,12 +153,12 @@ def architecture_of(config: Mapping[str, Any], source: str) -> str:
 
 
 def _activation(fam: Family, fields: ConfigFields) -> str:
-    act = fields.config.get(fam.act_key) or fam.act_default
+    act = fields.config.get(fam.reading.act_key) or fam.reading.act_default
     if act == "swish":
         act = "silu"
     if act not in ACTIVATIONS:
         raise ConfigError(
-            f"{fields.source}: field {fam.act_key!r} = {act!r} is not supported ({', '.join(ACTIVATIONS)})"
+            f"{fields.source}: field {fam.reading.act_key!r} = {act!r} is not supported ({', '.join(ACTIVATIONS)})"
         )
     return str(act)
 
@@ -170,14 +170,19 @@ def _heads(
     values it does not use become warnings."""
     config = fields.config
     derived_dim = hidden // num_heads if num_heads else 0
-    head_dim = (config.get(fam.head_dim_key) if fam.head_dim_key else None) or derived_dim
-    num_kv_heads = config.get(fam.kv_heads_key) if fam.kv_heads_key else None
+    head_dim = (config.get(fam.reading.head_dim_key) if fam.reading.head_dim_key else None) or derived_dim
+    num_kv_heads = config.get(fam.reading.kv_heads_key) if fam.reading.kv_heads_key else None
     if num_kv_heads is None:
         num_kv_heads = num_heads
-    block: dict[str, Any] = {"parallel": fields.rule(fam.parallel), "parallel_mlp_norm": fam.parallel_mlp_norm}
-    if fam.heads_rule == "falcon":
+    block: dict[str, Any] = {
+        "parallel": fields.rule(fam.reading.parallel),
+        "parallel_mlp_norm": fam.reading.parallel_mlp_norm,
+    }
+    if fam.reading.heads_rule == "falcon":
         num_kv_heads, block = _falcon_layout(fields, num_heads)
-    kv_rule = "multi_query / new_decoder_architecture" if fam.heads_rule == "falcon" else "one KV head per query head"
+    kv_rule = (
+        "multi_query / new_decoder_architecture" if fam.reading.heads_rule == "falcon" else "one KV head per query head"
+    )
     for key, used, why in (
         ("head_dim", head_dim, "hidden_size // num_attention_heads"),
         ("num_key_value_heads", num_kv_heads, kv_rule),
@@ -188,11 +193,11 @@ def _heads(
 
 
 def _eps(fam: Family, fields: ConfigFields) -> float | None:
-    if fam.eps_key is None:
-        return fam.eps_default
-    if fam.eps_default is None:
-        return float(fields.need(fam.eps_key, float))
-    return fields.number(fam.eps_key, fam.eps_default)
+    if fam.reading.eps_key is None:
+        return fam.reading.eps_default
+    if fam.reading.eps_default is None:
+        return float(fields.need(fam.reading.eps_key, float))
+    return fields.number(fam.reading.eps_key, fam.reading.eps_default)
 
 
 def _sliding_window(fam: Family, fields: ConfigFields, layer_types: list[str], warnings: list[str]) -> int | None:
@@ -203,7 +208,7 @@ def _sliding_window(fam: Family, fields: ConfigFields, layer_types: list[str], w
         if sliding is None:
             raise ConfigError(f"{fields.source}: sliding_attention layers need a 'sliding_window'")
         return sliding
-    if config.get("sliding_window") and fam.windows not in ("none", "qwen2", "qwen2_moe"):
+    if config.get("sliding_window") and fam.reading.windows not in ("none", "qwen2", "qwen2_moe"):
         warnings.append(
             f"sliding_window={config['sliding_window']!r} is ignored: no layer of this {fam.name} config "
             "is a sliding_attention layer"
@@ -216,7 +221,7 @@ def _chunk_size(fam: Family, fields: ConfigFields, layer_types: list[str]) -> in
     if "chunked_attention" not in layer_types:
         return None
     arch = fam.name
-    if fam.windows != "llama4":
+    if fam.reading.windows != "llama4":
         raise ConfigError(
             f"{fields.source}: layer type 'chunked_attention' on {arch}: transformers' {arch} has no "
             "chunked attention (only llama4 does)"
@@ -244,7 +249,7 @@ def _ropes(
             for r in ropes
         ]
     partial = partial_factor(config)
-    if partial not in (None, 1, 1.0) and not fam.partial_rotary:
+    if partial not in (None, 1, 1.0) and not fam.reading.partial_rotary:
         warnings.append(
             f"partial_rotary_factor={partial!r} is ignored: transformers' {fam.name} rotates the whole head"
         )
@@ -255,38 +260,38 @@ def _query_scale(fam: Family, fields: ConfigFields, config: Mapping[str, Any], m
     """The factor on ``q . k`` where not ``head_dim ** -0.5`` (None)."""
     if mla is not None:
         return _mla_scale(config, mla.qk_head_dim, fields.source)
-    if fam.attn_scale_key:
-        return fields.number(fam.attn_scale_key, None)
-    if fam.query_pre_attn_scalar:
+    if fam.reading.attn_scale_key:
+        return fields.number(fam.reading.attn_scale_key, None)
+    if fam.reading.query_pre_attn_scalar:
         scalar = fields.number("query_pre_attn_scalar", None)
         return None if scalar is None else scalar**-0.5
     return None
 
 
 def _embedding_scale(fam: Family, fields: ConfigFields, hidden: int) -> float | None:
-    if fam.embedding_scale == "sqrt_hidden":
+    if fam.reading.embedding_scale == "sqrt_hidden":
         return math.sqrt(hidden)
-    if fam.embedding_scale == "embedding_multiplier":
+    if fam.reading.embedding_scale == "embedding_multiplier":
         return fields.number("embedding_multiplier", 1.0)
     return 1.0
 
 
 def _logits_scale(fam: Family, fields: ConfigFields) -> float | None:
     logits_scale: float | None = 1.0
-    if fam.logits_divide_key:
-        divisor = fields.number(fam.logits_divide_key, 1.0)
+    if fam.reading.logits_divide_key:
+        divisor = fields.number(fam.reading.logits_divide_key, 1.0)
         if not divisor:
-            raise ConfigError(f"{fields.source}: field {fam.logits_divide_key!r} must not be 0")
+            raise ConfigError(f"{fields.source}: field {fam.reading.logits_divide_key!r} must not be 0")
         logits_scale = 1.0 / divisor
-    if fam.logits_multiply_key:
-        logits_scale = fields.number(fam.logits_multiply_key, 1.0)
+    if fam.reading.logits_multiply_key:
+        logits_scale = fields.number(fam.reading.logits_multiply_key, 1.0)
     return logits_scale
 
 
 def _qk_norm(fam: Family, fields: ConfigFields, ropes: list[RopeSpec | None], arch: str) -> bool:
-    qk_norm = fam.qk_norm != "none" and fields.rule(fam.qk_norm_flag)
+    qk_norm = fam.block.qk_norm != "none" and fields.rule(fam.reading.qk_norm_flag)
     factors = [r.attention_factor for r in ropes if r is not None and r.attention_factor != 1.0]
-    if qk_norm and fam.qk_norm == "l2" and factors:
+    if qk_norm and fam.block.qk_norm == "l2" and factors:
         # transformers normalizes after RoPE, which divides the attention factor of cos/sin out again;
         # before RoPE (what a raw-key cache stores) it would stay: refuse rather than check another reading.
         raise ConfigError(
@@ -298,7 +303,7 @@ def _qk_norm(fam: Family, fields: ConfigFields, ropes: list[RopeSpec | None], ar
 
 def _temperature(fam: Family, fields: ConfigFields, ropes: list[RopeSpec | None]) -> dict[str, Any]:
     """llama4's attention temperature on NoPE layers, as ModelConfig fields (none where off)."""
-    if not (fam.attn_temperature and fields.flag("attn_temperature_tuning") and any(r is None for r in ropes)):
+    if not (fam.reading.attn_temperature and fields.flag("attn_temperature_tuning") and any(r is None for r in ropes)):
         return {}
     floor = fields.number("floor_scale", None)
     if floor is None or floor <= 0:
@@ -311,15 +316,15 @@ def _flags_and_caps(fam: Family, fields: ConfigFields, block: Mapping[str, Any])
     number = fields.number
     return dict(
         tie_word_embeddings=fields.flag("tie_word_embeddings"),
-        attention_bias=fields.rule(fam.qkv_bias),
-        o_bias=fields.rule(fam.o_bias),
-        mlp_bias=fields.rule(fam.mlp_bias),
-        attn_softcap=number(fam.attn_softcap_key, None) if fam.attn_softcap_key else None,
-        final_softcap=number(fam.final_softcap_key, None) if fam.final_softcap_key else None,
-        residual_scale=number(fam.residual_scale_key, 1.0) if fam.residual_scale_key else 1.0,
+        attention_bias=fields.rule(fam.reading.qkv_bias),
+        o_bias=fields.rule(fam.reading.o_bias),
+        mlp_bias=fields.rule(fam.reading.mlp_bias),
+        attn_softcap=number(fam.reading.attn_softcap_key, None) if fam.reading.attn_softcap_key else None,
+        final_softcap=number(fam.reading.final_softcap_key, None) if fam.reading.final_softcap_key else None,
+        residual_scale=number(fam.reading.residual_scale_key, 1.0) if fam.reading.residual_scale_key else 1.0,
         **block,
-        clip_qkv=number(fam.clip_qkv_key, None) if fam.clip_qkv_key else None,
-        attention_sinks=fam.sinks,
+        clip_qkv=number(fam.reading.clip_qkv_key, None) if fam.reading.clip_qkv_key else None,
+        attention_sinks=fam.reading.sinks,
     )
 
 

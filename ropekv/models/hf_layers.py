@@ -22,7 +22,7 @@ def layer_types_of(fam: Family, fields: ConfigFields, num_layers: int) -> list[s
     if given is not None and not isinstance(given, list):
         raise ConfigError(f"{source}: field 'layer_types' must be a list")
     if (
-        fam.windows in ("qwen2", "qwen2_moe", "smollm3")
+        fam.reading.windows in ("qwen2", "qwen2_moe", "smollm3")
         and given is not None
         and "sliding_attention" in given
         and not fields.flag("use_sliding_window")
@@ -31,7 +31,7 @@ def layer_types_of(fam: Family, fields: ConfigFields, num_layers: int) -> list[s
             f"{source}: layer_types names sliding_attention layers but use_sliding_window is false: "
             f"transformers' {fam.name} then keeps no window and cannot run them; set one of the two"
         )
-    if given is not None and fam.windows != "qwen3_moe":  # qwen3_moe's modeling never reads layer_types
+    if given is not None and fam.reading.windows != "qwen3_moe":  # qwen3_moe's modeling never reads layer_types
         return _given_layer_types(given, num_layers, source)
     return _derived_layer_types(fam, fields, num_layers)
 
@@ -46,9 +46,9 @@ def _given_layer_types(given: list[Any], num_layers: int, source: str) -> list[s
 
 
 def _derived_layer_types(fam: Family, fields: ConfigFields, num_layers: int) -> list[str]:
-    """The layer kinds of a config without (or ignoring) ``layer_types``, by ``fam.windows``."""
+    """The layer kinds of a config without (or ignoring) ``layer_types``, by ``fam.reading.windows``."""
     config, source, flag = fields.config, fields.source, fields.flag
-    rule = fam.windows
+    rule = fam.reading.windows
     if rule == "llama4":  # Llama4TextConfig: chunked where the layer rotates, full on NoPE layers
         flags = no_rope_flags(config, num_layers, source, empty_is_default=True)
         return ["chunked_attention" if f else "full_attention" for f in flags]
@@ -86,10 +86,14 @@ def _qwen2_layer_types(fields: ConfigFields, num_layers: int, window: int | None
 
 def _periodic_layer_types(fam: Family, config: Mapping[str, Any], num_layers: int, source: str) -> list[str]:
     """Layer ``i`` slides iff ``(i + 1) % period != 0`` (gemma2/3, gpt_oss, ...)."""
-    period = config.get(fam.window_period_key, fam.window_period) if fam.window_period_key else fam.window_period
+    period = (
+        config.get(fam.reading.window_period_key, fam.reading.window_period)
+        if fam.reading.window_period_key
+        else fam.reading.window_period
+    )
     if not isinstance(period, int) or isinstance(period, bool) or period < 1:
         raise ConfigError(
-            f"{source}: {fam.name} config without 'layer_types' and {fam.window_period_key} = "
+            f"{source}: {fam.name} config without 'layer_types' and {fam.reading.window_period_key} = "
             f"{period!r}: transformers derives the layers only from an integer period >= 1 (a "
             "string pattern fails there); give layer_types"
         )
@@ -115,7 +119,11 @@ def no_rope_flags(
 def rope_of(config: Mapping[str, Any], layer_type: str | None, layout: str, fam: Family, source: str) -> RopeSpec:
     try:
         return rope_from_hf_config(
-            config, layer_type=layer_type, layout=layout, partial_rotary=fam.partial_rotary, mrope=fam.mrope
+            config,
+            layer_type=layer_type,
+            layout=layout,
+            partial_rotary=fam.reading.partial_rotary,
+            mrope=fam.reading.mrope,
         )
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
@@ -130,16 +138,16 @@ def layer_ropes_of(
     per_type: dict[str, RopeSpec] = {}
     for t in sorted(set(layer_types)):
         per_type[t] = rope_of(config, t if nested and t in (params or {}) else None, layout, fam, source)
-    local_theta = config.get(fam.local_theta_key) if fam.local_theta_key else None
+    local_theta = config.get(fam.reading.local_theta_key) if fam.reading.local_theta_key else None
     if not nested and local_theta is not None:  # gemma3's rope_local_base_freq: the sliding layers' theta
         local = {**config, "rope_parameters": None, "rope_scaling": None, "rope_theta": local_theta}
         per_type["sliding_attention"] = rope_of(local, None, layout, fam, source)
     ropes: list[RopeSpec | None] = [per_type[t] for t in layer_types]
-    if fam.rope_layers == "no_rope_layers":
+    if fam.reading.rope_layers == "no_rope_layers":
         flags = no_rope_flags(config, len(layer_types), source)
         ropes = [r if f else None for r, f in zip(ropes, flags)]
-    elif fam.rope_layers == "sliding_only" or (
-        fam.rope_layers == "sliding_only_if_window" and config.get("sliding_window") is not None
+    elif fam.reading.rope_layers == "sliding_only" or (
+        fam.reading.rope_layers == "sliding_only_if_window" and config.get("sliding_window") is not None
     ):
         ropes = [r if t == "sliding_attention" else None for r, t in zip(ropes, layer_types)]
     return ropes

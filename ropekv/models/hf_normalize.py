@@ -17,16 +17,16 @@ from .families import Family
 
 def normalized_config(fam: Family, config: Mapping[str, Any], source: str, warnings: list[str]) -> dict[str, Any]:
     """``config`` as ``fam``'s config class holds it after loading; notes go to ``warnings``."""
-    if fam.text_config:
+    if fam.reading.text_config:
         config, note = _text_config(config, source)
         warnings += note
     config = dict(config)
-    for name in fam.ignored_fields:  # removed, so that nothing below reads them
+    for name in fam.reading.ignored_fields:  # removed, so that nothing below reads them
         value = config.pop(name, None)
         if value is not None and value is not False:
             warnings.append(f"{name}={value!r} is ignored: transformers' {fam.name} implementation never reads it")
     config = _with_defaults(fam, _renamed(fam, config))
-    if fam.ntk_alpha:
+    if fam.reading.ntk_alpha:
         config = dict(_ntk_alpha(config, source, warnings))
     return config
 
@@ -55,7 +55,7 @@ def _renamed(fam: Family, config: Mapping[str, Any]) -> dict[str, Any]:
     """``config`` with the fields the architecture's config class renames on load under their new
     names (``Family.renamed``); a field given under its new name wins, as in the config class."""
     out = dict(config)
-    for old, new in fam.renamed.items():
+    for old, new in fam.reading.renamed.items():
         if old in out:
             value = out.pop(old)
             if new == "partial_rotary_factor" or new == "rope_theta":
@@ -71,12 +71,12 @@ def _with_defaults(fam: Family, config: Mapping[str, Any]) -> dict[str, Any]:
     """``config`` with the architecture's class defaults (``Family.defaults``) for the fields it omits.
     A field present as null keeps its null (gemma2's ``attn_logit_softcapping: null`` means no cap)."""
     out = dict(config)
-    for key, value in fam.defaults.items():
+    for key, value in fam.reading.defaults.items():
         if key == "rope_parameters" and isinstance(value, Mapping) and "rope_type" in value:
             # A flat default scaling (gpt_oss's yarn): the config class sets it whenever the config names
             # no scaling, and a legacy rope_theta is its theta.
             if config.get("rope_parameters") is None and config.get("rope_scaling") is None:
-                theta = config.get("rope_theta", fam.defaults.get("rope_theta"))
+                theta = config.get("rope_theta", fam.reading.defaults.get("rope_theta"))
                 out[key] = {**value, **({} if theta is None else {"rope_theta": theta})}
         elif key == "rope_parameters":  # a whole RoPE default (gemma3's per-layer-type thetas)
             if not any(k in config for k in ("rope_parameters", "rope_scaling", "rope_theta", "rope_local_base_freq")):
