@@ -24,18 +24,19 @@ import json
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, Literal, TypeVar, get_args
 
 import torch
 
 from .errors import ConfigError
+from .numbers import check_number, is_finite_number, is_int, is_real
 
 Layout = Literal["neox", "gptj"]  # NeoX/HF rotate_half pairs m with m + d/2; GPT-J/llama.cpp pairs 2m, 2m+1
 LAYOUTS: tuple[str, ...] = get_args(Layout)
 SCALING_TYPES = ("default", "linear", "dynamic", "yarn", "llama3", "longrope")
 
 # Parameters each scaling type requires (after defaults are filled in) and may take.
-_REQUIRED: dict[str, tuple[str, ...]] = {
+REQUIRED_PARAMS: dict[str, tuple[str, ...]] = {
     "default": (),
     "linear": ("factor",),
     "dynamic": ("factor",),
@@ -43,7 +44,7 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
     "longrope": ("short_factor", "long_factor", "original_max_position_embeddings"),
 }
-_OPTIONAL: dict[str, tuple[str, ...]] = {
+OPTIONAL_PARAMS: dict[str, tuple[str, ...]] = {
     "default": (),
     "linear": (),
     "dynamic": (),
@@ -51,36 +52,12 @@ _OPTIONAL: dict[str, tuple[str, ...]] = {
     "llama3": (),
     "longrope": ("factor",),
 }
-# Keys of a config's rope dict that are not scaling parameters.
-_NON_SCALING_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor", "attention_factor"}
 # Far above any real model (<= 512); bounds what a config can make us allocate for frequencies.
 MAX_HEAD_DIM = 65536
 # Far above any real context (~10M tokens); keeps every position an int64 and every angle finite.
 MAX_POSITIONS = 2**40
 
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _finite(value: Any) -> bool:
-    """``math.isfinite`` that is False for ints too large for a float instead of raising."""
-    try:
-        return math.isfinite(value)
-    except OverflowError:
-        return False
-
-
-def _check_number(what: str, value: Any, low: float, *, strict: bool) -> None:
-    """ConfigError unless ``value`` is a finite int/float ``> low`` (``strict``) or ``>= low``."""
-    if not _is_real(value):
-        raise ConfigError(f"{what} has the wrong type: a number is needed, got {value!r}")
-    if not _finite(value) or value < low or (strict and value == low):
-        raise ConfigError(f"{what} must be a finite number {'>' if strict else '>='} {low:g}, got {value!r}")
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -103,24 +80,24 @@ class RopeScaling:
     def __post_init__(self) -> None:
         if not isinstance(self.rope_type, str) or self.rope_type not in SCALING_TYPES:
             raise ConfigError(f"unknown RoPE scaling type {self.rope_type!r}; supported: {', '.join(SCALING_TYPES)}")
-        allowed = set(_REQUIRED[self.rope_type]) | set(_OPTIONAL[self.rope_type])
+        allowed = set(REQUIRED_PARAMS[self.rope_type]) | set(OPTIONAL_PARAMS[self.rope_type])
         for f in dataclasses.fields(self):
             if f.name == "rope_type":
                 continue
             value = getattr(self, f.name)
-            if f.name in _REQUIRED[self.rope_type] and value is None:
+            if f.name in REQUIRED_PARAMS[self.rope_type] and value is None:
                 raise ConfigError(f"RoPE scaling type {self.rope_type!r} needs parameter {f.name!r}")
             if value is not None and f.name not in allowed:
                 raise ConfigError(f"RoPE scaling type {self.rope_type!r} does not take parameter {f.name!r}")
         # Types and ranges: every value below ends up in a division, a log or a power.
         for name in ("factor", "low_freq_factor", "high_freq_factor"):
             if getattr(self, name) is not None:
-                _check_number(f"RoPE scaling {name}", getattr(self, name), 0, strict=True)
+                check_number(f"RoPE scaling {name}", getattr(self, name), 0, strict=True)
         for name in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim"):
             if getattr(self, name) is not None:
-                _check_number(f"RoPE scaling {name}", getattr(self, name), 0, strict=False)
+                check_number(f"RoPE scaling {name}", getattr(self, name), 0, strict=False)
         orig = self.original_max_position_embeddings
-        if orig is not None and not (_is_int(orig) and 1 <= orig <= MAX_POSITIONS):
+        if orig is not None and not (is_int(orig) and 1 <= orig <= MAX_POSITIONS):
             raise ConfigError(f"RoPE original_max_position_embeddings must be an integer in [1, 2**40], got {orig!r}")
         if self.truncate is not None and not isinstance(self.truncate, bool):
             raise ConfigError(
@@ -132,9 +109,9 @@ class RopeScaling:
             value = getattr(self, name)
             if value is None:
                 continue
-            if not isinstance(value, (list, tuple)) or not all(_is_real(v) for v in value):
+            if not isinstance(value, (list, tuple)) or not all(is_real(v) for v in value):
                 raise ConfigError(f"longrope {name} has the wrong type: a list of numbers is needed, got {value!r}")
-            if not all(_finite(v) and v > 0 for v in value):
+            if not all(is_finite_number(v) and v > 0 for v in value):
                 raise ConfigError(f"longrope {name} must hold positive finite numbers")
             if isinstance(value, list):  # normalize, do not reinterpret (frozen: keep it hashable)
                 object.__setattr__(self, name, tuple(value))
@@ -159,9 +136,9 @@ class RopeScaling:
         for name in ("short_factor", "long_factor"):
             value = kwargs.get(name)
             if value is not None:
-                if not isinstance(value, (list, tuple)) or not all(_is_real(v) for v in value):
+                if not isinstance(value, (list, tuple)) or not all(is_real(v) for v in value):
                     raise ConfigError(f"longrope {name} has the wrong type: a list of numbers is needed, got {value!r}")
-                if not all(_finite(v) for v in value):
+                if not all(is_finite_number(v) for v in value):
                     raise ConfigError(f"longrope {name} must hold positive finite numbers")
                 kwargs[name] = tuple(float(v) for v in value)
         return cls(**kwargs)
@@ -197,14 +174,14 @@ class RopeSpec:
     mrope_section: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        if not _is_int(self.head_dim) or not 2 <= self.head_dim <= MAX_HEAD_DIM or self.head_dim % 2:
+        if not is_int(self.head_dim) or not 2 <= self.head_dim <= MAX_HEAD_DIM or self.head_dim % 2:
             raise ConfigError(f"RoPE head_dim must be an even integer in [2, {MAX_HEAD_DIM}], got {self.head_dim!r}")
-        if not _is_int(self.rotary_dim) or not (2 <= self.rotary_dim <= self.head_dim) or self.rotary_dim % 2:
+        if not is_int(self.rotary_dim) or not (2 <= self.rotary_dim <= self.head_dim) or self.rotary_dim % 2:
             raise ConfigError(
                 f"RoPE rotary_dim must be even and in [2, head_dim={self.head_dim}], got {self.rotary_dim!r}"
             )
         if (
-            not _is_int(self.rotary_offset)
+            not is_int(self.rotary_offset)
             or self.rotary_offset < 0
             or self.rotary_offset + self.rotary_dim > self.head_dim
         ):
@@ -212,13 +189,13 @@ class RopeSpec:
                 f"RoPE rotary_offset must be an integer >= 0 with rotary_offset + rotary_dim <= head_dim "
                 f"({self.head_dim}), got {self.rotary_offset!r} (rotary_dim {self.rotary_dim})"
             )
-        _check_number("RoPE theta", self.theta, 1, strict=True)
+        check_number("RoPE theta", self.theta, 1, strict=True)
         if not isinstance(self.layout, str) or self.layout not in LAYOUTS:
             raise ConfigError(f"unknown RoPE layout {self.layout!r}; supported: {', '.join(LAYOUTS)}")
         if not isinstance(self.scaling, RopeScaling):
             raise ConfigError(f"RoPE scaling must be a RopeScaling, got {type(self.scaling).__name__}")
-        _check_number("RoPE attention_factor", self.attention_factor, 0, strict=True)
-        if not _is_int(self.max_position_embeddings) or not 1 <= self.max_position_embeddings <= MAX_POSITIONS:
+        check_number("RoPE attention_factor", self.attention_factor, 0, strict=True)
+        if not is_int(self.max_position_embeddings) or not 1 <= self.max_position_embeddings <= MAX_POSITIONS:
             raise ConfigError(
                 f"RoPE max_position_embeddings must be an integer in [1, 2**40], got {self.max_position_embeddings!r}"
             )
@@ -227,7 +204,7 @@ class RopeSpec:
             object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
         if self.mrope_section is not None:
             m = self.mrope_section
-            if not isinstance(m, tuple) or not m or not all(_is_int(x) and x >= 1 for x in m) or sum(m) != n:
+            if not isinstance(m, tuple) or not m or not all(is_int(x) and x >= 1 for x in m) or sum(m) != n:
                 raise ConfigError(
                     f"RoPE mrope_section must be positive integers summing to rotary_dim/2 = {n}, got {m!r}"
                 )
@@ -246,9 +223,9 @@ class RopeSpec:
         length a length-dependent type is meant for, and refuse what is not finite and positive."""
         lengths: list[int | None] = [None]
         if self.scaling.rope_type == "dynamic":
-            lengths.append(int(self.max_position_embeddings * max(1.0, self.scaling.factor)) + 1)
+            lengths.append(int(self.max_position_embeddings * max(1.0, _param(self.scaling.factor))) + 1)
         elif self.scaling.rope_type == "longrope":
-            lengths.append(self.scaling.original_max_position_embeddings + 1)  # the long factors
+            lengths.append(_param(self.scaling.original_max_position_embeddings) + 1)  # the long factors
         for seq_len in lengths:
             try:
                 inv_freq = self.inv_freq(seq_len)
@@ -261,148 +238,6 @@ class RopeSpec:
                     f"RoPE {self.scaling.rope_type} parameters {self.scaling.to_dict()} with theta {self.theta!r} "
                     f"give frequencies that are not finite and positive{at}"
                 )
-
-    # ------------------------------------------------------------------ construction
-
-    @classmethod
-    def from_hf_config(
-        cls,
-        config: Mapping[str, Any],
-        layer_type: str | None = None,
-        layout: str = "neox",
-        *,
-        partial_rotary: bool = True,
-        mrope: bool = False,
-    ) -> RopeSpec:
-        """Read a transformers ``config.json`` (as a dict).
-
-        Understands transformers 5's ``rope_parameters`` (flat, or nested by layer type such as
-        ``"full_attention"`` / ``"sliding_attention"``) and the legacy ``rope_theta`` /
-        ``rope_scaling`` / ``partial_rotary_factor`` fields. Defaults follow transformers'
-        ``standardize_rope_params``: ``original_max_position_embeddings`` falls back to
-        ``max_position_embeddings`` for llama3, yarn and longrope.
-
-        ``partial_rotary=False`` reads the config as architectures whose attention rotates the whole
-        head do (llama, mistral, qwen2/3, gemma, ...): their default RoPE never reads
-        ``partial_rotary_factor``, so the whole head rotates; their other RoPE types compute
-        frequencies for the partial dimension and then fail to broadcast them over the head in
-        transformers, a config no implementation runs, so it is refused.
-
-        ``mrope=True`` reads ``mrope_section`` as Qwen2-VL does (default ``[16, 24, 24]`` when absent;
-        a legacy ``rope_type: "mrope"`` is the default type); elsewhere the key is refused.
-        """
-        if not isinstance(config, Mapping):
-            raise ConfigError("model config must be a JSON object")
-        try:
-            hidden = config.get("hidden_size")
-            heads = config.get("num_attention_heads")
-            head_dim = config.get("head_dim") or (hidden // heads if hidden and heads else None)
-        except (TypeError, ZeroDivisionError) as exc:
-            raise ConfigError(f"config has unusable hidden_size/num_attention_heads: {exc}") from None
-        if not _is_int(head_dim) or head_dim <= 0:
-            raise ConfigError(
-                f"config lacks a positive integer 'head_dim' (or 'hidden_size' and 'num_attention_heads'), got {head_dim!r}"
-            )
-        if head_dim > MAX_HEAD_DIM:
-            raise ConfigError(f"config 'head_dim' = {head_dim} is implausible (at most {MAX_HEAD_DIM})")
-        max_pos = config.get("max_position_embeddings")
-        if not _is_int(max_pos) or max_pos < 1:
-            raise ConfigError(f"config lacks a positive integer 'max_position_embeddings', got {max_pos!r}")
-        if max_pos > MAX_POSITIONS:
-            raise ConfigError(f"config 'max_position_embeddings' = {max_pos} is implausible (at most 2**40)")
-
-        params = config.get("rope_parameters")
-        if params is not None and not isinstance(params, Mapping):
-            raise ConfigError("config field 'rope_parameters' must be an object")
-        if params and all(isinstance(v, Mapping) or v is None for v in params.values()):
-            # Nested by layer type (transformers 5, e.g. gemma3, qwen3-next).
-            if layer_type is None:
-                distinct = {json.dumps(v, sort_keys=True) for v in params.values() if v is not None}
-                if len(distinct) != 1:
-                    raise ConfigError(
-                        "config 'rope_parameters' differs per layer type "
-                        f"({', '.join(sorted(params))}); name the layer type"
-                    )
-                layer_type = next(k for k, v in params.items() if v is not None)
-            if layer_type not in params or params[layer_type] is None:
-                raise ConfigError(f"config 'rope_parameters' has no entry for layer type {layer_type!r}")
-            rope = dict(params[layer_type])
-        elif params:
-            rope = dict(params)
-        else:
-            legacy = config.get("rope_scaling")
-            if legacy is not None and not isinstance(legacy, Mapping):
-                raise ConfigError("config field 'rope_scaling' must be an object or null")
-            rope = dict(legacy or {})
-        rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
-        if "partial_rotary_factor" not in rope and config.get("partial_rotary_factor") is not None:
-            rope["partial_rotary_factor"] = config["partial_rotary_factor"]
-        mrope_section = None
-        if mrope:
-            mrope_section = rope.pop("mrope_section", None) or [16, 24, 24]  # Qwen2VLRotaryEmbedding's default
-            if not isinstance(mrope_section, list):
-                raise ConfigError(f"config 'mrope_section' must be a list of integers, got {mrope_section!r}")
-            if rope.get("rope_type", rope.get("type")) == "mrope":  # legacy name of the default type
-                rope["rope_type"] = "default"
-                rope.pop("type", None)
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type not in SCALING_TYPES:
-            raise ConfigError(f"unknown RoPE type {rope_type!r} in config; supported: {', '.join(SCALING_TYPES)}")
-        if rope_type in ("llama3", "yarn", "longrope"):
-            rope.setdefault(
-                "original_max_position_embeddings",
-                config.get("original_max_position_embeddings", max_pos),
-            )
-        theta, partial = rope["rope_theta"], rope.get("partial_rotary_factor", 1.0)
-        _check_number("RoPE 'rope_theta'", theta, 1, strict=True)
-        _check_number("RoPE 'partial_rotary_factor'", partial, 0, strict=True)
-        if partial > 1:
-            raise ConfigError(f"RoPE 'partial_rotary_factor' must be in (0, 1], got {partial!r}")
-        theta = float(theta)
-        if partial != 1 and not partial_rotary:
-            if rope_type != "default":
-                raise ConfigError(
-                    f"partial_rotary_factor {partial!r} with RoPE type {rope_type!r} on an architecture that rotates "
-                    "the whole head: transformers computes frequencies for part of the head and cannot apply them; "
-                    "ropekv refuses to check it under another reading"
-                )
-            partial = 1.0
-        rotary_dim = int(head_dim * partial)
-        rotary_dim -= rotary_dim % 2
-
-        scaling_kwargs = {k: v for k, v in rope.items() if k not in _NON_SCALING_KEYS}
-        allowed = set(_REQUIRED[rope_type]) | set(_OPTIONAL[rope_type])
-        # transformers ignores keys a type does not use; so do we, but only for known names.
-        known = {f.name for f in dataclasses.fields(RopeScaling)}
-        unknown = set(scaling_kwargs) - known
-        if unknown:
-            raise ConfigError(f"unknown RoPE parameter(s) {', '.join(sorted(unknown))} for type {rope_type!r}")
-        scaling_kwargs = {k: v for k, v in scaling_kwargs.items() if k in allowed and v is not None}
-        if rope_type in ("yarn", "longrope") and scaling_kwargs.get("factor") is None:
-            orig = scaling_kwargs.get("original_max_position_embeddings")
-            if orig is not None and not (_is_int(orig) and orig >= 1):
-                raise ConfigError(f"RoPE original_max_position_embeddings must be an integer >= 1, got {orig!r}")
-            if rope_type == "yarn" or orig:
-                scaling_kwargs["factor"] = max_pos / orig if orig else None
-        if rope_type == "longrope" and scaling_kwargs.get("factor") is None:
-            scaling_kwargs.pop("factor", None)
-        try:
-            scaling = RopeScaling.from_dict({"rope_type": rope_type, **scaling_kwargs})
-        except (TypeError, ValueError, ArithmeticError) as exc:
-            raise ConfigError(f"bad RoPE parameters for type {rope_type!r}: {exc}") from None
-        # Only yarn and longrope use a configured attention_factor; transformers ignores it elsewhere.
-        given_factor = rope.get("attention_factor") if rope_type in ("yarn", "longrope") else None
-        attention_factor = _resolve_attention_factor(scaling, given_factor, max_pos)
-        return cls(
-            head_dim=head_dim,
-            rotary_dim=rotary_dim,
-            theta=theta,
-            layout=layout,
-            scaling=scaling,
-            attention_factor=attention_factor,
-            max_position_embeddings=max_pos,
-            mrope_section=None if mrope_section is None else tuple(mrope_section),
-        )
 
     def replace(self, **changes: Any) -> RopeSpec:
         return dataclasses.replace(self, **changes)
@@ -567,31 +402,11 @@ def _as_positions(positions: torch.Tensor | Any) -> torch.Tensor:
     return positions
 
 
-def _resolve_attention_factor(scaling: RopeScaling, given: Any, max_pos: int) -> float:
-    if given is not None:
-        _check_number("RoPE attention_factor", given, 0, strict=True)
-        return float(given)
-    if scaling.rope_type == "yarn":
-
-        def get_mscale(scale: float, m: float = 1.0) -> float:
-            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-        if scaling.mscale and scaling.mscale_all_dim:
-            return float(
-                get_mscale(scaling.factor, scaling.mscale) / get_mscale(scaling.factor, scaling.mscale_all_dim)
-            )
-        return get_mscale(scaling.factor)
-    if scaling.rope_type == "longrope":
-        orig = scaling.original_max_position_embeddings
-        factor = scaling.factor if scaling.factor is not None else max_pos / orig
-        if factor <= 1.0:
-            return 1.0
-        if orig < 2:  # transformers divides by log(original_max_position_embeddings)
-            raise ConfigError(
-                f"longrope original_max_position_embeddings must be >= 2 to scale by {factor:g}, got {orig}"
-            )
-        return math.sqrt(1 + math.log(factor) / math.log(orig))
-    return 1.0
+def _param(value: _T | None) -> _T:
+    """A parameter the scaling type requires: :class:`RopeScaling` refuses a spec without it."""
+    if value is None:
+        raise ValueError("RoPE scaling parameter missing for its type")
+    return value
 
 
 def _base_inv_freq(spec: RopeSpec, base: float) -> torch.Tensor:
@@ -604,13 +419,13 @@ def _default(spec: RopeSpec, seq_len: int | None) -> torch.Tensor:
 
 
 def _linear(spec: RopeSpec, seq_len: int | None) -> torch.Tensor:
-    return _base_inv_freq(spec, spec.theta) / spec.scaling.factor
+    return _base_inv_freq(spec, spec.theta) / _param(spec.scaling.factor)
 
 
 def _dynamic(spec: RopeSpec, seq_len: int | None) -> torch.Tensor:
     max_pos = spec.max_position_embeddings
     length = max(seq_len, max_pos) if seq_len is not None else max_pos
-    factor, dim = spec.scaling.factor, spec.rotary_dim
+    factor, dim = _param(spec.scaling.factor), spec.rotary_dim
     base = spec.theta * ((factor * length / max_pos) - (factor - 1)) ** (dim / (dim - 2))
     return _base_inv_freq(spec, base)
 
@@ -620,7 +435,7 @@ def _yarn(spec: RopeSpec, seq_len: int | None) -> torch.Tensor:
     beta_fast = s.beta_fast or 32
     beta_slow = s.beta_slow or 1
     truncate = True if s.truncate is None else s.truncate
-    orig = s.original_max_position_embeddings
+    orig = _param(s.original_max_position_embeddings)
 
     def correction_dim(num_rotations: float) -> float:
         return dim * math.log(orig / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
@@ -635,27 +450,28 @@ def _yarn(spec: RopeSpec, seq_len: int | None) -> torch.Tensor:
     extrapolation_weight = 1 - ramp
     pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
     extrapolation = 1.0 / pos_freqs
-    interpolation = 1.0 / (s.factor * pos_freqs)
+    interpolation = 1.0 / (_param(s.factor) * pos_freqs)
     return interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
 
 
 def _llama3(spec: RopeSpec, seq_len: int | None) -> torch.Tensor:
     s = spec.scaling
+    factor, low, high = _param(s.factor), _param(s.low_freq_factor), _param(s.high_freq_factor)
     inv_freq = _base_inv_freq(spec, spec.theta)
-    old_len = s.original_max_position_embeddings
-    low_wavelen = old_len / s.low_freq_factor
-    high_wavelen = old_len / s.high_freq_factor
+    old_len = _param(s.original_max_position_embeddings)
+    low_wavelen = old_len / low
+    high_wavelen = old_len / high
     wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / s.factor, inv_freq)
-    smooth = (old_len / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
-    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(medium, smoothed, scaled)
 
 
 def _longrope(spec: RopeSpec, seq_len: int | None) -> torch.Tensor:
     s = spec.scaling
-    long = seq_len is not None and seq_len > s.original_max_position_embeddings
+    long = seq_len is not None and seq_len > _param(s.original_max_position_embeddings)
     ext = torch.tensor(s.long_factor if long else s.short_factor, dtype=torch.float64)
     exponents = torch.arange(0, spec.rotary_dim, 2, dtype=torch.float64) / spec.rotary_dim
     return 1.0 / (ext * spec.theta**exponents)

@@ -25,20 +25,8 @@ from typing import Any
 import pytest
 import torch
 
-from ropekv.testing.tiny import randomize
+from ropekv.testing.tiny import TINY_BASE, randomize
 
-TINY_BASE: dict[str, Any] = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=256,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
 TINY_ARCH: dict[str, dict[str, Any]] = {
     "llama": {},
     "mistral": {"sliding_window": 5},

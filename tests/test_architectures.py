@@ -419,7 +419,7 @@ def test_reference_engine_and_hf_adapter_match_transformers(
     # chunk there.
     dependent = ckpt.config.rope.length_dependent
     # q/k norm after RoPE (hunyuan): the cached key is norm(R(j) k), "raw" has no meaning (refused there).
-    after_rope = ckpt.config.family.qk_norm == "head_after_rope"
+    after_rope = ckpt.config.family.block.qk_norm == "head_after_rope"
     for form in ("raw",) if dependent else ("rotated",) if after_rope else ("rotated", "raw"):
         engine = Engine(ckpt, CacheContract.for_model(ckpt.config, key_form=form, block_size=BLOCK))
         assert scaled(engine.forward_full(tokens).logits, ref) < TOL
@@ -434,7 +434,7 @@ def test_reference_engine_and_hf_adapter_match_transformers(
     # engine from the saved checkpoint.
     cases = cases_for(ckpt.config)
     native = NativeAdapter(ckpt, key_form="raw" if dependent else "rotated")
-    if FAMILIES[ckpt.config.architecture].hf_attention_inline:  # falcon: nothing to hook, refused by name
+    if FAMILIES[ckpt.config.architecture].hf.attention_inline:  # falcon: nothing to hook, refused by name
         with pytest.raises(UsageError, match="computes attention inline"):
             HFEngine(model)
         report = check(native, cases=cases)
@@ -599,12 +599,14 @@ def test_omitted_fields_read_as_the_architectures_own_defaults(arch):
     from conftest import arch_kwargs
     from transformers import AutoConfig
 
-    from ropekv.models.config import ModelConfig
+    from ropekv.models.hf_config import read_model_config
 
     kwargs = {
         k: v for k, v in arch_kwargs(arch, _STRUCTURE_OVERRIDES.get(arch, {})).items() if k != "tie_word_embeddings"
     }
-    if FAMILIES[arch].attention == "mla":  # one KV head per query head; head_dim: the config class sets the rope part's
+    if (
+        FAMILIES[arch].reading.attention == "mla"
+    ):  # one KV head per query head; head_dim: the config class sets the rope part's
         kwargs.update(num_key_value_heads=kwargs["num_attention_heads"], num_experts_per_tok=2)
         kwargs.pop("head_dim", None)
     if arch in MULTIMODAL:  # the text model's fields under text_config; the mRoPE sections are structure
@@ -622,7 +624,7 @@ def test_omitted_fields_read_as_the_architectures_own_defaults(arch):
         full = AutoConfig.for_model(arch, **kwargs).to_dict()
         minimal = {k: v for k, v in full.items() if k in _STRUCTURE}
     full["architectures"] = []
-    assert ModelConfig.from_hf_config(minimal) == ModelConfig.from_hf_config(full)
+    assert read_model_config(minimal) == read_model_config(full)
 
 
 def test_gpt_neox_legacy_fields_read_as_its_config_class_reads_them(make_arch_checkpoint, tmp_path):
@@ -745,12 +747,12 @@ def test_gpt_oss_without_rope_parameters_reads_its_config_class_yarn():
     from conftest import ARCH_BASE
     from transformers import AutoConfig
 
-    from ropekv.models.config import ModelConfig
+    from ropekv.models.hf_config import read_model_config
 
     full = AutoConfig.for_model("gpt_oss", **ARCH_BASE, rope_theta=1e4).to_dict()
     legacy = {k: v for k, v in full.items() if k != "rope_parameters"}
-    cfg = ModelConfig.from_hf_config({**legacy, "rope_theta": 1e4})
-    assert cfg == ModelConfig.from_hf_config(full)
+    cfg = read_model_config({**legacy, "rope_theta": 1e4})
+    assert cfg == read_model_config(full)
     assert (cfg.rope.theta, cfg.rope.scaling.rope_type, cfg.rope.scaling.factor, cfg.rope.scaling.truncate) == (
         1e4,
         "yarn",

@@ -216,12 +216,12 @@ def _config(path) -> dict:
 
 
 def test_llama4_layer_types_follow_no_rope_layers_when_absent(make_arch_checkpoint):
-    from ropekv.models.config import ModelConfig
+    from ropekv.models.hf_config import read_model_config
 
     config = _config(make_arch_checkpoint("llama4_text", **LLAMA4))
     del config["layer_types"]
     config["no_rope_layers"] = [0, 1]  # Llama4TextConfig: 1 = the layer rotates (and is chunked)
-    cfg = ModelConfig.from_hf_config(config)
+    cfg = read_model_config(config)
     assert cfg.layer_types == ("full_attention", "chunked_attention")
     assert cfg.layer_rope(0) is None and cfg.layer_rope(1) is not None
     assert cfg.layer_temperature(0) and not cfg.layer_temperature(1)
@@ -230,7 +230,7 @@ def test_llama4_layer_types_follow_no_rope_layers_when_absent(make_arch_checkpoi
 
 def test_l2_qk_norm_with_a_rope_attention_factor_is_refused(make_arch_checkpoint):
     """transformers normalizes after RoPE, dividing yarn's attention factor out again: not modelled."""
-    from ropekv.models.config import ModelConfig
+    from ropekv.models.hf_config import read_model_config
 
     config = _config(make_arch_checkpoint("llama4_text", **LLAMA4))
     config["rope_parameters"] = {
@@ -240,13 +240,13 @@ def test_l2_qk_norm_with_a_rope_attention_factor_is_refused(make_arch_checkpoint
         "rope_theta": 1e4,
     }
     with pytest.raises(ConfigError, match="L2 q/k norm after RoPE with a RoPE attention factor"):
-        ModelConfig.from_hf_config(config)
+        read_model_config(config)
     config["use_qk_norm"] = False
-    assert ModelConfig.from_hf_config(config).rope.attention_factor > 1.0  # without the norm it is read
+    assert read_model_config(config).rope.attention_factor > 1.0  # without the norm it is read
 
 
 def test_chunked_layers_on_an_architecture_without_them_are_refused(make_arch_checkpoint):
-    from ropekv.models.config import ModelConfig
+    from ropekv.models.hf_config import read_model_config
 
     config = {
         **_config(make_arch_checkpoint("llama")),
@@ -254,4 +254,4 @@ def test_chunked_layers_on_an_architecture_without_them_are_refused(make_arch_ch
         "attention_chunk_size": 8,
     }
     with pytest.raises(ConfigError, match="transformers' llama has no chunked attention"):
-        ModelConfig.from_hf_config(config)
+        read_model_config(config)

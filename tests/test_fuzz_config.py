@@ -4,7 +4,7 @@ Inputs are mutated from valid transformers configs (llama, mistral with a window
 qwen3) the way half-converted checkpoints and other frameworks get them wrong: fields dropped, wrong
 types, zero / negative / huge / NaN numbers, strings where numbers belong, random ``rope_parameters``
 and legacy ``rope_scaling`` dicts of every scaling type, and per-layer-type nested RoPE parameters.
-They go to ``ModelConfig.from_hf_config`` and ``RopeSpec.from_hf_config``; serialized cache contracts
+They go to ``read_model_config`` and ``rope_from_hf_config``; serialized cache contracts
 mutated as JSON text (and as parsed JSON) go to ``CacheContract.from_json``.
 
 Any exception that is not a :class:`ropekv.errors.RopeKVError` (KeyError, TypeError, ValueError,
@@ -27,6 +27,8 @@ from hypothesis import strategies as st
 from ropekv.contract import CacheContract
 from ropekv.errors import RopeKVError
 from ropekv.models.config import LAYER_TYPES, ModelConfig
+from ropekv.models.hf_config import read_model_config
+from ropekv.models.rope_config import rope_from_hf_config
 from ropekv.rope import SCALING_TYPES, RopeScaling, RopeSpec
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -260,12 +262,12 @@ def check_model(cfg: ModelConfig) -> None:
 @given(configs())
 def test_model_config_parsing(config):
     try:
-        cfg = ModelConfig.from_hf_config(config, source="fuzz/config.json")
+        cfg = read_model_config(config, source="fuzz/config.json")
     except RopeKVError as exc:
         assert str(exc).startswith("fuzz/config.json: ") and str(exc).count("fuzz/config.json") == 1, str(exc)
         return
     check_model(cfg)
-    assert ModelConfig.from_hf_config(copy.deepcopy(config), source="again") == cfg  # deterministic
+    assert read_model_config(copy.deepcopy(config), source="again") == cfg  # deterministic
 
 
 @FUZZ
@@ -276,7 +278,7 @@ def test_model_config_parsing(config):
 )
 def test_rope_spec_parsing(config, layer_type, layout):
     try:
-        rope = RopeSpec.from_hf_config(config, layer_type=layer_type, layout=layout)
+        rope = rope_from_hf_config(config, layer_type=layer_type, layout=layout)
     except RopeKVError:
         return
     check_rope(rope)
@@ -288,7 +290,7 @@ def test_rope_spec_parsing(config, layer_type, layout):
 def test_rope_parameters_alone(rope, head_dim, max_pos):
     config = {"head_dim": head_dim, "max_position_embeddings": max_pos, "rope_parameters": rope}
     try:
-        spec = RopeSpec.from_hf_config(config)
+        spec = rope_from_hf_config(config)
     except RopeKVError:
         return
     check_rope(spec)
@@ -296,7 +298,7 @@ def test_rope_parameters_alone(rope, head_dim, max_pos):
 
 # ----------------------------------------------------------------------------------- contract JSON
 
-_BASE_CONFIGS = [ModelConfig.from_hf_config(b) for b in BASES]
+_BASE_CONFIGS = [read_model_config(b) for b in BASES]
 CONTRACTS = [
     CacheContract.for_model(_BASE_CONFIGS[0], key_form="rotated", model_fingerprint="abc123"),
     CacheContract.for_model(_BASE_CONFIGS[1], key_form="raw", block_size=7, dtype="bfloat16"),

@@ -14,7 +14,7 @@ from test_architectures import MOE, TOL, scaled
 
 from ropekv.errors import ConfigError
 from ropekv.models import ReferenceDecoder, load_checkpoint
-from ropekv.models.config import ModelConfig
+from ropekv.models.hf_config import read_model_config
 
 W = 5
 QWEN2_MOE = {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48, **MOE}
@@ -64,7 +64,7 @@ def test_layer_types_are_derived_as_the_config_class_derives_them(arch, fields):
 
     layers = 30 if arch == "qwen2" and "max_window_layers" not in fields else 8  # the default 28 then shows
     theirs = AutoConfig.for_model(arch, **{**ARCH_BASE, "num_hidden_layers": layers, **fields})
-    ours = ModelConfig.from_hf_config(_config_json(arch, fields, layers))
+    ours = read_model_config(_config_json(arch, fields, layers))
     expected = tuple(
         getattr(theirs, "layer_types", None)
         or (["sliding_attention" if theirs.sliding_window else "full_attention"] * layers)
@@ -120,7 +120,7 @@ def test_exaone4_patterns_transformers_cannot_derive_are_refused(fields, message
         AutoConfig.for_model("exaone4", **{**ARCH_BASE, **fields})
     config = {**_config_json("exaone4", {"sliding_window": W}, 2), **fields}
     with pytest.raises(ConfigError, match=message):
-        ModelConfig.from_hf_config(config)
+        read_model_config(config)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "smollm3"])
@@ -133,10 +133,10 @@ def test_sliding_layers_without_use_sliding_window_are_refused(arch):
         "layer_types": ["sliding_attention", "full_attention"],
     }
     with pytest.raises(ConfigError, match="use_sliding_window is false"):
-        ModelConfig.from_hf_config(config)
+        read_model_config(config)
 
 
 def test_bidirectional_attention_is_refused():
     config = {**_config_json("gemma3_text", {"sliding_window": W}, 2), "use_bidirectional_attention": True}
     with pytest.raises(ConfigError, match="use_bidirectional_attention"):
-        ModelConfig.from_hf_config(config)
+        read_model_config(config)

@@ -14,7 +14,7 @@ import torch
 from ropekv.contract import CacheContract
 from ropekv.errors import ConfigError, ContractMismatch
 from ropekv.models import load_checkpoint
-from ropekv.models.config import ModelConfig
+from ropekv.models.hf_config import read_model_config
 from ropekv.rope import RopeSpec
 
 SECTIONS = [2, 3, 3]  # 8 frequency pairs of a 16-wide head
@@ -79,12 +79,12 @@ def test_bad_sections_are_refused_as_transformers_fails_on_them(make_arch_checkp
     config = json.loads((make_arch_checkpoint("qwen2_vl", rope_parameters=MROPE) / "config.json").read_text())
     config["text_config"]["rope_parameters"] = {**MROPE, "mrope_section": [2, 3, 4]}
     with pytest.raises(ConfigError, match=r"mrope_section must be positive integers summing to rotary_dim/2 = 8"):
-        ModelConfig.from_hf_config(config)
+        read_model_config(config)
     with pytest.raises(RuntimeError):  # the claim about transformers, checked: the sections must cover the pairs
         _hf_cos_sin_with(config["text_config"]["rope_parameters"])
     del config["text_config"]["rope_parameters"]["mrope_section"]  # transformers' default [16, 24, 24]: head 128
     with pytest.raises(ConfigError, match="summing to rotary_dim/2 = 8"):
-        ModelConfig.from_hf_config(config)
+        read_model_config(config)
 
 
 def _hf_cos_sin_with(rope_parameters):
@@ -100,8 +100,8 @@ def _hf_cos_sin_with(rope_parameters):
 def test_legacy_mrope_type_and_mrope_on_other_architectures(make_arch_checkpoint):
     config = json.loads((make_arch_checkpoint("qwen2_vl", rope_parameters=MROPE) / "config.json").read_text())
     config["text_config"]["rope_parameters"] = {"type": "mrope", "rope_theta": 1e4, "mrope_section": SECTIONS}
-    assert ModelConfig.from_hf_config(config).rope.mrope_section == (2, 3, 3)
+    assert read_model_config(config).rope.mrope_section == (2, 3, 3)
     llama = json.loads((make_arch_checkpoint("llama") / "config.json").read_text())
     llama["rope_parameters"] = MROPE  # llama's RoPE has no streams: refused, not read as plain RoPE silently
     with pytest.raises(ConfigError, match="unknown RoPE parameter"):
-        ModelConfig.from_hf_config(llama)
+        read_model_config(llama)

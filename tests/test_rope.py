@@ -29,6 +29,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from ropekv.errors import ConfigError
+from ropekv.models.rope_config import rope_from_hf_config
 from ropekv.rope import RopeScaling, RopeSpec, layout_permutation
 
 transformers.logging.set_verbosity_error()  # HF warns about unusual but valid random configs
@@ -57,7 +58,7 @@ def hf_config(head_dim: int, partial: float, theta: float, max_pos: int, rope: d
 
 
 def ours(config: LlamaConfig) -> RopeSpec:
-    return RopeSpec.from_hf_config(config.to_dict())
+    return rope_from_hf_config(config.to_dict())
 
 
 class _Float64Torch(types.ModuleType):
@@ -404,9 +405,9 @@ BASE = {"hidden_size": 64, "num_attention_heads": 4, "max_position_embeddings": 
 
 
 def test_legacy_rope_theta_and_rope_scaling():
-    spec = RopeSpec.from_hf_config({**BASE, "rope_theta": 500000.0, "rope_scaling": {"type": "linear", "factor": 4}})
+    spec = rope_from_hf_config({**BASE, "rope_theta": 500000.0, "rope_scaling": {"type": "linear", "factor": 4}})
     assert (spec.theta, spec.scaling.rope_type, spec.scaling.factor) == (500000.0, "linear", 4.0)
-    spec = RopeSpec.from_hf_config(
+    spec = rope_from_hf_config(
         {
             **BASE,
             "rope_theta": 500000.0,
@@ -420,18 +421,16 @@ def test_legacy_rope_theta_and_rope_scaling():
         }
     )
     assert spec.scaling.rope_type == "llama3" and spec.scaling.original_max_position_embeddings == 1024
-    spec = RopeSpec.from_hf_config({**BASE, "rope_scaling": None, "partial_rotary_factor": 0.5})
+    spec = rope_from_hf_config({**BASE, "rope_scaling": None, "partial_rotary_factor": 0.5})
     assert (spec.theta, spec.rotary_dim, spec.scaling.rope_type) == (10000.0, 8, "default")
     # yarn without original_max_position_embeddings falls back to max_position_embeddings
-    spec = RopeSpec.from_hf_config({**BASE, "rope_scaling": {"type": "yarn", "factor": 4.0}})
+    spec = rope_from_hf_config({**BASE, "rope_scaling": {"type": "yarn", "factor": 4.0}})
     assert spec.scaling.original_max_position_embeddings == 4096
 
 
 def test_legacy_and_new_forms_agree():
-    legacy = RopeSpec.from_hf_config({**BASE, "rope_theta": 1e6, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
-    new = RopeSpec.from_hf_config(
-        {**BASE, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}}
-    )
+    legacy = rope_from_hf_config({**BASE, "rope_theta": 1e6, "rope_scaling": {"type": "dynamic", "factor": 2.0}})
+    new = rope_from_hf_config({**BASE, "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e6}})
     assert legacy == new and legacy.fingerprint() == new.fingerprint()
 
 
@@ -443,14 +442,14 @@ def test_nested_per_layer_type_rope_parameters():
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
         },
     }
-    full = RopeSpec.from_hf_config(nested, layer_type="full_attention")
-    sliding = RopeSpec.from_hf_config(nested, layer_type="sliding_attention")
+    full = rope_from_hf_config(nested, layer_type="full_attention")
+    sliding = rope_from_hf_config(nested, layer_type="sliding_attention")
     assert (full.scaling.rope_type, full.theta) == ("linear", 1e6)
     assert (sliding.scaling.rope_type, sliding.theta) == ("default", 1e4)
     with pytest.raises(ConfigError, match="layer type"):
-        RopeSpec.from_hf_config(nested)
+        rope_from_hf_config(nested)
     with pytest.raises(ConfigError, match="chunked_attention"):
-        RopeSpec.from_hf_config(nested, layer_type="chunked_attention")
+        rope_from_hf_config(nested, layer_type="chunked_attention")
     same = {
         **BASE,
         "rope_parameters": {
@@ -458,7 +457,7 @@ def test_nested_per_layer_type_rope_parameters():
             "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
         },
     }
-    assert RopeSpec.from_hf_config(same).theta == 1e4
+    assert rope_from_hf_config(same).theta == 1e4
 
 
 @pytest.mark.parametrize(
@@ -471,7 +470,7 @@ def test_nested_per_layer_type_rope_parameters():
 def test_unknown_type_names_it(rope):
     name = rope.get("rope_type", rope.get("type"))
     with pytest.raises(ConfigError, match=name):
-        RopeSpec.from_hf_config({**BASE, "rope_parameters": rope})
+        rope_from_hf_config({**BASE, "rope_parameters": rope})
 
 
 @pytest.mark.parametrize(
@@ -486,22 +485,22 @@ def test_unknown_type_names_it(rope):
 )
 def test_missing_parameter_names_it(rope, missing):
     with pytest.raises(ConfigError, match=missing):
-        RopeSpec.from_hf_config({**BASE, "rope_parameters": rope})
+        rope_from_hf_config({**BASE, "rope_parameters": rope})
 
 
 def test_bad_values_raise_config_error():
     with pytest.raises(ConfigError, match="short_factor"):
-        RopeSpec.from_hf_config(
+        rope_from_hf_config(
             {**BASE, "rope_parameters": {"rope_type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 8}}
         )
     with pytest.raises(ConfigError, match="max_position_embeddings"):
-        RopeSpec.from_hf_config({"hidden_size": 64, "num_attention_heads": 4})
+        rope_from_hf_config({"hidden_size": 64, "num_attention_heads": 4})
     with pytest.raises(ConfigError, match="factor"):
-        RopeSpec.from_hf_config({**BASE, "rope_parameters": {"rope_type": "linear", "factor": -1.0}})
+        rope_from_hf_config({**BASE, "rope_parameters": {"rope_type": "linear", "factor": -1.0}})
     with pytest.raises(ConfigError, match="layout"):
-        RopeSpec.from_hf_config(BASE, layout="interleaved")
+        rope_from_hf_config(BASE, layout="interleaved")
     with pytest.raises(ConfigError, match="bogus"):
-        RopeSpec.from_hf_config({**BASE, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "bogus": 1}})
+        rope_from_hf_config({**BASE, "rope_parameters": {"rope_type": "linear", "factor": 2.0, "bogus": 1}})
 
 
 def test_fingerprint_stable_and_sensitive():
@@ -524,7 +523,7 @@ def test_fingerprint_stable_and_sensitive():
 
 
 def test_attention_factor_defaults_follow_transformers():
-    yarn = RopeSpec.from_hf_config(
+    yarn = rope_from_hf_config(
         {**BASE, "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}}
     )
     assert yarn.attention_factor == pytest.approx(0.1 * math.log(4.0) + 1.0)

@@ -4,6 +4,7 @@ import torch
 from transformers import DynamicCache
 
 from ropekv.models.config import Checkpoint
+from ropekv.models.hf_config import read_model_config
 from ropekv.parity.protocol import CaseRun, EngineDescription, FullRun, Ignored, StepRecord, Tier
 
 
@@ -12,7 +13,9 @@ class MyEngine:
 
     def __init__(self, model, name="my-engine"):
         self.model, self.name, self.dtype = model, name, next(model.parameters()).dtype
-        self.checkpoint = Checkpoint.from_tensors(model.config.to_dict(), model.state_dict(), source=name)
+        self.checkpoint = Checkpoint.from_tensors(
+            read_model_config(model.config.to_dict(), source=name), model.state_dict(), source=name
+        )
 
     def describe(self):  # the facts the harness reads are typed; the rest goes to the report as it is
         return EngineDescription(name=self.name, key_form="rotated", extra={"cache": "DynamicCache"})

@@ -52,6 +52,7 @@ from ..contract import DTYPES
 from ..errors import CheckpointError, RopeKVError, UsageError
 from ..models.config import Checkpoint
 from ..models.families import FAMILIES, family_of
+from ..models.hf_config import read_model_config
 from ..parity.cases import Case
 from ..parity.protocol import CaseRun, EngineDescription, FullRun, Ignored, StepRecord, Tier
 from ..parity.recorder import AttentionRecorder
@@ -187,7 +188,7 @@ class HFEngine:
         if self._checkpoint is None:
             source = f"transformers {type(self.model).__name__} {getattr(self.model, 'name_or_path', '') or ''}".strip()
             self._checkpoint = Checkpoint.from_tensors(
-                self.model.config.to_dict(), self.model.state_dict(), source=source
+                read_model_config(self.model.config.to_dict(), source=source), self.model.state_dict(), source=source
             )
         return self._checkpoint
 
@@ -532,10 +533,10 @@ class HFEngine:
         name = family_of(list(getattr(config, "architectures", None) or []), getattr(config, "model_type", None))
         fam = FAMILIES.get(name) if name is not None else None
         where, attn_name = (
-            (fam.hf_layers or fam.layers_prefix, fam.attn_module) if fam else ("model.layers", "self_attn")
+            (fam.hf.layers or fam.tensors.layers_prefix, fam.hf.attn_module) if fam else ("model.layers", "self_attn")
         )
-        self._attention_method = fam.hf_attention_method if fam else None
-        if fam is not None and fam.hf_attention_inline:
+        self._attention_method = fam.hf.attention_method if fam else None
+        if fam is not None and fam.hf.attention_inline:
             raise UsageError(
                 f"{type(self.model).__name__}: transformers' {fam.name} computes attention inline (no "
                 "attention interface, no attention method), so the transformers adapter cannot record "
@@ -569,7 +570,7 @@ def _multimodal(folder: Path) -> bool:
     if not isinstance(archs, list):
         archs = []
     family = family_of(archs, config.get("model_type"))
-    return family is not None and FAMILIES[family].text_config
+    return family is not None and FAMILIES[family].reading.text_config
 
 
 def _visibility(

@@ -13,6 +13,7 @@ from ..engine.attention import BackendName
 from ..engine.rotation import RotationPolicy
 from ..engine.transformer import DecoderWeights
 from ..models.config import Checkpoint
+from ..models.reference import MODEL_WINDOWS
 from ..parity.cases import OP_KINDS, Case
 from ..parity.protocol import CaseRun, EngineDescription, FullRun, Ignored, StepRecord, Tier
 
@@ -59,7 +60,7 @@ class NativeAdapter:
             key_form=self.key_form,
             block_size=case.block_size,
             dtype=self.dtype_name,
-            window="model" if case.window is None else case.window,
+            window=MODEL_WINDOWS if case.window is None else case.window,
             sink_tokens=case.sink_tokens,
             model_fingerprint=self.checkpoint.fingerprint,
         )

@@ -39,7 +39,7 @@ def measure_sweep(
 ) -> dict[str, Any]:
     from ..adapters.native import NativeAdapter
     from ..models import load_checkpoint
-    from ..models.reference import ReferenceDecoder
+    from ..models.reference import MODEL_WINDOWS, ReferenceDecoder
     from ..parity.cases import default_matrix, token_stream
     from ..parity.harness import check
 
@@ -68,7 +68,7 @@ def measure_sweep(
     if naive:  # what the longest case costs inside the sweep, piece by piece (explains the ratio)
         print(f"  the longest case's parts alone ({longest.label()})", file=sys.stderr, flush=True)
         rows = longest.decode_positions
-        window = "model" if longest.window is None else longest.window
+        window = MODEL_WINDOWS if longest.window is None else longest.window
         components = {}
         t0 = time.perf_counter()
         ReferenceDecoder(checkpoint, dtype=torch.float64).forward(

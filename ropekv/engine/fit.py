@@ -46,7 +46,7 @@ def check_contract_fits_model(checkpoint: Checkpoint, contract: CacheContract) -
                 f"layer_ropes: layer(s) {bad[:8]} turn with another RoPE (or none) in the contract than in the model",
             )
         )
-    if c.key_form == "raw" and cfg.qk_norm and cfg.family.qk_norm == "head_after_rope":
+    if c.key_form == "raw" and cfg.qk_norm and cfg.family.block.qk_norm == "head_after_rope":
         problems.append(
             (
                 "key_form",

@@ -70,7 +70,7 @@ class LayerWeights:
     mlp_out: Norm | None
     qkv: torch.Tensor | None  # [(H + 2 * KVH) * D, hidden]; None for MLA
     qkv_bias: torch.Tensor | None  # [(H + 2 * KVH) * D]
-    q_norm: Norm | None  # [D] per head, or [H * D] over the projection (family.qk_norm)
+    q_norm: Norm | None  # [D] per head, or [H * D] over the projection (family.block.qk_norm)
     k_norm: Norm | None
     o: torch.Tensor  # [hidden, H * D]
     o_bias: torch.Tensor | None
@@ -110,12 +110,12 @@ class DecoderWeights:
         def norm(name: str | None) -> Norm | None:
             if name is None:
                 return None
-            if fam.norm == "layer_plain":  # no tensors: weight one, no bias
+            if fam.block.norm == "layer_plain":  # no tensors: weight one, no bias
                 return Norm("layer", torch.ones(cfg.hidden_size, device=device, dtype=dtype), None)
             weight = w[name + ".weight"]
-            if fam.norm in ("rms_offset", "layer_offset"):
+            if fam.block.norm in ("rms_offset", "layer_offset"):
                 weight = (weight.float() + 1.0).to(dtype)
-            return Norm("layer" if fam.norm.startswith("layer") else "rms", weight, opt(name + ".bias"))
+            return Norm("layer" if fam.block.norm.startswith("layer") else "rms", weight, opt(name + ".bias"))
 
         def cat(names: list[str]) -> torch.Tensor | None:
             parts = [w[n] for n in names if n in w]
@@ -124,7 +124,7 @@ class DecoderWeights:
         def qk_norm(layer: int, name: str) -> Norm | None:
             if not cfg.layer_qk_norm(layer):
                 return None
-            if fam.qk_norm == "l2":  # llama4: RMS over the head without weights, as an RMSNorm of ones
+            if fam.block.qk_norm == "l2":  # llama4: RMS over the head without weights, as an RMSNorm of ones
                 return Norm("rms", torch.ones(cfg.head_dim, dtype=dtype, device=device), None)
             return norm(name)
 
@@ -133,7 +133,7 @@ class DecoderWeights:
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             a = p + "self_attn."
-            mlp = ["gate_proj", "up_proj"] if fam.mlp == "gated" else ["up_proj"]
+            mlp = ["gate_proj", "up_proj"] if fam.block.mlp == "gated" else ["up_proj"]
             spec = cfg.layer_moe(i)
             moe = None
             if spec is not None:
@@ -205,7 +205,7 @@ class DecoderWeights:
             )
         embed = w["model.embed_tokens.weight"]
         lm_head = embed if cfg.tie_word_embeddings else w["lm_head.weight"]
-        final_norm = norm(fam.final_norm)
+        final_norm = norm(fam.block.final_norm)
         assert final_norm is not None  # every family names its final norm
         return cls(cfg, embed, final_norm, lm_head, tuple(layers), opt("lm_head.bias"))
 
@@ -306,13 +306,13 @@ def project_qkv(
     q_end = cfg.num_heads * d
     k_end = q_end + cfg.num_kv_heads * d
     q, k, v = qkv[:, :q_end], qkv[:, q_end:k_end], qkv[:, k_end:]
-    if lw.q_norm is not None and cfg.family.qk_norm == "projection":
+    if lw.q_norm is not None and cfg.family.block.qk_norm == "projection":
         q = apply_norm(q, lw.q_norm, cfg.rms_norm_eps)
         k = apply_norm(k, lw.k_norm, cfg.rms_norm_eps)
     q = q.reshape(n, cfg.num_heads, d)
     k = k.reshape(n, cfg.num_kv_heads, d)
     v = v.reshape(n, cfg.num_kv_heads, d)
-    if lw.q_norm is not None and cfg.family.qk_norm in ("head", "per_head", "l2"):
+    if lw.q_norm is not None and cfg.family.block.qk_norm in ("head", "per_head", "l2"):
         q = apply_norm(q, lw.q_norm, cfg.rms_norm_eps)
         k = apply_norm(k, lw.k_norm, cfg.rms_norm_eps)
     if lw.temperature:
@@ -353,7 +353,7 @@ def query_temperature(cfg: ModelConfig, positions: torch.Tensor) -> torch.Tensor
 def after_rope(cfg: ModelConfig, norm: Norm | None, x: torch.Tensor) -> torch.Tensor:
     """The per-head q/k norm of families that apply it after RoPE (hunyuan: the kernel multiplies
     ``norm(R(p) q)`` by ``norm(R(j) k)``, and the cache holds the latter); identity for every other."""
-    if norm is None or cfg.family.qk_norm != "head_after_rope":
+    if norm is None or cfg.family.block.qk_norm != "head_after_rope":
         return x
     return apply_norm(x, norm, cfg.rms_norm_eps)
 
@@ -376,7 +376,7 @@ def _mlp(cfg: ModelConfig, lw: LayerWeights, x: torch.Tensor) -> torch.Tensor:
     if lw.moe is not None:
         return _moe(cfg, lw.moe, x)
     assert lw.gate_up is not None  # a dense MLP has its gate/up weights
-    if cfg.family.mlp == "gated":
+    if cfg.family.block.mlp == "gated":
         gate, up = F.linear(x, lw.gate_up, lw.gate_up_bias).chunk(2, dim=-1)
         return F.linear(activation(gate, cfg.hidden_act) * up, lw.down, lw.down_bias)
     up = F.linear(x, lw.gate_up, lw.gate_up_bias)

@@ -43,7 +43,7 @@ def load_checkpoint(
     if trust_remote_code:
         raise ConfigError("trust_remote_code=True is refused: ropekv never runs code shipped with a checkpoint")
     kind, p = _kind(path)
-    if kind == "default":
+    if kind == "default" or p is None:  # p is None exactly for the default model
         from .default import default_checkpoint
 
         return default_checkpoint()
@@ -59,7 +59,7 @@ def load_config(path: str | Path | None = None, *, gguf_layout: str = "neox") ->
     only ``config.json`` or the GGUF metadata: lets a command refuse bad arguments before loading weights.
     Refuses the same paths (pickles, missing or unsupported files) with the same errors."""
     kind, p = _kind(path)
-    if kind == "default":
+    if kind == "default" or p is None:  # p is None exactly for the default model
         from .default import default_config
 
         return default_config()

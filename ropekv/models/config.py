@@ -15,14 +15,23 @@ from typing import Any
 
 import torch
 
+from ..attention_kind import AttentionKindName, LayerAttention
 from ..errors import CheckpointError, ConfigError
-from ..rope import MAX_POSITIONS, RopeSpec, _finite, _is_real
-from .families import FAMILIES, REFUSED, Family, canonical_weights, family_of
+from ..numbers import is_finite_number, is_real
+from ..rope import MAX_POSITIONS, RopeSpec
+from .families import FAMILIES, Family, canonical_weights
 from .mla import MlaSpec
 from .moe import MoeSpec
 
 ARCHITECTURES = tuple(FAMILIES)
-LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+# transformers' layer_types strings, kept as the config's per-layer record (its to_dict and so its
+# fingerprint hold them), and the attention kind each one names (:class:`LayerAttention`).
+ATTENTION_KIND_OF_LAYER_TYPE: dict[str, AttentionKindName] = {
+    "full_attention": "full",
+    "sliding_attention": "sliding",
+    "chunked_attention": "chunked",
+}
+LAYER_TYPES = tuple(ATTENTION_KIND_OF_LAYER_TYPE)
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu", "relu2", "xielu")
 # xIELU's learned parameters, per layer under model.layers.{i}.mlp.act_fn. (apertus): shape of each
 XIELU_PARAMS = {"alpha_p": (1,), "alpha_n": (1,), "beta": (), "eps": ()}
@@ -86,7 +95,7 @@ class ModelConfig:
     attention_bias: bool = False  # bias on q, k, v projections
     o_bias: bool = False  # bias on o_proj
     mlp_bias: bool = False
-    qk_norm: bool = False  # q/k norms (per head or over the projection, before RoPE or after: family.qk_norm)
+    qk_norm: bool = False  # q/k norms (per head or over the projection, before RoPE or after: family.block.qk_norm)
     sliding_window: int | None = None
     layer_types: tuple[str, ...] = ()
     name: str = ""
@@ -100,7 +109,7 @@ class ModelConfig:
     logits_scale: float = 1.0
     moe: MoeSpec | None = None  # mixture-of-experts MLP on moe.sparse_layers (models/moe.py)
     mla: MlaSpec | None = None  # multi-head latent attention (models/mla.py): head_dim is the key's, nope + rope
-    parallel: bool = False  # attention and MLP both read the block input (family.parallel)
+    parallel: bool = False  # attention and MLP both read the block input (family.reading.parallel)
     clip_qkv: float | None = None  # q, k, v clamped to [-clip_qkv, clip_qkv] after their projections
     parallel_mlp_norm: bool = False  # a parallel block's MLP reads the input through its own norm (mlp_in)
     # KV groups of a grouped fused qkv where fewer than num_kv_heads (Falcon's new decoder
@@ -140,7 +149,7 @@ class ModelConfig:
         if self.num_layers > MAX_LAYERS:
             raise ConfigError(f"config field 'num_layers' = {self.num_layers} is implausible (at most {MAX_LAYERS})")
         eps = self.rms_norm_eps
-        if not _is_real(eps) or not _finite(eps) or eps < 0:
+        if not is_real(eps) or not is_finite_number(eps) or eps < 0:
             raise ConfigError(f"config field 'rms_norm_eps' must be a finite number >= 0, got {eps!r}")
         if not isinstance(self.rope, RopeSpec):
             raise ConfigError(f"config field 'rope' must be a RopeSpec, got {type(self.rope).__name__}")
@@ -170,7 +179,7 @@ class ModelConfig:
             raise ConfigError("chunked_attention layers need an attention_chunk_size")
         if self.hidden_act not in ACTIVATIONS:
             raise ConfigError(f"activation {self.hidden_act!r} is not supported; supported: {', '.join(ACTIVATIONS)}")
-        if self.hidden_act == "xielu" and (self.family.mlp != "plain" or self.moe is not None):
+        if self.hidden_act == "xielu" and (self.family.block.mlp != "plain" or self.moe is not None):
             raise ConfigError("the xielu activation is modelled on a plain dense MLP only (apertus)")
         if self.layer_ropes is not None:
             if not isinstance(self.layer_ropes, tuple) or len(self.layer_ropes) != self.num_layers:
@@ -184,7 +193,7 @@ class ModelConfig:
                 object.__setattr__(self, "layer_ropes", None)  # normalize: one RoPE for every layer
         for name in ("query_scale", "attn_softcap", "final_softcap", "clip_qkv"):
             value = getattr(self, name)
-            if value is not None and not (_is_real(value) and _finite(value) and value > 0):
+            if value is not None and not (is_real(value) and is_finite_number(value) and value > 0):
                 raise ConfigError(f"config field {name!r} must be a finite number > 0 or null, got {value!r}")
         if self.qkv_groups is not None and (
             not isinstance(self.qkv_groups, int)
@@ -201,11 +210,11 @@ class ModelConfig:
         if self.moe is not None and not isinstance(self.moe, MoeSpec):
             raise ConfigError(f"config field 'moe' must be a MoeSpec or None, got {type(self.moe).__name__}")
         t = self.temperature_floor_scale
-        if t is not None and not (_is_real(t) and _finite(t) and t > 0):
+        if t is not None and not (is_real(t) and is_finite_number(t) and t > 0):
             raise ConfigError(f"config field 'temperature_floor_scale' must be a finite number > 0 or null, got {t!r}")
         for name in ("embedding_scale", "residual_scale", "logits_scale", "temperature_attn_scale"):
             value = getattr(self, name)
-            if not (_is_real(value) and _finite(value)):
+            if not (is_real(value) and is_finite_number(value)):
                 raise ConfigError(f"config field {name!r} must be a finite number, got {value!r}")
         if self.mla is not None:
             self._check_mla()
@@ -240,8 +249,8 @@ class ModelConfig:
         under ``model.layers.{i}.``; None: no norm there). In a parallel block ``mlp_in`` is the
         MLP's own norm of the block input (``parallel_mlp_norm``), None where it shares ``attn_in``."""
         fam = self.family
-        mlp_in = (fam.mlp_in if self.parallel_mlp_norm else None) if self.parallel else fam.mlp_in
-        return fam.attn_in, fam.attn_out, mlp_in, fam.mlp_out
+        mlp_in = (fam.block.mlp_in if self.parallel_mlp_norm else None) if self.parallel else fam.block.mlp_in
+        return fam.block.attn_in, fam.block.attn_out, mlp_in, fam.block.mlp_out
 
     @property
     def attn_scale(self) -> float:
@@ -254,16 +263,29 @@ class ModelConfig:
         exists to go past it (up to ``factor`` times, as it was tuned for)."""
         if self.rope.scaling.rope_type == "dynamic":
             base = max(self.max_position_embeddings, self.rope.max_position_embeddings)
-            return int(base * max(1.0, self.rope.scaling.factor))
+            factor = self.rope.scaling.factor
+            assert factor is not None  # dynamic NTK requires it (RopeScaling)
+            return int(base * max(1.0, factor))
         return self.max_position_embeddings
+
+    def layer_attention(self, layer: int) -> LayerAttention:
+        """Which keys ``layer``'s queries see: its layer type with its window or chunk size."""
+        kind = ATTENTION_KIND_OF_LAYER_TYPE[self.layer_types[layer]]
+        size = {"full": None, "sliding": self.sliding_window, "chunked": self.attention_chunk_size}[kind]
+        return LayerAttention(kind, size)
+
+    @property
+    def layer_attentions(self) -> tuple[LayerAttention, ...]:
+        """:meth:`layer_attention` of every layer."""
+        return tuple(self.layer_attention(i) for i in range(self.num_layers))
 
     def layer_window(self, layer: int) -> int | None:
         """The window of ``layer``, or None for full attention."""
-        return self.sliding_window if self.layer_types[layer] == "sliding_attention" else None
+        return self.layer_attention(layer).window
 
     def layer_chunk(self, layer: int) -> int | None:
         """The chunk size of ``layer`` (a query at ``p`` sees keys at ``[floor(p/C)*C, p]``), or None."""
-        return self.attention_chunk_size if self.layer_types[layer] == "chunked_attention" else None
+        return self.layer_attention(layer).chunk
 
     def layer_temperature(self, layer: int) -> bool:
         """Whether ``layer``'s queries are scaled by llama4's position-dependent temperature (NoPE layers)."""
@@ -271,7 +293,7 @@ class ModelConfig:
 
     def layer_qk_norm(self, layer: int) -> bool:
         """Whether ``layer`` normalizes q and k (llama4's L2 norm only on layers that rotate)."""
-        return self.qk_norm and (self.family.qk_norm != "l2" or self.layer_rope(layer) is not None)
+        return self.qk_norm and (self.family.block.qk_norm != "l2" or self.layer_rope(layer) is not None)
 
     def layer_moe(self, layer: int) -> MoeSpec | None:
         """The MoE MLP of ``layer``, or None where the layer's MLP is dense."""
@@ -304,32 +326,21 @@ class ModelConfig:
                 del d[name]
         return d
 
-    @classmethod
-    def from_hf_config(
-        cls, config: Mapping[str, Any], *, source: str = "config.json", layout: str = "neox"
-    ) -> ModelConfig:
-        """Validate a transformers ``config.json`` dict, read as the architecture's own implementation
-        reads it (:mod:`ropekv.models.families`). Errors name ``source`` and the field; fields the
-        implementation ignores become ``warnings`` instead of being reinterpreted."""
-        from .hf_config import read_hf_config
-
-        return read_hf_config(cls, config, source=source, layout=layout)
-
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor a checkpoint of this config must hold, with its shape, under ropekv's canonical
         names (transformers' llama names; :func:`~ropekv.models.families.canonical_weights` maps others)."""
         fam = self.family
         h, d, i = self.hidden_size, self.head_dim, self.intermediate_size
         q, kv = self.num_heads * d, self.num_kv_heads * d
-        final = fam.final_norm
+        final = fam.block.final_norm
         shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h)}
-        norm_tensors = (".weight", ".bias") if fam.norm_bias else (".weight",)
-        if fam.norm == "layer_plain":  # no tensors
+        norm_tensors: tuple[str, ...] = (".weight", ".bias") if fam.block.norm_bias else (".weight",)
+        if fam.block.norm == "layer_plain":  # no tensors
             norm_tensors = ()
         shapes.update({final + t: (h,) for t in norm_tensors})
         if not self.tie_word_embeddings:
             shapes["lm_head.weight"] = (self.vocab_size, h)
-        if fam.lm_head_bias:
+        if fam.block.lm_head_bias:
             shapes["lm_head.bias"] = (self.vocab_size,)
         for n in range(self.num_layers):
             p = f"model.layers.{n}."
@@ -337,7 +348,7 @@ class ModelConfig:
                 if norm is not None:
                     shapes.update({p + norm + t: (h,) for t in norm_tensors})
             if self.mla is not None:
-                shapes.update(self._mla_shapes(p))
+                shapes.update(self._mla_shapes(self.mla, p))
             else:
                 shapes.update(
                     {
@@ -388,7 +399,7 @@ class ModelConfig:
                 shapes.update({p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i)})
                 if self.hidden_act == "xielu":
                     shapes.update({p + "mlp.act_fn." + n: shape for n, shape in XIELU_PARAMS.items()})
-            if fam.mlp == "gated" and moe is None:
+            if fam.block.mlp == "gated" and moe is None:
                 shapes[p + "mlp.gate_proj.weight"] = (i, h)
             if self.attention_bias and self.mla is None:
                 shapes.update(
@@ -402,26 +413,26 @@ class ModelConfig:
                 shapes[p + "self_attn.o_proj.bias"] = (h,)  # MLA: attention_bias too
             if self.mlp_bias and moe is None:
                 shapes.update({p + "mlp.up_proj.bias": (i,), p + "mlp.down_proj.bias": (h,)})
-                if fam.mlp == "gated":
+                if fam.block.mlp == "gated":
                     shapes[p + "mlp.gate_proj.bias"] = (i,)
             if self.attention_sinks:
                 shapes[p + "self_attn.sinks"] = (self.num_heads,)
-            if self.qk_norm and fam.qk_norm != "l2":  # llama4's L2 norm has no weights
+            if self.qk_norm and fam.block.qk_norm != "l2":  # llama4's L2 norm has no weights
                 qn, kn = {
                     "head": ((d,), (d,)),
                     "head_after_rope": ((d,), (d,)),
                     "per_head": ((self.num_heads, d), (self.num_kv_heads, d)),
                     "projection": ((q,), (kv,)),
-                }[fam.qk_norm]
+                }[fam.block.qk_norm]
                 shapes.update({p + "self_attn.q_norm.weight": qn, p + "self_attn.k_norm.weight": kn})
-                if fam.qk_norm_bias:
+                if fam.block.qk_norm_bias:
                     shapes.update({p + "self_attn.q_norm.bias": qn, p + "self_attn.k_norm.bias": kn})
         return shapes
 
-    def _mla_shapes(self, p: str) -> dict[str, tuple[int, ...]]:
+    def _mla_shapes(self, m: MlaSpec, p: str) -> dict[str, tuple[int, ...]]:
         """MLA's attention tensors under ``p`` (models/mla.py); ``attention_bias`` biases q_a_proj,
         kv_a_proj_with_mqa and o_proj."""
-        m, h, a = self.mla, self.hidden_size, p + "self_attn."
+        h, a = self.hidden_size, p + "self_attn."
         heads = self.num_heads
         shapes: dict[str, tuple[int, ...]] = {
             a + "kv_a_proj_with_mqa.weight": (m.kv_lora_rank + m.qk_rope_head_dim, h),
@@ -450,7 +461,8 @@ class ModelConfig:
         q, i = self.num_heads * self.head_dim, self.intermediate_size
         kv = (self.qkv_groups or self.num_kv_heads) * self.head_dim  # rows of k and of v in the fused tensor
         return {
-            name: (q, kv, kv) if parts[0] == "self_attn.q_proj" else (i, i) for name, parts in self.family.fused.items()
+            name: (q, kv, kv) if parts[0] == "self_attn.q_proj" else (i, i)
+            for name, parts in self.family.tensors.fused.items()
         }
 
 
@@ -472,15 +484,16 @@ class Checkpoint:
     @classmethod
     def from_tensors(
         cls,
-        config: ModelConfig | Mapping[str, Any],
+        config: ModelConfig,
         state_dict: Mapping[str, torch.Tensor],
         *,
         source: str = "tensors",
     ) -> Checkpoint:
-        """A checkpoint from a config (a :class:`ModelConfig` or a transformers ``config.json`` dict) and a
-        state dict (HF names), e.g. a model built in memory. Tensors are taken in float32 (shared, not
-        copied, where they already are); the fingerprint hashes the config and every weight byte."""
-        cfg = config if isinstance(config, ModelConfig) else ModelConfig.from_hf_config(dict(config), source=source)
+        """A checkpoint from a config and a state dict (HF names), e.g. a model built in memory (a
+        transformers ``config.json`` dict: :func:`~ropekv.models.hf_config.read_model_config` first).
+        Tensors are taken in float32 (shared, not copied, where they already are); the fingerprint
+        hashes the config and every weight byte."""
+        cfg = config
         expected = cfg.expected_shapes()
         state_dict = canonical_weights(cfg, state_dict, source)
         weights = {k: v.detach().to(torch.float32) for k, v in state_dict.items() if k in expected}
@@ -524,23 +537,3 @@ def fingerprint_of(config: ModelConfig, weights_digest: str) -> str:
     """Model fingerprint: config (including RoPE) plus a digest of the weights."""
     blob = json.dumps(config.to_dict(), sort_keys=True) + weights_digest
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def _architecture(config: Mapping[str, Any], source: str) -> str:
-    archs = config.get("architectures") or []
-    if not isinstance(archs, list):
-        raise ConfigError(f"{source}: field 'architectures' must be a list")
-    model_type = config.get("model_type")
-    family = family_of(archs, model_type)
-    if family is not None:
-        return family
-    named = archs[0] if archs else model_type
-    if named is None:
-        raise ConfigError(f"{source}: missing field 'model_type' (or 'architectures')")
-    refused = REFUSED.get(model_type) if isinstance(model_type, str) else None
-    if refused:
-        raise ConfigError(
-            f"{source}: unsupported architecture {named!r}: ropekv does not model its {refused} "
-            "yet (see docs/architectures.md)"
-        )
-    raise ConfigError(f"{source}: unsupported architecture {named!r}; supported: {', '.join(ARCHITECTURES)}")

@@ -40,6 +40,7 @@ from tqdm import tqdm
 from ..errors import CheckpointError, ConfigError
 from ..rope import LAYOUTS, layout_permutation
 from .config import Checkpoint, ModelConfig, fingerprint_of
+from .hf_config import read_model_config
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 _HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -429,7 +430,7 @@ def config_from_reader(
             f"{source}: a {arch} GGUF stores Q/K for the neox pairing (llama.cpp runs it with NEOX rope); "
             "only layout='neox' describes it"
         )
-    return ModelConfig.from_hf_config(hf, source=source, layout=layout), hf
+    return read_model_config(hf, source=source, layout=layout), hf
 
 
 def _plan(reader: GGUFReader, config: ModelConfig, source: str) -> list[tuple[str, Any]]:

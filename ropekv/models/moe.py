@@ -123,7 +123,7 @@ class MoeSpec:
                 raise ConfigError(f"MoE {name} must be a finite number > 0, got {v!r}")
 
     def to_dict(self) -> dict[str, Any]:
-        d = {
+        d: dict[str, Any] = {
             "router": self.router,
             "num_experts": self.num_experts,
             "top_k": self.top_k,
@@ -150,7 +150,7 @@ class MoeSpec:
 
 
 def read_moe(kind: str, config: Mapping[str, Any], num_layers: int, source: str) -> MoeSpec:
-    """The MoE MLP of a ``kind`` family (``FAMILIES[...].moe``) from its config.json."""
+    """The MoE MLP of a ``kind`` family (``FAMILIES[...].reading.moe``) from its config.json."""
 
     def integer(*names: str) -> int:
         for name in names:
@@ -269,8 +269,8 @@ def _read_deepseek(
                 return MoeSpec(
                     "softmax_group_limited",
                     normalize=False,
-                    num_groups=config.get("n_group"),
-                    top_groups=config.get("topk_group"),
+                    num_groups=_given(config, "n_group"),
+                    top_groups=_given(config, "topk_group"),
                     **common,
                 )
             raise ConfigError(
@@ -280,10 +280,15 @@ def _read_deepseek(
         return MoeSpec(
             "sigmoid_group",
             normalize=bool(config.get("norm_topk_prob", False)),
-            num_groups=config.get("n_group"),
-            top_groups=config.get("topk_group"),
+            num_groups=_given(config, "n_group"),
+            top_groups=_given(config, "topk_group"),
             correction_bias=True,
             **common,
         )
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
+
+
+def _given(config: Mapping[str, Any], name: str) -> Any:
+    """``config[name]`` as given, None where absent: MoeSpec validates it, naming the field."""
+    return config.get(name)

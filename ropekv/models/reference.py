@@ -25,6 +25,7 @@ better reference than HF itself.
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -35,8 +36,18 @@ import torch
 from ..errors import UsageError
 from ..probe import LayerProbe
 from .config import Checkpoint, ModelConfig
-from .mla import LATENT_NORM_EPS
+from .mla import LATENT_NORM_EPS, MlaSpec
 
+
+class ModelWindows(enum.StrEnum):
+    """``window=MODEL_WINDOWS``: each layer attends as its config says (its sliding window, its
+    chunk), rather than one window forced on every layer. Its value is the string ``"model"``, which
+    it equals, so that ``CacheContract.for_model``'s ``window="model"`` and recorded calls read the same."""
+
+    MODEL = "model"
+
+
+MODEL_WINDOWS = ModelWindows.MODEL
 _QUERY_BLOCK = 256  # queries per attention block: bounds memory at [H, block, T] scores
 
 
@@ -67,7 +78,7 @@ class ReferenceDecoder:
         tokens: torch.Tensor | Sequence[int],
         *,
         probe_rows: torch.Tensor | Sequence[int] | None = None,
-        window: int | None | str = "model",
+        window: int | ModelWindows | None = MODEL_WINDOWS,
         sink_tokens: int = 0,
         positions: torch.Tensor | Sequence[int] | None = None,
         key_mask: torch.Tensor | None = None,
@@ -75,10 +86,10 @@ class ReferenceDecoder:
     ) -> ReferenceOutput:
         """Logits ``[T, vocab]`` for ``tokens [T]`` at positions ``0..T-1``, plus per-layer probes.
 
-        ``window="model"`` gives each layer its configured window; an int applies that window to
+        ``window=MODEL_WINDOWS`` gives each layer its configured window; an int applies that window to
         every layer (and no chunks); None means full causal attention. Key ``j`` is visible to query
         ``i`` iff ``j <= i`` and (no window, or ``i - W < j``, or ``j < sink_tokens``); on a chunked
-        layer (``"model"`` only) also ``j >= floor(i / C) * C``, by position. Length-dependent RoPE
+        layer (``MODEL_WINDOWS`` only) also ``j >= floor(i / C) * C``, by position. Length-dependent RoPE
         (dynamic NTK, LongRoPE) uses ``seq_len = T``, as transformers does for a full forward.
 
         Cache operations (docs/ops.md) need two more things, both optional: ``positions [T]`` (strictly
@@ -97,7 +108,7 @@ class ReferenceDecoder:
         if logits_for not in ("all", "probed") or (logits_for == "probed" and rows is None):  # before any work
             raise UsageError(f"logits_for must be 'all', or 'probed' with probe_rows; got {logits_for!r}")
         windows = self._layer_windows(window)
-        chunks = [self.config.layer_chunk(i) if window == "model" else None for i in range(cfg.num_layers)]
+        chunks = [self.config.layer_chunk(i) if window == MODEL_WINDOWS else None for i in range(cfg.num_layers)]
         if not isinstance(sink_tokens, int) or isinstance(sink_tokens, bool) or sink_tokens < 0:
             raise UsageError(f"sink_tokens must be a non-negative integer, got {sink_tokens!r}")
 
@@ -116,20 +127,22 @@ class ReferenceDecoder:
             hidden_in = x
             h = self._norm(x, p, attn_in)
             if cfg.mla is not None:
-                q, k, v = self._mla_qkv(h, p)  # [T, H, D], [T, H, D], [T, H, v_head_dim]
+                q, k, v = self._mla_qkv(cfg.mla, h, p)  # [T, H, D], [T, H, D], [T, H, v_head_dim]
             else:
                 q, k, v = self._qkv(h, p)  # [T, H, D], [T, KVH, D], [T, KVH, D]
             rope = cfg.layer_rope(layer)  # None: a NoPE layer
-            if cfg.layer_temperature(layer):  # llama4 NoPE layers: q * (log1p(floor((p + 1) / f)) * s + 1)
-                temp = torch.log1p(torch.floor((positions.to(self.dtype) + 1) / cfg.temperature_floor_scale))
+            floor_scale = cfg.temperature_floor_scale  # set wherever layer_temperature is true
+            if cfg.layer_temperature(layer) and floor_scale is not None:
+                # llama4 NoPE layers: q * (log1p(floor((p + 1) / f)) * s + 1)
+                temp = torch.log1p(torch.floor((positions.to(self.dtype) + 1) / floor_scale))
                 q = q * (temp * cfg.temperature_attn_scale + 1)[:, None, None]
             q_rot = rope.rotate(q, positions, seq_len=T) if rope is not None else q  # [T, H, D]
             k_rot = rope.rotate(k, positions, seq_len=T) if rope is not None else k  # [T, KVH, D]
-            if fam.qk_norm == "l2" and cfg.layer_qk_norm(layer):
+            if fam.block.qk_norm == "l2" and cfg.layer_qk_norm(layer):
                 # llama4 normalizes after RoPE, as here; the probes' raw q/k are the normalized ones before
                 # RoPE (what a raw-key cache holds), equal to these turned back since a rotation keeps norms.
                 q_rot, k_rot, q, k = _l2(q_rot, cfg), _l2(k_rot, cfg), _l2(q, cfg), _l2(k, cfg)
-            if cfg.qk_norm and fam.qk_norm == "head_after_rope":  # hunyuan: the kernel sees norm(R(p) x)
+            if cfg.qk_norm and fam.block.qk_norm == "head_after_rope":  # hunyuan: the kernel sees norm(R(p) x)
                 q_rot = self._norm(q_rot, p, "self_attn.q_norm")
                 k_rot = self._norm(k_rot, p, "self_attn.k_norm")
 
@@ -177,7 +190,7 @@ class ReferenceDecoder:
         logits_of_rows = logits_for == "probed"
         if logits_of_rows:
             x = x[rows]  # [R, hidden]
-        x = self._norm(x, "", fam.final_norm)
+        x = self._norm(x, "", fam.block.final_norm)
         head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
         logits = x @ self._w[head].T  # [T or R, vocab]
         if "lm_head.bias" in self._w:  # phi, gptj
@@ -215,21 +228,21 @@ class ReferenceDecoder:
         if cfg.clip_qkv is not None:  # olmo: a model feature, clamped before anything else
             q, k, v = (t.clamp(-cfg.clip_qkv, cfg.clip_qkv) for t in (q, k, v))
         v = v.view(T, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm and fam.qk_norm == "projection":  # olmo2: over the whole projection
+        if cfg.qk_norm and fam.block.qk_norm == "projection":  # olmo2: over the whole projection
             q = self._norm(q, p, "self_attn.q_norm")
             k = self._norm(k, p, "self_attn.k_norm")
         q = q.view(T, cfg.num_heads, cfg.head_dim)
         k = k.view(T, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm and fam.qk_norm in ("head", "per_head"):  # per_head: weights [H, D] / [KVH, D]
+        if cfg.qk_norm and fam.block.qk_norm in ("head", "per_head"):  # per_head: weights [H, D] / [KVH, D]
             q = self._norm(q, p, "self_attn.q_norm")
             k = self._norm(k, p, "self_attn.k_norm")
         return q, k, v
 
-    def _mla_qkv(self, h: torch.Tensor, p: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _mla_qkv(self, m: MlaSpec, h: torch.Tensor, p: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Multi-head latent attention (models/mla.py): raw q ``[T, H, nope + rope]``, the expanded raw
         key ``[T, H, nope + rope]`` (per-head ``k_nope``, then the one shared ``k_pe``, not yet rotated)
         and v ``[T, H, v_head_dim]``, from the compressed latent as transformers computes them."""
-        m, T, H, a = self.config.mla, h.shape[0], self.config.num_heads, p + "self_attn."
+        T, H, a = h.shape[0], self.config.num_heads, p + "self_attn."
         if m.q_lora_rank is None:
             q = self._linear(h, a + "q_proj")
         else:
@@ -255,7 +268,7 @@ class ReferenceDecoder:
         """
         if name is None:
             return x
-        kind, eps = self.config.family.norm, self.config.rms_norm_eps
+        kind, eps = self.config.family.block.norm, self.config.rms_norm_eps
         weight = 1.0 if kind == "layer_plain" else self._w[prefix + name + ".weight"]
         if kind in ("rms_offset", "layer_offset"):
             weight = 1.0 + weight
@@ -275,7 +288,7 @@ class ReferenceDecoder:
 
     def _dense_mlp(self, h: torch.Tensor, p: str) -> torch.Tensor:
         up = self._linear(h, p + "up_proj")
-        if self.config.family.mlp == "gated":
+        if self.config.family.block.mlp == "gated":
             up = _activation(self._linear(h, p + "gate_proj"), self.config.hidden_act) * up
         elif self.config.hidden_act == "xielu":
             up = self._xielu(up, p + "act_fn.")
@@ -432,10 +445,10 @@ class ReferenceDecoder:
             raise UsageError(f"probe_rows must be in [0, {T}), got {r.tolist()}")
         return r
 
-    def _layer_windows(self, window: int | None | str) -> list[int | None]:
+    def _layer_windows(self, window: int | ModelWindows | None) -> list[int | None]:
         n = self.config.num_layers
-        if isinstance(window, str):
-            if window != "model":
+        if isinstance(window, str):  # MODEL_WINDOWS (a str enum: "model" reads the same)
+            if window != MODEL_WINDOWS:
                 raise UsageError(f"window must be 'model', None or a positive integer, got {window!r}")
             return [self.config.layer_window(i) for i in range(n)]
         if window is None:

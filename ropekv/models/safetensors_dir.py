@@ -27,6 +27,7 @@ from safetensors import safe_open
 from ..errors import CheckpointError, ConfigError
 from .config import Checkpoint, ModelConfig, fingerprint_of
 from .families import canonical_weights
+from .hf_config import read_model_config
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -87,8 +88,7 @@ def weights_digest(weights: Mapping[str, torch.Tensor]) -> str:
     for name in sorted(weights):
         t = weights[name].detach().cpu().contiguous()
         h.update(json.dumps([name, list(t.shape), str(t.dtype)]).encode())
-        raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
-        view = memoryview(raw)
+        view = t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else memoryview(b"")
         for start in range(0, len(view), _HASH_CHUNK):
             h.update(view[start : start + _HASH_CHUNK])
     return h.hexdigest()
@@ -121,7 +121,7 @@ def _read_json(file: Path, error: type[Exception]) -> Any:
 
 def _read_config(file: Path, layout: str) -> ModelConfig:
     data = _read_json(file, ConfigError)
-    return ModelConfig.from_hf_config(data, source=str(file), layout=layout)
+    return read_model_config(data, source=str(file), layout=layout)
 
 
 # ---------------------------------------------------------------------- which files
@@ -133,7 +133,8 @@ def _weight_files(root: Path) -> dict[Path, list[str] | None]:
     if single.is_file():
         return {single: None}
     if index.is_file():
-        return _read_index(root, index)
+        shards: dict[Path, list[str] | None] = dict(_read_index(root, index))
+        return shards
     pickles = sorted(p.name for p in root.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES)
     if pickles:
         raise CheckpointError(

@@ -19,7 +19,7 @@ import torch
 from ..contract import DTYPES
 from ..errors import UsageError
 from ..models.config import Checkpoint, ModelConfig
-from ..models.reference import ReferenceDecoder, ReferenceOutput
+from ..models.reference import MODEL_WINDOWS, ReferenceDecoder, ReferenceOutput
 from ..probe import LayerProbe
 from . import ops
 from .bug_class import BugClass
@@ -364,7 +364,7 @@ class _References:
             n = max(rows) + 1
             if self.bar:
                 self.bar.describe(f"float64 reference forward over {n} tokens")
-            window = "model" if case.window is None else case.window
+            window = MODEL_WINDOWS if case.window is None else case.window
             t0 = time.perf_counter()
             self._ref[key] = self.decoder.forward(
                 self.tokens[:n], probe_rows=rows, window=window, sink_tokens=case.sink_tokens, logits_for="probed"

@@ -25,7 +25,7 @@ import dataclasses
 import torch
 
 from ..errors import UsageError
-from ..models.reference import ReferenceDecoder, ReferenceOutput
+from ..models.reference import MODEL_WINDOWS, ReferenceDecoder, ReferenceOutput
 from .bug_class import BugClass
 from .cases import Case
 from .compare import RefRow
@@ -45,7 +45,7 @@ def own_reference(decoder: ReferenceDecoder, case: Case, tokens: torch.Tensor) -
     d = case.shift
     rows = [t - d for t in case.decode_positions]  # token indices
     T = max(rows) + 1
-    window = "model" if case.window is None else case.window
+    window = MODEL_WINDOWS if case.window is None else case.window
     if case.op.kind == "shift":
         return decoder.forward(
             tokens[:T], probe_rows=rows, window=window, sink_tokens=case.sink_tokens, positions=torch.arange(T) + d

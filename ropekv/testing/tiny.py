@@ -16,6 +16,7 @@ import torch
 
 from ..errors import UsageError
 from ..models.config import Checkpoint
+from ..models.hf_config import read_model_config
 
 TINY_BASE: dict[str, Any] = dict(
     vocab_size=96,
@@ -81,4 +82,6 @@ def tiny_checkpoint(arch: str = "llama", *, save_to: str | Path | None = None, *
         path = Path(save_to)
         model.save_pretrained(path)
         return path
-    return Checkpoint.from_tensors(model.config.to_dict(), model.state_dict(), source=f"tiny {arch}")
+    return Checkpoint.from_tensors(
+        read_model_config(model.config.to_dict(), source=f"tiny {arch}"), model.state_dict(), source=f"tiny {arch}"
+    )

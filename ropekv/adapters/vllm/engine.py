@@ -30,6 +30,7 @@ import torch
 from ...contract import DTYPES
 from ...errors import AdapterError, CheckpointError, ConfigError, EngineUnavailable, RopeKVError, UsageError
 from ...models.config import ModelConfig
+from ...models.hf_config import read_model_config
 from ...parity.cases import Case
 from ...parity.protocol import CaseRun, EngineDescription, FullRun, Ignored, StepRecord, Tier
 from . import forced
@@ -355,7 +356,7 @@ def _read_config(folder: Path) -> dict:
         raise CheckpointError(f"{folder}: no config.json") from None
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{path}: unreadable: {exc}") from None
-    ModelConfig.from_hf_config(config, source=str(path))  # ConfigError for what ropekv cannot reference
+    read_model_config(config, source=str(path))  # ConfigError for what ropekv cannot reference
     return config
 
 
