@@ -7,18 +7,23 @@ steps the harness compares (positions from ``case.decode_positions``, as the eng
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from ..engine import Engine
+from ..errors import UsageError
 from ..parity.cases import Case
 from ..parity.protocol import CaseRun, StepRecord
+from .native_steps import prefill_case
 
 
-def run_op_case(adapter, engine: Engine, case: Case, tokens: torch.Tensor) -> CaseRun:
-    from .native import prefill_case
-
+def run_op_case(make_engine: Callable[[Case], Engine], engine: Engine, case: Case, tokens: torch.Tensor) -> CaseRun:
+    """Run ``case`` (``case.op`` set) on ``engine``; ``make_engine(case)`` builds the fresh engine a
+    restore loads into."""
+    if case.op is None:
+        raise UsageError(f"case {case.label()} has no cache operation to run")
     kind, amount = case.op.kind, case.op.amount
     if kind == "batch":
         return _batch(engine, case, tokens)
@@ -40,7 +45,7 @@ def run_op_case(adapter, engine: Engine, case: Case, tokens: torch.Tensor) -> Ca
         with tempfile.TemporaryDirectory(prefix="ropekv-restore-") as tmp:
             path = Path(tmp) / "prompt.safetensors"
             size = engine.save("prompt", path, tokens[:n])
-            engine = adapter.make_engine(case)  # a fresh engine: nothing survives but the file
+            engine = make_engine(case)  # a fresh engine: nothing survives but the file
             engine.load(path)
         notes = (f"saved to a {size}-byte safetensors file and restored into a fresh engine",)
     steps = []

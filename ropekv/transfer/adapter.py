@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from ..adapters.native import NativeAdapter, decode_steps, prefill_case
+from ..adapters.native import NativeAdapter
+from ..adapters.native_steps import decode_steps, prefill_case
 from ..contract import CacheContract
 from ..engine import Engine
 from ..errors import UsageError
