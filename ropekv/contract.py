@@ -315,7 +315,7 @@ class CacheContract:
                     raise ConfigError(f"contract layer_ropes[{i}].head_dim {spec.head_dim} != head_dim {self.head_dim}")
             if all(spec == self.rope for spec in self.layer_ropes):
                 object.__setattr__(self, "layer_ropes", None)  # one RoPE for every layer
-        self.layers  # built once, here, from the fields just validated
+        _ = self.layers  # the per-layer records, built once here from the fields just validated
         if self.mla is not None:
             self._check_mla()
 

@@ -75,11 +75,11 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..faults.catalogue import ARCH_FAULTS, FAULTS, get_fault
+    from ..faults.registry import ARCH_FAULTS, FAULTS, get_fault, listing
 
     if args.list_faults:
         for f in [*FAULTS.values(), *ARCH_FAULTS.values()]:
-            print(f"{f.name:28s} -> {f.kind:22s} {f.description} (shows with: {f.shows_when})")
+            print(listing(f))
         return 0
     # Everything that can be refused is refused before any heavy work.
     fault = get_fault(args.inject) if args.inject else None

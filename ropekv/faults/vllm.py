@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,17 +26,19 @@ import torch
 from ..adapters.vllm import kv_layout
 from ..errors import UsageError
 from ..rope import apply_rotation
+from .record import Fault, FaultEngine
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..adapters.vllm.engine import VLLMEngine
 
 
-@dataclass(frozen=True)
-class VLLMFault:
-    name: str
-    kind: str  # the bug class forensics should name
-    summary: str
-    install: Callable[[VLLMEngine], list[Callable[[], None]]]  # patches; returns the undo steps
+@dataclass(frozen=True, kw_only=True)
+class VLLMFault(Fault):
+    """A :class:`~ropekv.faults.record.Fault` patched into the running vLLM; ``install(engine)``
+    patches it and returns the undo steps."""
+
+    engine: FaultEngine = field(default="vllm", init=False)
+    install: Callable[[VLLMEngine], list[Callable[[], None]]]
 
 
 def _is_decode(positions: torch.Tensor) -> bool:
@@ -130,43 +132,40 @@ def _turned_copy(kv_cache: torch.Tensor, md, rope: torch.nn.Module, isa: str, tu
     return copy, dataclasses.replace(md, block_table=table)
 
 
-FAULTS: dict[str, VLLMFault] = {
-    f.name: f
-    for f in (
-        VLLMFault(
-            "double_rotation",
-            "double_rotation",
-            "decode reads every cached key rotated a second time (R(2j) k_j)",
-            lambda e: _install_reader(e, lambda positions, slots: positions),
-        ),
-        VLLMFault(
-            "query_position_offset",
-            "query_position_offset",
-            "decode rotates the query at t + 1",
-            lambda e: _patch_rotary(e, _query_off_by_one),
-        ),
-        VLLMFault(
-            "slot_as_position",
-            "slot_as_position",
-            "decode re-indexes cached keys by their physical slot (R(slot) k_j)",
-            lambda e: _install_reader(e, lambda positions, slots: slots - positions),
-        ),
-        VLLMFault(
-            "frequency_mismatch",
-            "frequency_mismatch",
-            "decode rotates with another RoPE base (10,000)",
-            lambda e: _patch_rotary(e, _decode_base),
-        ),
-    )
-}
+CATALOGUE: tuple[VLLMFault, ...] = (
+    VLLMFault(
+        name="double_rotation",
+        kind="double_rotation",
+        description="decode reads every cached key rotated a second time (R(2j) k_j)",
+        install=lambda e: _install_reader(e, lambda positions, slots: positions),
+    ),
+    VLLMFault(
+        name="query_position_offset",
+        kind="query_position_offset",
+        description="decode rotates the query at t + 1",
+        install=lambda e: _patch_rotary(e, _query_off_by_one),
+    ),
+    VLLMFault(
+        name="slot_as_position",
+        kind="slot_as_position",
+        description="decode re-indexes cached keys by their physical slot (R(slot) k_j)",
+        install=lambda e: _install_reader(e, lambda positions, slots: slots - positions),
+    ),
+    VLLMFault(
+        name="frequency_mismatch",
+        kind="frequency_mismatch",
+        description="decode rotates with another RoPE base (10,000)",
+        install=lambda e: _patch_rotary(e, _decode_base),
+    ),
+)
 
 
 @contextlib.contextmanager
 def injected(engine: VLLMEngine, name: str) -> Iterator[VLLMFault]:
-    """Patch ``engine``'s running vLLM with fault ``name`` for the duration of the block."""
-    if name not in FAULTS:
-        raise UsageError(f"unknown vLLM fault {name!r}; known: {', '.join(FAULTS)}")
-    fault = FAULTS[name]
+    """Patch ``engine``'s running vLLM with fault ``name`` (of :data:`CATALOGUE`) for the duration of the block."""
+    fault = next((f for f in CATALOGUE if f.name == name), None)
+    if fault is None:
+        raise UsageError(f"unknown vLLM fault {name!r}; known: {', '.join(f.name for f in CATALOGUE)}")
     undo = fault.install(engine)
     try:
         yield fault

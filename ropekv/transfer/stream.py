@@ -32,11 +32,12 @@ from typing import Any
 
 import torch
 
+from ..cache.import_policy import ImportPolicy
 from ..cache.paged import PagedKVCache, Reservation, head_rows, pool_rows
 from ..contract import CacheContract
 from ..errors import ALL_ERRORS, ContractMismatch, PayloadError, RopeKVError, TransportError, UsageError
 from .handshake import Channel, Posted
-from .importer import ImportPolicy, all_positions, plan_import
+from .importer import all_positions, plan_import
 from .payload import MAX_TOKENS, _contract, _is_int, window_rows
 
 FORMAT = "ropekv.stream"
