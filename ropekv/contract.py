@@ -400,7 +400,7 @@ class CacheContract:
         dtype: str = "float32",
         window: int | str | None = "model",
         sink_tokens: int = 0,
-        rotation_index: str = "logical",
+        rotation_index: RotationIndex = "logical",
         model_fingerprint: str = "",
         mla_form: MlaForm = "expanded",
     ) -> CacheContract:
@@ -433,11 +433,11 @@ class CacheContract:
             offset, head_dim = mla.row()
             kv_heads = kv_heads if mla_form == "expanded" else 1
 
-            def row(spec: RopeSpec | None) -> RopeSpec | None:
-                return None if spec is None else spec.replace(head_dim=head_dim, rotary_offset=offset)
+            def row(spec: RopeSpec) -> RopeSpec:
+                return spec.replace(head_dim=head_dim, rotary_offset=offset)
 
             rope = row(rope)
-            layer_ropes = None if layer_ropes is None else tuple(row(r) for r in layer_ropes)
+            layer_ropes = None if layer_ropes is None else tuple(None if r is None else row(r) for r in layer_ropes)
         return cls(
             key_form=key_form,
             rope=rope,

@@ -60,7 +60,7 @@ def _batch(engine: Engine, case: Case, tokens: torch.Tensor) -> CaseRun:
     ids = [f"row{r}" for r in range(len(lengths))]
     for sid, L in zip(ids, lengths):
         engine.prefill(sid, tokens[:L], chunk_size=case.chunk)
-    steps = []
+    steps: list[StepRecord] = []
     for s in range(case.decode_steps):
         outs = engine.decode_batch(ids, torch.stack([tokens[L + s] for L in lengths]), probe=True)
         steps.extend(StepRecord(position=int(o.positions[0]), logits=o.logits[0], layers=o.layers) for o in outs)

@@ -19,7 +19,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -52,10 +52,19 @@ def _rotary_modules(engine: VLLMEngine) -> list[torch.nn.Module]:
     return list(seen.values())
 
 
+def _unpatch(obj: Any, name: str) -> Callable[[], None]:
+    """The undo step of a patch of ``obj``'s instance attribute ``name``: drop it (the class's shows again)."""
+
+    def undo() -> None:
+        obj.__dict__.pop(name, None)
+
+    return undo
+
+
 def _patch_rotary(engine: VLLMEngine, decode_forward) -> list[Callable[[], None]]:
     """Replace each rotary module's ``forward`` on decode steps by ``decode_forward(rope, original,
     positions, query, key)``; prefill keeps the original."""
-    undo = []
+    undo: list[Callable[[], None]] = []
     for rope in _rotary_modules(engine):
         original = rope.forward
 
@@ -65,7 +74,7 @@ def _patch_rotary(engine: VLLMEngine, decode_forward) -> list[Callable[[], None]
             return _original(positions, query, key)
 
         rope.forward = forward
-        undo.append(lambda r=rope: r.__dict__.pop("forward", None))
+        undo.append(_unpatch(rope, "forward"))
     return undo
 
 
@@ -92,11 +101,13 @@ def _decode_base(rope, original, positions, query, key):
         rope.cos_sin_cache = table
 
 
-def _install_reader(engine: VLLMEngine, turn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+def _install_reader(
+    engine: VLLMEngine, turn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> list[Callable[[], None]]:
     """Patch each layer's CPU attention ``forward`` so that on decode the kernel reads every cached key
     turned once more by ``turn(positions, slots)`` (a buggy re-indexing step on the decode read path)."""
     rope = _rotary_modules(engine)[0]
-    undo = []
+    undo: list[Callable[[], None]] = []
     for layer in engine.model.model.layers:
         impl = layer.self_attn.attn.impl
         original = impl.forward
@@ -107,11 +118,11 @@ def _install_reader(engine: VLLMEngine, turn: Callable[[torch.Tensor, torch.Tens
             return _original(layer_, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
 
         impl.forward = forward
-        undo.append(lambda i=impl: i.__dict__.pop("forward", None))
+        undo.append(_unpatch(impl, "forward"))
     return undo
 
 
-def _turned_copy(kv_cache: torch.Tensor, md, rope: torch.nn.Module, isa: str, turn):
+def _turned_copy(kv_cache: torch.Tensor, md, rope: Any, isa: str, turn):
     """A copy of the request's blocks with every key turned by ``turn(positions, slots)``, and metadata
     whose block table points at the copy (the real cache is left as it is)."""
     # kv_cache: [num_blocks, KVH, B, 2D]; one request (the adapter runs them one by one)

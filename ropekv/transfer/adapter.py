@@ -14,7 +14,7 @@ the keys below it sit at ``2j`` and later keys at ``j``.
 from __future__ import annotations
 
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ import torch
 from ..adapters.native import NativeAdapter
 from ..adapters.native_steps import decode_steps, prefill_case
 from ..cache.import_policy import ImportPolicy
-from ..contract import CacheContract
+from ..contract import CacheContract, KeyForm
 from ..engine import Engine
 from ..errors import UsageError
 from ..models.config import Checkpoint
@@ -57,8 +57,8 @@ class HandoffAdapter:
         self,
         checkpoint: Checkpoint,
         *,
-        prefill_key_form: str = "rotated",
-        decode_key_form: str | None = None,
+        prefill_key_form: KeyForm = "rotated",
+        decode_key_form: KeyForm | None = None,
         convert: str = "never",
         dtype: str = "float32",
         decode_checkpoint: Checkpoint | None = None,
@@ -119,6 +119,8 @@ class HandoffAdapter:
 
     def handed_off(self, case: Case, tokens: torch.Tensor) -> tuple[Engine, Hashable, int]:
         """Prefill the case (prefix hit included), hand it off; returns (decode engine, sequence, tokens)."""
+        if self.prefill_side is None:
+            raise UsageError(f"no prefill side to run case {case.label()} on")
         prefill = self.prefill_side.make_engine(case)
         seq, n = "prompt", case.prefix + case.length
         prefill_case(prefill, case, tokens, seq)
@@ -146,7 +148,7 @@ class ServedHandoffAdapter(HandoffAdapter):
         self,
         decode: NativeAdapter,
         engine: Engine,
-        sequences: dict[Case, tuple[Hashable, int]],
+        sequences: Mapping[Case, tuple[Hashable, int]],
         *,
         prefill_contract: CacheContract,
         convert: str,

@@ -62,7 +62,7 @@ def plan_import(ours: CacheContract, theirs: CacheContract, convert: str = "neve
     return None  # unreachable: diffs were non-empty
 
 
-def export_handoff(cache: PagedKVCache, seq_id: Hashable, tokens: torch.Tensor) -> Handoff:
+def export_handoff(cache: PagedKVCache, seq_id: str | int, tokens: torch.Tensor) -> Handoff:
     """The cached state of ``seq_id`` in ``cache`` (copies); ``tokens [n]`` are the ids it has consumed."""
     c = cache.contract
     n = cache.num_tokens(seq_id)  # CacheError for an unknown sequence

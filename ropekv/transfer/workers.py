@@ -402,7 +402,7 @@ def _run_decode(
     out["handshake"] = result.to_dict()
     policy = get_handoff_fault(args.inject).policy() if args.inject else None
     tokens = token_stream(checkpoint.config.vocab_size, max(p.case.length for p in mine), args.seed)
-    by_index = {p.index: p for p in mine}
+    by_index: dict[object, Planned] = {p.index: p for p in mine}  # keyed by what a message may say
     sequences: dict[Case, tuple[str, int]] = {}
     out["received"] = received = []
     while True:
@@ -543,12 +543,12 @@ def _env_int(name: str, default: int | None = None) -> int:
     value = os.environ.get(name)
     if value is None and default is not None:
         return default
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise UsageError(
-            f"environment variable {name}={value!r} is not an integer: run under torchrun, or use `ropekv handoff`"
-        ) from None
+    if value is not None:
+        with contextlib.suppress(ValueError):
+            return int(value)
+    raise UsageError(
+        f"environment variable {name}={value!r} is not an integer: run under torchrun, or use `ropekv handoff`"
+    )
 
 
 def _describe_transfer(f: dict[str, Any]) -> str:

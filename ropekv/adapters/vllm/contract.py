@@ -87,7 +87,7 @@ class VLLMContract:
 
 
 def read_contract(
-    model: torch.nn.Module, spec: RopeSpec, *, block_size: int, dtype: torch.dtype, kv_cache_dtype: str
+    model: Any, spec: RopeSpec, *, block_size: int, dtype: torch.dtype, kv_cache_dtype: str
 ) -> VLLMContract:
     """Read the contract from vLLM's loaded ``model`` (a ``*ForCausalLM`` with ``model.layers``)."""
     layers = list(model.model.layers)
