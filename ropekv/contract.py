@@ -11,6 +11,7 @@ convention (:meth:`CacheContract.require_compatible`) instead of silently comput
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -187,6 +188,16 @@ def consequence(diff: FieldDiff) -> str:
     return _CONSEQUENCES[field]
 
 
+@dataclass(frozen=True)
+class LayerContract:
+    """What one layer's cached keys mean beyond the fields every layer shares: which keys its queries
+    see (:class:`LayerAttention`: full, sliding window, chunk) and the :class:`RopeSpec` its keys turn
+    with (None: a layer without position embedding, NoPE)."""
+
+    attention: LayerAttention
+    rope: RopeSpec | None
+
+
 @dataclass(frozen=True, kw_only=True)
 class CacheContract:
     """Everything that decides what a cached key means. Frozen; invalid combinations raise ConfigError.
@@ -219,6 +230,11 @@ class CacheContract:
     - ``mla``: for multi-head latent attention, what a cache row holds (:class:`MlaCache`: expanded
       per-head keys or the compressed latent, and where the rope part sits); None otherwise. The rotated
       slice itself is the RoPE spec's (``rope.rotary_offset`` .. ``+ rope.rotary_dim``).
+
+    ``layers`` (derived, not a constructor argument and not serialized): one :class:`LayerContract` per
+    layer, built once from ``window``/``window_layers``, ``chunk_size``/``chunk_layers`` and
+    ``layer_ropes`` (the fields are the constructor's and the JSON's spelling). Every per-layer question
+    (:meth:`layer`, :meth:`layer_rope`, :meth:`layer_attention`, the layer-by-layer comparison) reads it.
 
     Rotated keys with a length-dependent RoPE (``rope.length_dependent``) are a valid contract to
     describe -- HF transformers caches exactly that -- even though cached decode then drifts from a full
@@ -299,8 +315,24 @@ class CacheContract:
                     raise ConfigError(f"contract layer_ropes[{i}].head_dim {spec.head_dim} != head_dim {self.head_dim}")
             if all(spec == self.rope for spec in self.layer_ropes):
                 object.__setattr__(self, "layer_ropes", None)  # one RoPE for every layer
+        _ = self.layers  # the per-layer records, built once here from the fields just validated
         if self.mla is not None:
             self._check_mla()
+
+    @functools.cached_property
+    def layers(self) -> tuple[LayerContract, ...]:
+        """One record per layer, from the flat fields (a layer has one attention kind: checked above).
+        Not a dataclass field: not an argument, not compared, not serialized (the flat fields are)."""
+        records = []
+        for i in range(self.num_layers):
+            if i in self.window_layers:
+                attention = LayerAttention("sliding", self.window)
+            elif i in self.chunk_layers:
+                attention = LayerAttention("chunked", self.chunk_size)
+            else:
+                attention = LayerAttention("full")
+            records.append(LayerContract(attention, self.rope if self.layer_ropes is None else self.layer_ropes[i]))
+        return tuple(records)
 
     def _check_mla(self) -> None:
         """The rows an MLA cache form implies: their size, head count and the rotated slice (the rope part)."""
@@ -314,8 +346,8 @@ class CacheContract:
                 f"{' in one head' if m.cached == 'latent' else ''}, got head_dim {self.head_dim}, "
                 f"num_kv_heads {self.num_kv_heads}"
             )
-        for i in range(self.num_layers):
-            spec = self.layer_rope(i)
+        for i, record in enumerate(self.layers):
+            spec = record.rope
             if spec is None or spec.rotary_offset != offset or spec.rotary_dim != m.qk_rope_head_dim:
                 raise ConfigError(
                     f"contract mla.cached={m.cached!r}: layer {i} must rotate exactly the rope part, "
@@ -343,17 +375,18 @@ class CacheContract:
                 f"{what} needs the layers it applies to, and layers need {what}"
             )
 
+    def layer(self, layer: int) -> LayerContract:
+        """Layer ``layer``'s record: its attention kind and its RoPE spec."""
+        return self.layers[layer]
+
     def layer_rope(self, layer: int) -> RopeSpec | None:
-        """The spec layer ``layer``'s keys turn with, or None for a NoPE layer."""
-        return self.rope if self.layer_ropes is None else self.layer_ropes[layer]
+        """The spec layer ``layer``'s keys turn with, or None for a NoPE layer (``layer(i).rope``)."""
+        return self.layers[layer].rope
 
     def layer_attention(self, layer: int) -> LayerAttention:
-        """Which keys layer ``layer``'s queries see: full, sliding (``window``) or chunked (``chunk_size``)."""
-        if layer in self.window_layers:
-            return LayerAttention("sliding", self.window)
-        if layer in self.chunk_layers:
-            return LayerAttention("chunked", self.chunk_size)
-        return LayerAttention("full")
+        """Which keys layer ``layer``'s queries see: full, sliding (``window``) or chunked (``chunk_size``)
+        (``layer(i).attention``)."""
+        return self.layers[layer].attention
 
     # ------------------------------------------------------------------ construction
 
@@ -367,7 +400,7 @@ class CacheContract:
         dtype: str = "float32",
         window: int | str | None = "model",
         sink_tokens: int = 0,
-        rotation_index: str = "logical",
+        rotation_index: RotationIndex = "logical",
         model_fingerprint: str = "",
         mla_form: MlaForm = "expanded",
     ) -> CacheContract:
@@ -400,11 +433,11 @@ class CacheContract:
             offset, head_dim = mla.row()
             kv_heads = kv_heads if mla_form == "expanded" else 1
 
-            def row(spec: RopeSpec | None) -> RopeSpec | None:
-                return None if spec is None else spec.replace(head_dim=head_dim, rotary_offset=offset)
+            def row(spec: RopeSpec) -> RopeSpec:
+                return spec.replace(head_dim=head_dim, rotary_offset=offset)
 
             rope = row(rope)
-            layer_ropes = None if layer_ropes is None else tuple(row(r) for r in layer_ropes)
+            layer_ropes = None if layer_ropes is None else tuple(None if r is None else row(r) for r in layer_ropes)
         return cls(
             key_form=key_form,
             rope=rope,
@@ -456,10 +489,9 @@ class CacheContract:
         whole |= {d.field for d in diffs if d.field == "mla"}  # MLA on one side only: one difference
         diffs = [d for d in diffs if not any(d.field.startswith(w + ".") for w in whole)]
         # Each layer whose attention kind differs, by name (the fields above say how the kinds are set).
-        for i in range(min(self.num_layers, other.num_layers)):
-            a, b = self.layer_attention(i), other.layer_attention(i)
-            if a != b:
-                diffs.append(FieldDiff(f"layers.{i}.attention", str(a), str(b)))
+        for i, (a, b) in enumerate(zip(self.layers, other.layers)):
+            if a.attention != b.attention:
+                diffs.append(FieldDiff(f"layers.{i}.attention", str(a.attention), str(b.attention)))
         return diffs
 
     def require_compatible(self, other: CacheContract, *, ours: str = "cache", theirs: str = "writer") -> None:
@@ -480,8 +512,8 @@ class CacheContract:
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"format": FORMAT, "version": FORMAT_VERSION if self.chunk_layers else 2}
-        for f in dataclasses.fields(self):
-            d[f.name] = getattr(self, f.name)
+        for name in _FIELDS:
+            d[name] = getattr(self, name)
         d["rope"] = self.rope.to_dict()
         d["window_layers"] = list(self.window_layers)
         if self.chunk_layers:
@@ -533,7 +565,7 @@ class CacheContract:
                         else "nothing would rotate raw keys on read (every key at position 0)"
                     )
                 )
-        expected = {f.name for f in dataclasses.fields(cls)} | {"format", "version"}
+        expected = set(_FIELDS) | {"format", "version"}
         optional = {"layer_ropes", "mla"}
         if version != 3:  # chunked attention exists from version 3 on; a version 3 document always has it
             expected -= {"chunk_size", "chunk_layers"}
@@ -574,6 +606,10 @@ class CacheContract:
             raise ConfigError(f"cache contract JSON has a value of the wrong type: {exc}") from None
 
 
+# The constructor's (and the JSON's) fields, in declaration order; ``layers`` is derived from them.
+_FIELDS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(CacheContract))
+
+
 def _check_int(name: str, value: Any, low: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise ConfigError(f"contract {name} must be an integer >= {low}, got {value!r}")
@@ -583,31 +619,29 @@ def _flat(c: CacheContract, per_layer: bool = False) -> dict[str, Any]:
     """Fields by dotted name, the RoPE spec (and its scaling) expanded; tuples stay tuples.
     ``per_layer``: each layer's spec too, as ``layers.{i}.rope.*`` (``layers.{i}.rope`` = None for NoPE)."""
     out: dict[str, Any] = {}
-    for f in dataclasses.fields(c):
-        value = getattr(c, f.name)
-        if f.name == "layer_ropes":
+    for name in _FIELDS:
+        value = getattr(c, name)
+        if name == "layer_ropes":
             if per_layer:
                 # The summary (each layer's spec fingerprint, None for NoPE), then every differing detail.
-                out["layer_ropes"] = tuple(
-                    None if c.layer_rope(i) is None else c.layer_rope(i).fingerprint() for i in range(c.num_layers)
-                )
-                for i in range(c.num_layers):
-                    spec = c.layer_rope(i)
+                out["layer_ropes"] = tuple(None if r.rope is None else r.rope.fingerprint() for r in c.layers)
+                for i, record in enumerate(c.layers):
+                    spec = record.rope
                     if spec is None:
                         out[f"layers.{i}.rope"] = None
                     else:
                         out[f"layers.{i}.rope"] = "RoPE"
                         _flat_rope(out, f"layers.{i}.rope", spec)
             continue
-        if f.name == "mla":  # "mla" = None where the model has no MLA, else its fields one by one
+        if name == "mla":  # "mla" = None where the model has no MLA, else its fields one by one
             if value is None:
                 out["mla"] = None
             else:
                 out["mla"] = "MLA"
                 out.update({f"mla.{k}": v for k, v in value.to_dict().items()})
             continue
-        if f.name != "rope":
-            out[f.name] = value
+        if name != "rope":
+            out[name] = value
             continue
         _flat_rope(out, "rope", value)
     return out

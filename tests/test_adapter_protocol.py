@@ -11,7 +11,7 @@ import torch
 from ropekv import check
 from ropekv.adapters.native import NativeAdapter
 from ropekv.errors import AdapterError, UsageError
-from ropekv.faults.catalogue import FAULTS
+from ropekv.faults.registry import FAULTS
 from ropekv.models import load_checkpoint
 from ropekv.parity.cases import Case
 from ropekv.parity.protocol import CaseRun, EngineDescription, FullRun, Tier

@@ -8,7 +8,7 @@ import torch
 
 from ropekv import check
 from ropekv.errors import UsageError
-from ropekv.faults.catalogue import ARCH_FAULTS, FAULTS, get_fault
+from ropekv.faults.registry import ARCH_FAULTS, FAULTS, get_fault
 from ropekv.models import ReferenceDecoder, load_checkpoint
 from ropekv.parity.cases import Case, token_stream
 from ropekv.parity.layer_forensics import diagnose_layer

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from handoff_hooks import CorruptInFlight, KillDecodeMidTransfer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -19,11 +20,12 @@ from ropekv.cli.main import main
 from ropekv.contract import CacheContract, MlaCache
 from ropekv.engine import Engine
 from ropekv.errors import CacheError, CapacityError, ContractMismatch, PayloadError, RopeKVError, UsageError
+from ropekv.faults.registry import get_handoff_fault
 from ropekv.models import load_checkpoint
 from ropekv.parity.cases import Case
 from ropekv.rope import RopeScaling, RopeSpec
 from ropekv.transfer import Handoff, read_payload, write_payload
-from ropekv.transfer.adapter import HandoffAdapter, get_handoff_fault
+from ropekv.transfer.adapter import HandoffAdapter
 from ropekv.transfer.handshake import decide
 from ropekv.transfer.importer import export_handoff, import_handoff
 from ropekv.transfer.payload import window_rows
@@ -291,10 +293,11 @@ def test_killed_decode_worker_then_a_restart(tiny_llama_dir, tmp_path):
     t0 = time.monotonic()
     (tmp_path / "killed").mkdir()
     outcomes = launch(
-        _worker_args(tiny_llama_dir, "--test-fault", "kill-decode-mid-transfer:1"),
+        _worker_args(tiny_llama_dir),
         2,
         timeout=20,
         workdir=tmp_path / "killed",
+        hooks=KillDecodeMidTransfer(1),
     )
     elapsed = time.monotonic() - t0
     prefill, decode = outcomes
@@ -308,7 +311,7 @@ def test_killed_decode_worker_then_a_restart(tiny_llama_dir, tmp_path):
     # without touching the decode worker's cache, and sent again.
     (tmp_path / "restart").mkdir()
     outcomes = launch(
-        _worker_args(tiny_llama_dir, "--test-fault", "corrupt-in-flight:1"), 2, timeout=20, workdir=tmp_path / "restart"
+        _worker_args(tiny_llama_dir), 2, timeout=20, workdir=tmp_path / "restart", hooks=CorruptInFlight(1)
     )
     prefill, decode = outcomes
     assert (prefill.exitcode, decode.exitcode) == (0, 0), prefill.log + decode.log

@@ -12,7 +12,8 @@ import pytest
 
 from ropekv import check
 from ropekv.adapters.native import NativeAdapter
-from ropekv.faults.catalogue import FAULTS, dynamic_variant
+from ropekv.faults.catalogue import dynamic_variant
+from ropekv.faults.registry import FAULTS
 from ropekv.models import load_checkpoint
 from ropekv.parity import harness
 from ropekv.parity.cases import Case, build_matrix, default_matrix

@@ -7,7 +7,8 @@ import pytest
 from conftest import BLOCK
 from replay import Replay
 
-from ropekv.faults.vllm import FAULTS, injected
+from ropekv.faults.registry import VLLM_FAULTS as FAULTS
+from ropekv.faults.vllm import injected
 from ropekv.parity.cases import Case
 from ropekv.parity.harness import check
 from ropekv.parity.protocol import Tier

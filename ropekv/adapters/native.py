@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 
 import torch
 
@@ -15,7 +15,9 @@ from ..engine.transformer import DecoderWeights
 from ..models.config import Checkpoint
 from ..models.reference import MODEL_WINDOWS
 from ..parity.cases import OP_KINDS, Case
-from ..parity.protocol import CaseRun, EngineDescription, FullRun, Ignored, StepRecord, Tier
+from ..parity.protocol import CaseRun, EngineDescription, FullRun, Ignored, Tier
+from .native_ops import run_op_case
+from .native_steps import decode_steps, prefill_case
 
 
 class NativeAdapter:
@@ -68,7 +70,6 @@ class NativeAdapter:
 
     def make_engine(self, case: Case, num_blocks: int | None = None) -> Engine:
         if num_blocks is None:
-            # Room for the parent and the child sequence, plus copy-on-write copies.
             # Room for the parent and the child sequence (every row of a batch), plus copy-on-write copies.
             rows = len(case.batch_lengths) if case.op is not None else 1
             draft = case.op.amount if case.op is not None and case.op.kind == "rollback" else 0
@@ -111,9 +112,7 @@ class NativeAdapter:
         self._last_case = case
         self._block_sizes.add(case.block_size)
         if case.op is not None:
-            from .native_ops import run_op_case
-
-            return run_op_case(self, engine, case, tokens)
+            return run_op_case(self.make_engine, engine, case, tokens)
         prefill_case(engine, case, tokens, "prompt")
         return CaseRun(decode_steps(engine, "prompt", case, tokens))
 
@@ -121,28 +120,3 @@ class NativeAdapter:
         engine = self.make_engine(case, num_blocks=1)
         out = engine.forward_full(tokens, probe_rows=rows, logits_rows=rows)
         return FullRun(rows=torch.as_tensor(rows), logits=out.logits, layers=out.layers)
-
-
-def prefill_case(engine: Engine, case: Case, tokens: torch.Tensor, seq_id: Hashable) -> None:
-    """The cached part of ``case`` before decoding: a prefix-cache hit at ``case.prefix`` (an earlier
-    request cached the prefix and, where no window can have overwritten it, a different continuation
-    that must not leak into this one), then ``case.length`` tokens prefilled in ``case.chunk`` pieces."""
-    end = case.prefix + case.length
-    if case.prefix:
-        parent = tokens[: case.prefix]
-        if engine.contract.window is None:  # no ring (neither the case nor the model has a window)
-            parent = torch.cat([parent, (tokens[:3] + 1) % engine.config.vocab_size])
-        engine.prefill("earlier-request", parent, chunk_size=case.chunk)
-        engine.fork(seq_id, "earlier-request", case.prefix)
-        engine.prefill(seq_id, tokens[case.prefix : end], chunk_size=case.chunk)
-    else:
-        engine.prefill(seq_id, tokens[:end], chunk_size=case.chunk)
-
-
-def decode_steps(engine: Engine, seq_id: Hashable, case: Case, tokens: torch.Tensor) -> tuple[StepRecord, ...]:
-    """Decode ``case.decode_steps`` tokens on ``seq_id`` with probes, as the harness expects them."""
-    steps = []
-    for t in case.decode_positions:
-        out = engine.decode(seq_id, tokens[t], probe=True)
-        steps.append(StepRecord(position=int(out.positions[0]), logits=out.logits[0], layers=out.layers))
-    return tuple(steps)

@@ -7,19 +7,24 @@ steps the harness compares (positions from ``case.decode_positions``, as the eng
 from __future__ import annotations
 
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from ..engine import Engine
+from ..errors import UsageError
 from ..parity.cases import Case
 from ..parity.protocol import CaseRun, StepRecord
 from ..transfer.saved import load_sequence, save_sequence
+from .native_steps import prefill_case
 
 
-def run_op_case(adapter, engine: Engine, case: Case, tokens: torch.Tensor) -> CaseRun:
-    from .native import prefill_case
-
+def run_op_case(make_engine: Callable[[Case], Engine], engine: Engine, case: Case, tokens: torch.Tensor) -> CaseRun:
+    """Run ``case`` (``case.op`` set) on ``engine``; ``make_engine(case)`` builds the fresh engine a
+    restore loads into."""
+    if case.op is None:
+        raise UsageError(f"case {case.label()} has no cache operation to run")
     kind, amount = case.op.kind, case.op.amount
     if kind == "batch":
         return _batch(engine, case, tokens)
@@ -41,7 +46,7 @@ def run_op_case(adapter, engine: Engine, case: Case, tokens: torch.Tensor) -> Ca
         with tempfile.TemporaryDirectory(prefix="ropekv-restore-") as tmp:
             path = Path(tmp) / "prompt.safetensors"
             size = save_sequence(engine, "prompt", path, tokens[:n])
-            engine = adapter.make_engine(case)  # a fresh engine: nothing survives but the file
+            engine = make_engine(case)  # a fresh engine: nothing survives but the file
             load_sequence(engine, path)
         notes = (f"saved to a {size}-byte safetensors file and restored into a fresh engine",)
     steps = []
@@ -56,7 +61,7 @@ def _batch(engine: Engine, case: Case, tokens: torch.Tensor) -> CaseRun:
     ids = [f"row{r}" for r in range(len(lengths))]
     for sid, L in zip(ids, lengths):
         engine.prefill(sid, tokens[:L], chunk_size=case.chunk)
-    steps = []
+    steps: list[StepRecord] = []
     for s in range(case.decode_steps):
         outs = engine.decode_batch(ids, torch.stack([tokens[L + s] for L in lengths]), probe=True)
         steps.extend(StepRecord(position=int(o.positions[0]), logits=o.logits[0], layers=o.layers) for o in outs)

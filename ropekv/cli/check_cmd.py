@@ -75,11 +75,11 @@ def add_parser(sub) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..faults.catalogue import ARCH_FAULTS, FAULTS, get_fault
+    from ..faults.registry import ARCH_FAULTS, FAULTS, get_fault, listing
 
     if args.list_faults:
         for f in [*FAULTS.values(), *ARCH_FAULTS.values()]:
-            print(f"{f.name:28s} -> {f.kind:22s} {f.description} (shows with: {f.shows_when})")
+            print(listing(f))
         return 0
     # Everything that can be refused is refused before any heavy work.
     fault = get_fault(args.inject) if args.inject else None
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
         )
         and not args.sinks
     )
-    if external and no_case_flags:
+    if module is not None and no_case_flags:  # an external engine
         cases = module.default_cases(args)
     else:
         cfg = load_config(args.model)
@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--window {args.window} is not smaller than the longest context ({longest} tokens): it would never wrap"
         )
-    if external:
+    if module is not None:
         adapter = module.from_args(args)
     elif args.engine == "hf":
         from ..adapters.hf import HFEngine
@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     for warning in cfg.warnings:  # fields the architecture's reference implementation ignores
         print(f"ropekv: warning: {warning}", file=sys.stderr)
     progress = "off" if args.no_progress else ("bar" if sys.stderr.isatty() else "lines")
-    tolerance = module.engine_tolerance(adapter) if external else None
+    tolerance = module.engine_tolerance(adapter) if module is not None else None
     report = check(adapter, cases=cases, seed=args.seed, progress=progress, tolerance=tolerance)
     print(report.table())
     code = 0 if report.passed else 1

@@ -43,10 +43,10 @@ def run(args: argparse.Namespace) -> int:
     from ..transfer.workers import launch, worker_argv
 
     if args.list_faults:
-        from ..transfer.adapter import HANDOFF_FAULTS
+        from ..faults.registry import HANDOFF_FAULTS, listing
 
         for f in HANDOFF_FAULTS.values():
-            print(f"{f.name:28s} -> {f.kind:22s} {f.description}")
+            print(listing(f))
         return 0
     json_path = writable_path(args.json, "--json")
     save_path = writable_path(args.save_payload, "--save-payload")

@@ -13,20 +13,14 @@ import importlib
 import sys
 import traceback
 
-from ..errors import RopeKVError, UsageError
+from ..argtypes import RaisingParser
+from ..errors import RopeKVError
 
 SUBCOMMANDS = ("check", "run", "handoff", "bench")
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse that raises UsageError instead of exiting, so usage errors share the one-line path."""
-
-    def error(self, message: str):
-        raise UsageError(f"{self.prog}: {message}")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = RaisingParser(
         prog="ropekv",
         description="Make a KV cache's RoPE convention explicit and prove cached decoding matches a full forward pass.",
         epilog="exit codes: 0 ok; 1 parity does not hold; 2 bad input, usage or a broken adapter; "
@@ -37,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--version", action="version", version=f"ropekv {_version()}", help="print ropekv's version and exit"
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=RaisingParser)
     for name in SUBCOMMANDS:
         module = _module(name)
         if module is not None:

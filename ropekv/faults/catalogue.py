@@ -1,24 +1,22 @@
-"""The fault catalogue: small, named variants of the engine, one per bug class of the primer.
+"""The fault catalogue of ropekv's engine: small, named variants of the engine, one per bug class of the primer.
 
 Each fault overrides one decision of :class:`~ropekv.engine.rotation.RotationPolicy` (or, for stale dynamic
 scaling, lets the engine accept a contract it would refuse; for chunked attention, runs the engine
 under a contract that forgets the chunks). ``ropekv check --inject NAME`` runs the
 harness on the faulty engine; the tests assert that each is caught and named with its own kind.
+:data:`CATALOGUE` holds them (:mod:`ropekv.faults.registry` reads it): first those every model can
+run, then those of per-layer RoPE features, each needing a model that has the feature (``needs``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import torch
 
-from ..adapters.native import NativeAdapter
 from ..contract import CacheContract
 from ..engine.rotation import RotationPolicy, rotate
-from ..errors import UsageError
 from ..models.config import Checkpoint
 from ..rope import RopeScaling, RopeSpec, apply_rotation
+from .native import NativeFault
 
 
 class DoubleRotation(RotationPolicy):
@@ -164,127 +162,9 @@ def dynamic_variant(ckpt: Checkpoint, original_max: int = 64, factor: float = 2.
     return ckpt.with_config(ckpt.config.replace(rope=rope))
 
 
-@dataclass(frozen=True)
-class Fault:
-    name: str
-    kind: str  # the diagnosis kind the harness must give
-    description: str
-    key_form: str
-    shows_when: str  # what a case needs for the fault to show
-    policy: Callable[[], RotationPolicy]
-    # The model the fault needs, from the one given (stale dynamic scaling needs length-dependent RoPE).
-    model: Callable[[Checkpoint], Checkpoint] | None = None
-    fixed_key_form: bool = False  # the fault only exists in its own key form
-    # The contract the faulty engine runs under, from the model's (a mask fault: chunks forgotten).
-    contract_change: Callable[[CacheContract], CacheContract] | None = None
-
-    def adapter(self, checkpoint: Checkpoint, *, dtype: str = "float32", key_form: str | None = None) -> NativeAdapter:
-        """ropekv's engine with this fault's policy handed in (the engine itself has no fault switches)."""
-        if self.model is not None:
-            checkpoint = self.model(checkpoint)
-        form = self.key_form if self.fixed_key_form else (key_form or self.key_form)
-        return NativeAdapter(
-            checkpoint,
-            key_form=form,
-            dtype=dtype,
-            rotation=self.policy(),
-            name=f"ropekv engine with fault {self.name}",
-            contract_change=self.contract_change,
-        )
-
-
-FAULTS: dict[str, Fault] = {
-    f.name: f
-    for f in (
-        Fault(
-            "double-rotation",
-            "double_rotation",
-            "decode rotates already-rotated keys again",
-            "rotated",
-            "any decode past position 0",
-            DoubleRotation,
-        ),
-        Fault(
-            "missing-rotation",
-            "missing_rotation",
-            "raw keys stored where rotated ones are expected",
-            "rotated",
-            "any decode past position 0",
-            MissingRotation,
-        ),
-        Fault(
-            "slot-as-position",
-            "slot_as_position",
-            "ring slot used as rotation index",
-            "raw",
-            "a sliding window that has wrapped",
-            SlotAsPosition,
-        ),
-        Fault(
-            "ignored-prefix-offset",
-            "ignored_prefix_offset",
-            "positions restart at 0 after a prefix-cache hit",
-            "rotated",
-            "a nonzero prefix offset",
-            IgnoredPrefixOffset,
-        ),
-        Fault(
-            "block-local-position",
-            "block_local_position",
-            "keys rotated by their offset inside the block",
-            "rotated",
-            "a context longer than one block",
-            BlockLocalPosition,
-        ),
-        Fault(
-            "decode-position-off-by-one",
-            "query_position_offset",
-            "decode query rotated at t + 1",
-            "rotated",
-            "any decode",
-            DecodePositionOffByOne,
-        ),
-        Fault(
-            "scaling-mismatch",
-            "frequency_mismatch",
-            "decode side uses theta x 4",
-            "rotated",
-            "any decode",
-            ScalingMismatch,
-        ),
-        Fault(
-            "layout-mismatch",
-            "layout_mismatch",
-            "decode side pairs channels the other way",
-            "rotated",
-            "any decode",
-            LayoutMismatch,
-        ),
-        Fault(
-            "low-precision-angles",
-            "low_precision_angles",
-            "rotation angles computed in bfloat16 in every path",
-            "rotated",
-            "positions past a few hundred; only the float64 reference sees it",
-            LowPrecisionAngles,
-        ),
-        Fault(
-            "stale-dynamic-scaling",
-            "stale_dynamic_scaling",
-            "rotated keys under dynamic NTK (original length 64, factor 2 unless the model has its own)",
-            "rotated",
-            "decoding past the original length",
-            StaleDynamicRotation,
-            model=lambda c: c if c.config.rope.length_dependent else dynamic_variant(c),
-            fixed_key_form=True,
-        ),
-    )
-}
-
-
 # ---------------------------------------------------------------------- architecture faults
 # Faults of per-layer RoPE features (ropekv.models.families); each needs a model that has the feature
-# (``ArchFault.needs``), so they live apart from FAULTS, which every model can run.
+# (``NativeFault.needs``), so the registry lists them apart from those every model can run.
 
 
 class _DecodeLayerSpec(RotationPolicy):
@@ -398,99 +278,149 @@ def _forget_chunks(contract: CacheContract) -> CacheContract:
     return contract.replace(chunk_size=None, chunk_layers=())
 
 
-@dataclass(frozen=True)
-class ArchFault(Fault):
-    """A :class:`Fault` that only a model with a given feature can show; ``needs`` says which."""
-
-    needs: str = ""
-    applies: Callable[[object], bool] = lambda cfg: True
-
-    def adapter(self, checkpoint: Checkpoint, *, dtype: str = "float32", key_form: str | None = None) -> NativeAdapter:
-        if not self.applies(checkpoint.config):
-            raise UsageError(
-                f"fault {self.name!r} needs a model with {self.needs}; {checkpoint.config.architecture} here has none"
-            )
-        return super().adapter(checkpoint, dtype=dtype, key_form=key_form)
-
-
-ARCH_FAULTS: dict[str, ArchFault] = {
-    f.name: f
-    for f in (
-        ArchFault(
-            "partial-rotary-all-channels",
-            "partial_rotary_mismatch",
-            "partial rotary applied to every channel of the head",
-            "rotated",
-            "any decode",
-            PartialRotaryAllChannels,
-            needs="partial rotary (phi3, glm, stablelm, nemotron, gpt_neox)",
-            applies=_has_partial,
-        ),
-        ArchFault(
-            "local-rope-on-global-layers",
-            "layer_rope_mismatch",
-            "global layers turn with the local layers' RoPE",
-            "rotated",
-            "any decode",
-            LocalRopeOnGlobalLayers,
-            needs="different RoPE on sliding and full layers (gemma3)",
-            applies=_has_two_kinds,
-        ),
-        ArchFault(
-            "global-rope-on-local-layers",
-            "layer_rope_mismatch",
-            "local layers turn with the global layers' RoPE",
-            "rotated",
-            "any decode",
-            GlobalRopeOnLocalLayers,
-            needs="different RoPE on sliding and full layers (gemma3)",
-            applies=_has_two_kinds,
-        ),
-        ArchFault(
-            "nope-layer-rotated",
-            "nope_rotated",
-            "a NoPE layer turns its queries and keys",
-            "rotated",
-            "any decode past position 0",
-            NopeLayerRotated,
-            needs="NoPE layers (cohere2, smollm3, exaone4)",
-            applies=_has_nope,
-        ),
-        ArchFault(
-            "mla-rope-rotated-twice",
-            "mla_rope_rotated_twice",
-            "MLA's shared rope part rotated in the latent and again after expansion",
-            "rotated",
-            "any decode past position 0",
-            MlaRopeRotatedTwice,
-            needs="multi-head latent attention (deepseek_v2, deepseek_v3)",
-            applies=_has_mla,
-            fixed_key_form=True,
-        ),
-        ArchFault(
-            "chunked-layers-read-earlier-chunks",
-            "chunk_mismatch",
-            "chunked layers attend to the keys of earlier chunks (read as full attention)",
-            "rotated",
-            "a query past the first chunk boundary",
-            RotationPolicy,
-            needs="chunked attention (llama4)",
-            applies=_has_chunks,
-            contract_change=_forget_chunks,
-        ),
-    )
-}
-
-
-# Cache-operation faults join the catalogue; they need a case running their operation.
-from .ops import OP_FAULTS  # noqa: E402 -- op_faults does not import this module
-
-FAULTS.update(OP_FAULTS)
-
-
-def get_fault(name: str) -> Fault:
-    if name in ARCH_FAULTS:
-        return ARCH_FAULTS[name]
-    if name not in FAULTS:
-        raise UsageError(f"unknown fault {name!r}; choose one of: {', '.join([*FAULTS, *ARCH_FAULTS])}")
-    return FAULTS[name]
+CATALOGUE: tuple[NativeFault, ...] = (
+    NativeFault(
+        name="double-rotation",
+        kind="double_rotation",
+        description="decode rotates already-rotated keys again",
+        key_form="rotated",
+        shows_when="any decode past position 0",
+        rotation=DoubleRotation,
+    ),
+    NativeFault(
+        name="missing-rotation",
+        kind="missing_rotation",
+        description="raw keys stored where rotated ones are expected",
+        key_form="rotated",
+        shows_when="any decode past position 0",
+        rotation=MissingRotation,
+    ),
+    NativeFault(
+        name="slot-as-position",
+        kind="slot_as_position",
+        description="ring slot used as rotation index",
+        key_form="raw",
+        shows_when="a sliding window that has wrapped",
+        rotation=SlotAsPosition,
+    ),
+    NativeFault(
+        name="ignored-prefix-offset",
+        kind="ignored_prefix_offset",
+        description="positions restart at 0 after a prefix-cache hit",
+        key_form="rotated",
+        shows_when="a nonzero prefix offset",
+        rotation=IgnoredPrefixOffset,
+    ),
+    NativeFault(
+        name="block-local-position",
+        kind="block_local_position",
+        description="keys rotated by their offset inside the block",
+        key_form="rotated",
+        shows_when="a context longer than one block",
+        rotation=BlockLocalPosition,
+    ),
+    NativeFault(
+        name="decode-position-off-by-one",
+        kind="query_position_offset",
+        description="decode query rotated at t + 1",
+        key_form="rotated",
+        shows_when="any decode",
+        rotation=DecodePositionOffByOne,
+    ),
+    NativeFault(
+        name="scaling-mismatch",
+        kind="frequency_mismatch",
+        description="decode side uses theta x 4",
+        key_form="rotated",
+        shows_when="any decode",
+        rotation=ScalingMismatch,
+    ),
+    NativeFault(
+        name="layout-mismatch",
+        kind="layout_mismatch",
+        description="decode side pairs channels the other way",
+        key_form="rotated",
+        shows_when="any decode",
+        rotation=LayoutMismatch,
+    ),
+    NativeFault(
+        name="low-precision-angles",
+        kind="low_precision_angles",
+        description="rotation angles computed in bfloat16 in every path",
+        key_form="rotated",
+        shows_when="positions past a few hundred; only the float64 reference sees it",
+        rotation=LowPrecisionAngles,
+    ),
+    NativeFault(
+        name="stale-dynamic-scaling",
+        kind="stale_dynamic_scaling",
+        description="rotated keys under dynamic NTK (original length 64, factor 2 unless the model has its own)",
+        key_form="rotated",
+        shows_when="decoding past the original length",
+        rotation=StaleDynamicRotation,
+        model=lambda c: c if c.config.rope.length_dependent else dynamic_variant(c),
+        fixed_key_form=True,
+    ),
+    NativeFault(
+        name="partial-rotary-all-channels",
+        kind="partial_rotary_mismatch",
+        description="partial rotary applied to every channel of the head",
+        key_form="rotated",
+        shows_when="any decode",
+        rotation=PartialRotaryAllChannels,
+        needs="partial rotary (phi3, glm, stablelm, nemotron, gpt_neox)",
+        applies=_has_partial,
+    ),
+    NativeFault(
+        name="local-rope-on-global-layers",
+        kind="layer_rope_mismatch",
+        description="global layers turn with the local layers' RoPE",
+        key_form="rotated",
+        shows_when="any decode",
+        rotation=LocalRopeOnGlobalLayers,
+        needs="different RoPE on sliding and full layers (gemma3)",
+        applies=_has_two_kinds,
+    ),
+    NativeFault(
+        name="global-rope-on-local-layers",
+        kind="layer_rope_mismatch",
+        description="local layers turn with the global layers' RoPE",
+        key_form="rotated",
+        shows_when="any decode",
+        rotation=GlobalRopeOnLocalLayers,
+        needs="different RoPE on sliding and full layers (gemma3)",
+        applies=_has_two_kinds,
+    ),
+    NativeFault(
+        name="nope-layer-rotated",
+        kind="nope_rotated",
+        description="a NoPE layer turns its queries and keys",
+        key_form="rotated",
+        shows_when="any decode past position 0",
+        rotation=NopeLayerRotated,
+        needs="NoPE layers (cohere2, smollm3, exaone4)",
+        applies=_has_nope,
+    ),
+    NativeFault(
+        name="mla-rope-rotated-twice",
+        kind="mla_rope_rotated_twice",
+        description="MLA's shared rope part rotated in the latent and again after expansion",
+        key_form="rotated",
+        shows_when="any decode past position 0",
+        rotation=MlaRopeRotatedTwice,
+        needs="multi-head latent attention (deepseek_v2, deepseek_v3)",
+        applies=_has_mla,
+        fixed_key_form=True,
+    ),
+    NativeFault(
+        name="chunked-layers-read-earlier-chunks",
+        kind="chunk_mismatch",
+        description="chunked layers attend to the keys of earlier chunks (read as full attention)",
+        key_form="rotated",
+        shows_when="a query past the first chunk boundary",
+        rotation=RotationPolicy,
+        needs="chunked attention (llama4)",
+        applies=_has_chunks,
+        contract_change=_forget_chunks,
+    ),
+)

@@ -15,8 +15,11 @@ itself is untouched: the patch hands it a view of its cache that behaves like a 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
 from typing import Any
+
+from .record import Fault, FaultEngine
 
 
 class _CacheView:
@@ -70,14 +73,38 @@ def _patched_decode(model: Any, view: Callable[[Any, Any], Any]) -> Iterator[Non
         cls.__call__ = original
 
 
-def decode_keys_rotated_again(model: Any, delta: int | None = None):
+def decode_keys_rotated_again(model: Any, delta: int | None = None) -> AbstractContextManager[None]:
     """Decoded keys rotated once more before they are cached: at ``t + delta``, or ``2t`` (None)."""
     return _patched_decode(model, lambda attn, cache: _RotateOnWrite(cache, attn.rope, delta))
 
 
-def offset_counts_kept_rows(model: Any):
+def offset_counts_kept_rows(model: Any) -> AbstractContextManager[None]:
     """Decode queries and keys rotated at the cache's kept-row count instead of its logical offset."""
     return _patched_decode(model, lambda attn, cache: _KeptRowsOffset(cache))
 
 
-FAULTS = {"decode-keys-rotated-again": decode_keys_rotated_again, "offset-counts-kept-rows": offset_counts_kept_rows}
+@dataclass(frozen=True, kw_only=True)
+class MlxFault(Fault):
+    """A :class:`~ropekv.faults.record.Fault` patched into mlx-lm in this process; ``patch(model)`` is
+    the context manager that patches it (the functions above, with their defaults)."""
+
+    engine: FaultEngine = field(default="mlx", init=False)
+    patch: Callable[[Any], AbstractContextManager[None]]
+
+
+CATALOGUE: tuple[MlxFault, ...] = (
+    MlxFault(
+        name="decode-keys-rotated-again",
+        kind="key_position_offset",
+        description="decoded keys rotated once more before they are cached (at 2t)",
+        shows_when="any decode past position 0",
+        patch=decode_keys_rotated_again,
+    ),
+    MlxFault(
+        name="offset-counts-kept-rows",
+        kind="query_position_offset",
+        description="decode rotates at the cache's kept-row count instead of its logical offset",
+        shows_when="a rotating cache that has wrapped",
+        patch=offset_counts_kept_rows,
+    ),
+)

@@ -3,20 +3,18 @@
 Two kinds of policy, as for the other faults: a :class:`~ropekv.engine.rotation.RotationPolicy` subclass
 for engines whose rotation offset an operation put out of step with the logical positions (it reads
 the counts in ``StepContext.ops``), and a :class:`~ropekv.cache.policy.CacheOpPolicy` subclass for
-what an operation does to stored keys. Registered into ``ropekv.faults.catalogue.FAULTS`` (``--inject``,
-``--list-faults``); each needs a case running its operation (``op``) to show.
+what an operation does to stored keys. Listed by ``ropekv.faults.registry`` with the faults every
+model can run (``--inject``, ``--list-faults``); each needs a case running its operation (``op``) to show.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..adapters.native import NativeAdapter
 from ..cache.policy import CacheOpPolicy, turn
 from ..engine.rotation import RotationPolicy
-from ..models.config import Checkpoint
 from ..parity.cases import CacheOp
+from .native import NativeFault
 
 
 class _OffsetRotation(RotationPolicy):
@@ -106,111 +104,90 @@ class ShiftTwice(CacheOpPolicy):
         return turn(rope, keys, 2 * delta) if key_form == "rotated" else keys
 
 
-@dataclass(frozen=True)
-class OpFault:
-    """A catalogued operation fault; same reading as :class:`ropekv.faults.catalogue.Fault`, plus ``op``."""
+@dataclass(frozen=True, kw_only=True)
+class OpFault(NativeFault):
+    """A :class:`~ropekv.faults.native.NativeFault` that shows only in a case running ``op``;
+    ``needs_window``: only where the ring has wrapped, too."""
 
-    name: str
-    kind: str
-    description: str
-    key_form: str
-    shows_when: str
     op: CacheOp
-    rotation: Callable[[], RotationPolicy] | None = None
-    cache_ops: Callable[[], CacheOpPolicy] | None = None
-    fixed_key_form: bool = False
-    needs_window: bool = False  # shows only where the ring has wrapped
-
-    def adapter(self, checkpoint: Checkpoint, *, dtype: str = "float32", key_form: str | None = None) -> NativeAdapter:
-        form = self.key_form if self.fixed_key_form else (key_form or self.key_form)
-        return NativeAdapter(
-            checkpoint,
-            key_form=form,
-            dtype=dtype,
-            rotation=self.rotation() if self.rotation else None,
-            cache_ops=self.cache_ops() if self.cache_ops else None,
-            name=f"ropekv engine with fault {self.name}",
-        )
+    needs_window: bool = False
 
 
-OP_FAULTS: dict[str, OpFault] = {
-    f.name: f
-    for f in (
-        OpFault(
-            "rollback-stale-ring",
-            "rollback_stale_keys",
-            "ring rollback leaves the rejected draft's keys in its slots",
-            "rotated",
-            "a rollback whose draft overwrote ring slots (a wrapped window)",
-            CacheOp("rollback", 3),
-            cache_ops=RollbackStaleRing,
-            needs_window=True,
-        ),
-        OpFault(
-            "rollback-offset",
-            "rollback_offset",
-            "rollback leaves the offset advanced by the draft length",
-            "rotated",
-            "any rollback",
-            CacheOp("rollback", 3),
-            rotation=RollbackOffset,
-        ),
-        OpFault(
-            "evict-offset",
-            "evict_offset",
-            "eviction resets the offset to the kept-row count",
-            "rotated",
-            "any eviction",
-            CacheOp("evict", 5),
-            rotation=EvictOffset,
-        ),
-        OpFault(
-            "shift-not-rotated",
-            "shift_not_rotated",
-            "shift relabels rotated keys without turning them",
-            "rotated",
-            "a shift of rotated keys",
-            CacheOp("shift", 100),
-            cache_ops=ShiftNotRotated,
-            fixed_key_form=True,
-        ),
-        OpFault(
-            "shift-rotates-raw",
-            "shift_rotated_raw",
-            "shift turns raw keys the reader turns again",
-            "raw",
-            "a shift of raw keys",
-            CacheOp("shift", 100),
-            cache_ops=ShiftRotatesRaw,
-            fixed_key_form=True,
-        ),
-        OpFault(
-            "shift-twice",
-            "shift_applied_twice",
-            "shift turns rotated keys twice",
-            "rotated",
-            "a shift of rotated keys",
-            CacheOp("shift", 100),
-            cache_ops=ShiftTwice,
-            fixed_key_form=True,
-        ),
-        OpFault(
-            "padding-offset",
-            "padding_offset",
-            "merged left-padded batch decoded under one shared cursor",
-            "rotated",
-            "a batch of different lengths",
-            CacheOp("batch", 3),
-            rotation=PaddingOffset,
-        ),
-        OpFault(
-            "restore-without-positions",
-            "restore_offset_lost",
-            "restored cache decoded with its offset back at 0",
-            "rotated",
-            "any restore",
-            CacheOp("restore"),
-            rotation=RestoreWithoutPositions,
-        ),
-    )
-}
+CATALOGUE: tuple[OpFault, ...] = (
+    OpFault(
+        name="rollback-stale-ring",
+        kind="rollback_stale_keys",
+        description="ring rollback leaves the rejected draft's keys in its slots",
+        key_form="rotated",
+        shows_when="a rollback whose draft overwrote ring slots (a wrapped window)",
+        op=CacheOp("rollback", 3),
+        cache_ops=RollbackStaleRing,
+        needs_window=True,
+    ),
+    OpFault(
+        name="rollback-offset",
+        kind="rollback_offset",
+        description="rollback leaves the offset advanced by the draft length",
+        key_form="rotated",
+        shows_when="any rollback",
+        op=CacheOp("rollback", 3),
+        rotation=RollbackOffset,
+    ),
+    OpFault(
+        name="evict-offset",
+        kind="evict_offset",
+        description="eviction resets the offset to the kept-row count",
+        key_form="rotated",
+        shows_when="any eviction",
+        op=CacheOp("evict", 5),
+        rotation=EvictOffset,
+    ),
+    OpFault(
+        name="shift-not-rotated",
+        kind="shift_not_rotated",
+        description="shift relabels rotated keys without turning them",
+        key_form="rotated",
+        shows_when="a shift of rotated keys",
+        op=CacheOp("shift", 100),
+        cache_ops=ShiftNotRotated,
+        fixed_key_form=True,
+    ),
+    OpFault(
+        name="shift-rotates-raw",
+        kind="shift_rotated_raw",
+        description="shift turns raw keys the reader turns again",
+        key_form="raw",
+        shows_when="a shift of raw keys",
+        op=CacheOp("shift", 100),
+        cache_ops=ShiftRotatesRaw,
+        fixed_key_form=True,
+    ),
+    OpFault(
+        name="shift-twice",
+        kind="shift_applied_twice",
+        description="shift turns rotated keys twice",
+        key_form="rotated",
+        shows_when="a shift of rotated keys",
+        op=CacheOp("shift", 100),
+        cache_ops=ShiftTwice,
+        fixed_key_form=True,
+    ),
+    OpFault(
+        name="padding-offset",
+        kind="padding_offset",
+        description="merged left-padded batch decoded under one shared cursor",
+        key_form="rotated",
+        shows_when="a batch of different lengths",
+        op=CacheOp("batch", 3),
+        rotation=PaddingOffset,
+    ),
+    OpFault(
+        name="restore-without-positions",
+        kind="restore_offset_lost",
+        description="restored cache decoded with its offset back at 0",
+        key_form="rotated",
+        shows_when="any restore",
+        op=CacheOp("restore"),
+        rotation=RestoreWithoutPositions,
+    ),
+)

@@ -18,25 +18,27 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..adapters.vllm import kv_layout
 from ..errors import UsageError
 from ..rope import apply_rotation
+from .record import Fault, FaultEngine
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..adapters.vllm.engine import VLLMEngine
 
 
-@dataclass(frozen=True)
-class VLLMFault:
-    name: str
-    kind: str  # the bug class forensics should name
-    summary: str
-    install: Callable[[VLLMEngine], list[Callable[[], None]]]  # patches; returns the undo steps
+@dataclass(frozen=True, kw_only=True)
+class VLLMFault(Fault):
+    """A :class:`~ropekv.faults.record.Fault` patched into the running vLLM; ``install(engine)``
+    patches it and returns the undo steps."""
+
+    engine: FaultEngine = field(default="vllm", init=False)
+    install: Callable[[VLLMEngine], list[Callable[[], None]]]
 
 
 def _is_decode(positions: torch.Tensor) -> bool:
@@ -50,10 +52,19 @@ def _rotary_modules(engine: VLLMEngine) -> list[torch.nn.Module]:
     return list(seen.values())
 
 
+def _unpatch(obj: Any, name: str) -> Callable[[], None]:
+    """The undo step of a patch of ``obj``'s instance attribute ``name``: drop it (the class's shows again)."""
+
+    def undo() -> None:
+        obj.__dict__.pop(name, None)
+
+    return undo
+
+
 def _patch_rotary(engine: VLLMEngine, decode_forward) -> list[Callable[[], None]]:
     """Replace each rotary module's ``forward`` on decode steps by ``decode_forward(rope, original,
     positions, query, key)``; prefill keeps the original."""
-    undo = []
+    undo: list[Callable[[], None]] = []
     for rope in _rotary_modules(engine):
         original = rope.forward
 
@@ -63,7 +74,7 @@ def _patch_rotary(engine: VLLMEngine, decode_forward) -> list[Callable[[], None]
             return _original(positions, query, key)
 
         rope.forward = forward
-        undo.append(lambda r=rope: r.__dict__.pop("forward", None))
+        undo.append(_unpatch(rope, "forward"))
     return undo
 
 
@@ -90,11 +101,13 @@ def _decode_base(rope, original, positions, query, key):
         rope.cos_sin_cache = table
 
 
-def _install_reader(engine: VLLMEngine, turn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]):
+def _install_reader(
+    engine: VLLMEngine, turn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+) -> list[Callable[[], None]]:
     """Patch each layer's CPU attention ``forward`` so that on decode the kernel reads every cached key
     turned once more by ``turn(positions, slots)`` (a buggy re-indexing step on the decode read path)."""
     rope = _rotary_modules(engine)[0]
-    undo = []
+    undo: list[Callable[[], None]] = []
     for layer in engine.model.model.layers:
         impl = layer.self_attn.attn.impl
         original = impl.forward
@@ -105,11 +118,11 @@ def _install_reader(engine: VLLMEngine, turn: Callable[[torch.Tensor, torch.Tens
             return _original(layer_, query, key, value, kv_cache, attn_metadata, *args, **kwargs)
 
         impl.forward = forward
-        undo.append(lambda i=impl: i.__dict__.pop("forward", None))
+        undo.append(_unpatch(impl, "forward"))
     return undo
 
 
-def _turned_copy(kv_cache: torch.Tensor, md, rope: torch.nn.Module, isa: str, turn):
+def _turned_copy(kv_cache: torch.Tensor, md, rope: Any, isa: str, turn):
     """A copy of the request's blocks with every key turned by ``turn(positions, slots)``, and metadata
     whose block table points at the copy (the real cache is left as it is)."""
     # kv_cache: [num_blocks, KVH, B, 2D]; one request (the adapter runs them one by one)
@@ -130,43 +143,40 @@ def _turned_copy(kv_cache: torch.Tensor, md, rope: torch.nn.Module, isa: str, tu
     return copy, dataclasses.replace(md, block_table=table)
 
 
-FAULTS: dict[str, VLLMFault] = {
-    f.name: f
-    for f in (
-        VLLMFault(
-            "double_rotation",
-            "double_rotation",
-            "decode reads every cached key rotated a second time (R(2j) k_j)",
-            lambda e: _install_reader(e, lambda positions, slots: positions),
-        ),
-        VLLMFault(
-            "query_position_offset",
-            "query_position_offset",
-            "decode rotates the query at t + 1",
-            lambda e: _patch_rotary(e, _query_off_by_one),
-        ),
-        VLLMFault(
-            "slot_as_position",
-            "slot_as_position",
-            "decode re-indexes cached keys by their physical slot (R(slot) k_j)",
-            lambda e: _install_reader(e, lambda positions, slots: slots - positions),
-        ),
-        VLLMFault(
-            "frequency_mismatch",
-            "frequency_mismatch",
-            "decode rotates with another RoPE base (10,000)",
-            lambda e: _patch_rotary(e, _decode_base),
-        ),
-    )
-}
+CATALOGUE: tuple[VLLMFault, ...] = (
+    VLLMFault(
+        name="double_rotation",
+        kind="double_rotation",
+        description="decode reads every cached key rotated a second time (R(2j) k_j)",
+        install=lambda e: _install_reader(e, lambda positions, slots: positions),
+    ),
+    VLLMFault(
+        name="query_position_offset",
+        kind="query_position_offset",
+        description="decode rotates the query at t + 1",
+        install=lambda e: _patch_rotary(e, _query_off_by_one),
+    ),
+    VLLMFault(
+        name="slot_as_position",
+        kind="slot_as_position",
+        description="decode re-indexes cached keys by their physical slot (R(slot) k_j)",
+        install=lambda e: _install_reader(e, lambda positions, slots: slots - positions),
+    ),
+    VLLMFault(
+        name="frequency_mismatch",
+        kind="frequency_mismatch",
+        description="decode rotates with another RoPE base (10,000)",
+        install=lambda e: _patch_rotary(e, _decode_base),
+    ),
+)
 
 
 @contextlib.contextmanager
 def injected(engine: VLLMEngine, name: str) -> Iterator[VLLMFault]:
-    """Patch ``engine``'s running vLLM with fault ``name`` for the duration of the block."""
-    if name not in FAULTS:
-        raise UsageError(f"unknown vLLM fault {name!r}; known: {', '.join(FAULTS)}")
-    fault = FAULTS[name]
+    """Patch ``engine``'s running vLLM with fault ``name`` (of :data:`CATALOGUE`) for the duration of the block."""
+    fault = next((f for f in CATALOGUE if f.name == name), None)
+    if fault is None:
+        raise UsageError(f"unknown vLLM fault {name!r}; known: {', '.join(f.name for f in CATALOGUE)}")
     undo = fault.install(engine)
     try:
         yield fault

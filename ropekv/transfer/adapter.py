@@ -1,10 +1,11 @@
-"""Parity across a prefill->decode handoff: the adapter the harness drives, and the handoff fault.
+"""Parity across a prefill->decode handoff: the adapter the harness drives.
 
 :class:`HandoffAdapter` runs a case's prefill on a prefill engine, serializes the sequence to payload
 bytes, reads them back, imports them into a decode engine (whose contract may differ by the key form
 when ``convert="explicit"``) and decodes there with probes. ``full_forward`` is the decode engine's own,
 so the harness compares "prefill on A + decode on B" with a full forward on B and with the float64
 reference. The workers use :class:`ServedHandoffAdapter`, whose sequences arrived over the transport.
+Handoff faults are import policies handed in (``ropekv.faults.handoff``).
 
 ``CaseRun.handoff_len`` is the number of imported tokens: forensics names ``rotate_on_transfer`` when
 the keys below it sit at ``2j`` and later keys at ``j``.
@@ -13,61 +14,23 @@ the keys below it sit at ``2j`` and later keys at ``j``.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..adapters.native import NativeAdapter, decode_steps, prefill_case
-from ..contract import CacheContract
+from ..adapters.native import NativeAdapter
+from ..adapters.native_steps import decode_steps, prefill_case
+from ..cache.import_policy import ImportPolicy
+from ..contract import CacheContract, KeyForm
 from ..engine import Engine
 from ..errors import UsageError
 from ..models.config import Checkpoint
 from ..parity.cases import Case
 from ..parity.protocol import CaseRun, EngineDescription, FullRun, Ignored, Tier
-from ..rope import RopeSpec
-from .importer import ImportPolicy, export_handoff, import_handoff, plan_import
+from .importer import export_handoff, import_handoff, plan_import
 from .payload import read_payload, write_payload
-
-
-class RotateOnTransfer(ImportPolicy):
-    """Fault: the decode side rotates imported keys once more ("rotate everything for consistency").
-
-    Whatever the key form, the handed-off keys then sit at ``2j`` when read; keys decoded later at ``j``.
-    """
-
-    name = "rotate-on-transfer"
-
-    def imported_keys(self, rope: RopeSpec, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return rope.rotate(keys, positions)
-
-
-@dataclass(frozen=True)
-class HandoffFault:
-    name: str
-    kind: str  # the diagnosis kind the harness must give
-    description: str
-    policy: Callable[[], ImportPolicy]
-
-
-HANDOFF_FAULTS: dict[str, HandoffFault] = {
-    f.name: f
-    for f in (
-        HandoffFault(
-            "rotate-on-transfer",
-            "rotate_on_transfer",
-            "the decode side rotates imported keys once more",
-            RotateOnTransfer,
-        ),
-    )
-}
-
-
-def get_handoff_fault(name: str) -> HandoffFault:
-    if name not in HANDOFF_FAULTS:
-        raise UsageError(f"unknown handoff fault {name!r}; choose one of: {', '.join(HANDOFF_FAULTS)}")
-    return HANDOFF_FAULTS[name]
 
 
 @dataclass(frozen=True)
@@ -94,8 +57,8 @@ class HandoffAdapter:
         self,
         checkpoint: Checkpoint,
         *,
-        prefill_key_form: str = "rotated",
-        decode_key_form: str | None = None,
+        prefill_key_form: KeyForm = "rotated",
+        decode_key_form: KeyForm | None = None,
         convert: str = "never",
         dtype: str = "float32",
         decode_checkpoint: Checkpoint | None = None,
@@ -158,6 +121,8 @@ class HandoffAdapter:
 
     def handed_off(self, case: Case, tokens: torch.Tensor) -> tuple[Engine, Hashable, int]:
         """Prefill the case (prefix hit included), hand it off; returns (decode engine, sequence, tokens)."""
+        if self.prefill_side is None:
+            raise UsageError(f"no prefill side to run case {case.label()} on")
         prefill = self.prefill_side.make_engine(case)
         seq, n = "prompt", case.prefix + case.length
         prefill_case(prefill, case, tokens, seq)
@@ -185,7 +150,7 @@ class ServedHandoffAdapter(HandoffAdapter):
         self,
         decode: NativeAdapter,
         engine: Engine,
-        sequences: dict[Case, tuple[Hashable, int]],
+        sequences: Mapping[Case, tuple[Hashable, int]],
         *,
         prefill_contract: CacheContract,
         convert: str,

@@ -243,9 +243,9 @@ def offer(channel: Channel, contract: CacheContract, decode_ranks: list[int]) ->
         }
         channel.send_json(r, verdict, f"handshake verdict to rank {r}")
     if refused:
-        a = refused[0]
+        first = refused[0]
         raise ContractMismatch(
-            f"handshake: decode rank {a.rank} refused the prefill contract: {a.message}", fields=a.fields
+            f"handshake: decode rank {first.rank} refused the prefill contract: {first.message}", fields=first.fields
         )
     return answers
 
@@ -292,6 +292,7 @@ def answer(
             f"handshake: decode rank(s) {verdict.get('refused_by')} refused the prefill contract",
             fields=tuple(verdict.get("fields") or ()),
         )
+    assert theirs is not None  # an unreadable contract was refused above
     return result, theirs
 
 

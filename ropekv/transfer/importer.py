@@ -18,29 +18,15 @@ from typing import Literal, get_args
 
 import torch
 
+from ..cache.import_policy import ImportPolicy
 from ..cache.paged import PagedKVCache
 from ..contract import CacheContract
 from ..errors import CacheError, ContractMismatch, UsageError
-from ..rope import RopeSpec
 from .payload import Handoff
 
 ConvertMode = Literal["never", "explicit"]
 CONVERT_MODES: tuple[str, ...] = get_args(ConvertMode)
 _KEY_FORM_FIELDS = {"key_form"}  # what a key-form difference shows as (kernel_rotates is derived from it)
-
-
-class ImportPolicy:
-    """What the decode side does to imported keys beyond the explicit conversion: nothing.
-
-    Faults override :meth:`imported_keys` (``ropekv.transfer.adapter.RotateOnTransfer``), the way
-    rotation faults override :class:`~ropekv.engine.rotation.RotationPolicy`, so importer code has no fault switches.
-    """
-
-    name = "correct"
-
-    def imported_keys(self, rope: RopeSpec, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Keys ``[rows, KVH, D]`` (in the engine's key form) at ``positions [rows]`` as they will be stored."""
-        return keys
 
 
 def plan_import(ours: CacheContract, theirs: CacheContract, convert: str = "never") -> str | None:
@@ -76,7 +62,7 @@ def plan_import(ours: CacheContract, theirs: CacheContract, convert: str = "neve
     return None  # unreachable: diffs were non-empty
 
 
-def export_handoff(cache: PagedKVCache, seq_id: Hashable, tokens: torch.Tensor) -> Handoff:
+def export_handoff(cache: PagedKVCache, seq_id: str | int, tokens: torch.Tensor) -> Handoff:
     """The cached state of ``seq_id`` in ``cache`` (copies); ``tokens [n]`` are the ids it has consumed."""
     c = cache.contract
     n = cache.num_tokens(seq_id)  # CacheError for an unknown sequence
@@ -178,4 +164,4 @@ def _layer_tensors(
     return keys, values
 
 
-__all__ = ["CONVERT_MODES", "ImportPolicy", "all_positions", "export_handoff", "import_handoff", "plan_import"]
+__all__ = ["CONVERT_MODES", "all_positions", "export_handoff", "import_handoff", "plan_import"]

@@ -68,14 +68,20 @@ class Handoff:
 
     def layer_rows(self, layer: int) -> torch.Tensor:
         """Indices ``[rows]`` into ``tokens``/``positions`` of the tokens ``layer`` holds."""
-        c = self.contract
-        if layer in c.window_layers:
-            return window_rows(self.num_tokens, c.window, c.sink_tokens)
-        return torch.arange(self.num_tokens, dtype=torch.int64)
+        return held_rows(self.contract, layer, self.num_tokens)
 
     def tensor_bytes(self) -> int:
         """Bytes of the keys and values alone (what a raw copy of the cache would move)."""
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+
+def held_rows(c: CacheContract, layer: int, num_tokens: int) -> torch.Tensor:
+    """Write indices ``[rows]`` of the tokens layer ``layer`` of a cache under ``c`` still holds after
+    ``num_tokens`` appends: the ring's (:func:`window_rows`) on a sliding layer, all of them otherwise."""
+    window = c.layer(layer).attention.window
+    if window is None:
+        return torch.arange(num_tokens, dtype=torch.int64)
+    return window_rows(num_tokens, window, c.sink_tokens)
 
 
 def window_rows(num_tokens: int, window: int, sinks: int) -> torch.Tensor:
@@ -107,8 +113,7 @@ def write_payload(handoff: Handoff) -> bytes:
         ),
     }
     entries = [
-        (name, _st_dtype(t), list(t.shape), memoryview(t.view(torch.uint8).numpy()))
-        for name, t in sorted(tensors.items())
+        (name, _st_dtype(t), list(t.shape), t.view(torch.uint8).numpy().data) for name, t in sorted(tensors.items())
     ]
     meta["checksum"] = _checksum(meta, entries)
     try:
@@ -325,7 +330,7 @@ def _check_layout(entries: dict, c: CacheContract, n: int) -> None:
     want = {"tokens": ("I64", [n]), "positions": ("I64", [n])}
     dtype = _ST_DTYPE[c.dtype]
     for i in range(c.num_layers):
-        rows = len(window_rows(n, c.window, c.sink_tokens)) if i in c.window_layers else n
+        rows = len(held_rows(c, i, n))
         for part in ("keys", "values"):
             want[f"layers.{i}.{part}"] = (dtype, [rows, c.num_kv_heads, c.head_dim])
     missing, extra = sorted(set(want) - set(entries)), sorted(set(entries) - set(want))
@@ -388,7 +393,7 @@ def _check_handoff(h: Handoff) -> None:
         if not isinstance(ts, tuple) or len(ts) != c.num_layers:
             raise PayloadError(f"handoff {part} must be a tuple of {c.num_layers} tensors (one per layer)")
         for i, t in enumerate(ts):
-            rows = len(window_rows(n, c.window, c.sink_tokens)) if i in c.window_layers else n
+            rows = len(held_rows(c, i, n))
             want = (rows, c.num_kv_heads, c.head_dim)
             if not isinstance(t, torch.Tensor) or t.dtype != c.torch_dtype or tuple(t.shape) != want:
                 got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__

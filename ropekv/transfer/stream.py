@@ -32,12 +32,13 @@ from typing import Any
 
 import torch
 
+from ..cache.import_policy import ImportPolicy
 from ..cache.paged import PagedKVCache, Reservation, head_rows, pool_rows
 from ..contract import CacheContract
 from ..errors import ALL_ERRORS, ContractMismatch, PayloadError, RopeKVError, TransportError, UsageError
 from .handshake import Channel, Posted
-from .importer import ImportPolicy, all_positions, plan_import
-from .payload import MAX_TOKENS, _contract, _is_int, window_rows
+from .importer import all_positions, plan_import
+from .payload import MAX_TOKENS, _contract, _is_int, held_rows
 
 FORMAT = "ropekv.stream"
 VERSION = 2  # 2: a chunk is a run of one KV head's rows (the pool is head-major); 1 sent [rows, KVH * D]
@@ -66,10 +67,10 @@ class Chunk:
 def chunk_plan(c: CacheContract, num_tokens: int, chunk_rows: int) -> list[Chunk]:
     """Chunks in wire order: for each layer its keys, then its values, each KV head in turn,
     ``chunk_rows`` rows (of ``D`` values) at a time: one head's rows lie contiguously in the pool.
-    A windowed layer carries only the rows its ring holds (``window_rows``), as the payload does."""
+    A windowed layer carries only the rows its ring holds (``held_rows``), as the payload does."""
     out = []
     for layer in range(c.num_layers):
-        rows = len(window_rows(num_tokens, c.window, c.sink_tokens)) if layer in c.window_layers else num_tokens
+        rows = len(held_rows(c, layer, num_tokens))
         for part in (0, 1):
             for head in range(c.num_kv_heads):
                 out += [Chunk(layer, part, head, a, min(rows, a + chunk_rows)) for a in range(0, rows, chunk_rows)]
@@ -81,7 +82,7 @@ def checksum(data: torch.Tensor, index: int) -> int:
     delivered in another chunk's place fails its check)."""
     import xxhash
 
-    return xxhash.xxh3_64_intdigest(memoryview(data.view(torch.uint8).numpy()), seed=index)
+    return xxhash.xxh3_64_intdigest(data.view(torch.uint8).numpy().data, seed=index)
 
 
 @dataclass(frozen=True, eq=False)
@@ -121,10 +122,9 @@ class StreamHeader:
 
     def layer_positions(self, layer: int) -> torch.Tensor:
         """Positions ``[rows]`` of the tokens ``layer`` carries."""
-        c = self.contract
-        if layer in c.window_layers:
-            return self.positions[window_rows(self.num_tokens, c.window, c.sink_tokens)]
-        return self.positions
+        if self.contract.layer(layer).attention.window is None:
+            return self.positions
+        return self.positions[held_rows(self.contract, layer, self.num_tokens)]
 
     def to_bytes(self) -> bytes:
         meta = {
@@ -324,7 +324,7 @@ def receive_sequence(
     t1 = time.perf_counter()
     try:
         facts = ReceiveFacts(res.seq_id, header.num_tokens, conversion, 0, len(header.checksums))
-        failure = _receive_chunks(channel, peer, cache, res, header, facts, depth, what)
+        failure: RopeKVError | None = _receive_chunks(channel, peer, cache, res, header, facts, depth, what)
         t2 = time.perf_counter()
         if failure is None:
             failure = _finish(cache, res, header, conversion, policy)

@@ -11,7 +11,8 @@ and writes its report.
 
 Entry points: ``python -m ropekv.transfer.workers`` under ``torchrun`` (RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT from the environment; one process per machine works), and :func:`launch`, which starts
-all ranks on 127.0.0.1 for ``ropekv handoff``. Every wait on a peer is bounded by ``--timeout``: a dead
+all ranks on 127.0.0.1 for ``ropekv handoff``. Both take :class:`TransferHooks` as an argument (tests
+damage a stream or kill a rank through them); no command-line flag reaches them. Every wait on a peer is bounded by ``--timeout``: a dead
 peer raises TransportError (exit 4) at once, a silent one after the timeout. See docs/handoff.md.
 """
 
@@ -23,11 +24,11 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
-import signal
 import socket
 import sys
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -37,19 +38,35 @@ import torch
 
 from ..adapters.native import NativeAdapter
 from ..argtypes import RaisingParser, add_model_argument, int_list, positive_int, positive_int_list
+from ..cache.import_policy import ImportPolicy
 from ..contract import DTYPES, CacheContract
 from ..engine import Engine
 from ..errors import PayloadError, RopeKVError, TransportError, UsageError
+from ..faults.registry import HANDOFF_FAULTS, get_handoff_fault
 from ..models import Checkpoint, load_checkpoint
 from ..parity.cases import Case, token_stream
-from .adapter import HANDOFF_FAULTS, ServedHandoffAdapter, get_handoff_fault
+from .adapter import ServedHandoffAdapter
 from .handshake import Channel, answer, offer
 from .importer import CONVERT_MODES, export_handoff
 from .payload import write_payload
 from .stream import StreamHeader, rebuild_error, receive_sequence, send_sequence
 
 RESULT_FORMAT = "ropekv.handoff-worker"
-_TEST_FAULTS = ("kill-decode-mid-transfer", "corrupt-in-flight")
+Wire = Callable[[int, torch.Tensor], torch.Tensor]  # (chunk index, chunk) -> the chunk that goes out
+
+
+class TransferHooks:
+    """Where a transfer can be observed or broken: nothing happens here. A test hands a subclass to
+    :func:`launch` or :func:`main` (it must pickle: ranks are started as processes) to damage a stream
+    on the wire or kill a decode rank mid-transfer; the shipped command lines take no hooks."""
+
+    def wire(self, index: int, attempt: int) -> Wire | None:
+        """On the prefill rank: a filter over the chunks of sequence ``index``'s stream, attempt
+        ``attempt`` (1, or 2 after a refusal); None: the chunks go out as they are."""
+        return None
+
+    def header_received(self, index: int) -> None:
+        """On a decode rank: called once the header of sequence ``index``'s stream is read."""
 
 
 # ---------------------------------------------------------------------- arguments
@@ -145,7 +162,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
     parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
-    parser.add_argument("--test-fault", default=None, help=argparse.SUPPRESS)  # tests: kill/corrupt at index i
     return parser
 
 
@@ -224,8 +240,10 @@ def plan(args: argparse.Namespace, world_size: int, max_positions: int) -> list[
 # ---------------------------------------------------------------------- ranks
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run one rank; returns its exit code (0 ok, 1 parity fails, 2 error, 3 contract refused, 4 transport)."""
+def main(argv: list[str] | None = None, hooks: TransferHooks | None = None) -> int:
+    """Run one rank; returns its exit code (0 ok, 1 parity fails, 2 error, 3 contract refused, 4 transport).
+    ``hooks``: see :class:`TransferHooks` (None: none)."""
+    hooks = hooks or TransferHooks()
     try:
         args = build_parser().parse_args(argv)
         rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
@@ -250,9 +268,9 @@ def main(argv: list[str] | None = None) -> int:
         channel = _init_process_group(args)
         started = True
         if rank == 0:
-            code = _run_prefill(args, checkpoint, channel, planned, world, out)
+            code = _run_prefill(args, checkpoint, channel, planned, world, out, hooks)
         else:
-            code = _run_decode(args, _decode_checkpoint(checkpoint, args), channel, planned, rank, out)
+            code = _run_decode(args, _decode_checkpoint(checkpoint, args), channel, planned, rank, out, hooks)
     except RopeKVError as exc:
         code = exc.exit_code
         status = {3: "refused", 4: "transport"}.get(code, "error")
@@ -280,7 +298,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_prefill(
-    args, checkpoint: Checkpoint, channel: Channel, planned: list[Planned], world: int, out: dict[str, Any]
+    args,
+    checkpoint: Checkpoint,
+    channel: Channel,
+    planned: list[Planned],
+    world: int,
+    out: dict[str, Any],
+    hooks: TransferHooks,
 ) -> int:
     contract = CacheContract.for_model(
         checkpoint.config,
@@ -296,7 +320,6 @@ def _run_prefill(
     answers = offer(channel, contract, decode_ranks)
     out["handshake"] = {"accepted": True, "answers": [a.to_dict() for a in answers]}
     tokens = token_stream(checkpoint.config.vocab_size, longest, args.seed)
-    test_fault = _test_fault(args)
     out["transfers"] = transfers = []
     current = None
     try:
@@ -308,8 +331,7 @@ def _run_prefill(
             prefill_s = time.perf_counter() - t0
             if p.index == 0 and args.save_payload:
                 _save(args.save_payload, write_payload(export_handoff(engine.cache, p.seq_id, tokens[:n])))
-            corrupt = test_fault == ("corrupt-in-flight", p.index)
-            facts = _send_sequence(channel, engine, p, tokens[:n], corrupt)
+            facts = _send_sequence(channel, engine, p, tokens[:n], hooks)
             facts.update(prefill_seconds=prefill_s)
             transfers.append(facts)
             engine.free(p.seq_id)
@@ -324,11 +346,13 @@ def _run_prefill(
     return 0
 
 
-def _send_sequence(channel: Channel, engine: Engine, p: Planned, tokens: torch.Tensor, corrupt: bool) -> dict[str, Any]:
+def _send_sequence(
+    channel: Channel, engine: Engine, p: Planned, tokens: torch.Tensor, hooks: TransferHooks
+) -> dict[str, Any]:
     """Stream one sequence and wait for the ack; a stream refused as damaged is sent once more."""
     what = f"transfer of sequence {p.seq_id!r} to decode rank {p.rank}"
     for attempt in (1, 2):
-        wire = _flip_one_bit if corrupt and attempt == 1 else None  # test hook: one bit flipped on the wire
+        wire = hooks.wire(p.index, attempt)
         channel.send_json(p.rank, {"step": "payload", "index": p.index, "seq_id": p.seq_id, "attempt": attempt}, what)
         try:
             sent = send_sequence(channel, p.rank, engine.cache, p.seq_id, tokens, wire=wire)
@@ -356,17 +380,14 @@ def _send_sequence(channel: Channel, engine: Engine, p: Planned, tokens: torch.T
     raise AssertionError("unreachable")
 
 
-def _flip_one_bit(index: int, chunk: torch.Tensor) -> torch.Tensor:
-    """Chunk 0 as a damaged copy (one bit of its middle byte flipped): what a bad link would deliver."""
-    if index != 0:
-        return chunk
-    damaged = chunk.clone()
-    damaged.view(torch.uint8).view(-1)[damaged.numel() * damaged.element_size() // 2] ^= 0x10
-    return damaged
-
-
 def _run_decode(
-    args, checkpoint: Checkpoint, channel: Channel, planned: list[Planned], rank: int, out: dict[str, Any]
+    args,
+    checkpoint: Checkpoint,
+    channel: Channel,
+    planned: list[Planned],
+    rank: int,
+    out: dict[str, Any],
+    hooks: TransferHooks,
 ) -> int:
     from ..parity.harness import check
 
@@ -381,8 +402,7 @@ def _run_decode(
     out["handshake"] = result.to_dict()
     policy = get_handoff_fault(args.inject).policy() if args.inject else None
     tokens = token_stream(checkpoint.config.vocab_size, max(p.case.length for p in mine), args.seed)
-    by_index = {p.index: p for p in mine}
-    test_fault = _test_fault(args)
+    by_index: dict[object, Planned] = {p.index: p for p in mine}  # keyed by what a message may say
     sequences: dict[Case, tuple[str, int]] = {}
     out["received"] = received = []
     while True:
@@ -397,8 +417,7 @@ def _run_decode(
         p = by_index.get(msg.get("index"))
         if step != "payload" or p is None or msg.get("seq_id") != p.seq_id:
             raise TransportError(f"the prefill rank sent {str(msg)[:200]}, not a payload planned for rank {rank}")
-        kill = test_fault == ("kill-decode-mid-transfer", p.index)
-        facts, imported = _receive_one(channel, serving, p, tokens[: p.case.length], args.convert, policy, kill)
+        facts, imported = _receive_one(channel, serving, p, tokens[: p.case.length], args.convert, policy, hooks)
         if imported:
             sequences[p.case] = (p.seq_id, p.case.length)
         received.append(facts)
@@ -416,7 +435,13 @@ def _run_decode(
 
 
 def _receive_one(
-    channel: Channel, serving: Engine, p: Planned, tokens: torch.Tensor, convert: str, policy, kill_mid_transfer: bool
+    channel: Channel,
+    serving: Engine,
+    p: Planned,
+    tokens: torch.Tensor,
+    convert: str,
+    policy: ImportPolicy | None,
+    hooks: TransferHooks,
 ) -> tuple[dict[str, Any], bool]:
     """Receive, validate and import one streamed sequence (``tokens [n]``: the ids the plan expects);
     returns the facts and whether it was imported. A refused stream imports nothing (the sender was
@@ -430,8 +455,7 @@ def _receive_one(
             )
 
     def after_header(header: StreamHeader) -> None:
-        if kill_mid_transfer:  # test hook: die with the header read and the chunks on the wire
-            os.kill(os.getpid(), signal.SIGKILL)
+        hooks.header_received(p.index)
 
     facts: dict[str, Any] = {"seq_id": p.seq_id}
     try:
@@ -503,15 +527,6 @@ def _abort(channel: Channel, ranks: list[int], error: RopeKVError) -> None:
             channel.send_json(r, message, f"abort to rank {r}")
 
 
-def _test_fault(args) -> tuple[str, int] | None:
-    if not args.test_fault:
-        return None
-    name, _, index = args.test_fault.partition(":")
-    if name not in _TEST_FAULTS or not index.isdigit():
-        raise UsageError(f"--test-fault must be one of {_TEST_FAULTS} followed by ':INDEX', got {args.test_fault!r}")
-    return name, int(index)
-
-
 def _save(path: str, data: bytes) -> None:
     try:
         Path(path).write_bytes(data)
@@ -528,12 +543,12 @@ def _env_int(name: str, default: int | None = None) -> int:
     value = os.environ.get(name)
     if value is None and default is not None:
         return default
-    try:
-        return int(value)
-    except (TypeError, ValueError):
-        raise UsageError(
-            f"environment variable {name}={value!r} is not an integer: run under torchrun, or use `ropekv handoff`"
-        ) from None
+    if value is not None:
+        with contextlib.suppress(ValueError):
+            return int(value)
+    raise UsageError(
+        f"environment variable {name}={value!r} is not an integer: run under torchrun, or use `ropekv handoff`"
+    )
 
 
 def _describe_transfer(f: dict[str, Any]) -> str:
@@ -562,9 +577,16 @@ def free_port() -> int:
 
 
 def launch(
-    worker_args: list[str], world_size: int, *, timeout: float, workdir: Path, grace: float | None = None
+    worker_args: list[str],
+    world_size: int,
+    *,
+    timeout: float,
+    workdir: Path,
+    grace: float | None = None,
+    hooks: TransferHooks | None = None,
 ) -> list[RankOutcome]:
-    """Run every rank on 127.0.0.1 (as torchrun would) and wait for all of them.
+    """Run every rank on 127.0.0.1 (as torchrun would) and wait for all of them; each rank gets
+    ``hooks`` (:class:`TransferHooks`; None: none).
 
     Ranks are forked from a forkserver that imported ropekv once. Once a rank fails (exit code other
     than 0 or 1), the others get ``grace`` seconds (default ``timeout + 15``) to notice and exit, then
@@ -579,7 +601,7 @@ def launch(
         argv = [*worker_args, "--result", str(workdir / f"rank{rank}.json"), "--quiet", "--threads", str(threads)]
         proc = ctx.Process(
             target=_child,
-            args=(rank, world_size, port, argv, str(workdir / f"rank{rank}.log")),
+            args=(rank, world_size, port, argv, str(workdir / f"rank{rank}.log"), hooks),
             name=f"ropekv-handoff-rank{rank}",
         )
         proc.start()
@@ -611,7 +633,7 @@ def launch(
     ]
 
 
-def _child(rank: int, world_size: int, port: int, argv: list[str], log_path: str) -> None:
+def _child(rank: int, world_size: int, port: int, argv: list[str], log_path: str, hooks: TransferHooks | None) -> None:
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -624,7 +646,7 @@ def _child(rank: int, world_size: int, port: int, argv: list[str], log_path: str
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
     )
-    code = main(argv)
+    code = main(argv, hooks)
     sys.stdout.flush()
     sys.stderr.flush()
     sys.exit(code)

@@ -10,8 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from ropekv.faults.catalogue import FAULTS
-from ropekv.faults.ops import OP_FAULTS
+from ropekv.faults.registry import FAULTS, OP_FAULTS
 from ropekv.models import load_checkpoint
 from ropekv.models.config import Checkpoint
 from ropekv.parity.cases import Case

@@ -1,6 +1,6 @@
 """Finding: each RoPE bug patched into vLLM's decode path is caught at every tier and named.
 
-For every fault in ``ropekv.faults.vllm.FAULTS`` the running engine is patched, one case with
+For every fault in ``ropekv.faults.registry.VLLM_FAULTS`` the running engine is patched, one case with
 a prefix-cache hit is run (length 40 after a 32-token prefix, 2 decode steps), and ropekv's verdict
 is printed: logits error (top-k log-probabilities against the float64 reference), first divergent
 layer, and the bug class forensics names.
@@ -15,7 +15,8 @@ import sys
 
 if __name__ == "__main__":
     from ropekv.adapters.vllm import VLLMEngine
-    from ropekv.faults.vllm import FAULTS, injected
+    from ropekv.faults.registry import VLLM_FAULTS as FAULTS
+    from ropekv.faults.vllm import injected
     from ropekv.parity.cases import Case
     from ropekv.parity.harness import check
 

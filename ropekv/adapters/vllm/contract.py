@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ...contract import FieldDiff
 from ...rope import RopeSpec
 
 # vLLM rotary classes -> the HF rope_type they implement (vllm/model_executor/layers/rotary_embedding).
@@ -25,13 +26,6 @@ ROPE_CLASSES = {
     "Llama3RotaryEmbedding": "llama3",
     "Phi3LongRoPEScaledRotaryEmbedding": "longrope",
 }
-
-
-@dataclass(frozen=True)
-class FieldDiff:
-    field: str
-    vllm: Any
-    checkpoint: Any
 
 
 @dataclass(frozen=True)
@@ -63,8 +57,9 @@ class VLLMContract:
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "cos_sin_table"}
 
     def diff(self, spec: RopeSpec, *, tolerance: float) -> tuple[FieldDiff, ...]:
-        """Fields where vLLM runs something else than ``spec``; ``tolerance`` bounds the cos/sin table
-        error that counts as the same table (its dtype's rounding)."""
+        """Fields where vLLM runs something else than ``spec``, each a :class:`~ropekv.contract.FieldDiff`
+        with ``ours`` = what vLLM runs, ``theirs`` = the checkpoint's; ``tolerance`` bounds the cos/sin
+        table error that counts as the same table (its dtype's rounding)."""
         out = []
         want = {
             "rope_type": spec.scaling.rope_type,

@@ -184,7 +184,7 @@ class VLLMEngine:
                 "top_k": self.top_k,
                 "logits": f"top-{self.top_k} log-probabilities (decode logprobs vs prompt_logprobs)",
                 "contract": self.contract.to_dict(),
-                "contract_diff": [f"{d.field}: vLLM {d.vllm}, checkpoint {d.checkpoint}" for d in self.contract_diff],
+                "contract_diff": [f"{d.field}: vLLM {d.ours}, checkpoint {d.theirs}" for d in self.contract_diff],
                 "startup_seconds": round(self.startup_seconds, 2),
             },
         )

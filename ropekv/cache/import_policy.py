@@ -1,0 +1,25 @@
+"""What the decode side does to keys imported into its cache beyond the explicit key-form conversion.
+
+The import itself is ``ropekv.transfer.importer.import_handoff``; the policy lives below it (and below
+``ropekv.faults``), so that a handoff fault is a one-method subclass here, the way rotation faults
+subclass :class:`~ropekv.engine.rotation.RotationPolicy`, and the importer has no fault switches.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..rope import RopeSpec
+
+
+class ImportPolicy:
+    """What the decode side does to imported keys beyond the explicit conversion: nothing.
+
+    Faults override :meth:`imported_keys` (``ropekv.faults.handoff.RotateOnTransfer``).
+    """
+
+    name = "correct"
+
+    def imported_keys(self, rope: RopeSpec, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Keys ``[rows, KVH, D]`` (in the engine's key form) at ``positions [rows]`` as they will be stored."""
+        return keys

@@ -1,0 +1,70 @@
+"""Faults of ropekv's own engine: policies handed to :class:`~ropekv.adapters.native.NativeAdapter`.
+
+A fault here is a small variant of correct code: a :class:`~ropekv.engine.rotation.RotationPolicy`
+subclass (how queries and keys turn), a :class:`~ropekv.cache.policy.CacheOpPolicy` subclass (what a
+cache operation does to stored keys), a changed model (stale dynamic scaling needs length-dependent
+RoPE) or a changed contract (chunked layers read as full). The engine itself has no fault switches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..adapters.native import NativeAdapter
+from ..cache.policy import CacheOpPolicy
+from ..contract import CacheContract, KeyForm
+from ..engine.rotation import RotationPolicy
+from ..errors import ConfigError, UsageError
+from ..models.config import Checkpoint, ModelConfig
+from .record import Fault, FaultEngine
+
+
+@dataclass(frozen=True, kw_only=True)
+class NativeFault(Fault):
+    """A :class:`Fault` of ropekv's engine.
+
+    - ``key_form``: the key form it runs under (``--key-form`` may choose another unless
+      ``fixed_key_form``: the fault only exists in its own key form).
+    - ``rotation`` / ``cache_ops``: the policies handed to the engine (None: the correct one).
+    - ``model``: the model the fault needs, from the one given (None: that one).
+    - ``contract_change``: the contract the faulty engine runs under, from the model's (None: that one).
+    - ``needs`` / ``applies``: a model feature the fault needs to show ("": every model has it), and
+      whether a model config has it; a model without it is refused.
+    """
+
+    engine: FaultEngine = field(default="ropekv", init=False)
+    key_form: KeyForm
+    rotation: Callable[[], RotationPolicy] | None = None
+    cache_ops: Callable[[], CacheOpPolicy] | None = None
+    model: Callable[[Checkpoint], Checkpoint] | None = None
+    fixed_key_form: bool = False
+    contract_change: Callable[[CacheContract], CacheContract] | None = None
+    needs: str = ""
+    applies: Callable[[ModelConfig], bool] | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if (self.needs == "") != (self.applies is None):
+            raise ConfigError(f"fault {self.name!r}: a needed model feature comes with the test for it (applies)")
+
+    def adapter(
+        self, checkpoint: Checkpoint, *, dtype: str = "float32", key_form: KeyForm | None = None
+    ) -> NativeAdapter:
+        """ropekv's engine with this fault's policies handed in."""
+        if self.applies is not None and not self.applies(checkpoint.config):
+            raise UsageError(
+                f"fault {self.name!r} needs a model with {self.needs}; {checkpoint.config.architecture} here has none"
+            )
+        if self.model is not None:
+            checkpoint = self.model(checkpoint)
+        form = self.key_form if self.fixed_key_form else (key_form or self.key_form)
+        return NativeAdapter(
+            checkpoint,
+            key_form=form,
+            dtype=dtype,
+            rotation=self.rotation() if self.rotation else None,
+            cache_ops=self.cache_ops() if self.cache_ops else None,
+            name=f"ropekv engine with fault {self.name}",
+            contract_change=self.contract_change,
+        )

@@ -1,0 +1,45 @@
+"""Transfer hooks for the handoff tests: a stream damaged on the wire, a decode rank killed mid-transfer.
+
+Handed to :func:`ropekv.transfer.workers.launch` (``hooks=``); the shipped command lines take none.
+Each is pickled into the rank processes, so it is a module-level class with plain fields.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import torch
+
+from ropekv.transfer.workers import TransferHooks, Wire
+
+
+def _flip_one_bit(index: int, chunk: torch.Tensor) -> torch.Tensor:
+    """Chunk 0 as a damaged copy (one bit of its middle byte flipped): what a bad link would deliver."""
+    if index != 0:
+        return chunk
+    damaged = chunk.clone()
+    damaged.view(torch.uint8).view(-1)[damaged.numel() * damaged.element_size() // 2] ^= 0x10
+    return damaged
+
+
+class CorruptInFlight(TransferHooks):
+    """The first attempt of sequence ``index``'s stream has one bit flipped in flight."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def wire(self, index: int, attempt: int) -> Wire | None:
+        return _flip_one_bit if index == self.index and attempt == 1 else None
+
+
+class KillDecodeMidTransfer(TransferHooks):
+    """The decode rank receiving sequence ``index`` dies (SIGKILL) with the header read and the chunks
+    on the wire."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+    def header_received(self, index: int) -> None:
+        if index == self.index:
+            os.kill(os.getpid(), signal.SIGKILL)
