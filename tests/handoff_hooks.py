@@ -1,6 +1,6 @@
 """Transfer hooks for the handoff tests: a stream damaged on the wire, a decode rank killed mid-transfer.
 
-Handed to :func:`ropekv.transfer.workers.launch` (``hooks=``); the shipped command lines take none.
+Handed to :func:`ropekv.handoff.workers.launch` (``hooks=``); the shipped command lines take none.
 Each is pickled into the rank processes, so it is a module-level class with plain fields.
 """
 
@@ -11,7 +11,7 @@ import signal
 
 import torch
 
-from ropekv.transfer.workers import TransferHooks, Wire
+from ropekv.handoff.workers import TransferHooks, Wire
 
 
 def _flip_one_bit(index: int, chunk: torch.Tensor) -> torch.Tensor:

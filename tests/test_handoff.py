@@ -25,11 +25,11 @@ from ropekv.models import load_checkpoint
 from ropekv.parity.cases import Case
 from ropekv.rope import RopeScaling, RopeSpec
 from ropekv.transfer import Handoff, read_payload, write_payload
-from ropekv.transfer.adapter import HandoffAdapter
+from ropekv.handoff.adapter import HandoffAdapter
 from ropekv.transfer.handshake import decide
 from ropekv.transfer.importer import export_handoff, import_handoff
 from ropekv.transfer.payload import window_rows
-from ropekv.transfer.workers import launch
+from ropekv.handoff.workers import launch
 
 CASES = [
     Case(length=17),
@@ -394,7 +394,7 @@ def test_cli_checks_paths_and_flags_before_starting_workers(tiny_llama_dir, tmp_
 
 
 def test_worker_outside_a_launcher_says_how_to_run(monkeypatch, capsys):
-    from ropekv.transfer.workers import main as worker_main
+    from ropekv.handoff.workers import main as worker_main
 
     monkeypatch.delenv("RANK", raising=False)
     assert worker_main(["--lengths", "3"]) == 2

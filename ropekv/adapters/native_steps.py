@@ -1,6 +1,6 @@
 """The plain part of a case on ropekv's own engine: the prefill (prefix hit included) and the probed
 decode steps. Shared by :class:`~ropekv.adapters.native.NativeAdapter`, its cache-operation runners
-(:mod:`ropekv.adapters.native_ops`) and the handoff adapter (:mod:`ropekv.transfer.adapter`)."""
+(:mod:`ropekv.adapters.native_ops`) and the handoff adapter (:mod:`ropekv.handoff.adapter`)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """``ropekv handoff``: prefill on one worker, hand the KV cache off, decode on others, check parity.
 
 Starts a prefill rank and ``--decode-workers`` decode ranks on 127.0.0.1 (torch.distributed, gloo;
-``ropekv.transfer.workers``), prints each decode rank's parity table (prefill on worker A + decode on
+``ropekv.handoff.workers``), prints each decode rank's parity table (prefill on worker A + decode on
 worker B against full forwards) and the transfer facts. Exit codes as ``ropekv check``: 0 parity
 holds, 1 it does not, 2 bad input, 3 a handshake refused a contract, 4 a worker failed or went silent.
 """
@@ -23,7 +23,7 @@ REPORT_FORMAT = "ropekv.handoff-report"
 
 
 def add_parser(subparsers) -> None:
-    from ..transfer.workers import add_arguments
+    from ..handoff.workers import add_arguments
 
     p = subparsers.add_parser(
         "handoff",
@@ -40,7 +40,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..transfer.workers import launch, worker_argv
+    from ..handoff.workers import launch, worker_argv
 
     if args.list_faults:
         from ..faults.registry import HANDOFF_FAULTS, listing
@@ -109,7 +109,7 @@ def _check(args: argparse.Namespace) -> None:
 
 def _error(outcomes) -> RopeKVError | None:
     """The error that decides the exit code: a refused handshake, then a dead or silent rank, then any other."""
-    from ..transfer.workers import rebuild_error
+    from ..handoff.workers import rebuild_error
 
     results = [(o, o.result or {}) for o in outcomes]
     for _, r in results:

@@ -1,4 +1,4 @@
-"""Prefill->decode handoff: the payload format, the import boundary and the torch.distributed workers.
+"""Moving one sequence's KV cache: the payload format, saved files, the import boundary, the stream.
 
 - :func:`write_payload` / :func:`read_payload`: one sequence's KV cache as self-describing,
   checksummed safetensors bytes (:class:`Handoff`); the reader raises only ``PayloadError``.
@@ -6,8 +6,9 @@
   contract check, the explicit key-form conversion, the all-or-nothing import, on a ``PagedKVCache``.
 - ``send_sequence`` / ``receive_sequence`` (``ropekv.transfer.stream``): the streamed handoff between
   ranks, from the sender's pool straight into the receiver's, checksummed chunk by chunk.
-- ``ropekv.transfer.workers``: prefill and decode ranks (``torchrun`` or ``ropekv handoff``), with the
-  contract handshake of ``ropekv.transfer.handshake``. See docs/handoff.md.
+- ``save_sequence`` / ``load_sequence`` (``ropekv.transfer.saved``): a sequence to a file and back.
+- the contract handshake (``ropekv.transfer.handshake``); the prefill and decode ranks that use all of
+  this live above the adapters, in ``ropekv.handoff``. See docs/handoff.md.
 """
 
 from .payload import Handoff, read_payload, write_payload

@@ -9,7 +9,7 @@ payload damaged in transit is refused by its checksum and sent once more. After 
 each decode rank runs the parity harness on the sequences it holds (:class:`ServedHandoffAdapter`)
 and writes its report.
 
-Entry points: ``python -m ropekv.transfer.workers`` under ``torchrun`` (RANK, WORLD_SIZE, MASTER_ADDR,
+Entry points: ``python -m ropekv.handoff.workers`` under ``torchrun`` (RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT from the environment; one process per machine works), and :func:`launch`, which starts
 all ranks on 127.0.0.1 for ``ropekv handoff``. Both take :class:`TransferHooks` as an argument (tests
 damage a stream or kill a rank through them); no command-line flag reaches them. Every wait on a peer is bounded by ``--timeout``: a dead
@@ -46,10 +46,10 @@ from ..faults.registry import HANDOFF_FAULTS, get_handoff_fault
 from ..models import Checkpoint, load_checkpoint
 from ..parity.cases import Case, token_stream
 from .adapter import ServedHandoffAdapter
-from .handshake import Channel, answer, offer
-from .importer import CONVERT_MODES, export_handoff
-from .payload import write_payload
-from .stream import StreamHeader, rebuild_error, receive_sequence, send_sequence
+from ..transfer.handshake import Channel, answer, offer
+from ..transfer.importer import CONVERT_MODES, export_handoff
+from ..transfer.payload import write_payload
+from ..transfer.stream import StreamHeader, rebuild_error, receive_sequence, send_sequence
 
 RESULT_FORMAT = "ropekv.handoff-worker"
 Wire = Callable[[int, torch.Tensor], torch.Tensor]  # (chunk index, chunk) -> the chunk that goes out
@@ -149,7 +149,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, cli: bool = False) -> None
 
 def build_parser() -> argparse.ArgumentParser:
     parser = RaisingParser(
-        prog="python -m ropekv.transfer.workers",
+        prog="python -m ropekv.handoff.workers",
         description="One rank of a prefill->decode handoff (rank 0 prefills, the others decode). "
         "Run under torchrun, or let `ropekv handoff` start every rank.",
     )

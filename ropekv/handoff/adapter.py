@@ -29,8 +29,8 @@ from ..errors import UsageError
 from ..models.config import Checkpoint
 from ..parity.cases import Case
 from ..parity.protocol import CaseRun, EngineDescription, FullRun, Ignored, Tier
-from .importer import export_handoff, import_handoff, plan_import
-from .payload import read_payload, write_payload
+from ..transfer.importer import export_handoff, import_handoff, plan_import
+from ..transfer.payload import read_payload, write_payload
 
 
 @dataclass(frozen=True)
