@@ -21,15 +21,15 @@ from ropekv.contract import CacheContract, MlaCache
 from ropekv.engine import Engine
 from ropekv.errors import CacheError, CapacityError, ContractMismatch, PayloadError, RopeKVError, UsageError
 from ropekv.faults.registry import get_handoff_fault
+from ropekv.handoff.adapter import HandoffAdapter
+from ropekv.handoff.workers import launch
 from ropekv.models import load_checkpoint
 from ropekv.parity.cases import Case
 from ropekv.rope import RopeScaling, RopeSpec
 from ropekv.transfer import Handoff, read_payload, write_payload
-from ropekv.handoff.adapter import HandoffAdapter
 from ropekv.transfer.handshake import decide
 from ropekv.transfer.importer import export_handoff, import_handoff
 from ropekv.transfer.payload import window_rows
-from ropekv.handoff.workers import launch
 
 CASES = [
     Case(length=17),

@@ -45,11 +45,11 @@ from ..errors import PayloadError, RopeKVError, TransportError, UsageError
 from ..faults.registry import HANDOFF_FAULTS, get_handoff_fault
 from ..models import Checkpoint, load_checkpoint
 from ..parity.cases import Case, token_stream
-from .adapter import ServedHandoffAdapter
 from ..transfer.handshake import Channel, answer, offer
 from ..transfer.importer import CONVERT_MODES, export_handoff
 from ..transfer.payload import write_payload
 from ..transfer.stream import StreamHeader, rebuild_error, receive_sequence, send_sequence
+from .adapter import ServedHandoffAdapter
 
 RESULT_FORMAT = "ropekv.handoff-worker"
 Wire = Callable[[int, torch.Tensor], torch.Tensor]  # (chunk index, chunk) -> the chunk that goes out

@@ -77,7 +77,7 @@ def tiny_model(arch: str = "llama", **overrides: Any) -> torch.nn.Module:
 def tiny_checkpoint(arch: str = "llama", *, save_to: str | Path | None = None, **overrides: Any) -> Checkpoint | Path:
     """A tiny random checkpoint: in memory as a :class:`Checkpoint` (default), or saved with
     transformers' ``save_pretrained`` (config.json + model.safetensors) to ``save_to``, returning the path."""
-    model = tiny_model(arch, **overrides)
+    model: Any = tiny_model(arch, **overrides)  # a transformers PreTrainedModel
     if save_to is not None:
         path = Path(save_to)
         model.save_pretrained(path)

@@ -26,7 +26,7 @@ from .importer import export_handoff, import_handoff
 from .payload import read_payload, write_payload
 
 
-def save_sequence(engine: Engine, seq_id: Hashable, path: str | os.PathLike, tokens: torch.Tensor) -> int:
+def save_sequence(engine: Engine, seq_id: str | int, path: str | os.PathLike, tokens: torch.Tensor) -> int:
     """Write ``seq_id`` to ``path`` (atomically: a temporary file, then a rename); returns bytes written.
     ``tokens [n]`` are the ids the sequence consumed. A sequence with evicted tokens is refused (the
     payload holds every token of a full-attention layer)."""

@@ -55,6 +55,7 @@ class LlamaCppEngine:
 
     name: str
     tier: Tier
+    last_shifts_seen: int = 0  # KV shifts the graph tap saw in the latest shifted step (shift.py)
 
     def __init__(
         self,

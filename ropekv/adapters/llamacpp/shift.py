@@ -116,6 +116,8 @@ def check_shift(
     first = _first_bad_layer(per_layer)
     lay = shifted.layers[first]
     probe = ref.layers[first]
+    assert probe.q_raw is not None and probe.k_raw is not None  # the reference probes its raw q/k
+    assert lay.key_slots is not None  # the tap records every key's cell
     inp = ForensicInput(
         rope=cfg.rope,
         q_raw=probe.q_raw[0],
@@ -163,5 +165,5 @@ def _verdict(diag: Diagnosis, inp: ForensicInput, delta: int) -> str:
         k: sum(1 for e, p in zip(diag.key_effective, logical) if e is not None and e == p + k * delta)
         for k in SHIFT_NAMES
     }
-    best = max(votes, key=votes.get)
+    best = max(votes, key=lambda k: votes[k])
     return SHIFT_NAMES[best] if votes[best] >= 0.9 * len(eff) else "unknown"
