@@ -7,6 +7,7 @@ strings (``"sliding_attention"``, ...) are an input format, parsed once where co
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -45,3 +46,14 @@ class LayerAttention:
 
     def __str__(self) -> str:
         return "full" if self.kind == "full" else f"{self.kind}({'W' if self.kind == 'sliding' else 'C'}={self.size})"
+
+
+class ModelWindows(enum.StrEnum):
+    """``window=MODEL_WINDOWS``: each layer attends as its config says (its sliding window, its
+    chunk), rather than one window forced on every layer. Its value is the string ``"model"``, which
+    it equals, so that recorded calls (and JSON) read the same."""
+
+    MODEL = "model"
+
+
+MODEL_WINDOWS = ModelWindows.MODEL

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 
-from .attention_kind import LayerAttention
+from .attention_kind import MODEL_WINDOWS, LayerAttention, ModelWindows
 from .errors import ConfigError, ContractMismatch
 from .rope import RopeSpec
 
@@ -398,22 +398,23 @@ class CacheContract:
         key_form: KeyForm,
         block_size: int = 16,
         dtype: str = "float32",
-        window: int | str | None = "model",
+        window: int | ModelWindows | None = MODEL_WINDOWS,
         sink_tokens: int = 0,
         rotation_index: RotationIndex = "logical",
         model_fingerprint: str = "",
         mla_form: MlaForm = "expanded",
     ) -> CacheContract:
-        """The contract for ``config``. ``window="model"``: the config's sliding and chunked layers with
+        """The contract for ``config``. ``window=MODEL_WINDOWS`` (``"model"``): the config's sliding and chunked layers with
         their window and chunk size; an int: that window on every layer (and no chunks); None: full
         attention on every layer. The kernel rotates iff keys are raw. ``mla_form`` (MLA models only):
         the rows the cache holds, :class:`MlaCache` (ropekv's engine caches ``"expanded"``;
         ``"latent"`` describes transformers' and vLLM's caches)."""
         chunks: tuple[int, ...] = ()
-        if window == "model":
-            layers = tuple(i for i, t in enumerate(config.layer_types) if t == "sliding_attention")
+        if window == MODEL_WINDOWS:
+            kinds = config.layer_attentions
+            layers = tuple(i for i, a in enumerate(kinds) if a.kind == "sliding")
             size = config.sliding_window if layers else None
-            chunks = tuple(i for i, t in enumerate(config.layer_types) if t == "chunked_attention")
+            chunks = tuple(i for i, a in enumerate(kinds) if a.kind == "chunked")
         elif window is None:
             layers, size = (), None
         elif isinstance(window, int) and not isinstance(window, bool):

@@ -506,8 +506,7 @@ class HFEngine:
     def _croppable(self, case: Case) -> bool:
         """Dynamic caches whose layers all keep every token can be cropped back to the prefix (transformers
         keeps a chunked layer in a sliding layer of one chunk, so it cannot be cropped either)."""
-        types = self.checkpoint.config.layer_types
-        sliding = "sliding_attention" in types or "chunked_attention" in types
+        sliding = any(a.kind != "full" for a in self.checkpoint.config.layer_attentions)
         return case.window is not None or (self.cache_kind == "dynamic" and not sliding)
 
     def _window_mask(self, positions: torch.Tensor, kv_len: int, window: int, sinks: int) -> torch.Tensor:

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..attention_kind import MODEL_WINDOWS
 from ..cache.policy import CacheOpPolicy
 from ..contract import DTYPES, CacheContract, KeyForm
 from ..engine import Engine
@@ -13,7 +14,6 @@ from ..engine.attention import BackendName
 from ..engine.rotation import RotationPolicy
 from ..engine.transformer import DecoderWeights
 from ..models.config import Checkpoint
-from ..models.reference import MODEL_WINDOWS
 from ..parity.cases import OP_KINDS, Case
 from ..parity.protocol import CaseRun, EngineDescription, FullRun, Ignored, Tier
 from .native_ops import run_op_case

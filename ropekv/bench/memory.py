@@ -2,7 +2,7 @@
 
 Ideal: ``layers x 2 x kv_heads x head_dim x dtype size`` per token (keys and values, nothing else).
 Held: every block a sequence occupies (a partly filled last block counts whole) in every layer of
-its group, plus the per-slot logical positions (int64) of those blocks. The bound the issue sets is
+its group, plus the per-slot logical positions (int64) of those blocks. The bound docs/performance.md sets is
 5% over the ideal plus one partly filled block per sequence.
 """
 

@@ -1,6 +1,6 @@
 """Where positions become rotations: the one place the engine turns positions into RoPE.
 
-:class:`RotationPolicy` is the correct behaviour. Every bug class of the primer is a small subclass
+:class:`RotationPolicy` is the correct behaviour. Every catalogued bug class is a small subclass
 that overrides one method (see ``ropekv.faults.catalogue``), so a fault is a named, reviewable variant
 and the engine itself has no fault switches. Stored positions are always the logical truth; a policy
 only decides how they turn queries and keys.

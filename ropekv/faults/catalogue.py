@@ -1,4 +1,4 @@
-"""The fault catalogue of ropekv's engine: small, named variants of the engine, one per bug class of the primer.
+"""The fault catalogue of ropekv's engine: small, named variants of the engine, one per bug class (docs/report.md).
 
 Each fault overrides one decision of :class:`~ropekv.engine.rotation.RotationPolicy` (or, for stale dynamic
 scaling, lets the engine accept a contract it would refuse; for chunked attention, runs the engine
@@ -256,8 +256,8 @@ def _has_partial(cfg) -> bool:
 
 
 def _has_two_kinds(cfg) -> bool:
-    sliding = [i for i, t in enumerate(cfg.layer_types) if t == "sliding_attention"]
-    full = [i for i, t in enumerate(cfg.layer_types) if t != "sliding_attention"]
+    sliding = [i for i, a in enumerate(cfg.layer_attentions) if a.kind == "sliding"]
+    full = [i for i, a in enumerate(cfg.layer_attentions) if a.kind != "sliding"]
     return (
         bool(sliding and full)
         and cfg.layer_rope(sliding[0]) not in (None, cfg.layer_rope(full[0]))
@@ -270,7 +270,7 @@ def _has_nope(cfg) -> bool:
 
 
 def _has_chunks(cfg) -> bool:
-    return "chunked_attention" in cfg.layer_types
+    return any(a.kind == "chunked" for a in cfg.layer_attentions)
 
 
 def _forget_chunks(contract: CacheContract) -> CacheContract:

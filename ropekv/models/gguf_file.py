@@ -4,7 +4,7 @@ The file is read with gguf-py's ``GGUFReader`` and every tensor is dequantized w
 ``gguf.quants.dequantize``. The GGUF metadata becomes a transformers-style config dict
 (:func:`hf_config_from_gguf`) that goes through the same validation as a ``config.json``.
 
-Q/K layout (the one thing a GGUF does not record, primer section 5): llama.cpp's converter permutes the
+Q/K layout (the one thing a GGUF does not record): llama.cpp's converter permutes the
 rows of each head of ``q_proj`` / ``k_proj`` (and their biases) of *llama* models so that its
 interleaved ("NORM", our ``"gptj"``) RoPE pairing computes what HF's ``rotate_half`` (``"neox"``)
 computes on the original weights. So a llama GGUF can be read two equivalent ways:

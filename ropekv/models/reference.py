@@ -25,7 +25,6 @@ better reference than HF itself.
 
 from __future__ import annotations
 
-import enum
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,21 +32,12 @@ from typing import Literal
 
 import torch
 
+from ..attention_kind import MODEL_WINDOWS, ModelWindows
 from ..errors import UsageError
 from ..probe import LayerProbe
 from .config import Checkpoint, ModelConfig
 from .mla import LATENT_NORM_EPS, MlaSpec
 
-
-class ModelWindows(enum.StrEnum):
-    """``window=MODEL_WINDOWS``: each layer attends as its config says (its sliding window, its
-    chunk), rather than one window forced on every layer. Its value is the string ``"model"``, which
-    it equals, so that ``CacheContract.for_model``'s ``window="model"`` and recorded calls read the same."""
-
-    MODEL = "model"
-
-
-MODEL_WINDOWS = ModelWindows.MODEL
 _QUERY_BLOCK = 256  # queries per attention block: bounds memory at [H, block, T] scores
 
 

@@ -1,7 +1,7 @@
 """Forensics at the first divergent layer: where did the query and each key really sit?
 
 Pure: tensors in, a frozen :class:`~ropekv.parity.diagnosis.Diagnosis` out (its kind a
-:class:`~ropekv.parity.bug_class.BugClass`). Method (primer, section 6): each channel pair of a
+:class:`~ropekv.parity.bug_class.BugClass`). Method: each channel pair of a
 vector is a complex number ``z = a + i b`` (``a`` the pair's first channel, as in
 :func:`ropekv.rope.pair_channels`). :func:`ropekv.rope.apply_rotation` multiplies it by
 ``A exp(i p w_m)``, so for raw ``r`` and effective ``c`` the cross spectrum ``X_m = sum_heads conj(r_m) c_m``

@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
+from ..attention_kind import MODEL_WINDOWS
 from ..contract import DTYPES
 from ..errors import UsageError
 from ..models.config import Checkpoint, ModelConfig
-from ..models.reference import MODEL_WINDOWS, ReferenceDecoder, ReferenceOutput
+from ..models.reference import ReferenceDecoder, ReferenceOutput
 from ..probe import LayerProbe
 from . import ops
 from .bug_class import BugClass

@@ -24,8 +24,9 @@ import dataclasses
 
 import torch
 
+from ..attention_kind import MODEL_WINDOWS
 from ..errors import UsageError
-from ..models.reference import MODEL_WINDOWS, ReferenceDecoder, ReferenceOutput
+from ..models.reference import ReferenceDecoder, ReferenceOutput
 from .bug_class import BugClass
 from .cases import Case
 from .compare import RefRow

@@ -30,6 +30,7 @@ import torch
 
 from ..contract import CacheContract
 from ..errors import PayloadError, RopeKVError
+from ..numbers import is_int
 
 FORMAT = "ropekv.handoff"
 VERSION = 1
@@ -190,7 +191,7 @@ def read_payload(data: bytes) -> Handoff:
             "payload checksum mismatch: metadata or tensor bytes were changed after writing "
             "(a flipped bit, a truncated or spliced transfer)"
         )
-    contract = _contract(meta["contract"])
+    contract = contract_of_metadata(meta["contract"])
     seq_id, n = _sequence(meta["sequence"])
     _check_layout(entries, contract, n)
     tensors = _load(data)
@@ -269,12 +270,12 @@ def _entries(header: dict[str, Any], data_len: int, base: int) -> dict[str, tupl
         dtype, shape, offsets = e["dtype"], e["shape"], e["data_offsets"]
         if not isinstance(dtype, str) or dtype not in _ITEMSIZE:
             raise PayloadError(f"{where}: dtype {str(dtype)[:20]!r} is not one of {', '.join(_ITEMSIZE)}")
-        if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(_is_int(s) and s >= 0 for s in shape):
+        if not isinstance(shape, list) or len(shape) > MAX_RANK or not all(is_int(s) and s >= 0 for s in shape):
             raise PayloadError(f"{where}: shape must be a list of at most {MAX_RANK} non-negative integers")
         if not (
             isinstance(offsets, list)
             and len(offsets) == 2
-            and all(_is_int(o) for o in offsets)
+            and all(is_int(o) for o in offsets)
             and 0 <= offsets[0] <= offsets[1] <= data_len
         ):
             raise PayloadError(f"{where}: data_offsets {str(offsets)[:60]} not within the {data_len}-byte data section")
@@ -301,7 +302,8 @@ def _entries(header: dict[str, Any], data_len: int, base: int) -> dict[str, tupl
     return out
 
 
-def _contract(text: str) -> CacheContract:
+def contract_of_metadata(text: str) -> CacheContract:
+    """The contract a payload header carries; any problem with it is a PayloadError."""
     try:
         return CacheContract.from_json(text)
     except RopeKVError as exc:
@@ -318,9 +320,9 @@ def _sequence(text: str) -> tuple[str | int, int]:
     if not isinstance(seq, dict) or set(seq) != {"seq_id", "num_tokens"}:
         raise PayloadError("payload __metadata__.sequence must be an object with exactly seq_id, num_tokens")
     n, seq_id = seq["num_tokens"], seq["seq_id"]
-    if not _is_int(n) or not 1 <= n <= MAX_TOKENS:
+    if not is_int(n) or not 1 <= n <= MAX_TOKENS:
         raise PayloadError(f"payload __metadata__.sequence.num_tokens {str(n)[:40]} not in [1, {MAX_TOKENS}]")
-    if not (isinstance(seq_id, str) and len(seq_id) <= 256) and not _is_int(seq_id):
+    if not (isinstance(seq_id, str) and len(seq_id) <= 256) and not is_int(seq_id):
         raise PayloadError("payload __metadata__.sequence.seq_id must be a string (<= 256 chars) or an integer")
     return seq_id, n
 
@@ -364,7 +366,7 @@ def _check_handoff(h: Handoff) -> None:
     c = h.contract
     if not isinstance(c, CacheContract):
         raise PayloadError(f"handoff contract must be a CacheContract, got {type(c).__name__}")
-    if not ((isinstance(h.seq_id, str) and len(h.seq_id) <= 256) or _is_int(h.seq_id)):
+    if not ((isinstance(h.seq_id, str) and len(h.seq_id) <= 256) or is_int(h.seq_id)):
         raise PayloadError(f"handoff seq_id must be a string (<= 256 chars) or an integer, got {h.seq_id!r}")
     for name in ("tokens", "positions"):
         t = getattr(h, name)
@@ -405,7 +407,3 @@ def _check_handoff(h: Handoff) -> None:
                     f"handoff {part} of layer {i} hold NaN or infinite values "
                     f"(first at row {bad}, position {int(pos[h.layer_rows(i)[bad]])})"
                 )
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)

@@ -36,9 +36,10 @@ from ..cache.import_policy import ImportPolicy
 from ..cache.paged import PagedKVCache, Reservation, head_rows, pool_rows
 from ..contract import CacheContract
 from ..errors import ALL_ERRORS, ContractMismatch, PayloadError, RopeKVError, TransportError, UsageError
+from ..numbers import is_int
 from .handshake import Channel, Posted
 from .importer import all_positions, plan_import
-from .payload import MAX_TOKENS, _contract, _is_int, held_rows
+from .payload import MAX_TOKENS, contract_of_metadata, held_rows
 
 FORMAT = "ropekv.stream"
 VERSION = 2  # 2: a chunk is a run of one KV head's rows (the pool is head-major); 1 sent [rows, KVH * D]
@@ -107,7 +108,7 @@ class StreamHeader:
         pos = self.positions
         if int(pos[0]) < 0 or (n > 1 and not bool((pos[1:] > pos[:-1]).all())):
             raise PayloadError("stream header: positions must be non-negative and strictly increase")
-        if not _is_int(self.chunk_rows) or self.chunk_rows < 1:
+        if not is_int(self.chunk_rows) or self.chunk_rows < 1:
             raise PayloadError(f"stream header: chunk_rows {self.chunk_rows!r} is not a positive integer")
         want = len(self.plan())
         if len(self.checksums) != want:
@@ -165,9 +166,9 @@ class StreamHeader:
                 f"is not {FORMAT!r} version {VERSION} hash {HASH!r}"
             )
         n, seq_id, sums = meta["num_tokens"], meta["seq_id"], meta["checksums"]
-        if not _is_int(n) or not 1 <= n <= MAX_TOKENS or len(body) != 8 + json_len + 16 * n:
+        if not is_int(n) or not 1 <= n <= MAX_TOKENS or len(body) != 8 + json_len + 16 * n:
             raise PayloadError(f"stream header: num_tokens {str(n)[:40]} does not match its {len(body)} bytes")
-        if not ((isinstance(seq_id, str) and len(seq_id) <= 256) or _is_int(seq_id)):
+        if not ((isinstance(seq_id, str) and len(seq_id) <= 256) or is_int(seq_id)):
             raise PayloadError("stream header: seq_id must be a string (<= 256 chars) or an integer")
         if not isinstance(sums, list) or not all(isinstance(x, str) and len(x) == 16 for x in sums):
             raise PayloadError("stream header: checksums must be 16-digit hex strings")
@@ -177,7 +178,12 @@ class StreamHeader:
             raise PayloadError("stream header: a checksum is not hexadecimal") from None
         ints = torch.frombuffer(bytearray(body[8 + json_len :]), dtype=torch.int64)
         return cls(
-            _contract(str(meta["contract"])), seq_id, ints[:n].clone(), ints[n:].clone(), meta["chunk_rows"], checksums
+            contract_of_metadata(str(meta["contract"])),
+            seq_id,
+            ints[:n].clone(),
+            ints[n:].clone(),
+            meta["chunk_rows"],
+            checksums,
         )
 
 

@@ -68,7 +68,7 @@ def vllm_cases(
     long_context: int = 600,
     decode_steps: int = 3,
 ) -> list[Case]:
-    """The issue's matrix for one vLLM engine: length 1; one below / at / one above a block; prefix hits
+    """The default matrix for one vLLM engine: length 1; one below / at / one above a block; prefix hits
     of one and two blocks and of a prefix that is not a block multiple; a long context (chunked when
     ``max_num_batched_tokens`` is smaller); several decode steps. No windows: vLLM runs the model's own."""
     B, chunk = block_size, max_num_batched_tokens
