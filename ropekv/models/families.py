@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypedDict
 
 import torch
 
@@ -230,6 +230,17 @@ class Family:
     hf: HfHooks = field(default_factory=HfHooks)
 
 
+class _Biases(TypedDict):
+    """Which config fields switch a family's biases on (a :class:`ConfigReading`'s bias fields)."""
+
+    qkv_bias: str
+    o_bias: str
+    mlp_bias: str
+
+
+# llama's bias fields, shared by the families that read them as llama does
+_LLAMA_BIAS = _Biases(qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias")
+
 FAMILIES: dict[str, Family] = {
     f.name: f
     for f in (
@@ -289,9 +300,7 @@ FAMILIES: dict[str, Family] = {
             reading=ConfigReading(
                 rope_layers="no_rope_layers",
                 windows="smollm3",
-                qkv_bias="attention_bias",
-                o_bias="attention_bias",
-                mlp_bias="mlp_bias",
+                **_LLAMA_BIAS,
                 defaults={"tie_word_embeddings": True, "rope_theta": 2000000.0},
             ),
         ),
@@ -324,9 +333,7 @@ FAMILIES: dict[str, Family] = {
                 residual_scale_key="residual_multiplier",
                 attn_scale_key="attention_multiplier",
                 logits_divide_key="logits_scaling",
-                qkv_bias="attention_bias",
-                o_bias="attention_bias",
-                mlp_bias="mlp_bias",
+                **_LLAMA_BIAS,
                 defaults={"attention_multiplier": 1.0},
             ),
         ),  # the scale itself: 1.0 when omitted
@@ -572,9 +579,7 @@ FAMILIES: dict[str, Family] = {
             reading=ConfigReading(
                 eps_key="norm_eps",
                 act_default="relu2",
-                qkv_bias="attention_bias",
-                o_bias="attention_bias",
-                mlp_bias="mlp_bias",
+                **_LLAMA_BIAS,
                 partial_rotary=True,
                 defaults={"partial_rotary_factor": 0.5},
             ),
@@ -1044,44 +1049,34 @@ FAMILIES.update(
 )
 
 
+# Qwen2-VL and Qwen2.5-VL read their text model alike: every part of the two families is the same.
+def _qwen2_vl(name: str, cls: str) -> Family:
+    return Family(
+        name,
+        (cls,),
+        reading=ConfigReading(
+            qkv_bias=True,
+            windows="qwen2",
+            mrope=True,
+            text_config=True,
+            head_dim_key=None,
+            defaults={"rope_theta": 1000000.0},
+        ),
+        tensors=TensorNames(
+            prefixes={"model.language_model.": "model."}, dropped_prefixes=("visual.", "model.visual.")
+        ),
+        hf=HfHooks(layers="model.language_model.layers"),
+    )
+
+
 FAMILIES.update(
     {
         f.name: f
         for f in (
             # Qwen2-VL / Qwen2.5-VL, the text model of a text-only checkpoint: qwen2's decoder (q/k/v bias, no o
             # bias, head_dim always hidden / heads) with mRoPE, whose three position streams coincide for text.
-            Family(
-                "qwen2_vl",
-                ("Qwen2VLForConditionalGeneration",),
-                reading=ConfigReading(
-                    qkv_bias=True,
-                    windows="qwen2",
-                    mrope=True,
-                    text_config=True,
-                    head_dim_key=None,
-                    defaults={"rope_theta": 1000000.0},
-                ),
-                tensors=TensorNames(
-                    prefixes={"model.language_model.": "model."}, dropped_prefixes=("visual.", "model.visual.")
-                ),
-                hf=HfHooks(layers="model.language_model.layers"),
-            ),
-            Family(
-                "qwen2_5_vl",
-                ("Qwen2_5_VLForConditionalGeneration",),
-                reading=ConfigReading(
-                    qkv_bias=True,
-                    windows="qwen2",
-                    mrope=True,
-                    text_config=True,
-                    head_dim_key=None,
-                    defaults={"rope_theta": 1000000.0},
-                ),
-                tensors=TensorNames(
-                    prefixes={"model.language_model.": "model."}, dropped_prefixes=("visual.", "model.visual.")
-                ),
-                hf=HfHooks(layers="model.language_model.layers"),
-            ),
+            _qwen2_vl("qwen2_vl", "Qwen2VLForConditionalGeneration"),
+            _qwen2_vl("qwen2_5_vl", "Qwen2_5_VLForConditionalGeneration"),
             # gpt-oss: attention sinks, every-other sliding layers, yarn, biases everywhere in attention, and
             # a biased top-k-softmax MoE with the clamped SwiGLU (models/moe.py) on every layer.
             Family(
