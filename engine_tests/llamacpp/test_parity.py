@@ -44,7 +44,7 @@ def test_f16_kv_passes_with_the_f16_tolerance():
 @pytest.mark.parametrize("n_batch", [7])
 def test_a_batch_size_that_splits_the_prompt(n_batch):
     engine = LlamaCppEngine(n_batch=n_batch)
-    assert engine.describe()["n_ubatch"] == n_batch
+    assert engine.describe().extra["n_ubatch"] == n_batch
     report = check(engine, cases=[Case(length=45, prefix=13), Case(length=20, chunk=9)])
     assert report.passed, report.table()
     assert max(r.max_attn_error for r in report.cases) < 2e-4

@@ -49,7 +49,7 @@ def test_the_contract_read_from_vllms_model_is_the_checkpoints(engine_f32):
     assert c.same_module_all_layers and c.cos_sin_positions == spec.max_position_embeddings
     assert 0 < c.cos_sin_max_error < 1e-3  # float32 angles: nonzero, below the stated tolerance
     assert engine_f32.contract_diff == ()
-    assert engine_f32.describe()["contract_diff"] == []
+    assert engine_f32.describe().extra["contract_diff"] == []
 
 
 def test_a_changed_rope_base_shows_in_the_contract_diff(engine_f32):
