@@ -1,10 +1,11 @@
 """The paged-cache unpacking against vLLM's own cache writer (``cpu_attn_reshape_and_cache``), for each
 CPU kernel layout, without starting an engine.
 
-vLLM's CPU build writes the ``amx`` layout only on a processor with AMX tiles; elsewhere its writer
-refuses the layout ("Unsupported CPU attention configuration") and vLLM never chooses it. There the
+Whether vLLM's CPU build can write the ``amx`` layout depends on the processor: on the Intel machines
+of earlier runs it did (even without AMX tiles); on an AMD EPYC without AVX-512 its writer refuses it
+("Unsupported CPU attention configuration"), and vLLM never selects it there. Where it is refused, the
 ``amx`` cases are judged against the layout as vLLM's kernel documents it, written out below cell by
-cell (an independent statement of the order, not ropekv's), and a test records that vLLM refuses it."""
+cell (an independent statement of the order, not ropekv's), and a test records the refusal."""
 
 from __future__ import annotations
 
@@ -101,9 +102,9 @@ def test_the_documented_cell_orders():
             assert (token[cell], channel[cell]) == (16 + 3, 2 * 10 + 1)
 
 
-def test_vllm_writes_the_portable_layouts_and_amx_only_where_it_has_tiles():
-    """vec and vec16 are written on every processor; where amx is refused, vLLM never selects it
-    (``_get_attn_isa``), so no cache in this process holds that layout."""
+def test_vllm_writes_the_portable_layouts_and_refuses_amx_only_without_amx_tiles():
+    """vec and vec16 are written on every processor; amx is refused only on a processor without AMX
+    tiles, where vLLM never selects it (``_get_attn_isa``), so no cache there holds that layout."""
     assert _vllm_writes("vec", torch.float32) and _vllm_writes("vec16", torch.float32)
     if not AMX_WRITER:  # refused only where the processor has no AMX tiles
         assert "amx_tile" not in Path("/proc/cpuinfo").read_text().split()
