@@ -247,7 +247,7 @@ FAMILIES: dict[str, Family] = {
         Family(
             "llama",
             ("LlamaForCausalLM",),
-            reading=ConfigReading(qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias"),
+            reading=ConfigReading(**_LLAMA_BIAS),
         ),
         # Mistral's attention has no bias at all: attention_bias in its config is ignored.
         Family(
@@ -320,9 +320,7 @@ FAMILIES: dict[str, Family] = {
         Family(
             "arcee",
             ("ArceeForCausalLM",),
-            reading=ConfigReading(
-                act_default="relu2", qkv_bias="attention_bias", o_bias="attention_bias", mlp_bias="mlp_bias"
-            ),
+            reading=ConfigReading(act_default="relu2", **_LLAMA_BIAS),
             block=BlockSpec(mlp="plain"),
         ),
         Family(
