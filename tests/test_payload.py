@@ -12,10 +12,12 @@ import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from ropekv.cache.paged import PagedKVCache
 from ropekv.contract import CacheContract
 from ropekv.errors import PayloadError
 from ropekv.rope import RopeSpec
 from ropekv.transfer import Handoff, read_payload, write_payload
+from ropekv.transfer.importer import ModelLimits, import_handoff
 from ropekv.transfer.payload import MAX_HEADER_BYTES, _checksum, window_rows
 
 ROPE = RopeSpec(head_dim=8, rotary_dim=8, theta=10000.0)
@@ -269,6 +271,9 @@ def _with_tensor(name, tensor):
         ("positions", torch.tensor([0, 2, 1]), "strictly increase"),
         ("positions", torch.tensor([-5, 0, 1]), "negative"),
         ("tokens", torch.tensor([3, -1, 4]), "negative"),
+        ("positions", torch.tensor([0, 1, 2]) + 2**62, r"position 4611686018427387904 \(token 0\) is beyond any model"),
+        ("positions", torch.tensor([0, 1, 2**40]), r"position 1099511627776 \(token 2\) is beyond any model"),
+        ("tokens", torch.tensor([3, 2**40, 4]), r"token id 1099511627776 \(token 1\) is beyond any vocabulary"),
         ("layers.1.values", torch.full((3, 2, 8), float("nan")), "NaN"),
         ("layers.0.keys", torch.full((3, 2, 8), float("-inf")), "infinite"),
     ],
@@ -361,3 +366,37 @@ def test_fuzz_arbitrary_bytes(data):
 def test_fuzz_arbitrary_headers(header):
     text = json.dumps(header).encode()
     _only_payload_error(struct.pack("<Q", len(text)) + text)
+
+
+# ---------------------------------------------------------------------- the reading model's limits
+
+
+@pytest.mark.parametrize(
+    "limits, match",
+    [
+        (ModelLimits(position_limit=3, vocab_size=100), r"position 3 \(token 1\) is beyond the model's 3 positions"),
+        (ModelLimits(position_limit=2, vocab_size=100), "holds 3 tokens, more than the model's 2 positions"),
+        (ModelLimits(position_limit=100, vocab_size=8), r"token id 8 \(token 1\) is beyond the vocabulary of 8"),
+    ],
+    ids=["position", "count", "token"],
+)
+def test_import_refuses_content_the_reading_model_cannot_run_leaving_the_cache_as_it_was(limits, match):
+    """Positions 0, 3, 4 and tokens 7, 8, 9: a valid handoff, impossible for these models."""
+    h = handoff()
+    h = Handoff(
+        contract=h.contract,
+        seq_id="s",
+        tokens=h.tokens,
+        positions=torch.tensor([0, 3, 4]),
+        keys=h.keys,
+        values=h.values,
+    )
+    cache = PagedKVCache(h.contract, 8)
+    cache.create("other")
+    k = [torch.ones(2, 2, 8), torch.ones(2, 2, 8)]
+    cache.append("other", torch.arange(2), k, k, key_form="rotated")
+    digest, ids = cache.state_digest(), cache.seq_ids()
+    with pytest.raises(PayloadError, match=match):
+        import_handoff(cache, h, limits=limits)
+    assert cache.state_digest() == digest and cache.seq_ids() == ids and cache.num_free_blocks() == 7
+    assert import_handoff(cache, h, limits=ModelLimits(position_limit=5, vocab_size=10)) == "s"

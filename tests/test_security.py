@@ -1,9 +1,14 @@
 """Security: ropekv never executes what it reads, and bounds declared sizes before allocating.
 
-1. The package source holds no unpickling, no ``torch.load``, no ``eval``/``exec`` and never passes
-   ``trust_remote_code=True``. Two independent scans over every ``.py`` under ``ropekv/``: the AST
-   (imports, names, attribute chains, keyword arguments) and a text grep of the code with strings and
-   comments blanked out. Both scanners are first shown to catch each pattern on planted samples.
+1. The shipped source (``ropekv/``, ``scripts/``, ``examples/``, ``engine_tests/``) holds no unpickling,
+   no ``torch.load``, no ``eval``/``exec``, never passes ``trust_remote_code=True``, never sends Python
+   objects between ranks (``torch.distributed``'s ``broadcast_object_list``, ``all_gather_object``,
+   ``scatter_object_list``, ``recv_object_list`` ... pickle what they send and unpickle what they
+   receive), and never loads a model with ``from_pretrained`` without ``use_safetensors=True`` (without
+   it transformers falls back to a pickled ``pytorch_model.bin``). Two independent scans over every
+   ``.py``: the AST (imports, names, attribute chains, keyword arguments) and a text grep of the code
+   with strings and comments blanked out; the grep also reads the shell scripts (their inline Python).
+   Both scanners are first shown to catch each pattern on planted samples.
 2. Headers that declare absurd sizes (a safetensors header length of 2**40, a GGUF with 2**60
    metadata entries, array elements, string bytes or tensor dims, a 65 MB config.json) are refused
    quickly and with a small peak of traced memory: nothing is allocated for what was declared.
@@ -32,7 +37,10 @@ from ropekv.models import load_checkpoint
 from ropekv.models.gguf_file import load_gguf
 
 PACKAGE = Path(ropekv.__file__).parent
-SOURCES = sorted(PACKAGE.rglob("*.py"))
+REPO = PACKAGE.parent
+SCANNED = ("ropekv", "scripts", "examples", "engine_tests")
+SOURCES = sorted(p for d in SCANNED for p in (REPO / d).rglob("*.py"))
+SHELL_SOURCES = sorted(p for d in SCANNED for p in (REPO / d).rglob("*.sh"))
 
 # ----------------------------------------------------------------------------------- source scans
 
@@ -40,6 +48,33 @@ UNPICKLING_MODULES = {"pickle", "_pickle", "cPickle", "dill", "cloudpickle", "jo
 CODE_BUILTINS = {"eval", "exec", "compile", "__import__"}
 # attribute chains that deserialize with pickle or load code
 FORBIDDEN_CHAINS = {"torch.load", "torch.serialization.load", "torch.jit.load", "pd.read_pickle", "pandas.read_pickle"}
+# torch.distributed collectives that pickle Python objects on one rank and unpickle them on another
+OBJECT_COLLECTIVES = {
+    "broadcast_object_list",
+    "all_gather_object",
+    "gather_object",
+    "scatter_object_list",
+    "send_object_list",
+    "recv_object_list",
+    "broadcast_object",
+    "send_object",
+    "recv_object",
+}
+# from_pretrained of these reads JSON/text files only; every other class loads weights
+_NO_WEIGHTS = re.compile(r"(Tokenizer|TokenizerFast|Config|Processor|FeatureExtractor|GenerationConfig)$")
+
+
+def _unsafe_from_pretrained(call: ast.Call) -> bool:
+    """A ``X.from_pretrained(...)`` that loads weights without an explicit ``use_safetensors=True``."""
+    if not (isinstance(call.func, ast.Attribute) and call.func.attr == "from_pretrained"):
+        return False
+    owner = _chain(call.func.value) or ""
+    if _NO_WEIGHTS.search(owner.split(".")[-1]):
+        return False
+    return not any(
+        k.arg == "use_safetensors" and isinstance(k.value, ast.Constant) and k.value.value is True
+        for k in call.keywords
+    )
 
 
 def _chain(node: ast.AST) -> str | None:
@@ -68,24 +103,37 @@ def ast_findings(source: str, filename: str = "<src>") -> list[str]:
                 found.append(f"{filename}:{line}: from {module} import ...")
             if module in ("torch", "torch.serialization", "torch.jit") and any(a.name == "load" for a in node.names):
                 found.append(f"{filename}:{line}: from {module} import load")
+            found += [
+                f"{filename}:{line}: from {module} import {a.name} (pickles objects between ranks)"
+                for a in node.names
+                if a.name in OBJECT_COLLECTIVES
+            ]
             if module in ("builtins",) and any(a.name in CODE_BUILTINS for a in node.names):
                 found.append(f"{filename}:{line}: from builtins import eval/exec")
         elif isinstance(node, ast.Name) and node.id in CODE_BUILTINS:
             found.append(f"{filename}:{line}: {node.id}")
+        elif isinstance(node, ast.Name) and node.id in OBJECT_COLLECTIVES:
+            found.append(f"{filename}:{line}: {node.id} (pickles objects between ranks)")
         elif isinstance(node, ast.Attribute):
             chain = _chain(node)
             if chain in FORBIDDEN_CHAINS or (chain and chain.split(".")[0] in UNPICKLING_MODULES):
                 found.append(f"{filename}:{line}: {chain}")
             if chain in ("builtins.eval", "builtins.exec"):
                 found.append(f"{filename}:{line}: {chain}")
+            if node.attr in OBJECT_COLLECTIVES:
+                found.append(f"{filename}:{line}: {chain or node.attr} (pickles objects between ranks)")
         elif isinstance(node, ast.keyword) and node.arg in ("trust_remote_code", "allow_pickle"):
             if isinstance(node.value, ast.Constant) and node.value.value is True:
                 found.append(f"{filename}:{line}: {node.arg}=True")
+        elif isinstance(node, ast.Call) and _unsafe_from_pretrained(node):
+            found.append(f"{filename}:{line}: from_pretrained without use_safetensors=True")
         elif (
             isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("getattr", "__import__")
         ):
             texts = [a.value for a in node.args if isinstance(a, ast.Constant) and isinstance(a.value, str)]
-            if any(t in CODE_BUILTINS or t in UNPICKLING_MODULES or t == "load" for t in texts):
+            if any(
+                t in CODE_BUILTINS or t in UNPICKLING_MODULES or t in OBJECT_COLLECTIVES or t == "load" for t in texts
+            ):
                 found.append(f"{filename}:{line}: getattr/__import__ of {texts}")
         elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in UNPICKLING_MODULES:
             found.append(f"{filename}:{line}: string {node.value!r} (importlib.import_module?)")
@@ -112,6 +160,15 @@ GREP_PATTERNS = {
     "eval(": re.compile(r"(?<![\w.])eval\s*\("),
     "exec(": re.compile(r"(?<![\w.])exec\s*\("),
     "trust_remote_code=True": re.compile(r"\btrust_remote_code\s*=\s*True\b"),
+    "object collective": re.compile(r"\b(" + "|".join(sorted(OBJECT_COLLECTIVES)) + r")\b"),
+}
+# shell scripts: their inline Python is not parsed, so a from_pretrained call must name
+# use_safetensors=True on its own line
+SHELL_PATTERNS = {
+    **GREP_PATTERNS,
+    "from_pretrained without use_safetensors=True": re.compile(
+        r"\bfrom_pretrained\s*\((?!.*use_safetensors\s*=\s*True)"
+    ),
 }
 
 
@@ -120,6 +177,16 @@ def grep_findings(source: str, filename: str = "<src>") -> list[str]:
     found = []
     for n, line in enumerate(code.splitlines(), 1):
         found += [f"{filename}:{n}: {name}" for name, pattern in GREP_PATTERNS.items() if pattern.search(line)]
+    return found
+
+
+def shell_findings(source: str, filename: str = "<sh>") -> list[str]:
+    """The grep over a shell script, comment lines left out (shell has no tokenizer to blank them)."""
+    found = []
+    for n, line in enumerate(source.splitlines(), 1):
+        if line.lstrip().startswith("#"):
+            continue
+        found += [f"{filename}:{n}: {name}" for name, pattern in SHELL_PATTERNS.items() if pattern.search(line)]
     return found
 
 
@@ -139,6 +206,19 @@ PLANTED = {
     "builtins.exec": "import builtins\nbuiltins.exec('x = 1')\n",
     "trust_remote_code": "m = AutoModel.from_pretrained('p', trust_remote_code=True)\n",
     "import_module pickle": "import importlib\np = importlib.import_module('pickle')\n",
+    "broadcast_object_list": "import torch.distributed as dist\ndist.broadcast_object_list(box, src=0)\n",
+    "all_gather_object": "import torch\ntorch.distributed.all_gather_object(out, obj)\n",
+    "scatter_object_list": "from torch.distributed import scatter_object_list\n",
+    "recv_object_list": "from torch import distributed\ndistributed.recv_object_list(box, src=1)\n",
+    "gather_object by getattr": "import torch.distributed as dist\nf = getattr(dist, 'gather_object')\n",
+    "from_pretrained without use_safetensors": "m = AutoModelForCausalLM.from_pretrained(d, local_files_only=True)\n",
+    "from_pretrained use_safetensors=False": "m = auto.from_pretrained(d, use_safetensors=False)\n",
+    "from_pretrained with **kwargs": "m = transformers.AutoModel.from_pretrained(d, **options)\n",
+}
+SHELL_PLANTED = {
+    "inline from_pretrained": "python -c \"from transformers import AutoModel; AutoModel.from_pretrained('d')\"\n",
+    "inline torch.load": "\"$VENV/bin/python\" - <<'EOF'\nimport torch\ntorch.load('w.bin')\nEOF\n",
+    "inline broadcast_object_list": "python - <<EOF\ndist.broadcast_object_list(box)\nEOF\n",
 }
 BENIGN = """
 '''A docstring that says trust_remote_code=True is refused and never calls eval( or torch.load( or import pickle.'''
@@ -150,6 +230,13 @@ def load(path, *, trust_remote_code=False):
     if trust_remote_code:
         raise ValueError("refused")
     return torch.zeros(1)
+tokenizer = AutoTokenizer.from_pretrained(path)  # reads tokenizer.json, no weights
+config = transformers.AutoConfig.from_pretrained(path)
+model = AutoModelForCausalLM.from_pretrained(path, use_safetensors=True, local_files_only=True)
+dist.broadcast(length, src=0)  # tensors, never objects: "broadcast_object_list" in a string is fine
+"""
+BENIGN_SHELL = """# a comment may say torch.load( or broadcast_object_list
+python -c "AutoModel.from_pretrained('d', use_safetensors=True)"
 """
 
 
@@ -160,30 +247,59 @@ def test_the_ast_scan_catches_each_planted_pattern(name):
 
 @pytest.mark.parametrize(
     "name",
-    ["import pickle", "from pickle", "torch.load", "torch.load weights_only", "eval", "exec", "trust_remote_code"],
+    [
+        "import pickle",
+        "from pickle",
+        "torch.load",
+        "torch.load weights_only",
+        "eval",
+        "exec",
+        "trust_remote_code",
+        "broadcast_object_list",
+        "all_gather_object",
+        "scatter_object_list",
+        "recv_object_list",
+    ],
 )
 def test_the_grep_catches_each_planted_pattern(name):
     assert grep_findings(PLANTED[name]), name
 
 
+@pytest.mark.parametrize("name", list(SHELL_PLANTED))
+def test_the_shell_grep_catches_each_planted_pattern(name):
+    assert shell_findings(SHELL_PLANTED[name]), name
+
+
 def test_the_scans_do_not_flag_benign_code():
     assert ast_findings(BENIGN) == []
     assert grep_findings(BENIGN) == []
+    assert shell_findings(BENIGN_SHELL) == []
 
 
-def test_scans_cover_the_whole_package():
-    names = {p.relative_to(PACKAGE).as_posix() for p in SOURCES}
-    assert {"models/safetensors_dir.py", "models/gguf_file.py", "cli/main.py", "contract.py"} <= names
-    assert len(SOURCES) >= 30
+def test_scans_cover_the_whole_package_scripts_examples_and_engine_tests():
+    names = {p.relative_to(REPO).as_posix() for p in SOURCES}
+    assert {
+        "ropekv/models/safetensors_dir.py",
+        "ropekv/models/gguf_file.py",
+        "ropekv/cli/main.py",
+        "ropekv/contract.py",
+        "ropekv/bench/handoff.py",
+        "ropekv/bench/decode.py",
+    } <= names
+    assert {p.split("/")[0] for p in names} == set(SCANNED)
+    assert len(SOURCES) >= 60
+    assert "scripts/setup.sh" in {p.relative_to(REPO).as_posix() for p in SHELL_SOURCES}
 
 
-def test_no_unpickling_eval_exec_or_remote_code_in_the_package():
+def test_no_unpickling_eval_exec_remote_code_object_collectives_or_pickled_weights_anywhere():
     found = []
     for path in SOURCES:
         source = path.read_text(encoding="utf-8")
-        rel = str(path.relative_to(PACKAGE.parent))
+        rel = str(path.relative_to(REPO))
         found += ast_findings(source, rel) + grep_findings(source, rel)
-    assert found == [], "forbidden constructs in ropekv/:\n" + "\n".join(found)
+    for path in SHELL_SOURCES:
+        found += shell_findings(path.read_text(encoding="utf-8"), str(path.relative_to(REPO)))
+    assert found == [], f"forbidden constructs in {', '.join(SCANNED)}:\n" + "\n".join(found)
 
 
 # ----------------------------------------------------------------------------------- bounded sizes

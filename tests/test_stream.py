@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import threading
 
 import pytest
@@ -20,6 +21,7 @@ from ropekv.cache.paged import PagedKVCache
 from ropekv.contract import CacheContract
 from ropekv.errors import CacheError, CapacityError, ContractMismatch, PayloadError, TransportError
 from ropekv.rope import RopeSpec
+from ropekv.transfer.importer import ModelLimits
 from ropekv.transfer.payload import window_rows
 from ropekv.transfer.stream import StreamHeader, chunk_plan, receive_sequence, send_sequence
 
@@ -295,6 +297,31 @@ def test_accept_hook_refuses_before_anything_is_reserved():
     assert target.num_free_blocks() == 8
 
 
+@pytest.mark.parametrize(
+    "limits, shift, match",
+    [
+        (
+            ModelLimits(position_limit=12, vocab_size=100),
+            10,
+            r"position 12 \(token 2\) is beyond the model's 12 positions",
+        ),
+        (ModelLimits(position_limit=4, vocab_size=100), 0, "holds 5 tokens, more than the model's 4 positions"),
+        (ModelLimits(position_limit=64, vocab_size=13), 0, r"token id 13 \(token 2\) is beyond the vocabulary of 13"),
+    ],
+    ids=["position", "count", "token"],
+)
+def test_the_receiving_model_limits_are_checked_at_the_header(limits, shift, match):
+    """Checksums and contract fine, content impossible for the receiving model: refused, nothing reserved."""
+    source, target = filled(contract(), 5), PagedKVCache(contract(), 8)
+    if shift:
+        source.shift("s", shift, 0)
+    digest = target.state_digest()
+    sent, got = transfer(source, target, limits=limits)  # tokens 11..15
+    assert isinstance(got, PayloadError) and re.search(match, str(got)), got
+    assert isinstance(sent, PayloadError) and re.search(match, str(sent))
+    assert target.num_free_blocks() == 8 and target.state_digest() == digest
+
+
 # ---------------------------------------------------------------------- the header
 
 
@@ -329,6 +356,8 @@ def test_every_bit_flip_and_truncation_of_the_header_is_refused():
     [
         (dict(positions=torch.tensor([0, 2, 2])), "strictly increase"),
         (dict(tokens=torch.tensor([0, -1, 2])), "negative"),
+        (dict(tokens=torch.tensor([0, 2**40, 2])), r"token id 1099511627776 \(token 1\) is beyond any vocabulary"),
+        (dict(positions=torch.tensor([0, 1, 2**62])), r"position 4611686018427387904 is beyond any model's positions"),
         (dict(checksums=(1, 2)), "checksum"),
         (dict(chunk_rows=0), "chunk_rows"),
     ],

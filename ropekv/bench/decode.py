@@ -177,7 +177,7 @@ def load_transformers_model(model_dir: Path, dtype: torch.dtype = torch.float32)
     """transformers' own model for ``model_dir`` (local files only, no remote code), in eval mode."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, use_safetensors=True, dtype=dtype)
     return model.eval()
 
 

@@ -123,14 +123,14 @@ def _rank_main(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     from ..cache.paged import PagedKVCache
-    from ..transfer import read_payload
     from ..transfer.handshake import Channel
     from ..transfer.importer import import_handoff
+    from ..transfer.saved import read_saved
     from ..transfer.stream import receive_sequence, send_sequence
 
     torch.set_num_threads(1)
     rank = args.rank
-    handoff = read_payload(Path(args.payload).read_bytes())
+    handoff = read_saved(args.payload)  # a regular file, its header checked before its tensors are read
     c = handoff.contract
     cache = PagedKVCache(c, num_blocks=2 * (-(-handoff.num_tokens // c.block_size)) + 2)
     if rank == 0:
@@ -218,13 +218,34 @@ def _chunk_bytes(cache, count: int) -> list[int]:
     return [(ch.stop - ch.start) * row for ch in plan]
 
 
+_MAX_SIZES_BYTES = 16 << 20  # the chunk sizes of a 2**24-token payload fit many times over
+
+
 def _exchange_sizes(rank: int, facts: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0's chunk byte counts and stream bytes, on both ranks. Sent as data, never as objects: a
+    length, then the JSON text as a uint8 tensor (``broadcast_object_list`` would unpickle what the
+    other rank sent)."""
     import torch.distributed as dist
 
-    box = [facts if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    sizes = box[0]
-    assert sizes is not None  # rank 0's facts, broadcast to every rank
+    text = b""
+    if rank == 0:
+        text = json.dumps({"chunk_sizes": facts["chunk_sizes"], "stream_bytes": facts["stream_bytes"]}).encode()
+    length = torch.tensor([len(text)], dtype=torch.int64)
+    dist.broadcast(length, src=0)
+    n = int(length[0])
+    if not 2 <= n <= _MAX_SIZES_BYTES:
+        raise RuntimeError(f"handoff bench: rank 0 announced {n} bytes of chunk sizes")
+    data = torch.frombuffer(bytearray(text), dtype=torch.uint8) if rank == 0 else torch.empty(n, dtype=torch.uint8)
+    dist.broadcast(data, src=0)
+    sizes = json.loads(data.numpy().tobytes())
+    chunks, total = sizes.get("chunk_sizes"), sizes.get("stream_bytes")
+    if not (
+        isinstance(chunks, list)
+        and all(isinstance(x, int) and x >= 0 for x in chunks)
+        and isinstance(total, int)
+        and total >= 0
+    ):
+        raise RuntimeError("handoff bench: rank 0's chunk sizes are not a list of byte counts and a total")
     return sizes
 
 

@@ -46,7 +46,7 @@ from ..faults.registry import HANDOFF_FAULTS, get_handoff_fault
 from ..models import Checkpoint, load_checkpoint
 from ..parity.cases import Case, token_stream
 from ..transfer.handshake import Channel, answer, offer
-from ..transfer.importer import CONVERT_MODES, export_handoff
+from ..transfer.importer import CONVERT_MODES, ModelLimits, export_handoff
 from ..transfer.payload import write_payload
 from ..transfer.stream import StreamHeader, rebuild_error, receive_sequence, send_sequence
 from .adapter import ServedHandoffAdapter
@@ -460,7 +460,14 @@ def _receive_one(
     facts: dict[str, Any] = {"seq_id": p.seq_id}
     try:
         got = receive_sequence(
-            channel, 0, serving.cache, convert=convert, policy=policy, accept=accept, after_header=after_header
+            channel,
+            0,
+            serving.cache,
+            convert=convert,
+            policy=policy,
+            accept=accept,
+            after_header=after_header,
+            limits=ModelLimits.of(serving.config),
         )
     except TransportError:
         raise

@@ -14,6 +14,7 @@ overwrite are never stored (``PagedKVCache.append`` writes only a chunk's surviv
 from __future__ import annotations
 
 from collections.abc import Hashable
+from dataclasses import dataclass
 from typing import Literal, get_args
 
 import torch
@@ -21,12 +22,55 @@ import torch
 from ..cache.import_policy import ImportPolicy
 from ..cache.paged import PagedKVCache
 from ..contract import CacheContract
-from ..errors import CacheError, ContractMismatch, UsageError
-from .payload import Handoff
+from ..errors import CacheError, ContractMismatch, PayloadError, UsageError
+from ..models.config import ModelConfig
+from ..numbers import is_int
+from .payload import Handoff, check_token_ids
 
 ConvertMode = Literal["never", "explicit"]
 CONVERT_MODES: tuple[str, ...] = get_args(ConvertMode)
 _KEY_FORM_FIELDS = {"key_form"}  # what a key-form difference shows as (kernel_rotates is derived from it)
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the model that will read an imported sequence can run: logical positions in
+    ``[0, position_limit)`` and token ids in ``[0, vocab_size)``.
+
+    The contract says how keys were written, not which model reads them next; a payload whose checksum
+    is valid can still hold positions past the model's maximum or token ids past its vocabulary (a
+    sender with another model, a hand-edited file). Those are refused at the import, before the cache
+    is touched, instead of at the first decode step or never."""
+
+    position_limit: int
+    vocab_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("position_limit", "vocab_size"):
+            if not is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise UsageError(f"ModelLimits.{name} must be a positive integer, got {getattr(self, name)!r}")
+
+    @classmethod
+    def of(cls, config: ModelConfig) -> ModelLimits:
+        return cls(position_limit=config.position_limit, vocab_size=config.vocab_size)
+
+    def check_count(self, num_tokens: int, what: str) -> None:
+        """Strictly increasing positions from 0 fit ``position_limit`` tokens at most."""
+        if num_tokens > self.position_limit:
+            raise PayloadError(
+                f"{what} holds {num_tokens} tokens, more than the model's {self.position_limit} positions"
+            )
+
+    def check(self, tokens: torch.Tensor, positions: torch.Tensor, what: str) -> None:
+        """``tokens [n]`` and ``positions [n]`` (int64) within the model's vocabulary and positions."""
+        self.check_count(int(positions.numel()), what)
+        beyond = torch.nonzero(positions >= self.position_limit)
+        if beyond.numel():
+            i = int(beyond[0])
+            raise PayloadError(
+                f"{what} position {int(positions[i])} (token {i}) is beyond the model's {self.position_limit} positions"
+            )
+        check_token_ids(tokens, what, self.vocab_size)
 
 
 def plan_import(ours: CacheContract, theirs: CacheContract, convert: str = "never") -> str | None:
@@ -112,8 +156,11 @@ def import_handoff(
     convert: str = "never",
     seq_id: Hashable | None = None,
     policy: ImportPolicy | None = None,
+    limits: ModelLimits | None = None,
 ) -> Hashable:
     """Import ``handoff`` into ``cache`` as ``seq_id`` (default: the handoff's); returns the id.
+    ``limits``: the reading model's positions and vocabulary, checked against the handoff's content
+    (:class:`ModelLimits`; a payload's own checks bound them only by what any model could hold).
 
     All or nothing: the contract check, the conversion and every tensor are done before the cache is
     touched, and the one append either writes everything or raises having changed nothing; on any
@@ -125,6 +172,8 @@ def import_handoff(
         raise UsageError(f"import_handoff needs a PagedKVCache, got {type(cache).__name__}")
     ours = cache.contract
     conversion = plan_import(ours, handoff.contract, convert)
+    if limits is not None:
+        limits.check(handoff.tokens, handoff.positions, "import")
     sid = handoff.seq_id if seq_id is None else seq_id
     if cache.has(sid):
         raise CacheError(f"import: sequence {sid!r} already exists in this cache")
@@ -164,4 +213,4 @@ def _layer_tensors(
     return keys, values
 
 
-__all__ = ["CONVERT_MODES", "all_positions", "export_handoff", "import_handoff", "plan_import"]
+__all__ = ["CONVERT_MODES", "ModelLimits", "all_positions", "export_handoff", "import_handoff", "plan_import"]

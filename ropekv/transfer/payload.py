@@ -31,16 +31,25 @@ import torch
 from ..contract import CacheContract
 from ..errors import PayloadError, RopeKVError
 from ..numbers import is_int
+from ..rope import MAX_POSITIONS
 
 FORMAT = "ropekv.handoff"
 VERSION = 1
 MAX_HEADER_BYTES = 4 << 20  # a 200-layer contract needs ~40 KB; anything past this is a lie
 MAX_TOKENS = 1 << 24
+MAX_TOKEN_ID = 1 << 31  # token ids are int32 in every engine
 MAX_RANK = 8
 _META_KEYS = ("checksum", "contract", "format", "sequence", "version")
 _ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
 _ST_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64"}
 _ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "I64": 8}
+_TORCH_DTYPE = {
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F64": torch.float64,
+    "I64": torch.int64,
+}
 _CHECKSUM = re.compile(r"sha256:[0-9a-f]{64}")
 
 
@@ -159,16 +168,35 @@ def _checksum(meta: dict[str, str], entries: list[tuple[str, str, list[int], mem
 # ---------------------------------------------------------------------- reading
 
 
-def read_payload(data: bytes) -> Handoff:
-    """Parse and validate payload bytes; raises :class:`PayloadError` naming what is wrong and where."""
-    if isinstance(data, (bytearray, memoryview)):
-        data = bytes(data)
-    if not isinstance(data, bytes):
-        raise PayloadError(f"payload must be bytes, got {type(data).__name__}")
-    total = len(data)
-    if total < 8:
+@dataclass(frozen=True, eq=False)
+class PayloadHeader:
+    """A payload's header, validated: everything known about it before one tensor byte is read.
+
+    ``entries``: tensor name -> (safetensors dtype, shape, (start, end) offsets into the data section),
+    already checked to tile the data section exactly and to be what ``contract`` and ``num_tokens``
+    call for. The data section starts at byte ``data_start`` and is ``data_len`` bytes long."""
+
+    header_len: int
+    meta: dict[str, str]
+    entries: dict[str, tuple[str, list[int], tuple[int, int]]]
+    contract: CacheContract
+    seq_id: str | int
+    num_tokens: int
+
+    @property
+    def data_start(self) -> int:
+        return 8 + self.header_len
+
+    @property
+    def data_len(self) -> int:
+        return sum(b - a for _, _, (a, b) in self.entries.values())
+
+
+def header_length(first8: bytes, total: int) -> int:
+    """The header length the first 8 bytes of a ``total``-byte payload declare, bounded."""
+    if total < 8 or len(first8) < 8:
         raise PayloadError(f"payload truncated: {total} byte(s), the 8-byte header length alone needs 8")
-    header_len = int.from_bytes(data[:8], "little")
+    header_len = int.from_bytes(first8[:8], "little")
     if not 2 <= header_len <= MAX_HEADER_BYTES:
         raise PayloadError(
             f"payload bytes 0..8: header length {header_len} outside [2, {MAX_HEADER_BYTES}] "
@@ -179,33 +207,66 @@ def read_payload(data: bytes) -> Handoff:
             f"payload truncated: header declares {header_len} bytes at 8..{8 + header_len}, "
             f"only {total} byte(s) present"
         )
-    header = _parse_header(data[8 : 8 + header_len], header_len)
+    return header_len
+
+
+def read_header(raw: bytes, header_len: int, total: int) -> PayloadHeader:
+    """Validate the JSON header ``raw`` (bytes ``8 .. 8 + header_len``) of a ``total``-byte payload."""
+    header = _parse_header(raw, header_len)
     meta = _metadata(header.pop("__metadata__", None))
     entries = _entries(header, total - 8 - header_len, base=8 + header_len)
+    contract = contract_of_metadata(meta["contract"])
+    seq_id, n = _sequence(meta["sequence"])
+    _check_layout(entries, contract, n)
+    return PayloadHeader(header_len, meta, entries, contract, seq_id, n)
+
+
+def read_payload(data: bytes) -> Handoff:
+    """Parse and validate payload bytes; raises :class:`PayloadError` naming what is wrong and where."""
+    if isinstance(data, (bytearray, memoryview)):
+        data = bytes(data)
+    if not isinstance(data, bytes):
+        raise PayloadError(f"payload must be bytes, got {type(data).__name__}")
+    header_len = header_length(data[:8], len(data))
+    header = read_header(data[8 : 8 + header_len], header_len, len(data))
+    tensors = {}
+    for name, (dtype, shape, (a, b)) in header.entries.items():
+        t = empty_tensor(dtype, shape)
+        tensor_bytes(t)[:] = memoryview(data)[header.data_start + a : header.data_start + b]
+        tensors[name] = t
+    return assemble(header, tensors)
+
+
+def empty_tensor(dtype: str, shape: list[int]) -> torch.Tensor:
+    """An uninitialized CPU tensor for one validated header entry (its size is bounded by the file's)."""
+    return torch.empty(shape, dtype=_TORCH_DTYPE[dtype])
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of contiguous CPU tensor ``t`` as a writable memoryview (to read a file into)."""
+    return t.reshape(-1).view(torch.uint8).numpy().data
+
+
+def assemble(header: PayloadHeader, tensors: dict[str, torch.Tensor]) -> Handoff:
+    """The :class:`Handoff` of ``header`` and its ``tensors`` (one per entry, as read): the checksum is
+    verified first, then the handoff validates its content."""
     views = [
-        (name, dtype, shape, memoryview(data)[8 + header_len + a : 8 + header_len + b])
-        for name, (dtype, shape, (a, b)) in sorted(entries.items())
+        (name, dtype, shape, tensor_bytes(tensors[name])) for name, (dtype, shape, _) in sorted(header.entries.items())
     ]
-    if _checksum(meta, views) != meta["checksum"]:
+    if _checksum(header.meta, views) != header.meta["checksum"]:
         raise PayloadError(
             "payload checksum mismatch: metadata or tensor bytes were changed after writing "
             "(a flipped bit, a truncated or spliced transfer)"
         )
-    contract = contract_of_metadata(meta["contract"])
-    seq_id, n = _sequence(meta["sequence"])
-    _check_layout(entries, contract, n)
-    tensors = _load(data)
-    try:
-        return Handoff(
-            contract=contract,
-            seq_id=seq_id,
-            tokens=tensors["tokens"],
-            positions=tensors["positions"],
-            keys=tuple(tensors[f"layers.{i}.keys"] for i in range(contract.num_layers)),
-            values=tuple(tensors[f"layers.{i}.values"] for i in range(contract.num_layers)),
-        )
-    except KeyError as exc:  # cannot happen after _check_layout; keep the reader's promise anyway
-        raise PayloadError(f"payload lacks tensor {exc}") from None
+    c = header.contract
+    return Handoff(
+        contract=c,
+        seq_id=header.seq_id,
+        tokens=tensors["tokens"],
+        positions=tensors["positions"],
+        keys=tuple(tensors[f"layers.{i}.keys"] for i in range(c.num_layers)),
+        values=tuple(tensors[f"layers.{i}.values"] for i in range(c.num_layers)),
+    )
 
 
 def _parse_header(raw: bytes, header_len: int) -> dict[str, Any]:
@@ -350,16 +411,21 @@ def _check_layout(entries: dict, c: CacheContract, n: int) -> None:
             )
 
 
-def _load(data: bytes) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load
-
-    try:
-        return load(data)
-    except Exception as exc:
-        raise PayloadError(f"payload tensors do not load: {type(exc).__name__}: {exc}") from None
-
-
 # ---------------------------------------------------------------------- validation
+
+
+def check_token_ids(tokens: torch.Tensor, what: str, vocab_size: int = MAX_TOKEN_ID) -> None:
+    """Token ids ``[n]`` in ``[0, vocab_size)``; the default bound is any vocabulary's (int32 ids)."""
+    bad = torch.nonzero((tokens < 0) | (tokens >= vocab_size))
+    if bad.numel():
+        i = int(bad[0])
+        t = int(tokens[i])
+        if t < 0:
+            raise PayloadError(f"{what} token id {t} (token {i}) is negative")
+        bound = (
+            "any vocabulary (ids are below 2**31)" if vocab_size == MAX_TOKEN_ID else f"the vocabulary of {vocab_size}"
+        )
+        raise PayloadError(f"{what} token id {t} (token {i}) is beyond {bound}")
 
 
 def _check_handoff(h: Handoff) -> None:
@@ -378,11 +444,15 @@ def _check_handoff(h: Handoff) -> None:
             f"handoff has {n} token(s) and {h.positions.numel()} position(s); "
             f"both must be equal and in [1, {MAX_TOKENS}]"
         )
-    if int(h.tokens.min()) < 0:
-        raise PayloadError(f"handoff token id {int(h.tokens.min())} is negative")
+    check_token_ids(h.tokens, "handoff")
     pos = h.positions
     if int(pos[0]) < 0:
         raise PayloadError(f"handoff position {int(pos[0])} (token 0) is negative")
+    if int(pos.max()) >= MAX_POSITIONS:
+        i = int(torch.nonzero(pos >= MAX_POSITIONS)[0])
+        raise PayloadError(
+            f"handoff position {int(pos[i])} (token {i}) is beyond any model's positions (at most 2**40)"
+        )
     steps = pos[1:] - pos[:-1]
     if n > 1 and not bool((steps > 0).all()):
         i = int(torch.nonzero(steps <= 0)[0])

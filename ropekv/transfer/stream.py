@@ -37,9 +37,10 @@ from ..cache.paged import PagedKVCache, Reservation, head_rows, pool_rows
 from ..contract import CacheContract
 from ..errors import ALL_ERRORS, ContractMismatch, PayloadError, RopeKVError, TransportError, UsageError
 from ..numbers import is_int
+from ..rope import MAX_POSITIONS
 from .handshake import Channel, Posted
-from .importer import all_positions, plan_import
-from .payload import MAX_TOKENS, contract_of_metadata, held_rows
+from .importer import ModelLimits, all_positions, plan_import
+from .payload import MAX_TOKENS, check_token_ids, contract_of_metadata, held_rows
 
 FORMAT = "ropekv.stream"
 VERSION = 2  # 2: a chunk is a run of one KV head's rows (the pool is head-major); 1 sent [rows, KVH * D]
@@ -103,11 +104,14 @@ class StreamHeader:
             raise PayloadError("stream header: tokens and positions must be int64 of equal length")
         if not 1 <= n <= MAX_TOKENS:
             raise PayloadError(f"stream header: {n} token(s), not in [1, {MAX_TOKENS}]")
-        if int(self.tokens.min()) < 0:
-            raise PayloadError(f"stream header: token id {int(self.tokens.min())} is negative")
+        check_token_ids(self.tokens, "stream header:")
         pos = self.positions
         if int(pos[0]) < 0 or (n > 1 and not bool((pos[1:] > pos[:-1]).all())):
             raise PayloadError("stream header: positions must be non-negative and strictly increase")
+        if int(pos[-1]) >= MAX_POSITIONS:
+            raise PayloadError(
+                f"stream header: position {int(pos[-1])} is beyond any model's positions (at most 2**40)"
+            )
         if not is_int(self.chunk_rows) or self.chunk_rows < 1:
             raise PayloadError(f"stream header: chunk_rows {self.chunk_rows!r} is not a positive integer")
         want = len(self.plan())
@@ -304,10 +308,13 @@ def receive_sequence(
     accept: Callable[[StreamHeader], None] | None = None,
     after_header: Callable[[StreamHeader], None] | None = None,
     depth: int = 4,
+    limits: ModelLimits | None = None,
 ) -> ReceiveFacts:
     """Receive one streamed sequence from ``peer`` into ``cache`` as ``seq_id`` (default: the sender's).
 
-    ``accept(header)`` may refuse it by raising a RopeKVError (e.g. tokens other than planned);
+    ``limits``: the receiving model's positions and vocabulary, checked on the header's tokens and
+    positions before anything is reserved. ``accept(header)`` may refuse it by raising a RopeKVError
+    (e.g. tokens other than planned);
     ``after_header`` is a test hook. All or nothing: on any refusal the sender is told, the reserved
     blocks are released and the error is raised; the cache is as before."""
     policy = policy or ImportPolicy()
@@ -318,6 +325,8 @@ def receive_sequence(
     try:
         header = StreamHeader.from_bytes(blob)
         conversion = plan_import(cache.contract, header.contract, convert)
+        if limits is not None:
+            limits.check(header.tokens, header.positions, "stream header:")
         if accept is not None:
             accept(header)
         res = cache.reserve(header.seq_id if seq_id is None else seq_id, header.num_tokens)
