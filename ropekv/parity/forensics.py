@@ -20,9 +20,13 @@ rotation whatever the attention factor ``A``.
 2. Otherwise compare effective positions ``p`` (keys at ``j = 0`` left out where ``R(0) = I`` hides the
    bug): handed-off keys at ``2j`` and later ones at ``j`` -> ``rotate_on_transfer``; keys at ``2j`` ->
    ``double_rotation``; at 0 -> ``missing_rotation``; at their slot -> ``slot_as_position``; keys past
-   the prefix at ``j - P`` -> ``ignored_prefix_offset``; at ``j mod B`` -> ``block_local_position``; query
-   and keys shifted alike -> ``unknown`` (a global shift changes no logit); keys right, query off ->
-   ``query_position_offset``; query right, keys (all or some) off by one constant ->
+   the prefix at ``j - P`` -> ``ignored_prefix_offset``; the keys past the first block at ``j mod B`` ->
+   ``block_local_position``; query and keys at their positions rounded to bf16/fp16 (past 256 / 2048 the
+   format rounds the position itself: 513 turns as 512) -> ``low_precision_angles``; query and keys
+   shifted alike -> ``unknown`` (a global shift changes no logit); keys right, query off ->
+   ``query_position_offset``; query off and the newest keys off with it (the newest where the query is,
+   later steps never further ahead, the older keys right: a step offset gone wrong, e.g. taken from a
+   ring's fill count) -> ``query_position_offset`` with those keys named; query right, keys (all or some) off by one constant ->
    ``key_position_offset``; all right but a residual phase growing with position (rank correlation
    >= 0.5, or 0.3 when self-parity passed; >= :data:`RES_TOL` at the newest keys and 3x the oldest) ->
    ``low_precision_angles``; all right and no such trend -> ``unknown`` with fit ~1 (a clean row).
