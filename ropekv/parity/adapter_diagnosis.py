@@ -51,7 +51,7 @@ def diagnose_mislabelled_keys(
     worst_logits = 0.0
     for r in bad:
         fd = r.first_divergence
-        if fd is None or fd.layer is None or not fd.attn_error >= DIVERGED * tol.attn:
+        if fd is None or fd.layer is None or fd.attn_error is None or not fd.attn_error >= DIVERGED * tol.attn:
             return None
         errors = r.logit_errors + r.self_logit_errors
         if not errors or not all(math.isfinite(e) and e <= CLEAN * tol.logits for e in errors):
@@ -59,7 +59,7 @@ def diagnose_mislabelled_keys(
         worst_logits = max(worst_logits, *errors)
     result, run = failed[0]
     fd = result.first_divergence
-    assert fd is not None and fd.layer is not None  # checked above for every failing case
+    assert fd is not None and fd.layer is not None and fd.attn_error is not None  # checked above for every failing case
     case, layer, t = result.case, fd.layer, fd.query_position
     probe = run.steps[fd.step].layers[layer]
     cached = LogitsOf(cfg, case.window, case.sink_tokens).step(layer, probe, t)  # [H, N] by recorded key
@@ -88,7 +88,7 @@ def diagnose_mislabelled_keys(
         "recorded_positions": _span(recorded),
     }
     if true is not None and not torch.equal(true, recorded):
-        shift = (true - recorded).unique()
+        shift = torch.unique(true - recorded)
         how = f", a constant shift of {int(shift[0]):+d}" if shift.numel() == 1 else ""
         text += (
             f"; the {recorded.numel()} recorded keys are the reference's keys at positions {_span(true)} "
@@ -110,7 +110,7 @@ def _matching_positions(cached: torch.Tensor, ref: torch.Tensor, tol: Tolerance)
     best, idx = diff.min(dim=1)
     scale = max(1.0, float(r[:, cols].abs().max()))
     true = cols[idx]
-    if float(best.max()) / scale > tol.attn or true.unique().numel() != true.numel():
+    if float(best.max()) / scale > tol.attn or torch.unique(true).numel() != true.numel():
         return None
     return true
 
