@@ -280,3 +280,90 @@ def test_bad_shapes_are_refused() -> None:
         )
     with pytest.raises(UsageError):
         ForensicInput(inp.rope, inp.q_raw, inp.q_eff, inp.k_raw, inp.k_eff, 10, inp.key_positions[:-1], inp.key_slots)
+
+
+# ---------------------------------------------------------------------- tiny heads, rings, block boundaries
+
+SMALL = {  # the head of the tiny test models (head_dim 16: 8 channel pairs)
+    "neox-16": RopeSpec(head_dim=16, rotary_dim=16, theta=10000.0, layout="neox"),
+    "gptj-16": RopeSpec(head_dim=16, rotary_dim=16, theta=10000.0, layout="gptj"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SMALL) + ["neox-1e4"])
+@pytest.mark.parametrize("t", [300, 513])
+def test_bf16_angles_past_256_round_the_positions_themselves(name: str, t: int) -> None:
+    # bf16 holds integers exactly only up to 256: 513 turns as 512, 259 as 260; the integer search finds
+    # those rounded positions, offsets of -1..+1 no position bug explains.
+    spec = {**SPECS, **SMALL}[name]
+    inp = make_case(spec, t)
+    q_eff = _low_precision(spec, inp.q_raw[None], torch.tensor([t]), torch.bfloat16)[0]
+    k_eff = _low_precision(spec, inp.k_raw, inp.key_positions, torch.bfloat16)
+    d = check(
+        ForensicInput(
+            spec, inp.q_raw, q_eff, inp.k_raw, k_eff, t, inp.key_positions, inp.key_slots, self_parity_passed=True
+        ),
+        "low_precision_angles",
+    )
+    assert "bfloat16" in d.evidence
+    if t == 513:
+        assert d.query_effective == 512 and "513 -> 512" in d.evidence
+        assert d.key_effective[259] == 260 and d.key_effective[258] == 258
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_a_clean_row_at_a_block_boundary_is_not_block_local(name: str) -> None:
+    # t = B: every key below the boundary sits at j = j mod B whatever the bug; the key at B decides.
+    d = check(make_case(SMALL[name], 16, block_size=16), "unknown")
+    assert "logical positions" in d.evidence
+    bug = check(make_case(SMALL[name], 16, lambda j: j % 16, block_size=16), "block_local_position")
+    assert bug.key_effective[16] == 0
+
+
+def _ring(t: int, window: int, sinks: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Positions ``[N]`` a wrapped ring of ``window`` slots after ``sinks`` kept ones holds at ``t``, and their slots."""
+    positions = torch.cat((torch.arange(sinks), torch.arange(t - window + 1, t + 1)))
+    slots = torch.cat((torch.arange(sinks), sinks + (positions[sinks:] - sinks) % window))
+    return positions, slots
+
+
+@pytest.mark.parametrize("name", sorted(SMALL) + ["gptj-1e5"])
+@pytest.mark.parametrize("window,t", [(37, 48), (8, 30)])
+def test_rotation_at_the_ring_fill_count_names_the_new_key_too(name: str, window: int, t: int) -> None:
+    # The decode step turns its query and the key it writes at the ring's fill count (the rows it
+    # keeps, min(t, W)) instead of t: the older keys are right, the new one sits where the query does.
+    spec = {**SPECS, **SMALL}[name]
+    positions, slots = _ring(t, window)
+    inp = make_case(spec, t, lambda j: torch.where(j == t, window, j), window, positions=positions, slots=slots)
+    d = check(inp, "query_position_offset")
+    assert d.query_effective == window and d.key_effective[-1] == window
+    assert not d.evidence.startswith("keys are right")  # the new key is off too
+    assert f"the query sits at t {window - t:+d} (effective {window}) and so does the key its step wrote" in d.evidence
+    assert f"the {window - 1} older keys are right" in d.evidence
+    assert f"logical {t}, slot {int(slots[-1])}, effective {window}" in d.evidence
+    assert f"= the {window} keys the kernel read" in d.evidence
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_fill_count_rotation_through_a_chunked_prefill_that_wrapped(name: str) -> None:
+    # A ring of 2 sinks + 13, prefilled in chunks of 9: each step turns from min(start, 15), so the keys
+    # of the chunks at 27 and 36 sit at j - 12 and j - 21, the decoded key and its query at 15.
+    t, cap = 40, 15
+    positions, slots = _ring(t, 13, sinks=2)
+    start = torch.where(positions == t, t, positions // 9 * 9)
+
+    def at(j: torch.Tensor) -> torch.Tensor:
+        return j - start + torch.clamp(start, max=cap)
+
+    d = check(make_case(SMALL[name], t, at, cap, positions=positions, slots=slots), "query_position_offset")
+    assert d.query_effective == cap and d.key_effective[-1] == cap and d.key_effective[:2] == (0, 1)
+    assert "the query sits at t -25 (effective 15) and the 13 newest keys are off too, at j -12, -21, -25" in d.evidence
+    assert "the 2 older keys are right" in d.evidence and "= the 15 keys the kernel read" in d.evidence
+    assert "query logical 40, effective 15" in d.evidence
+
+
+def test_a_query_off_with_keys_ahead_of_it_is_not_a_step_offset() -> None:
+    # Keys off by a growing amount (a later step turning further ahead) are no stuck or constant offset.
+    spec = SMALL["neox-16"]
+    d = check(make_case(spec, 30, lambda j: torch.where(j > 25, j + (j - 25), j), 35), "unknown")
+    assert "no single pattern" in d.evidence

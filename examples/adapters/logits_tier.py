@@ -34,8 +34,11 @@ class MyEngine:
     def decode(self, token, t, cache):  # one decode step: the token at position t
         return StepRecord(position=t, logits=self.forward(token, t, cache)[-1])
 
+    def new_cache(self):  # as generate() builds it: sliding layers keep only their window
+        return DynamicCache(config=self.model.config)
+
     def run_case(self, case, tokens):
-        cache, prompt = DynamicCache(), tokens[: case.prefix + case.length]
+        cache, prompt = self.new_cache(), tokens[: case.prefix + case.length]
         chunk = case.chunk or len(prompt)
         for i in range(0, len(prompt), chunk):  # chunked prefill
             self.forward(prompt[i : i + chunk], i, cache)

@@ -18,7 +18,9 @@ class BugClass(StrEnum):
     SLOT_AS_POSITION = "slot_as_position"  # keys rotated by their physical slot, not their logical position
     IGNORED_PREFIX_OFFSET = "ignored_prefix_offset"  # keys after a cached prefix sit at j - P
     BLOCK_LOCAL_POSITION = "block_local_position"  # keys rotated by their index inside their block (j mod B)
-    QUERY_POSITION_OFFSET = "query_position_offset"  # keys right, the query rotated at t plus a constant
+    # the query rotated at t plus an offset; the cached keys right, or the newest ones (written by the steps
+    # whose offset went wrong, the query's own step included) off with it
+    QUERY_POSITION_OFFSET = "query_position_offset"
     KEY_POSITION_OFFSET = "key_position_offset"  # query right, keys (all or some) at j plus one constant
     FREQUENCY_MISMATCH = "frequency_mismatch"  # still rotations, at other frequencies (theta, scale)
     LAYOUT_MISMATCH = "layout_mismatch"  # the channels paired the other way (neox against gptj)
@@ -42,5 +44,8 @@ class BugClass(StrEnum):
     # masks (ropekv.parity.layer_diagnosis): not a rotation at all
     WINDOW_MISMATCH = "window_mismatch"  # the kernel read keys the window hides, or missed visible ones
     CHUNK_MISMATCH = "chunk_mismatch"  # chunked attention: keys of an earlier chunk read, or of its own missed
+    # the adapter, not the engine (ropekv.parity.adapter_diagnosis): the final logits agree, the recorded
+    # attention does not, so the record is wrong (most often the positions the adapter labels its keys with)
+    MISLABELLED_KEYS = "mislabelled_keys"
     # nothing above fits, or nothing is wrong at this layer (the evidence says which)
     UNKNOWN = "unknown"

@@ -20,9 +20,13 @@ rotation whatever the attention factor ``A``.
 2. Otherwise compare effective positions ``p`` (keys at ``j = 0`` left out where ``R(0) = I`` hides the
    bug): handed-off keys at ``2j`` and later ones at ``j`` -> ``rotate_on_transfer``; keys at ``2j`` ->
    ``double_rotation``; at 0 -> ``missing_rotation``; at their slot -> ``slot_as_position``; keys past
-   the prefix at ``j - P`` -> ``ignored_prefix_offset``; at ``j mod B`` -> ``block_local_position``; query
-   and keys shifted alike -> ``unknown`` (a global shift changes no logit); keys right, query off ->
-   ``query_position_offset``; query right, keys (all or some) off by one constant ->
+   the prefix at ``j - P`` -> ``ignored_prefix_offset``; the keys past the first block at ``j mod B`` ->
+   ``block_local_position``; query and keys at their positions rounded to bf16/fp16 (past 256 / 2048 the
+   format rounds the position itself: 513 turns as 512) -> ``low_precision_angles``; query and keys
+   shifted alike -> ``unknown`` (a global shift changes no logit); keys right, query off ->
+   ``query_position_offset``; query off and the newest keys off with it (the newest where the query is,
+   later steps never further ahead, the older keys right: a step offset gone wrong, e.g. taken from a
+   ring's fill count) -> ``query_position_offset`` with those keys named; query right, keys (all or some) off by one constant ->
    ``key_position_offset``; all right but a residual phase growing with position (rank correlation
    >= 0.5, or 0.3 when self-parity passed; >= :data:`RES_TOL` at the newest keys and 3x the oldest) ->
    ``low_precision_angles``; all right and no such trend -> ``unknown`` with fit ~1 (a clean row).
@@ -411,18 +415,26 @@ def _diagnose_pattern(inp: ForensicInput, a: _Analysis, sel: torch.Tensor) -> Di
             f"keys after the {P}-token cached prefix sit at j - {P}" + (" and so does the query" if d_q == -P else ""),
             after,
         )
-    if B > 1 and (inf & (j >= B)).any() and _most(inf, kp == j % B):
+    # Below the first block boundary j mod B is j itself: only the keys past it can show the bug.
+    if B > 1 and _most(inf & (j >= B), kp == j % B):
         return done(
             BugClass.BLOCK_LOCAL_POSITION, f"keys sit at their index inside their block (j mod {B})", inf & (j >= B)
         )
+    rounded = _rounded_positions(inp, a, sel, done)
+    if rounded is not None:
+        return rounded
     if d_q != 0 and _most(ok, d == d_q):
         return done(
             BugClass.UNKNOWN, f"query and keys all shifted by {d_q}: a global shift changes no logit", ok, offset=d_q
         )
-    if d_q != 0 and _most(ok, d == 0):
+    if d_q != 0 and not (ok & (d != 0)).any():
         return done(
             BugClass.QUERY_POSITION_OFFSET, f"keys are right but the query sits at t {d_q:+d}", ok & (j > t - 3)
         )
+    if d_q != 0:
+        stepped = _step_offset(inp, a, sel, done)
+        if stepped is not None:
+            return stepped
     nz = ok & (d != 0)
     c = _mode(d[nz])
     if d_q == 0 and nz.any() and _most(nz, d == c) and _most(ok, (d == 0) | (d == c)):
@@ -439,6 +451,78 @@ def _diagnose_pattern(inp: ForensicInput, a: _Analysis, sel: torch.Tensor) -> Di
         f"no single pattern: query offset {d_q}, key offsets {sorted(set(d[ok].tolist()))[:8]}",
         ok & (d != 0),
     )
+
+
+def _rounded_positions(inp: ForensicInput, a: _Analysis, sel: torch.Tensor, done: _Done) -> Diagnosis | None:
+    """Angles computed as ``position x inv_freq`` in bf16/fp16 round the position itself once it passes
+    the format's integers (256 in bf16, 2048 in fp16): 513 turns as 512, 259 as 260. Where the query and
+    the keys sit exactly at their rounded positions, and some of those differ from the logical ones, the
+    integer search sees offsets of a step or two that no position bug explains."""
+    t, kp = inp.query_position, a.kp[sel]
+    j, ok = inp.key_positions.long()[sel], a.kf[sel] >= FIT_OK
+    for dt in (torch.bfloat16, torch.float16):
+        rj = j.to(dt).long()  # [M] the positions as that format holds them
+        rt = int(torch.tensor([t]).to(dt).long()[0])
+        moved = ok & (rj != j)
+        if a.qp != rt or not (moved.any() or rt != t) or not _most(ok, kp == rj):
+            continue
+        if moved.any() and not _most(moved, kp == rj):
+            continue
+        name = str(dt).replace("torch.", "")
+        limit = 256 if dt == torch.bfloat16 else 2048
+        shown = moved if moved.any() else ok & (j == j.max())
+        example = f"{t} -> {rt}" if rt != t else f"{int(j[moved][0])} -> {int(rj[moved][0])}"
+        return done(
+            BugClass.LOW_PRECISION_ANGLES,
+            f"query and keys sit at their positions rounded to {name} ({example}; {name} holds integers "
+            f"exactly only up to {limit}): angles computed as position x inv_freq in {name}, an error that "
+            "grows with position",
+            shown,
+            angle_dtype=name,
+            rounded_keys=int(moved.sum()),
+        )
+    return None
+
+
+def _step_offset(inp: ForensicInput, a: _Analysis, sel: torch.Tensor, done: _Done) -> Diagnosis | None:
+    """The query off by ``d_q`` and the newest keys off with it: the steps that wrote those keys turned
+    them at a rotation offset that stopped following the logical position, the step of the query
+    included (the newest key sits where the query does), while the older keys are right. A constant
+    offset gives every such key ``d_q``; an offset stuck at a count (a ring's fill count: the rows the
+    cache keeps) gives each later step a more negative one. Returns None where the keys do not fit."""
+    t, kp, kf = inp.query_position, a.kp[sel], a.kf[sel]
+    j, ok = inp.key_positions.long()[sel], kf >= FIT_OK
+    d, d_q = kp - j, a.qp - t
+    off, right = ok & (d != 0), ok & (d == 0)
+    if not off.any() or not _most(torch.ones_like(ok), ok):
+        return None
+    newest = int(torch.nonzero(ok).flatten()[j[ok].argmax()])
+    if int(d[newest]) != d_q or (right.any() and int(j[off].min()) <= int(j[right].max())):
+        return None
+    order = torch.argsort(j[off])
+    offsets = d[off][order]  # by position, oldest first
+    if bool((offsets[1:] > offsets[:-1]).any()):  # a later step never turns further ahead than an earlier one
+        return None
+    n_off, n_right, n_read = int(off.sum()), int(right.sum()), int(inp.key_positions.numel())
+    steps = sorted(set(offsets.tolist()), reverse=True)
+    at = f"at j {', '.join(f'{o:+d}' for o in steps[:6])} (the newest where the query is)"
+    if n_right == 0:
+        keys = f"and all {n_off} keys the kernel read are off too, {at}"
+    elif n_off == 1:
+        keys = "and so does the key its step wrote"
+    elif len(steps) == 1:
+        keys = f"and so do the {n_off} newest keys"
+    else:
+        keys = f"and the {n_off} newest keys are off too, {at}"
+    text = f"the query sits at t {d_q:+d} (effective {a.qp}) {keys}"
+    text += f"; the {n_right} older keys are right: the rotation offset" if n_right else ": the rotation offset"
+    text += " stopped following the logical position at the steps that wrote the newest keys"
+    if a.qp == n_read:
+        text += (
+            f"; effective {a.qp} = the {n_read} keys the kernel read: an offset taken from the cache's fill count "
+            "(the rows a ring keeps), not from the tokens seen"
+        )
+    return done(BugClass.QUERY_POSITION_OFFSET, text, off, offset=d_q, offset_keys=n_off)
 
 
 def _residual_trend(inp: ForensicInput, a: _Analysis, sel: torch.Tensor, done: _Done) -> Diagnosis:

@@ -23,6 +23,7 @@ from ..models.config import Checkpoint, ModelConfig
 from ..models.reference import ReferenceDecoder, ReferenceOutput
 from ..probe import LayerProbe
 from . import ops
+from .adapter_diagnosis import diagnose_mislabelled_keys
 from .bug_class import BugClass
 from .cases import Case, build_matrix, token_stream
 from .compare import (
@@ -160,8 +161,11 @@ def check(
             )
             if not result.passed and len(failed) < _MAX_FORENSIC_CASES:
                 failed.append((result, run))
+        # Logits clean, recorded attention not: the adapter's record is wrong, whatever the tier.
         diagnosis = None
-        if tier >= Tier.FORENSICS:
+        if tier >= Tier.ATTENTION:
+            diagnosis = diagnose_mislabelled_keys(cfg, results, failed, refs.reference_row, tol_ref)
+        if diagnosis is None and tier >= Tier.FORENSICS:
             # Forensics reads phases, and a query at position 1 or 2 has hardly turned (with theta = 1e5
             # most channel pairs stay put, so a wrong pairing looks like no rotation at all). The failing
             # case that diverged at the highest position carries the most evidence; the others follow.
