@@ -22,6 +22,7 @@ from ..rope import MAX_POSITIONS, RopeSpec
 from .families import FAMILIES, Family, canonical_weights
 from .mla import MlaSpec
 from .moe import MoeSpec
+from .weights import non_finite, weights_digest
 
 ARCHITECTURES = tuple(FAMILIES)
 # transformers' layer_types strings, kept as the config's per-layer record (its to_dict and so its
@@ -491,17 +492,19 @@ class Checkpoint:
     ) -> Checkpoint:
         """A checkpoint from a config and a state dict (HF names), e.g. a model built in memory (a
         transformers ``config.json`` dict: :func:`~ropekv.models.hf_config.read_model_config` first).
-        Tensors are taken in float32 (shared, not copied, where they already are); the fingerprint
-        hashes the config and every weight byte."""
+        Tensors are taken in float32 (shared, not copied, where they already are); a NaN or infinity
+        is refused naming the tensor. The fingerprint is :func:`fingerprint_of` the config and
+        :func:`~ropekv.models.weights.weights_digest` of the tensors: the fingerprint a loader of
+        the same weights from disk gives."""
         cfg = config
         expected = cfg.expected_shapes()
         state_dict = canonical_weights(cfg, state_dict, source)
         weights = {k: v.detach().to(torch.float32) for k, v in state_dict.items() if k in expected}
-        digest = hashlib.sha256()
         for k in sorted(weights):
-            digest.update(k.encode())
-            digest.update(weights[k].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        return cls(cfg, weights, source, fingerprint_of(cfg, digest.hexdigest()))
+            problem = non_finite(weights[k])
+            if problem is not None:
+                raise CheckpointError(f"{source}: tensor {k!r} holds {problem}: a checkpoint's weights must be finite")
+        return cls(cfg, weights, source, fingerprint_of(cfg, weights_digest(weights)))
 
     def with_config(self, config: ModelConfig) -> Checkpoint:
         """The same weights under another config (e.g. another RoPE); the fingerprint covers both."""
@@ -533,7 +536,15 @@ def validate_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor], s
         raise CheckpointError(f"{source}: " + "; ".join(problems[:8]))
 
 
-def fingerprint_of(config: ModelConfig, weights_digest: str) -> str:
-    """Model fingerprint: config (including RoPE) plus a digest of the weights."""
-    blob = json.dumps(config.to_dict(), sort_keys=True) + weights_digest
+def fingerprint_of(config: ModelConfig, digest: str) -> str:
+    """Model fingerprint: what the config computes (including RoPE) plus ``digest``, the weights'
+    :func:`~ropekv.models.weights.weights_digest`.
+
+    The config's ``name`` is left out: it is a label (transformers fills it from the path a model was
+    loaded from, ``_name_or_path``), so the same checkpoint loaded from a relative path, an absolute
+    one, a copy in another folder, a GGUF file or a transformers model in memory gets one fingerprint.
+    """
+    semantics = config.to_dict()
+    del semantics["name"]
+    blob = json.dumps(semantics, sort_keys=True) + digest
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
