@@ -17,9 +17,10 @@ import torch
 
 from ..attention_kind import AttentionKindName, LayerAttention
 from ..errors import CheckpointError, ConfigError
-from ..numbers import is_finite_number, is_real
-from ..rope import MAX_POSITIONS, RopeSpec
+from ..numbers import is_finite_number, is_int, is_real
+from ..rope import RopeSpec
 from .families import FAMILIES, Family, canonical_weights
+from .limits import MODEL_INT_BOUNDS, bound_text, shown
 from .mla import MlaSpec
 from .moe import MoeSpec
 from .weights import non_finite, weights_digest
@@ -36,8 +37,6 @@ LAYER_TYPES = tuple(ATTENTION_KIND_OF_LAYER_TYPE)
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu", "relu2", "xielu")
 # xIELU's learned parameters, per layer under model.layers.{i}.mlp.act_fn. (apertus): shape of each
 XIELU_PARAMS = {"alpha_p": (1,), "alpha_n": (1,), "beta": (), "eps": ()}
-# Far above any real model (~130 layers): a config's layer count sizes lists built before any tensor is read.
-MAX_LAYERS = 4096
 
 # ModelConfig fields whose config.json name differs (for error messages).
 _HF_FIELD_NAMES = {
@@ -128,27 +127,15 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
             raise ConfigError(f"unsupported architecture {self.architecture!r}; supported: {', '.join(ARCHITECTURES)}")
-        for f in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "max_position_embeddings",
-        ):
+        for f, high in MODEL_INT_BOUNDS.items():
             v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                hf = f" ({_HF_FIELD_NAMES[f]} in config.json)" if f in _HF_FIELD_NAMES else ""
-                raise ConfigError(f"config field {f!r}{hf} must be a positive integer, got {v!r}")
-        if self.max_position_embeddings > MAX_POSITIONS:
-            raise ConfigError(
-                f"config field 'max_position_embeddings' = {self.max_position_embeddings} is implausible "
-                "(at most 2**40)"
-            )
-        if self.num_layers > MAX_LAYERS:
-            raise ConfigError(f"config field 'num_layers' = {self.num_layers} is implausible (at most {MAX_LAYERS})")
+            if v is None and f in ("sliding_window", "attention_chunk_size", "qkv_groups"):
+                continue  # optional: checked below where a layer needs it
+            hf = f" ({_HF_FIELD_NAMES[f]} in config.json)" if f in _HF_FIELD_NAMES else ""
+            if not is_int(v) or v < 1:
+                raise ConfigError(f"config field {f!r}{hf} must be a positive integer, got {shown(v)}")
+            if v > high:
+                raise ConfigError(f"config field {f!r}{hf} = {shown(v)} is implausible (at most {bound_text(high)})")
         eps = self.rms_norm_eps
         if not is_real(eps) or not is_finite_number(eps) or eps < 0:
             raise ConfigError(f"config field 'rms_norm_eps' must be a finite number >= 0, got {eps!r}")

@@ -40,8 +40,8 @@ from tqdm import tqdm
 from ..errors import CheckpointError, ConfigError
 from ..rope import LAYOUTS, layout_permutation
 from .config import Checkpoint, ModelConfig, fingerprint_of
-from .weights import non_finite, weights_digest
 from .hf_config import read_model_config
+from .weights import non_finite, weights_digest
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 _HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -404,16 +404,16 @@ def checkpoint_from_reader(
         except (ValueError, NotImplementedError) as exc:
             raise CheckpointError(f"{source}: cannot dequantize tensor {tensor.name!r}: {exc}") from None
         values = np.asarray(values, dtype=np.float32).reshape(shapes[hf_name])  # GGUF [in, out] -> HF [out, in]
-        problem = non_finite(torch.from_numpy(values))
-        if problem is not None:
-            raise CheckpointError(
-                f"{source}: tensor {tensor.name!r} ({hf_name}) holds {problem}: a checkpoint's weights must be finite"
-            )
         if permuted and layout == "neox" and (".q_proj." in hf_name or ".k_proj." in hf_name):
             heads = config.num_heads if ".q_proj." in hf_name else config.num_kv_heads
             values = unpermute_qk(values, heads)
         # Copy out of the memory map: the checkpoint must not keep the file open or be read-only.
         weights[hf_name] = torch.from_numpy(np.array(values, dtype=np.float32, copy=True))
+        problem = non_finite(weights[hf_name])
+        if problem is not None:
+            raise CheckpointError(
+                f"{source}: tensor {tensor.name!r} ({hf_name}) holds {problem}: a checkpoint's weights must be finite"
+            )
     checkpoint = Checkpoint(config, weights, source, fingerprint_of(config, weights_digest(weights)))
     return checkpoint, hf
 

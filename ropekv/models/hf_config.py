@@ -22,11 +22,12 @@ from typing import Any
 from ..errors import ConfigError
 from ..numbers import is_finite_number, is_real
 from ..rope import RopeSpec
-from .config import ACTIVATIONS, ARCHITECTURES, MAX_LAYERS, ModelConfig
+from .config import ACTIVATIONS, ARCHITECTURES, ModelConfig
 from .families import FAMILIES, REFUSED, Family, family_of
 from .hf_fields import ConfigFields
 from .hf_layers import layer_ropes_of, layer_types_of, rope_of
 from .hf_normalize import normalized_config, partial_factor, rotary_dim_rope
+from .limits import MAX_LAYERS
 from .mla import MlaSpec, read_mla
 from .moe import read_moe
 

@@ -13,11 +13,9 @@ information of their own are dropped: ``*.rotary_emb.inv_freq`` (derived from th
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import struct
-from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
