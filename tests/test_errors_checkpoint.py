@@ -145,7 +145,14 @@ def test_config_lacking_a_field(ck, field):
 
 def test_config_lacking_both_architecture_fields(ck):
     file = edit_config(ck, lambda c: (c.pop("architectures"), c.pop("model_type")))
-    refused(ConfigError, ck, str(file), "model_type", "architectures")
+    refused(ConfigError, ck, str(file), "missing field 'model_type'")
+
+
+def test_config_lacking_model_type_is_refused_as_transformers_refuses_it(ck):
+    """transformers' AutoConfig chooses the config class by model_type and refuses a config without
+    one ("Should have a `model_type` key"), architectures or not: so does ropekv, naming both."""
+    file = edit_config(ck, lambda c: c.pop("model_type"))
+    refused(ConfigError, ck, str(file), "missing field 'model_type'", "LlamaForCausalLM")
 
 
 @pytest.mark.parametrize(
