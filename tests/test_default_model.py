@@ -28,7 +28,6 @@ from safetensors.torch import save_file
 from ropekv.errors import CheckpointError
 from ropekv.models import default
 from ropekv.models.config import Checkpoint
-from ropekv.models.gguf_file import load_gguf
 from ropekv.models.default import (
     DEFAULT_PROMPT,
     PIP_COMMAND,
@@ -37,6 +36,7 @@ from ropekv.models.default import (
     default_gguf_path,
     stored_fingerprint,
 )
+from ropekv.models.gguf_file import load_gguf
 from ropekv.models.reference import ReferenceDecoder
 from ropekv.models.tokenizer import Tokenizer
 
@@ -200,7 +200,7 @@ def _owner(folder: Path, *, alive: bool) -> subprocess.Popen:
     conversion does) or stays alive until killed; its folder's path is its first line of output."""
     script = (
         "import os, signal, sys, time; from pathlib import Path; from ropekv.models.owned_temp import OwnedTemp; "
-        f"t = OwnedTemp(Path(sys.argv[1]), sys.argv[2]); print(t.path, flush=True); "
+        "t = OwnedTemp(Path(sys.argv[1]), sys.argv[2]); print(t.path, flush=True); "
         + ("time.sleep(120)" if alive else "os.kill(os.getpid(), signal.SIGKILL)")
     )
     name = default.cache_dir().name

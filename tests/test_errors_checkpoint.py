@@ -566,7 +566,9 @@ def test_a_non_finite_weight_in_a_gguf_is_refused_naming_the_gguf_tensor(tiny_ll
     path = write_tiny_gguf(
         tmp_path / "nan.gguf", tiny_llama_dir, override={"blk.0.ffn_up.weight": (data, GGMLQuantizationType.F32)}
     )
-    refused(CheckpointError, path, str(path), "'blk.0.ffn_up.weight'", "model.layers.0.mlp.up_proj.weight", "NaN at [7, 2]")
+    refused(
+        CheckpointError, path, str(path), "'blk.0.ffn_up.weight'", "model.layers.0.mlp.up_proj.weight", "NaN at [7, 2]"
+    )
 
 
 def test_a_non_finite_weight_of_a_model_in_memory_is_refused(tiny_llama_dir):

@@ -27,7 +27,9 @@ class ConfigFields:
         if kind is int and not is_int(value):
             raise ConfigError(f"{source}: field {name!r} must be an integer, got {shown(value)}")
         if kind is int and abs(value) > MAX_CONFIG_INT:
-            raise ConfigError(f"{source}: field {name!r} = {shown(value)} is implausible (at most {bound_text(MAX_CONFIG_INT)})")
+            raise ConfigError(
+                f"{source}: field {name!r} = {shown(value)} is implausible (at most {bound_text(MAX_CONFIG_INT)})"
+            )
         if kind is float and not (is_real(value) and is_finite_number(value)):
             raise ConfigError(f"{source}: field {name!r} must be a finite number, got {value!r}")
         return value

@@ -224,7 +224,9 @@ def _read_safetensors(file: Path, names: list[str] | None) -> dict[str, torch.Te
                 t = f.get_tensor(name)
                 problem = non_finite(t)
                 if problem is not None:
-                    raise CheckpointError(f"{file}: tensor {name!r} holds {problem}: a checkpoint's weights must be finite")
+                    raise CheckpointError(
+                        f"{file}: tensor {name!r} holds {problem}: a checkpoint's weights must be finite"
+                    )
                 out[name] = t.to(torch.float32) if t.is_floating_point() else t
     except CheckpointError:
         raise
