@@ -4,7 +4,8 @@ Only safetensors are read (``model.safetensors``, or shards listed by ``model.sa
 Pickled weights (``pytorch_model.bin``, ``*.pt`` ...) can run arbitrary code when unpickled, so they
 are refused and never opened. Every safetensors file is sanity-checked (header length against file
 size, tensor offsets inside the data section) before ``safetensors.safe_open`` reads it, and any
-failure becomes a :class:`CheckpointError` naming the file.
+failure becomes a :class:`CheckpointError` naming the file, as does a tensor holding a NaN or an
+infinity (named with its first bad index).
 
 Tensors are cast to float32. Two kinds of tensors that transformers may save but that carry no
 information of their own are dropped: ``*.rotary_emb.inv_freq`` (derived from the config) and
