@@ -531,7 +531,7 @@ def test_per_layer_rope_and_nope_layers_are_read_from_the_config(make_arch_check
 def test_default_checkpoint_is_unchanged():
     """The embedded SmolLM2 reads as before: same fingerprint, uniform RoPE, no warnings."""
     ckpt = load_checkpoint(None)
-    assert ckpt.fingerprint == "ff654252273424f6"
+    assert ckpt.fingerprint == "424f8aaf85cf24f0"
     assert ckpt.config.uniform_rope and ckpt.config.warnings == () and ckpt.config.attn_scale == 64**-0.5
 
 

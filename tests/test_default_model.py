@@ -12,6 +12,11 @@ import importlib.machinery
 import importlib.metadata
 import importlib.util
 import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -31,6 +36,7 @@ from ropekv.models.default import (
     default_gguf_path,
     stored_fingerprint,
 )
+from ropekv.models.gguf_file import load_gguf
 from ropekv.models.reference import ReferenceDecoder
 from ropekv.models.tokenizer import Tokenizer
 
@@ -86,6 +92,7 @@ def test_conversion_in_fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         "config.json",
         "tokenizer.json",
         "tokenizer_config.json",
+        "ropekv-verified.json",
     }
     config = json.loads((folder / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
@@ -108,11 +115,128 @@ def test_conversion_in_fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         assert torch.equal(second.weights[name], tensor), name
         assert torch.equal(default_ckpt.weights[name], tensor), name
 
-    # An edited config.json no longer matches the stored fingerprint: refused, not silently trusted.
+    # Every path to these weights gives their one fingerprint: the GGUF itself, transformers' model.
+    assert load_gguf(default_gguf_path()).fingerprint == first.fingerprint
+    from ropekv.adapters.hf import HFEngine
+
+    assert HFEngine.load(folder).checkpoint.fingerprint == first.fingerprint
+
+
+@pytest.mark.slow
+def test_a_changed_cached_weight_or_config_is_converted_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], default_ckpt: Checkpoint
+) -> None:
+    """One float of k_proj changed in the cached safetensors (in place, the header untouched) was once
+    used silently under the old fingerprint: now the weights no longer match the digest stored at
+    conversion, so the folder is converted again, saying so on stderr. An edited config.json too."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    first = default_checkpoint()
+    folder = default.cache_dir()
+    file = folder / "model.safetensors"
+    name = "model.layers.3.self_attn.k_proj.weight"
+    with safe_open(str(file), framework="pt") as f:
+        value = f.get_slice(name)[0:1, 0:1][0, 0].item()
+    (header_len,) = struct.unpack("<Q", file.read_bytes()[:8])
+    start = json.loads(file.read_bytes()[8 : 8 + header_len])[name]["data_offsets"][0]
+    with open(file, "r+b") as f:  # the first float of the tensor, +1.0
+        f.seek(8 + header_len + start)
+        f.write(struct.pack("<f", value + 1.0))
+    capsys.readouterr()
+    again = default_checkpoint()
+    assert "differ from the digest stored at conversion" in capsys.readouterr().err
+    assert again.fingerprint == first.fingerprint == default_ckpt.fingerprint
+    assert torch.equal(again.weights[name], default_ckpt.weights[name])
+
+    config = json.loads((folder / "config.json").read_text())
     config["rms_norm_eps"] = 1e-6
     (folder / "config.json").write_text(json.dumps(config))
-    with pytest.raises(CheckpointError, match="delete the folder"):
-        default_checkpoint()
+    third = default_checkpoint()
+    assert "config.json that changed since conversion" in capsys.readouterr().err
+    assert third.config == first.config and third.fingerprint == first.fingerprint
+
+
+def test_verified_weights_are_not_hashed_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tiny_llama_dir: Path):
+    """While the weights file is the one last verified (size, mtime, ctime, inode) the stored digest is
+    trusted; a touched file is hashed again and, matching, recorded as verified again."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(default, "_convert", _tiny_convert(tiny_llama_dir))
+    first = default_checkpoint()
+    hashed: list[int] = []
+    real = default.weights_digest
+    monkeypatch.setattr(default, "weights_digest", lambda w: hashed.append(1) or real(w))
+    assert default_checkpoint().fingerprint == first.fingerprint and hashed == []
+    file = default.cache_dir() / "model.safetensors"
+    os.utime(file, ns=(file.stat().st_atime_ns, file.stat().st_mtime_ns + 10**9))
+    assert default_checkpoint().fingerprint == first.fingerprint and hashed == [1]
+    assert default_checkpoint().fingerprint == first.fingerprint and hashed == [1]
+
+
+def _tiny_convert(tiny_llama_dir: Path):
+    """Stands in for the conversion with the tiny llama, written as the conversion writes its folder."""
+
+    def convert(gguf: Path, out: Path) -> None:
+        from ropekv.models import load_checkpoint
+        from ropekv.models.weights import weights_digest
+
+        ckpt = load_checkpoint(tiny_llama_dir)
+        digest = weights_digest(ckpt.weights)
+        meta = {
+            "ropekv.fingerprint": ckpt.fingerprint,
+            default.DIGEST_KEY: digest,
+            "ropekv.conversion": default.CONVERSION_VERSION,
+            "ropekv.gguf_size": str(gguf.stat().st_size),
+        }
+        save_file(dict(ckpt.weights), str(out / "model.safetensors"), metadata=meta)
+        shutil.copy(tiny_llama_dir / "config.json", out / "config.json")
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (out / name).write_text("{}")
+        default._write_verified(out, default._stat_record(out / "model.safetensors", digest))
+
+    return convert
+
+
+def _owner(folder: Path, *, alive: bool) -> subprocess.Popen:
+    """A process that makes an owned temp folder under ``folder`` and dies (SIGKILL, as a killed
+    conversion does) or stays alive until killed; its folder's path is its first line of output."""
+    script = (
+        "import os, signal, sys, time; from pathlib import Path; from ropekv.models.owned_temp import OwnedTemp; "
+        "t = OwnedTemp(Path(sys.argv[1]), sys.argv[2]); print(t.path, flush=True); "
+        + ("time.sleep(120)" if alive else "os.kill(os.getpid(), signal.SIGKILL)")
+    )
+    name = default.cache_dir().name
+    return subprocess.Popen(
+        [sys.executable, "-c", script, str(folder), f".{name}.tmp-"],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+    )
+
+
+def test_killed_conversions_are_cleaned_on_the_next_start_live_ones_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(default, "_convert", _fake_convert)
+    parent = default.cache_dir().parent
+    parent.mkdir(parents=True)
+    dead = _owner(parent, alive=False)
+    dead_path = Path(dead.stdout.readline().strip())
+    dead.wait(timeout=60)
+    (dead_path / "model.safetensors").write_bytes(b"\0" * 1000)  # half a conversion
+    live = _owner(parent, alive=True)
+    try:
+        live_path = Path(live.stdout.readline().strip())
+        assert dead_path.is_dir() and live_path.is_dir()
+        assert default_checkpoint_dir() == default.cache_dir()  # converts: the cache was empty
+        assert not dead_path.exists()  # its process died: removed at once, not an hour later
+        assert live_path.is_dir()  # its process still runs: left alone
+        assert default_checkpoint_dir() == default.cache_dir()  # current: cleans, converts nothing
+        assert live_path.is_dir()
+    finally:
+        live.kill()
+        live.wait(timeout=60)
+    default_checkpoint_dir()
+    assert sorted(p.name for p in parent.iterdir()) == [default.cache_dir().name]
 
 
 def _fake_convert(gguf: Path, out: Path) -> None:

@@ -145,7 +145,14 @@ def test_config_lacking_a_field(ck, field):
 
 def test_config_lacking_both_architecture_fields(ck):
     file = edit_config(ck, lambda c: (c.pop("architectures"), c.pop("model_type")))
-    refused(ConfigError, ck, str(file), "model_type", "architectures")
+    refused(ConfigError, ck, str(file), "missing field 'model_type'")
+
+
+def test_config_lacking_model_type_is_refused_as_transformers_refuses_it(ck):
+    """transformers' AutoConfig chooses the config class by model_type and refuses a config without
+    one ("Should have a `model_type` key"), architectures or not: so does ropekv, naming both."""
+    file = edit_config(ck, lambda c: c.pop("model_type"))
+    refused(ConfigError, ck, str(file), "missing field 'model_type'", "LlamaForCausalLM")
 
 
 @pytest.mark.parametrize(
@@ -531,3 +538,45 @@ def test_config_asking_for_remote_code_is_refused(ck, tmp_path, change):
     file = edit_config(ck, lambda c: c.update(change))
     refused(ConfigError, ck, str(file), "auto_map / trust_remote_code", "never runs checkpoint code")
     assert not (tmp_path / "RAN").exists()
+
+
+# ----------------------------------------------------------------------------------- non-finite weights
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_non_finite_weight_is_refused_at_load_naming_tensor_and_file(ck, bad, dtype):
+    name = "model.layers.1.self_attn.k_proj.weight"
+
+    def change(tensors):
+        for k in tensors:
+            tensors[k] = tensors[k].to(dtype)
+        tensors[name][3, 5] = bad
+
+    edit_weights(ck, change)
+    kind = "NaN" if bad != bad else ("+inf" if bad > 0 else "-inf")
+    message = refused(CheckpointError, ck, str(ck / "model.safetensors"), repr(name), f"{kind} at [3, 5]")
+    assert "1 non-finite value)" in message
+
+
+def test_a_non_finite_weight_in_a_gguf_is_refused_naming_the_gguf_tensor(tiny_llama_dir, tmp_path):
+    tensors = load_file(tiny_llama_dir / "model.safetensors")
+    data = tensors["model.layers.0.mlp.up_proj.weight"].numpy().astype(np.float32).copy()
+    data[7, 2] = np.nan
+    path = write_tiny_gguf(
+        tmp_path / "nan.gguf", tiny_llama_dir, override={"blk.0.ffn_up.weight": (data, GGMLQuantizationType.F32)}
+    )
+    refused(
+        CheckpointError, path, str(path), "'blk.0.ffn_up.weight'", "model.layers.0.mlp.up_proj.weight", "NaN at [7, 2]"
+    )
+
+
+def test_a_non_finite_weight_of_a_model_in_memory_is_refused(tiny_llama_dir):
+    from ropekv.models.config import Checkpoint
+
+    ckpt = load_checkpoint(tiny_llama_dir)
+    weights = dict(ckpt.weights)
+    weights["model.norm.weight"] = weights["model.norm.weight"].clone()
+    weights["model.norm.weight"][4] = float("inf")
+    with pytest.raises(CheckpointError, match=r"'model.norm.weight' holds \+inf at \[4\]"):
+        Checkpoint.from_tensors(ckpt.config, weights, source="a model in memory")

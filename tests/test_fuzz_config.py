@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ropekv.contract import CacheContract
-from ropekv.errors import RopeKVError
+from ropekv.errors import ConfigError, RopeKVError
 from ropekv.models.config import LAYER_TYPES, ModelConfig
 from ropekv.models.hf_config import read_model_config
 from ropekv.models.rope_config import rope_from_hf_config
@@ -217,6 +217,18 @@ def check_rope(rope: RopeSpec) -> None:
     assert len(rope.fingerprint()) == 16
 
 
+# Upper bounds a read config keeps (docs/architectures.md, "Bounds"); the rest: 2**40, the position limit.
+_BOUNDS = {
+    "vocab_size": 2**24,
+    "hidden_size": 2**20,
+    "intermediate_size": 2**20,
+    "num_layers": 4096,
+    "num_heads": 4096,
+    "num_kv_heads": 4096,
+    "head_dim": 65536,
+}
+
+
 def check_model(cfg: ModelConfig) -> None:
     for name in (
         "vocab_size",
@@ -229,6 +241,9 @@ def check_model(cfg: ModelConfig) -> None:
         "max_position_embeddings",
     ):
         assert _positive_int(getattr(cfg, name)), name
+        assert getattr(cfg, name) <= _BOUNDS.get(name, 2**40), name  # nothing a file gives sizes memory unbounded
+    assert cfg.sliding_window is None or cfg.sliding_window <= 2**40
+    assert cfg.attention_chunk_size is None or cfg.attention_chunk_size <= 2**40
     assert cfg.num_heads % cfg.num_kv_heads == 0
     assert cfg.head_dim == cfg.rope.head_dim
     assert isinstance(cfg.layer_types, tuple) and len(cfg.layer_types) == cfg.num_layers
@@ -294,6 +309,41 @@ def test_rope_parameters_alone(rope, head_dim, max_pos):
     except RopeKVError:
         return
     check_rope(spec)
+
+
+def _int_fields(base: dict[str, Any]) -> list[tuple[str, ...]]:
+    """Paths of the integer fields a base config gives (top level and inside its RoPE dicts)."""
+    paths: list[tuple[str, ...]] = [(k,) for k, v in base.items() if isinstance(v, int) and not isinstance(v, bool)]
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = base.get(key)
+        if isinstance(rope, dict):
+            paths += [(key, k) for k, v in rope.items() if isinstance(v, int) and not isinstance(v, bool)]
+    return paths
+
+
+out_of_range = st.one_of(st.integers(2**40 + 1, 2**200), st.integers(-(2**200), -1))
+
+
+@FUZZ
+@given(st.data(), out_of_range)
+def test_every_config_integer_is_bounded_at_read_time(data, value):
+    """An integer field the architecture reads, set far out of range (2**64 as a window overflowed the
+    paged cache once), is refused when the config is read: a ConfigError naming the field."""
+    base = data.draw(st.sampled_from(BASES))
+    path = data.draw(st.sampled_from(_int_fields(base)))
+    config = copy.deepcopy(base)
+    target = config
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    try:
+        cfg = read_model_config(config, source="fuzz/config.json")
+    except ConfigError as exc:
+        message = str(exc)
+        assert message.startswith("fuzz/config.json: ") and "\n" not in message, message
+        assert path[-1] in message or ("head_dim" in message and path[-1] == "hidden_size"), message
+        return
+    raise AssertionError(f"{'.'.join(path)} = {value} was accepted: {cfg}")
 
 
 # ----------------------------------------------------------------------------------- contract JSON

@@ -529,7 +529,7 @@ class HFEngine:
         undescribed one). The attention modules are transformers' own classes (``Any``: their
         attributes, ``head_dim`` and the MLA projections, are read as each architecture names them)."""
         config = self.model.config
-        name = family_of(list(getattr(config, "architectures", None) or []), getattr(config, "model_type", None))
+        name = family_of(getattr(config, "model_type", None))
         fam = FAMILIES.get(name) if name is not None else None
         where, attn_name = (
             (fam.hf.layers or fam.tensors.layers_prefix, fam.hf.attn_module) if fam else ("model.layers", "self_attn")
@@ -565,10 +565,7 @@ def _multimodal(folder: Path) -> bool:
         return False  # transformers' own loader reports it
     if not isinstance(config, dict):
         return False
-    archs = config.get("architectures")
-    if not isinstance(archs, list):
-        archs = []
-    family = family_of(archs, config.get("model_type"))
+    family = family_of(config.get("model_type"))
     return family is not None and FAMILIES[family].reading.text_config
 
 

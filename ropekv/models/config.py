@@ -17,11 +17,13 @@ import torch
 
 from ..attention_kind import AttentionKindName, LayerAttention
 from ..errors import CheckpointError, ConfigError
-from ..numbers import is_finite_number, is_real
-from ..rope import MAX_POSITIONS, RopeSpec
+from ..numbers import is_finite_number, is_int, is_real
+from ..rope import RopeSpec
 from .families import FAMILIES, Family, canonical_weights
+from .limits import MODEL_INT_BOUNDS, bound_text, shown
 from .mla import MlaSpec
 from .moe import MoeSpec
+from .weights import non_finite, weights_digest
 
 ARCHITECTURES = tuple(FAMILIES)
 # transformers' layer_types strings, kept as the config's per-layer record (its to_dict and so its
@@ -35,8 +37,6 @@ LAYER_TYPES = tuple(ATTENTION_KIND_OF_LAYER_TYPE)
 ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu", "relu2", "xielu")
 # xIELU's learned parameters, per layer under model.layers.{i}.mlp.act_fn. (apertus): shape of each
 XIELU_PARAMS = {"alpha_p": (1,), "alpha_n": (1,), "beta": (), "eps": ()}
-# Far above any real model (~130 layers): a config's layer count sizes lists built before any tensor is read.
-MAX_LAYERS = 4096
 
 # ModelConfig fields whose config.json name differs (for error messages).
 _HF_FIELD_NAMES = {
@@ -127,27 +127,15 @@ class ModelConfig:
     def __post_init__(self) -> None:
         if self.architecture not in ARCHITECTURES:
             raise ConfigError(f"unsupported architecture {self.architecture!r}; supported: {', '.join(ARCHITECTURES)}")
-        for f in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "max_position_embeddings",
-        ):
+        for f, high in MODEL_INT_BOUNDS.items():
             v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                hf = f" ({_HF_FIELD_NAMES[f]} in config.json)" if f in _HF_FIELD_NAMES else ""
-                raise ConfigError(f"config field {f!r}{hf} must be a positive integer, got {v!r}")
-        if self.max_position_embeddings > MAX_POSITIONS:
-            raise ConfigError(
-                f"config field 'max_position_embeddings' = {self.max_position_embeddings} is implausible "
-                "(at most 2**40)"
-            )
-        if self.num_layers > MAX_LAYERS:
-            raise ConfigError(f"config field 'num_layers' = {self.num_layers} is implausible (at most {MAX_LAYERS})")
+            if v is None and f in ("sliding_window", "attention_chunk_size", "qkv_groups"):
+                continue  # optional: checked below where a layer needs it
+            hf = f" ({_HF_FIELD_NAMES[f]} in config.json)" if f in _HF_FIELD_NAMES else ""
+            if not is_int(v) or v < 1:
+                raise ConfigError(f"config field {f!r}{hf} must be a positive integer, got {shown(v)}")
+            if v > high:
+                raise ConfigError(f"config field {f!r}{hf} = {shown(v)} is implausible (at most {bound_text(high)})")
         eps = self.rms_norm_eps
         if not is_real(eps) or not is_finite_number(eps) or eps < 0:
             raise ConfigError(f"config field 'rms_norm_eps' must be a finite number >= 0, got {eps!r}")
@@ -491,17 +479,19 @@ class Checkpoint:
     ) -> Checkpoint:
         """A checkpoint from a config and a state dict (HF names), e.g. a model built in memory (a
         transformers ``config.json`` dict: :func:`~ropekv.models.hf_config.read_model_config` first).
-        Tensors are taken in float32 (shared, not copied, where they already are); the fingerprint
-        hashes the config and every weight byte."""
+        Tensors are taken in float32 (shared, not copied, where they already are); a NaN or infinity
+        is refused naming the tensor. The fingerprint is :func:`fingerprint_of` the config and
+        :func:`~ropekv.models.weights.weights_digest` of the tensors: the fingerprint a loader of
+        the same weights from disk gives."""
         cfg = config
         expected = cfg.expected_shapes()
         state_dict = canonical_weights(cfg, state_dict, source)
         weights = {k: v.detach().to(torch.float32) for k, v in state_dict.items() if k in expected}
-        digest = hashlib.sha256()
         for k in sorted(weights):
-            digest.update(k.encode())
-            digest.update(weights[k].contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-        return cls(cfg, weights, source, fingerprint_of(cfg, digest.hexdigest()))
+            problem = non_finite(weights[k])
+            if problem is not None:
+                raise CheckpointError(f"{source}: tensor {k!r} holds {problem}: a checkpoint's weights must be finite")
+        return cls(cfg, weights, source, fingerprint_of(cfg, weights_digest(weights)))
 
     def with_config(self, config: ModelConfig) -> Checkpoint:
         """The same weights under another config (e.g. another RoPE); the fingerprint covers both."""
@@ -533,7 +523,15 @@ def validate_weights(config: ModelConfig, weights: Mapping[str, torch.Tensor], s
         raise CheckpointError(f"{source}: " + "; ".join(problems[:8]))
 
 
-def fingerprint_of(config: ModelConfig, weights_digest: str) -> str:
-    """Model fingerprint: config (including RoPE) plus a digest of the weights."""
-    blob = json.dumps(config.to_dict(), sort_keys=True) + weights_digest
+def fingerprint_of(config: ModelConfig, digest: str) -> str:
+    """Model fingerprint: what the config computes (including RoPE) plus ``digest``, the weights'
+    :func:`~ropekv.models.weights.weights_digest`.
+
+    The config's ``name`` is left out: it is a label (transformers fills it from the path a model was
+    loaded from, ``_name_or_path``), so the same checkpoint loaded from a relative path, an absolute
+    one, a copy in another folder, a GGUF file or a transformers model in memory gets one fingerprint.
+    """
+    semantics = config.to_dict()
+    del semantics["name"]
+    blob = json.dumps(semantics, sort_keys=True) + digest
     return hashlib.sha256(blob.encode()).hexdigest()[:16]

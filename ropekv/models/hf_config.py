@@ -22,13 +22,15 @@ from typing import Any
 from ..errors import ConfigError
 from ..numbers import is_finite_number, is_real
 from ..rope import RopeSpec
-from .config import ACTIVATIONS, ARCHITECTURES, MAX_LAYERS, ModelConfig
-from .families import FAMILIES, REFUSED, Family, family_of
+from .config import ACTIVATIONS, ARCHITECTURES, ModelConfig
+from .families import FAMILIES, REFUSED, Family, family_of, family_of_class
 from .hf_fields import ConfigFields
 from .hf_layers import layer_ropes_of, layer_types_of, rope_of
 from .hf_normalize import normalized_config, partial_factor, rotary_dim_rope
+from .limits import MAX_LAYERS, shown
 from .mla import MlaSpec, read_mla
 from .moe import read_moe
+from .no_rope import NO_ROPE
 
 
 def read_model_config(config: Mapping[str, Any], *, source: str = "config.json", layout: str = "neox") -> ModelConfig:
@@ -38,16 +40,16 @@ def read_model_config(config: Mapping[str, Any], *, source: str = "config.json",
     pairing for architectures that do not fix one (a GGUF file's, for instance)."""
     if not isinstance(config, Mapping):
         raise ConfigError(f"{source}: must be a JSON object")
-    arch = architecture_of(config, source)
+    warnings: list[str] = []
+    arch = architecture_of(config, source, warnings)
     if config.get("trust_remote_code") or config.get("auto_map"):
         raise ConfigError(
             f"{source}: needs custom code (auto_map / trust_remote_code); ropekv never runs checkpoint code"
         )
     fam = FAMILIES[arch]
-    warnings: list[str] = []
     config = normalized_config(fam, config, source, warnings)
     fields = ConfigFields(config, source)
-    act = _activation(fam, fields)
+    act = _activation(fam, fields, warnings)
     num_heads = fields.need("num_attention_heads")
     hidden = fields.need("hidden_size")
     num_layers = fields.need("num_hidden_layers")
@@ -130,37 +132,69 @@ def read_model_config(config: Mapping[str, Any], *, source: str = "config.json",
         raise ConfigError(f"{source}: {exc}") from None
 
 
-def architecture_of(config: Mapping[str, Any], source: str) -> str:
-    """The family name of a config, from its ``architectures`` (or ``model_type``); refused where
-    ropekv has no family for it."""
-    archs = config.get("architectures") or []
-    if not isinstance(archs, list):
+def architecture_of(config: Mapping[str, Any], source: str, warnings: list[str] | None = None) -> str:
+    """The family of a config, by its ``model_type`` as transformers' auto classes choose the model
+    (``architectures`` only records the class that saved it: a contradicting entry is a warning, the
+    model is still the ``model_type``'s); refused where transformers would refuse it (no
+    ``model_type``) or ropekv has no family for it, saying so where the architecture has no RoPE."""
+    archs = config.get("architectures")
+    if archs is not None and not isinstance(archs, list):
         raise ConfigError(f"{source}: field 'architectures' must be a list")
+    archs = archs or []
     model_type = config.get("model_type")
-    family = family_of(archs, model_type)
-    if family is not None:
-        return family
-    named = archs[0] if archs else model_type
-    if named is None:
-        raise ConfigError(f"{source}: missing field 'model_type' (or 'architectures')")
-    refused = REFUSED.get(model_type) if isinstance(model_type, str) else None
-    if refused:
+    if model_type is None:
+        named = f" (architectures {archs!r})" if archs else ""
         raise ConfigError(
-            f"{source}: unsupported architecture {named!r}: ropekv does not model its {refused} "
-            "yet (see docs/architectures.md)"
+            f"{source}: missing field 'model_type'{named}: transformers chooses the model by model_type "
+            "and cannot load a config without it (nor can ropekv read it as transformers would)"
         )
-    raise ConfigError(f"{source}: unsupported architecture {named!r}; supported: {', '.join(ARCHITECTURES)}")
+    if not isinstance(model_type, str):
+        raise ConfigError(f"{source}: field 'model_type' must be a string, got {shown(model_type)}")
+    family = family_of(model_type)
+    if family is None:
+        named = f"{archs[0]!r} (model_type {model_type!r})" if archs and isinstance(archs[0], str) else repr(model_type)
+        refused = REFUSED.get(model_type)
+        if refused:
+            raise ConfigError(
+                f"{source}: unsupported architecture {named}: ropekv does not model its {refused} "
+                "yet (see docs/architectures.md)"
+            )
+        positions = NO_ROPE.get(model_type)
+        if positions:
+            raise ConfigError(
+                f"{source}: unsupported architecture {named}: it has no RoPE ({positions}); ropekv checks "
+                "the RoPE of KV caches only"
+            )
+        raise ConfigError(f"{source}: unsupported architecture {named}; supported: {', '.join(ARCHITECTURES)}")
+    others = sorted({str(a) for a in archs if family_of_class(a) not in (None, family)})
+    if others and warnings is not None:
+        warnings.append(
+            f"architectures={others!r} is ignored: transformers builds the model from model_type "
+            f"{model_type!r} ({', '.join(FAMILIES[family].classes)})"
+        )
+    return family
 
 
-def _activation(fam: Family, fields: ConfigFields) -> str:
-    act = fields.config.get(fam.reading.act_key) or fam.reading.act_default
+def _activation(fam: Family, fields: ConfigFields, warnings: list[str]) -> str:
+    """The activation as the architecture's config class holds it: its default where the field is
+    absent, a string naming an activation otherwise (transformers' configs refuse anything else,
+    null included), rewritten where the class rewrites it (with a warning)."""
+    key = fam.reading.act_key
+    act = fields.config.get(key, fam.reading.act_default)
+    if not isinstance(act, str):
+        raise ConfigError(
+            f"{fields.source}: field {key!r} must be a string naming an activation ({', '.join(ACTIVATIONS)}), "
+            f"got {shown(act)}"
+        )
+    if act in fam.reading.act_renamed:
+        renamed = fam.reading.act_renamed[act]
+        warnings.append(f"{key}={act!r} is read as {renamed!r}: transformers' {fam.name} config rewrites it so")
+        act = renamed
     if act == "swish":
         act = "silu"
     if act not in ACTIVATIONS:
-        raise ConfigError(
-            f"{fields.source}: field {fam.reading.act_key!r} = {act!r} is not supported ({', '.join(ACTIVATIONS)})"
-        )
-    return str(act)
+        raise ConfigError(f"{fields.source}: field {key!r} = {act!r} is not supported ({', '.join(ACTIVATIONS)})")
+    return act
 
 
 def _heads(
@@ -242,7 +276,7 @@ def _ropes(
     source: str,
 ) -> list[RopeSpec | None]:
     """Each layer's RoPE (None: NoPE); an MLA key's RoPE turns its trailing rope part only."""
-    ropes = layer_ropes_of(fam, config, layer_types, layout, source)
+    ropes = layer_ropes_of(fam, config, layer_types, layout, source, warnings)
     if mla is not None:
         ropes = [
             None if r is None else r.replace(head_dim=mla.qk_head_dim, rotary_offset=mla.qk_nope_head_dim)

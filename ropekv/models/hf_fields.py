@@ -7,6 +7,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..numbers import is_finite_number, is_int, is_real
+from .limits import MAX_CONFIG_INT, bound_text, check_int, shown
 
 
 class ConfigFields:
@@ -24,7 +25,11 @@ class ConfigFields:
             raise ConfigError(f"{source}: missing field {name!r}")
         value = config[name]
         if kind is int and not is_int(value):
-            raise ConfigError(f"{source}: field {name!r} must be an integer, got {value!r}")
+            raise ConfigError(f"{source}: field {name!r} must be an integer, got {shown(value)}")
+        if kind is int and abs(value) > MAX_CONFIG_INT:
+            raise ConfigError(
+                f"{source}: field {name!r} = {shown(value)} is implausible (at most {bound_text(MAX_CONFIG_INT)})"
+            )
         if kind is float and not (is_real(value) and is_finite_number(value)):
             raise ConfigError(f"{source}: field {name!r} must be a finite number, got {value!r}")
         return value
@@ -51,9 +56,9 @@ class ConfigFields:
             raise ConfigError(f"{self.source}: field {name!r} must be a finite number, got {value!r}")
         return float(value)
 
-    def optional_int(self, name: str, low: int) -> int | None:
-        """An integer ``>= low``, or None where absent or null."""
+    def optional_int(self, name: str, low: int, high: int = MAX_CONFIG_INT) -> int | None:
+        """An integer in ``[low, high]``, or None where absent or null."""
         value = self.config.get(name)
-        if value is not None and (not is_int(value) or value < low):
-            raise ConfigError(f"{self.source}: field {name!r} must be an integer >= {low}, got {value!r}")
+        if value is not None:
+            check_int(f"{self.source}: field {name!r}", value, low, high)
         return value

@@ -116,7 +116,14 @@ def no_rope_flags(
     return flags
 
 
-def rope_of(config: Mapping[str, Any], layer_type: str | None, layout: str, fam: Family, source: str) -> RopeSpec:
+def rope_of(
+    config: Mapping[str, Any],
+    layer_type: str | None,
+    layout: str,
+    fam: Family,
+    source: str,
+    warnings: list[str] | None = None,
+) -> RopeSpec:
     try:
         return rope_from_hf_config(
             config,
@@ -124,24 +131,31 @@ def rope_of(config: Mapping[str, Any], layer_type: str | None, layout: str, fam:
             layout=layout,
             partial_rotary=fam.reading.partial_rotary,
             mrope=fam.reading.mrope,
+            warnings=warnings,
         )
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
 
 
 def layer_ropes_of(
-    fam: Family, config: Mapping[str, Any], layer_types: list[str], layout: str, source: str
+    fam: Family,
+    config: Mapping[str, Any],
+    layer_types: list[str],
+    layout: str,
+    source: str,
+    warnings: list[str] | None = None,
 ) -> list[RopeSpec | None]:
-    """Each layer's RoPE (None: NoPE), as the architecture's attention decides it."""
+    """Each layer's RoPE (None: NoPE), as the architecture's attention decides it; parameters it
+    ignores go to ``warnings``."""
     params = config.get("rope_parameters")
     nested = is_nested_by_layer_type(params)
     per_type: dict[str, RopeSpec] = {}
     for t in sorted(set(layer_types)):
-        per_type[t] = rope_of(config, t if nested and t in (params or {}) else None, layout, fam, source)
+        per_type[t] = rope_of(config, t if nested and t in (params or {}) else None, layout, fam, source, warnings)
     local_theta = config.get(fam.reading.local_theta_key) if fam.reading.local_theta_key else None
     if not nested and local_theta is not None:  # gemma3's rope_local_base_freq: the sliding layers' theta
         local = {**config, "rope_parameters": None, "rope_scaling": None, "rope_theta": local_theta}
-        per_type["sliding_attention"] = rope_of(local, None, layout, fam, source)
+        per_type["sliding_attention"] = rope_of(local, None, layout, fam, source, warnings)
     ropes: list[RopeSpec | None] = [per_type[t] for t in layer_types]
     if fam.reading.rope_layers == "no_rope_layers":
         flags = no_rope_flags(config, len(layer_types), source)

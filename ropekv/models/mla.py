@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import ConfigError
+from .limits import MAX_WIDTH, check_int
 
 LATENT_NORM_EPS = 1e-6  # DeepseekV{2,3}RMSNorm(q_lora_rank / kv_lora_rank): the class default, not rms_norm_eps
 
@@ -65,8 +66,7 @@ class MlaSpec:
 
 
 def _positive(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(f"MLA field {name!r} must be a positive integer, got {value!r}")
+    check_int(f"MLA field {name!r}", value, 1, MAX_WIDTH)
 
 
 def read_mla(config: dict, num_heads: int, source: str) -> MlaSpec:

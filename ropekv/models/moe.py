@@ -47,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from ..errors import ConfigError
+from .limits import MAX_EXPERTS, MAX_WIDTH, check_int
 
 Router = Literal[
     "softmax_topk", "topk_softmax", "sigmoid_group", "softmax_greedy", "softmax_group_limited", "topk_sigmoid_input"
@@ -77,20 +78,13 @@ class MoeSpec:
     def __post_init__(self) -> None:
         if self.router not in ROUTERS:
             raise ConfigError(f"unknown MoE router {self.router!r}")
-        for name in ("num_experts", "top_k", "expert_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"MoE {name} must be a positive integer, got {v!r}")
+        for name, high in (("num_experts", MAX_EXPERTS), ("top_k", MAX_EXPERTS), ("expert_size", MAX_WIDTH)):
+            check_int(f"MoE {name}", getattr(self, name), 1, high)
         if self.top_k > self.num_experts:
             raise ConfigError(f"MoE top_k {self.top_k} exceeds num_experts {self.num_experts}")
-        if self.shared_expert_size is not None and (
-            not isinstance(self.shared_expert_size, int) or self.shared_expert_size < 1
-        ):
-            raise ConfigError(f"MoE shared_expert_size must be a positive integer, got {self.shared_expert_size!r}")
-        if self.shared_experts_size is not None and (
-            not isinstance(self.shared_experts_size, int) or self.shared_experts_size < 1
-        ):
-            raise ConfigError(f"MoE shared_experts_size must be a positive integer, got {self.shared_experts_size!r}")
+        for name in ("shared_expert_size", "shared_experts_size"):
+            if getattr(self, name) is not None:
+                check_int(f"MoE {name}", getattr(self, name), 1, MAX_WIDTH)
         if self.router in GROUPED:
             g, k = self.num_groups, self.top_groups
             if not (isinstance(g, int) and isinstance(k, int)) or g < 1 or not 1 <= k <= g or self.num_experts % g:
@@ -156,9 +150,7 @@ def read_moe(kind: str, config: Mapping[str, Any], num_layers: int, source: str)
         for name in names:
             value = config.get(name)
             if value is not None:
-                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                    raise ConfigError(f"{source}: field {name!r} must be a positive integer, got {value!r}")
-                return value
+                return check_int(f"{source}: field {name!r}", value, 1, MAX_WIDTH)
         raise ConfigError(f"{source}: missing field {names[0]!r}")
 
     experts = integer("num_local_experts", "num_experts", "n_routed_experts")
@@ -238,14 +230,13 @@ def _read_deepseek(
 ) -> MoeSpec:
     """deepseek_v2/v3 and glm4_moe: MoE on layers ``first_k_dense_replace..``, shared experts, grouped routing."""
     first = config.get("first_k_dense_replace") or 0
-    if not isinstance(first, int) or isinstance(first, bool) or first < 0:
-        raise ConfigError(f"{source}: field 'first_k_dense_replace' must be an integer >= 0, got {first!r}")
+    check_int(f"{source}: field 'first_k_dense_replace'", first, 0)
     scale = config.get("routed_scaling_factor", 1.0)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise ConfigError(f"{source}: field 'routed_scaling_factor' must be a number, got {scale!r}")
     shared = config.get("n_shared_experts")
-    if shared is not None and (not isinstance(shared, int) or isinstance(shared, bool) or shared < 0):
-        raise ConfigError(f"{source}: field 'n_shared_experts' must be an integer >= 0, got {shared!r}")
+    if shared is not None:
+        check_int(f"{source}: field 'n_shared_experts'", shared, 0, MAX_EXPERTS)
     size = integer("moe_intermediate_size")
     if not shared:  # transformers builds the shared MLP whatever n_shared_experts is; 0 would be an empty MLP
         raise ConfigError(

@@ -19,6 +19,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..numbers import check_number, is_int
 from ..rope import MAX_HEAD_DIM, MAX_POSITIONS, OPTIONAL_PARAMS, REQUIRED_PARAMS, SCALING_TYPES, RopeScaling, RopeSpec
+from .limits import shown
 
 # Keys of a config's rope dict that are not scaling parameters.
 _NON_SCALING_KEYS = {"rope_type", "type", "rope_theta", "partial_rotary_factor", "attention_factor"}
@@ -33,6 +34,7 @@ def rope_from_hf_config(
     *,
     partial_rotary: bool = True,
     mrope: bool = False,
+    warnings: list[str] | None = None,
 ) -> RopeSpec:
     """The RoPE of a transformers ``config.json`` dict (of layer type ``layer_type`` where
     ``rope_parameters`` is nested by layer type).
@@ -45,6 +47,10 @@ def rope_from_hf_config(
 
     ``mrope=True`` reads ``mrope_section`` as Qwen2-VL does (default ``[16, 24, 24]`` when absent;
     a legacy ``rope_type: "mrope"`` is the default type); elsewhere the key is refused.
+
+    Parameters the type never reads (a ``factor`` of the default type, an ``attention_factor`` outside
+    yarn and longrope) are ignored, as transformers ignores them, whatever their value; each becomes
+    an entry of ``warnings`` (transformers logs them as unrecognized keys).
     """
     if not isinstance(config, Mapping):
         raise ConfigError("model config must be a JSON object")
@@ -66,9 +72,11 @@ def rope_from_hf_config(
     if partial > 1:
         raise ConfigError(f"RoPE 'partial_rotary_factor' must be in (0, 1], got {partial!r}")
     rotary_dim = _rotary_dim(head_dim, partial, rope_type, partial_rotary=partial_rotary)
-    scaling = _scaling(rope, rope_type, max_pos)
+    scaling = _scaling(rope, rope_type, max_pos, warnings)
     # Only yarn and longrope use a configured attention_factor; transformers ignores it elsewhere.
     given_factor = rope.get("attention_factor") if rope_type in ("yarn", "longrope") else None
+    if rope_type not in ("yarn", "longrope") and rope.get("attention_factor") is not None:
+        _ignored(warnings, "attention_factor", rope["attention_factor"], rope_type)
     return RopeSpec(
         head_dim=head_dim,
         rotary_dim=rotary_dim,
@@ -169,15 +177,26 @@ def _rotary_dim(head_dim: int, partial: float, rope_type: str, *, partial_rotary
     return rotary_dim - rotary_dim % 2
 
 
-def _scaling(rope: Mapping[str, Any], rope_type: str, max_pos: int) -> RopeScaling:
+def _ignored(warnings: list[str] | None, name: str, value: Any, rope_type: str) -> None:
+    if warnings is not None:
+        note = f"RoPE parameter {name}={shown(value)} is ignored: transformers' RoPE type {rope_type!r} never reads it"
+        if note not in warnings:  # one note where every layer type's RoPE repeats it
+            warnings.append(note)
+
+
+def _scaling(rope: Mapping[str, Any], rope_type: str, max_pos: int, warnings: list[str] | None) -> RopeScaling:
     """The scaling parameters of ``rope`` that ``rope_type`` uses (unknown names refused, known names
-    it does not use dropped, as transformers does), with yarn's / longrope's derived ``factor``."""
+    it does not use dropped with a warning, as transformers does), with yarn's / longrope's derived
+    ``factor``."""
     scaling_kwargs = {k: v for k, v in rope.items() if k not in _NON_SCALING_KEYS}
     allowed = set(REQUIRED_PARAMS[rope_type]) | set(OPTIONAL_PARAMS[rope_type])
     known = {f.name for f in dataclasses.fields(RopeScaling)}
     unknown = set(scaling_kwargs) - known
     if unknown:
         raise ConfigError(f"unknown RoPE parameter(s) {', '.join(sorted(unknown))} for type {rope_type!r}")
+    for k in sorted(set(scaling_kwargs) - allowed):
+        if scaling_kwargs[k] is not None:
+            _ignored(warnings, k, scaling_kwargs[k], rope_type)
     scaling_kwargs = {k: v for k, v in scaling_kwargs.items() if k in allowed and v is not None}
     if rope_type in ("yarn", "longrope") and scaling_kwargs.get("factor") is None:
         orig = scaling_kwargs.get("original_max_position_embeddings")

@@ -4,7 +4,8 @@ Only safetensors are read (``model.safetensors``, or shards listed by ``model.sa
 Pickled weights (``pytorch_model.bin``, ``*.pt`` ...) can run arbitrary code when unpickled, so they
 are refused and never opened. Every safetensors file is sanity-checked (header length against file
 size, tensor offsets inside the data section) before ``safetensors.safe_open`` reads it, and any
-failure becomes a :class:`CheckpointError` naming the file.
+failure becomes a :class:`CheckpointError` naming the file, as does a tensor holding a NaN or an
+infinity (named with its first bad index).
 
 Tensors are cast to float32. Two kinds of tensors that transformers may save but that carry no
 information of their own are dropped: ``*.rotary_emb.inv_freq`` (derived from the config) and
@@ -13,11 +14,9 @@ information of their own are dropped: ``*.rotary_emb.inv_freq`` (derived from th
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import struct
-from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -28,6 +27,7 @@ from ..errors import CheckpointError, ConfigError
 from .config import Checkpoint, ModelConfig, fingerprint_of
 from .families import canonical_weights
 from .hf_config import read_model_config
+from .weights import non_finite, weights_digest
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -55,7 +55,6 @@ _DTYPE_BYTES = {
     "U32": 4,
     "U16": 2,
 }
-_HASH_CHUNK = 16 * 1024 * 1024
 
 
 def load_safetensors_dir(
@@ -76,22 +75,6 @@ def load_safetensors_dir(
     weights = _drop_derived(canonical_weights(config, weights, str(root)), config, root)
     checkpoint_fingerprint = fingerprint_of(config, weights_digest_hint or weights_digest(weights))
     return Checkpoint(config, weights, source=str(root), fingerprint=checkpoint_fingerprint)
-
-
-def weights_digest(weights: Mapping[str, torch.Tensor]) -> str:
-    """sha256 over the sorted ``(name, shape, dtype, raw bytes)`` of every tensor.
-
-    Raw bytes are hashed through a zero-copy byte view, in chunks (about a second for the 540 MB
-    of SmolLM2-135M in float32).
-    """
-    h = hashlib.sha256()
-    for name in sorted(weights):
-        t = weights[name].detach().cpu().contiguous()
-        h.update(json.dumps([name, list(t.shape), str(t.dtype)]).encode())
-        view = t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else memoryview(b"")
-        for start in range(0, len(view), _HASH_CHUNK):
-            h.update(view[start : start + _HASH_CHUNK])
-    return h.hexdigest()
 
 
 # ---------------------------------------------------------------------- config
@@ -240,6 +223,11 @@ def _read_safetensors(file: Path, names: list[str] | None) -> dict[str, torch.Te
                     )
             for name in names if names is not None else sorted(available):
                 t = f.get_tensor(name)
+                problem = non_finite(t)
+                if problem is not None:
+                    raise CheckpointError(
+                        f"{file}: tensor {name!r} holds {problem}: a checkpoint's weights must be finite"
+                    )
                 out[name] = t.to(torch.float32) if t.is_floating_point() else t
     except CheckpointError:
         raise

@@ -9,13 +9,13 @@ weights vLLM multiplies and the comparison measures arithmetic, not the rounding
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import torch
 
 from ...models import load_checkpoint
 from ...models.config import Checkpoint, fingerprint_of
+from ...models.weights import weights_digest
 
 
 def checkpoint_for(model_dir: Path, dtype: torch.dtype, *, default: bool) -> Checkpoint:
@@ -24,10 +24,9 @@ def checkpoint_for(model_dir: Path, dtype: torch.dtype, *, default: bool) -> Che
     if dtype == torch.float32:
         return checkpoint
     weights = {name: t.to(dtype).to(torch.float32) for name, t in checkpoint.weights.items()}
-    digest = hashlib.sha256(f"{checkpoint.fingerprint} rounded to {dtype}".encode()).hexdigest()
     return Checkpoint(
         checkpoint.config,
         weights,
         f"{checkpoint.source} (weights rounded to {dtype} as vLLM loads them)",
-        fingerprint_of(checkpoint.config, digest),
+        fingerprint_of(checkpoint.config, weights_digest(weights)),  # what any loader of these values gives
     )
