@@ -37,7 +37,19 @@ from typing import Any
 import torch
 
 from ..adapters.native import NativeAdapter
-from ..argtypes import RaisingParser, add_model_argument, int_list, positive_int, positive_int_list
+from ..argtypes import (
+    MAX_TIMEOUT_S,
+    RaisingParser,
+    add_model_argument,
+    block_size,
+    block_size_list,
+    positive_int,
+    positive_int_list,
+    rope_theta,
+    seed,
+    thread_count,
+    timeout_seconds,
+)
 from ..cache.import_policy import ImportPolicy
 from ..contract import DTYPES, CacheContract
 from ..engine import Engine
@@ -80,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, cli: bool = False) -> None
     add_model_argument(parser)
     parser.add_argument(
         "--lengths",
-        type=int_list,
+        type=positive_int_list,
         default=[1, 17, 300],
         help="prompt lengths, one handed-off sequence each (default 1,17,300)",
     )
@@ -88,12 +100,12 @@ def add_arguments(parser: argparse.ArgumentParser, *, cli: bool = False) -> None
     if cli:
         parser.add_argument(
             "--block-sizes",
-            type=positive_int_list,
+            type=block_size_list,
             default=[16],
             help="cache block sizes on both sides, one handoff run each (default 16)",
         )
     else:
-        parser.add_argument("--block-size", type=positive_int, default=16, help="cache block size on both sides")
+        parser.add_argument("--block-size", type=block_size, default=16, help="cache block size on both sides")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="cache dtype on both sides")
     parser.add_argument(
         "--key-form-prefill",
@@ -115,7 +127,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, cli: bool = False) -> None
     )
     parser.add_argument(
         "--decode-rope-theta",
-        type=float,
+        type=rope_theta,
         default=None,
         help="run the decode workers with another RoPE theta (a contract mismatch to refuse)",
     )
@@ -133,11 +145,11 @@ def add_arguments(parser: argparse.ArgumentParser, *, cli: bool = False) -> None
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=timeout_seconds,
         default=60.0,
-        help="seconds any wait on a peer may take before it counts as failed (default 60)",
+        help=f"seconds any wait on a peer may take before it counts as failed (default 60, at most {MAX_TIMEOUT_S:g})",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the token stream")
+    parser.add_argument("--seed", type=seed, default=0, help="seed of the token stream, in [-2**63, 2**64)")
     parser.add_argument(
         "--dist-backend" if cli else "--backend",
         dest="dist_backend",
@@ -160,7 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="write this rank's result JSON here ('{rank}' is replaced by the rank)",
     )
-    parser.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
+    parser.add_argument("--threads", type=thread_count, default=None, help="torch intra-op threads")
     parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
     return parser
 
