@@ -123,9 +123,7 @@ def timeout_seconds(text: str) -> float:
     """A wait bound in seconds: a finite number in ``(0, MAX_TIMEOUT_S]``."""
     value = strict_float(text)
     if value is None or not 0 < value <= MAX_TIMEOUT_S:
-        raise argparse.ArgumentTypeError(
-            f"expected a number of seconds in (0, {MAX_TIMEOUT_S:g}], got {text!r}"
-        )
+        raise argparse.ArgumentTypeError(f"expected a number of seconds in (0, {MAX_TIMEOUT_S:g}], got {text!r}")
     return value
 
 

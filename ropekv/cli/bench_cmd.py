@@ -44,7 +44,10 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument("--contexts", type=positive_int_list, default=None, help="decode contexts (default 128,1024,4096)")
     p.add_argument(
-        "--steps", type=BoundedInt(1, MAX_STEPS), default=None, help=f"timed decode steps per context (at most {MAX_STEPS})"
+        "--steps",
+        type=BoundedInt(1, MAX_STEPS),
+        default=None,
+        help=f"timed decode steps per context (at most {MAX_STEPS})",
     )
     p.add_argument(
         "--bandwidth-mib",

@@ -204,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"ropekv: warning: {warning}", file=sys.stderr)
     progress = "off" if args.no_progress else ("bar" if sys.stderr.isatty() else "lines")
     tolerance = module.engine_tolerance(adapter) if module is not None else None
+
     def judge():
         return check(adapter, cases=cases, seed=args.seed, progress=progress, tolerance=tolerance)
 

@@ -33,7 +33,9 @@ def add_parser(subparsers) -> None:
     )
     add_arguments(p, cli=True)
     p.add_argument("--list-faults", action="store_true", help="list the handoff fault catalogue and exit")
-    p.add_argument("--decode-workers", type=worker_count, default=1, help="decode worker processes (default 1, at most 64)")
+    p.add_argument(
+        "--decode-workers", type=worker_count, default=1, help="decode worker processes (default 1, at most 64)"
+    )
     p.add_argument("--json", default=None, metavar="PATH", help="write the parity report and handoff facts here")
     p.set_defaults(handler=run)
 

@@ -22,7 +22,12 @@ def add_parser(sub) -> None:
     add_model_argument(p)
     p.add_argument("--prompt", help="prompt text (needs a tokenizer: the default model or a tokenizer.json)")
     p.add_argument("--token-ids", help="comma-separated prompt token ids instead of text")
-    p.add_argument("--max-new-tokens", type=positive_int, default=8, help="tokens to generate greedily (default 8; then bounded by the model's positions)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=8,
+        help="tokens to generate greedily (default 8; then bounded by the model's positions)",
+    )
     p.add_argument(
         "--key-form",
         choices=("raw", "rotated"),
