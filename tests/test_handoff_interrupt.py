@@ -49,7 +49,7 @@ def test_ctrl_c_stops_every_rank_with_one_line(tiny_llama_dir, tmp_path, phase, 
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
-        workdirs = lambda: list(tmp.glob("ropekv-handoff-*"))  # noqa: E731
+        workdirs = lambda: list(tmp.glob("ropekv-handoff-*"))
         _wait_for(lambda: bool(workdirs()), 120)  # the launcher is starting the ranks
         if phase == "running":
             _wait_for(lambda: any((w / "rank1.log").exists() for w in workdirs()), 120)

@@ -172,10 +172,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--window {args.window} is not smaller than the longest context ({longest} tokens): it would never wrap"
         )
-    if custom is not None:
-        adapter = custom.load(args.model, args.dtype)
-    elif module is not None:
+    if module is not None:
         adapter = module.from_args(args)
+    elif custom is not None:
+        adapter = custom.load(args.model, args.dtype)
     elif args.engine == "hf":
         from ..adapters.hf import HFEngine
 

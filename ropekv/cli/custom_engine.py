@@ -20,9 +20,12 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ..errors import AdapterError, RopeKVError, UsageError
+
+if TYPE_CHECKING:
+    from ..parity.protocol import EngineAdapter
 
 T = TypeVar("T")
 
@@ -49,7 +52,7 @@ class CustomEngine:
             raise UsageError(f"--engine {spec}: {target!r} is not a module name (a file needs the .py suffix)")
         return CustomEngine(spec, target, attribute, is_file)
 
-    def load(self, model: str | None, dtype: str) -> object:
+    def load(self, model: str | None, dtype: str) -> EngineAdapter:
         """The adapter: ``Class.load(model, dtype=dtype)``, checked against the protocol."""
         from ..parity.validate import check_adapter
 
@@ -65,7 +68,7 @@ class CustomEngine:
             )
         adapter = run_user_code(self, "load(model, dtype)", lambda: load(model, dtype=dtype))
         check_adapter(adapter)  # AdapterError (exit 2) names what the object lacks
-        return adapter
+        return cast(EngineAdapter, adapter)  # its members were checked just above
 
     def _import(self) -> Any:
         if not self.is_file:
