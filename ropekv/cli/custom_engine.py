@@ -68,7 +68,7 @@ class CustomEngine:
             )
         adapter = run_user_code(self, "load(model, dtype)", lambda: load(model, dtype=dtype))
         check_adapter(adapter)  # AdapterError (exit 2) names what the object lacks
-        return cast(EngineAdapter, adapter)  # its members were checked just above
+        return cast("EngineAdapter", adapter)  # its members were checked just above
 
     def _import(self) -> Any:
         if not self.is_file:
