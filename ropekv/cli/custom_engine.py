@@ -60,7 +60,7 @@ class CustomEngine:
         if not hasattr(owner, self.attribute):
             raise UsageError(f"--engine {self.spec}: {self.target} has no attribute {self.attribute!r}")
         factory = getattr(owner, self.attribute)
-        load = getattr(factory, "load", None)
+        load = factory.load if hasattr(factory, "load") else None  # the one constructor ropekv calls
         if not callable(load):
             raise UsageError(
                 f"--engine {self.spec}: {self.attribute} has no load(model, dtype) classmethod "
