@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 
-
 # Several seconds of decoding once the ranks run (the tiny model has 256 positions), so the interrupt
 # finds them at work, never a run that already finished.
 LONG_RUN = ["--lengths", "120,130,140,150", "--decode-steps", "100"]
