@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import torch
 
@@ -43,3 +44,22 @@ class KillDecodeMidTransfer(TransferHooks):
     def header_received(self, index: int) -> None:
         if index == self.index:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+class HangWithProgressBar(TransferHooks):
+    """The decode rank receiving sequence ``index`` opens a progress bar (as the parity harness does),
+    writes ``marker`` and then hangs: a rank a Ctrl-C finds in the middle of its work."""
+
+    def __init__(self, index: int, marker: str):
+        self.index, self.marker = index, marker
+
+    def header_received(self, index: int) -> None:
+        if index != self.index:
+            return
+        from tqdm import tqdm
+
+        bar = tqdm(total=1, disable=True)  # tqdm's lock: a named semaphore unless the rank replaced it
+        with open(self.marker, "w") as f:
+            f.write(str(os.getpid()))
+        time.sleep(300)
+        bar.close()

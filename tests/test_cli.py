@@ -66,7 +66,9 @@ def test_ignored_config_fields_are_warned_in_output_and_report(make_tiny_checkpo
     captured = capsys.readouterr()
     assert code == 0
     assert "warning:" in captured.err and "partial_rotary_factor" in captured.err
-    assert captured.out.startswith("warning:") and "partial_rotary_factor" in captured.out.splitlines()[0]
+    # stdout: the model line, then the table (whose first line repeats the warning)
+    lines = captured.out.splitlines()
+    assert lines[0].startswith("model: ") and lines[1].startswith("warning:") and "partial_rotary_factor" in lines[1]
     report = json.loads(out_json.read_text())
     assert any("partial_rotary_factor" in w for w in report["model"]["warnings"])
     assert report["provenance"]["exit_code"] == 0 and report["provenance"]["command"].startswith("ropekv check")
@@ -76,3 +78,20 @@ def test_list_faults_includes_architecture_faults(capsys):
     assert main(["check", "--list-faults"]) == 0
     out = capsys.readouterr().out
     assert "nope-layer-rotated" in out and "partial-rotary-all-channels" in out and "double-rotation" in out
+
+
+def test_model_header_is_on_stdout_with_the_table(tiny_llama_dir, capsys):
+    """`ropekv check > out.txt` keeps which model and engine were judged; progress stays on stderr."""
+    assert main(["check", str(tiny_llama_dir), "--lengths", "5", "--decode-steps", "1"]) == 0
+    captured = capsys.readouterr()
+    first = captured.out.splitlines()[0]
+    assert first.startswith("model: ") and "fingerprint" in first and first.endswith("; 1 case")
+    assert "model: " not in captured.err
+
+
+def test_check_runs_float16(tiny_llama_dir, tmp_path, capsys):
+    out_json = tmp_path / "r.json"
+    argv = ["check", str(tiny_llama_dir), "--dtype", "float16", "--lengths", "5", "--no-progress"]
+    assert main([*argv, "--json", str(out_json)]) == 0
+    report = json.loads(out_json.read_text())
+    assert report["engine"]["dtype"] == "float16"

@@ -86,6 +86,20 @@ def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], list[str]]]:
         "unknown dtype": (["--dtype", "float8"], ["--dtype", "float8"]),
         "unknown key form": (["--key-form", "sideways"], ["--key-form"]),
         "hf engine with a fault": (["--engine", "hf", "--inject", "double-rotation"], ["--engine hf"]),
+        "lengths trailing comma": (["--lengths", "17,"], ["--lengths", "'17,'"]),
+        "lengths empty entry": (["--lengths", "1,,2"], ["--lengths", "'1,,2'"]),
+        "lengths beyond any model": (["--lengths", str(10**30)], ["--lengths", "up to 1048576"]),
+        "lengths not ascii digits": (["--lengths", "\u0663"], ["--lengths"]),
+        "block sizes beyond the bound": (["--block-sizes", "10000000"], ["--block-sizes", "up to 1024"]),
+        "window beyond any model": (["--window", "1e9"], ["--window", "up to 1048576"]),
+        "chunk huge": (["--chunk", str(10**18)], ["--chunk", "up to 1048576"]),
+        "sinks not an integer": (["--sinks", "1.5", "--window", "4"], ["--sinks"]),
+        "seed not an integer": (["--seed", "1_000"], ["--seed", "'1_000'"]),
+        "rollback of a double minus": (["--ops", "rollback:--3"], ["--ops", "'rollback:--3'", "integer"]),
+        "rollback of a superscript": (["--ops", "rollback:\u00b2"], ["--ops", "integer"]),
+        "shift beyond the bound": (["--ops", f"shift:{10**30}"], ["--ops", "at most 1048576"]),
+        "unknown engine": (["--engine", "hff"], ["--engine", "unknown engine 'hff'", "did you mean 'hf'?"]),
+        "malformed custom engine": (["--engine", "my engine:Cls"], ["--engine my engine:Cls", "not a module name"]),
     }
 
 
@@ -171,7 +185,7 @@ def test_broken_config_is_named(tiny_llama_dir, tmp_path, capsys, no_weights):
     "argv,named",
     [
         (["frobnicate"], "invalid choice: 'frobnicate'"),
-        (["check", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["check", "--no-such-flag"], "unrecognized argument: --no-such-flag"),
         (["--no-such-flag", "check"], "--no-such-flag"),
         (["check", "--lengths"], "expected one argument"),
     ],
@@ -229,3 +243,93 @@ def test_debug_prints_a_traceback(where, tiny_llama_dir, capsys, nothing_read):
 def test_debug_traceback_for_a_usage_error_in_parsing(capsys, nothing_read):
     code, out, err = run_cli(capsys, ["--debug", "check", "--lengths", "x"])
     assert code == 2 and "Traceback" in err and err.splitlines()[-1].startswith("ropekv: error:")
+
+
+# ----------------------------------------------------------------------------------- one sign, one message
+
+
+def test_each_bad_value_of_a_flag_gets_the_same_message(tiny_llama_dir, capsys, nothing_read):
+    """``--lengths 0`` and ``--lengths -5`` were "positive" and "non-negative": one message per flag."""
+    messages = set()
+    for value in ("0", "-5", "x", "17,", str(2**64)):
+        code, _, err = run_cli(capsys, ["check", str(tiny_llama_dir), f"--lengths={value}"])
+        assert_one_line_error(code, err, 2, "--lengths", repr(value))
+        messages.add(err.replace(repr(value), "VALUE"))
+    assert messages == {
+        "ropekv: error: ropekv check: argument --lengths: expected comma-separated positive integers up to "
+        "1048576, got VALUE\n"
+    }
+
+
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        (
+            ["check", "--lenghts", "3"],
+            "ropekv: error: ropekv check: unrecognized argument: --lenghts; did you mean '--lengths'?\n",
+        ),
+        (
+            ["check", "--plto=x.png"],
+            "ropekv: error: ropekv check: unrecognized argument: --plto=x.png; did you mean '--plot'?\n",
+        ),
+        (["handoff", "--decode-wrkers", "2"], "did you mean '--decode-workers'?"),
+        (["chek"], "invalid choice: 'chek' (choose from 'check', 'run', 'handoff', 'bench'); did you mean 'check'?"),
+        (["check", "--dtype", "f16"], "did you mean 'float16'?"),
+    ],
+)
+def test_unknown_flags_and_choices_name_the_nearest(argv, expected, capsys, nothing_read):
+    code, _, err = run_cli(capsys, argv)
+    assert_one_line_error(code, err, 2)
+    assert "ropekv: error: ropekv:" not in err  # the prefix once
+    assert err == expected if expected.startswith("ropekv: error:") else expected in err
+
+
+# ----------------------------------------------------------------------------------- every subcommand's numbers
+
+
+@pytest.mark.parametrize(
+    "flags,named",
+    [
+        (["--seed", "99999999999999999999999"], "--seed"),
+        (["--seed", "1.5"], "--seed"),
+        (["--timeout", "1e14"], "--timeout"),
+        (["--timeout", "nan"], "--timeout"),
+        (["--timeout", "inf"], "--timeout"),
+        (["--timeout", "0"], "--timeout"),
+        (["--timeout=-3"], "--timeout"),
+        (["--decode-steps", str(10**20)], "--decode-steps"),
+        (["--decode-workers", "1000"], "--decode-workers"),
+        (["--block-sizes", "10000000"], "--block-sizes"),
+        (["--lengths", "17,"], "--lengths"),
+        (["--lengths", "0"], "--lengths"),
+        (["--decode-rope-theta", "inf"], "--decode-rope-theta"),
+        (["--decode-rope-theta", "1e300"], "--decode-rope-theta"),
+    ],
+)
+def test_handoff_numbers_are_bounded_before_any_worker_starts(flags, named, tiny_llama_dir, capsys, monkeypatch):
+    import ropekv.handoff.workers
+
+    monkeypatch.setattr(ropekv.handoff.workers, "launch", _forbidden("the handoff launcher"))
+    code, out, err = run_cli(capsys, ["handoff", str(tiny_llama_dir), *flags])
+    assert_one_line_error(code, err, 2, named)
+
+
+@pytest.mark.parametrize(
+    "argv,named",
+    [
+        (["run", "--token-ids", "\u0663"], "--token-ids"),
+        (["run", "--token-ids", "1_0"], "--token-ids"),
+        (["run", "--max-new-tokens", str(10**30)], "--max-new-tokens"),
+        (["bench", "--threads", "100000"], "--threads"),
+        (["bench", "--contexts", "128,"], "--contexts"),
+        (["bench", "--contexts", "0"], "--contexts"),
+        (["bench", "--steps", str(10**9)], "--steps"),
+        (["bench", "--bandwidth-mib", str(10**9)], "--bandwidth-mib"),
+    ],
+)
+def test_run_and_bench_numbers_are_bounded(argv, named, tiny_llama_dir, capsys, no_weights, monkeypatch):
+    import ropekv.bench.run
+
+    monkeypatch.setattr(ropekv.bench.run, "run_bench", _forbidden("the benchmark"))
+    code, out, err = run_cli(capsys, [argv[0], str(tiny_llama_dir), *argv[1:]])
+    assert_one_line_error(code, err, 2, named)

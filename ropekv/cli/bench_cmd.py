@@ -11,8 +11,11 @@ import argparse
 import json
 import sys
 
-from ..errors import UsageError
-from .options import add_model_argument, int_list, positive_int, writable_path
+from ..argtypes import BoundedInt
+from .options import add_model_argument, positive_int_list, thread_count, writable_path
+
+MAX_STEPS = 100_000  # timed decode steps per context
+MAX_BANDWIDTH_MIB = 65_536  # 64 GiB: the buffer is allocated twice
 
 
 def add_parser(subparsers) -> None:
@@ -35,15 +38,20 @@ def add_parser(subparsers) -> None:
     )
     p.add_argument(
         "--threads",
-        type=positive_int,
+        type=thread_count,
         default=None,
         help="torch threads for every engine (default: torch's default, usually the core count)",
     )
-    p.add_argument("--contexts", type=int_list, default=None, help="decode contexts (default 128,1024,4096)")
-    p.add_argument("--steps", type=positive_int, default=None, help="timed decode steps per context")
+    p.add_argument("--contexts", type=positive_int_list, default=None, help="decode contexts (default 128,1024,4096)")
+    p.add_argument(
+        "--steps",
+        type=BoundedInt(1, MAX_STEPS),
+        default=None,
+        help=f"timed decode steps per context (at most {MAX_STEPS})",
+    )
     p.add_argument(
         "--bandwidth-mib",
-        type=positive_int,
+        type=BoundedInt(1, MAX_BANDWIDTH_MIB),
         default=None,
         help="buffer size of the bandwidth measurement (default 1024, --quick 512; keep it well "
         "above the last-level cache)",
@@ -62,8 +70,6 @@ def run(args: argparse.Namespace) -> int:
 
     json_path = writable_path(args.json, "--json")
     plot_path = writable_path(args.plot, "--plot")
-    if args.contexts is not None and min(args.contexts) < 1:
-        raise UsageError(f"--contexts must be positive, got {','.join(map(str, args.contexts))}")
     settings = BenchSettings.for_run(
         args.model,
         quick=args.quick,

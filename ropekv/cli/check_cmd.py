@@ -10,8 +10,20 @@ import shlex
 import sys
 
 from ..adapters.registry import ENGINES, engine_module
+from ..argtypes import suggest
+from ..contract import DTYPES
 from ..errors import UsageError
-from .options import add_model_argument, int_list, positive_int, positive_int_list, seed, writable_path
+from .custom_engine import CustomEngine, run_user_code
+from .options import (
+    add_model_argument,
+    block_size_list,
+    int_list,
+    non_negative_int,
+    positive_int,
+    positive_int_list,
+    seed,
+    writable_path,
+)
 
 
 def add_parser(sub) -> None:
@@ -26,10 +38,13 @@ def add_parser(sub) -> None:
     add_model_argument(p)
     p.add_argument(
         "--engine",
-        choices=tuple(ENGINES),
+        type=_engine,
         default="ropekv",
+        metavar="ENGINE",
         help="the engine to check: "
-        + "; ".join(f"{e.name}: {e.summary}" + (f" (from {e.venv})" if e.venv else "") for e in ENGINES.values()),
+        + "; ".join(f"{e.name}: {e.summary}" + (f" (from {e.venv})" if e.venv else "") for e in ENGINES.values())
+        + "; or your own adapter, module:Class or path/to/file.py:Class, built by Class.load(MODEL, "
+        "dtype=DTYPE) (runs that code, as pytest does; docs/adapters.md)",
     )
     p.add_argument("--key-form", choices=("raw", "rotated"), default=None, help="cache key form (default rotated)")
     p.add_argument(
@@ -39,10 +54,10 @@ def add_parser(sub) -> None:
         help="attention backend (default: the one the key form needs)",
     )
     p.add_argument("--lengths", type=positive_int_list, help="prompt lengths, e.g. 1,17,513")
-    p.add_argument("--block-sizes", type=positive_int_list, help="cache block sizes, e.g. 1,7,16")
+    p.add_argument("--block-sizes", type=block_size_list, help="cache block sizes, e.g. 1,7,16")
     p.add_argument("--prefix-offsets", type=int_list, help="prefix-cache hit lengths, e.g. 0,13")
     p.add_argument("--window", type=positive_int, help="sliding window applied to every layer")
-    p.add_argument("--sinks", type=int, default=0, help="sink tokens kept forever (with --window)")
+    p.add_argument("--sinks", type=non_negative_int, default=0, help="sink tokens kept forever (with --window)")
     p.add_argument("--chunk", type=positive_int, help="prefill chunk size")
     p.add_argument("--decode-steps", type=positive_int, help="decode steps per case (default 3)")
     p.add_argument(
@@ -55,7 +70,7 @@ def add_parser(sub) -> None:
     )
     p.add_argument(
         "--dtype",
-        choices=("float32", "bfloat16", "float64"),
+        choices=tuple(DTYPES),
         default="float32",
         help="the engine's compute and cache dtype (sets the tolerance; default float32)",
     )
@@ -72,6 +87,16 @@ def add_parser(sub) -> None:
                 p.add_argument_group(f"{entry.name} engine", f"options of --engine {entry.name}")
             )
     p.set_defaults(handler=run)
+
+
+def _engine(text: str) -> str:
+    """A registered engine's name, or ``module:Class`` / ``file.py:Class`` (checked when run)."""
+    if text in ENGINES or ":" in text:
+        return text
+    raise argparse.ArgumentTypeError(
+        f"unknown engine {text!r}; choose one of {', '.join(ENGINES)}, or module:Class / path/to/file.py:Class"
+        + suggest(text, ENGINES)
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -99,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.engine != "ropekv" and args.device != "cpu":
         raise UsageError(f"--device applies to ropekv's engine; --engine {args.engine} picks its own device")
-    external = ENGINES[args.engine].venv is not None
+    custom = CustomEngine.parse(args.engine)  # a malformed module:Class is refused here
+    external = custom is None and ENGINES[args.engine].venv is not None
     module = engine_module(args.engine) if external else None  # EngineUnavailable before any heavy work
 
     from ..models import load_checkpoint, load_config
@@ -148,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if module is not None:
         adapter = module.from_args(args)
+    elif custom is not None:
+        adapter = custom.load(args.model, args.dtype)
     elif args.engine == "hf":
         from ..adapters.hf import HFEngine
 
@@ -170,14 +198,17 @@ def run(args: argparse.Namespace) -> int:
     cfg = ckpt.config
     print(
         f"model: {display_name(ckpt)} ({cfg.architecture}, {cfg.num_layers} layers, fingerprint {ckpt.fingerprint}); "
-        f"engine: {adapter.name} ({adapter.tier} tier); {len(cases)} cases",
-        file=sys.stderr,
-    )
+        f"engine: {adapter.name} ({adapter.tier} tier); {len(cases)} case{'s' if len(cases) != 1 else ''}",
+    )  # on stdout with the table: `ropekv check > out.txt` keeps which model and engine it judged
     for warning in cfg.warnings:  # fields the architecture's reference implementation ignores
         print(f"ropekv: warning: {warning}", file=sys.stderr)
     progress = "off" if args.no_progress else ("bar" if sys.stderr.isatty() else "lines")
     tolerance = module.engine_tolerance(adapter) if module is not None else None
-    report = check(adapter, cases=cases, seed=args.seed, progress=progress, tolerance=tolerance)
+
+    def judge():
+        return check(adapter, cases=cases, seed=args.seed, progress=progress, tolerance=tolerance)
+
+    report = judge() if custom is None else run_user_code(custom, "run", judge)
     print(report.table())
     code = 0 if report.passed else 1
     if json_path is not None:

@@ -22,6 +22,7 @@ SUBCOMMANDS = ("check", "run", "handoff", "bench")
 def build_parser() -> argparse.ArgumentParser:
     parser = RaisingParser(
         prog="ropekv",
+        name_in_errors=False,  # main prints "ropekv: error: " before every message
         description="Make a KV cache's RoPE convention explicit and prove cached decoding matches a full forward pass.",
         epilog="exit codes: 0 ok; 1 parity does not hold; 2 bad input, usage or a broken adapter; "
         "3 a contract refused at a boundary; 4 a transport failure; 130 interrupted (Ctrl-C). "

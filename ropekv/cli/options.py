@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 
-from ..argtypes import add_model_argument, int_list, positive_int, positive_int_list  # noqa: F401 -- re-exported
+from ..argtypes import (  # noqa: F401 -- re-exported for the subcommands
+    add_model_argument,
+    block_size,
+    block_size_list,
+    int_list,
+    non_negative_int,
+    positive_int,
+    positive_int_list,
+    seed,
+    thread_count,
+    timeout_seconds,
+    worker_count,
+)
 from ..errors import UsageError
-
-
-def seed(text: str) -> int:
-    """An integer torch's generator accepts: ``-2**63 <= seed < 2**64``."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer seed, got {text!r}") from None
-    if not -(2**63) <= value < 2**64:
-        raise argparse.ArgumentTypeError(f"seed {text} is out of range [-2**63, 2**64)")
-    return value
 
 
 def writable_path(path: str | None, flag: str) -> Path | None:

@@ -7,6 +7,7 @@ import argparse
 import time
 from pathlib import Path
 
+from ..argtypes import split_ints
 from ..errors import UsageError
 from .options import add_model_argument, positive_int
 
@@ -21,7 +22,12 @@ def add_parser(sub) -> None:
     add_model_argument(p)
     p.add_argument("--prompt", help="prompt text (needs a tokenizer: the default model or a tokenizer.json)")
     p.add_argument("--token-ids", help="comma-separated prompt token ids instead of text")
-    p.add_argument("--max-new-tokens", type=positive_int, default=8, help="tokens to generate greedily (default 8)")
+    p.add_argument(
+        "--max-new-tokens",
+        type=positive_int,
+        default=8,
+        help="tokens to generate greedily (default 8; then bounded by the model's positions)",
+    )
     p.add_argument(
         "--key-form",
         choices=("raw", "rotated"),
@@ -58,10 +64,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.model)  # names a missing or bad model before anything else; reads no weights
     tok = _tokenizer(args.model)
     if args.token_ids:
-        try:
-            ids = [int(x) for x in args.token_ids.split(",")]
-        except ValueError:
-            raise UsageError(f"--token-ids: expected comma-separated integers, got {args.token_ids!r}") from None
+        parsed = split_ints(args.token_ids)  # ASCII digits only, no empty entry
+        if parsed is None:
+            raise UsageError(f"--token-ids: expected comma-separated integers, got {args.token_ids!r}")
+        ids = parsed
     else:
         if tok is None:
             raise UsageError("this model has no tokenizer.json: pass --token-ids")

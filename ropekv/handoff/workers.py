@@ -24,8 +24,10 @@ import json
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -37,7 +39,19 @@ from typing import Any
 import torch
 
 from ..adapters.native import NativeAdapter
-from ..argtypes import RaisingParser, add_model_argument, int_list, positive_int, positive_int_list
+from ..argtypes import (
+    MAX_TIMEOUT_S,
+    RaisingParser,
+    add_model_argument,
+    block_size,
+    block_size_list,
+    positive_int,
+    positive_int_list,
+    rope_theta,
+    seed,
+    thread_count,
+    timeout_seconds,
+)
 from ..cache.import_policy import ImportPolicy
 from ..contract import DTYPES, CacheContract
 from ..engine import Engine
@@ -80,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, cli: bool = False) -> None
     add_model_argument(parser)
     parser.add_argument(
         "--lengths",
-        type=int_list,
+        type=positive_int_list,
         default=[1, 17, 300],
         help="prompt lengths, one handed-off sequence each (default 1,17,300)",
     )
@@ -88,12 +102,12 @@ def add_arguments(parser: argparse.ArgumentParser, *, cli: bool = False) -> None
     if cli:
         parser.add_argument(
             "--block-sizes",
-            type=positive_int_list,
+            type=block_size_list,
             default=[16],
             help="cache block sizes on both sides, one handoff run each (default 16)",
         )
     else:
-        parser.add_argument("--block-size", type=positive_int, default=16, help="cache block size on both sides")
+        parser.add_argument("--block-size", type=block_size, default=16, help="cache block size on both sides")
     parser.add_argument("--dtype", choices=tuple(DTYPES), default="float32", help="cache dtype on both sides")
     parser.add_argument(
         "--key-form-prefill",
@@ -115,7 +129,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, cli: bool = False) -> None
     )
     parser.add_argument(
         "--decode-rope-theta",
-        type=float,
+        type=rope_theta,
         default=None,
         help="run the decode workers with another RoPE theta (a contract mismatch to refuse)",
     )
@@ -133,11 +147,11 @@ def add_arguments(parser: argparse.ArgumentParser, *, cli: bool = False) -> None
     )
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=timeout_seconds,
         default=60.0,
-        help="seconds any wait on a peer may take before it counts as failed (default 60)",
+        help=f"seconds any wait on a peer may take before it counts as failed (default 60, at most {MAX_TIMEOUT_S:g})",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seed of the token stream")
+    parser.add_argument("--seed", type=seed, default=0, help="seed of the token stream, in [-2**63, 2**64)")
     parser.add_argument(
         "--dist-backend" if cli else "--backend",
         dest="dist_backend",
@@ -160,7 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="write this rank's result JSON here ('{rank}' is replaced by the rank)",
     )
-    parser.add_argument("--threads", type=positive_int, default=None, help="torch intra-op threads")
+    parser.add_argument("--threads", type=thread_count, default=None, help="torch intra-op threads")
     parser.add_argument("--quiet", action="store_true", help="print nothing but errors")
     return parser
 
@@ -597,25 +611,36 @@ def launch(
 
     Ranks are forked from a forkserver that imported ropekv once. Once a rank fails (exit code other
     than 0 or 1), the others get ``grace`` seconds (default ``timeout + 15``) to notice and exit, then
-    are killed: a hung peer never hangs the launcher.
+    are killed: a hung peer never hangs the launcher. On Ctrl-C (or any error here) every rank is
+    stopped and reaped before KeyboardInterrupt goes on (:func:`_shut_down`): none is left running.
     """
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload([__name__])
     port = free_port()
     threads = max(1, (os.cpu_count() or 1) // world_size)
-    procs = []
-    for rank in range(world_size):
-        argv = [*worker_args, "--result", str(workdir / f"rank{rank}.json"), "--quiet", "--threads", str(threads)]
-        proc = ctx.Process(
-            target=_child,
-            args=(rank, world_size, port, argv, str(workdir / f"rank{rank}.log"), hooks),
-            name=f"ropekv-handoff-rank{rank}",
-        )
-        proc.start()
-        procs.append(proc)
+    procs: list[multiprocessing.process.BaseProcess] = []
     grace = timeout + 15 if grace is None else grace
     deadline = None
     try:
+        # Ctrl-C is held back while the ranks start: an interrupt between a rank's start and its
+        # bookkeeping would leave that rank running unseen. It is delivered once all have started.
+        with _sigint_held():
+            for rank in range(world_size):
+                argv = [
+                    *worker_args,
+                    "--result",
+                    str(workdir / f"rank{rank}.json"),
+                    "--quiet",
+                    "--threads",
+                    str(threads),
+                ]
+                proc = ctx.Process(
+                    target=_child,
+                    args=(rank, world_size, port, argv, str(workdir / f"rank{rank}.log"), hooks),
+                    name=f"ropekv-handoff-rank{rank}",
+                )
+                proc.start()
+                procs.append(proc)
         while True:
             alive = [p for p in procs if p.exitcode is None]
             if not alive:
@@ -630,9 +655,7 @@ def launch(
                     p.join(5)
                 break
     except BaseException:
-        for p in procs:
-            if p.exitcode is None:
-                p.kill()
+        _shut_down(procs)
         raise
     return [
         RankOutcome(rank, p.exitcode, _read_json(workdir / f"rank{rank}.json"), _tail(workdir / f"rank{rank}.log"))
@@ -640,7 +663,66 @@ def launch(
     ]
 
 
+@contextlib.contextmanager
+def _sigint_held():
+    """Ctrl-C during the block is recorded, not raised, and raised as KeyboardInterrupt when it ends.
+    (A Python-level handler, not a blocked signal mask: torch's threads would take the signal, and
+    the forkserver started meanwhile would inherit the mask.) Outside the main thread: no change."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    interrupted: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: interrupted.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if interrupted:
+        raise KeyboardInterrupt
+
+
+def _shut_down(procs: list[multiprocessing.process.BaseProcess], wait: float = 10.0) -> None:
+    """Stop every rank still running: SIGINT first (a rank then writes its result, leaves the process
+    group and exits normally, so multiprocessing's finalizers run), SIGKILL after ``wait`` seconds for a
+    rank stuck in a native wait; each is reaped. A second Ctrl-C meanwhile is ignored: the shutdown is
+    what it asks for."""
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main else None
+    try:
+        alive = [p for p in procs if p.exitcode is None]
+        for p in alive:
+            if p.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGINT)
+        deadline = time.monotonic() + wait
+        while alive and time.monotonic() < deadline:
+            multiprocessing.connection.wait([p.sentinel for p in alive], timeout=0.2)
+            alive = [p for p in alive if p.exitcode is None]
+        for p in alive:
+            p.kill()
+        for p in procs:
+            p.join(5)
+    finally:
+        if in_main:
+            signal.signal(signal.SIGINT, previous)
+
+
 def _child(rank: int, world_size: int, port: int, argv: list[str], log_path: str, hooks: TransferHooks | None) -> None:
+    try:
+        code = _child_main(rank, world_size, port, argv, log_path, hooks)
+    except KeyboardInterrupt:  # before main() handles it: the launcher reports the interrupt
+        code = 130
+    sys.exit(code)
+
+
+def _child_main(
+    rank: int, world_size: int, port: int, argv: list[str], log_path: str, hooks: TransferHooks | None
+) -> int:
+    # tqdm's default lock is a named multiprocessing semaphore: a rank killed while holding one would
+    # leave the resource tracker a "leaked semaphore" to warn about. A rank writes only its own log.
+    from tqdm import tqdm
+
+    tqdm.set_lock(threading.RLock())
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
@@ -656,7 +738,7 @@ def _child(rank: int, world_size: int, port: int, argv: list[str], log_path: str
     code = main(argv, hooks)
     sys.stdout.flush()
     sys.stderr.flush()
-    sys.exit(code)
+    return code
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

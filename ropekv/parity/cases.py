@@ -55,6 +55,10 @@ class CacheOp:
 
 def parse_ops(text: str) -> list[CacheOp]:
     """``"rollback:3,evict:5,shift:1000,batch:3,restore"`` -> operations; one-line UsageError otherwise."""
+    # Amounts are ASCII digits with an optional minus (str.isdigit() takes "²", which int() refuses),
+    # bounded like every token count of the command line.
+    from ..argtypes import MAX_TOKENS, strict_int
+
     ops = []
     for item in (text or "").split(","):
         item = item.strip()
@@ -63,11 +67,12 @@ def parse_ops(text: str) -> list[CacheOp]:
         kind, sep, amount = item.partition(":")
         if kind not in OP_KINDS:
             raise UsageError(f"--ops: unknown operation {kind!r}; choose from {', '.join(OP_KINDS)}")
-        if sep and not amount.strip().lstrip("-").isdigit():
-            raise UsageError(f"--ops: {item!r}: the amount must be an integer")
+        value = strict_int(amount) if sep else 0
+        if value is None or abs(value) > MAX_TOKENS:
+            raise UsageError(f"--ops: {item!r}: the amount must be an integer of at most {MAX_TOKENS}")
         if kind != "restore" and not sep:
             raise UsageError(f"--ops: {kind} needs an amount, e.g. {kind}:3")
-        ops.append(CacheOp(cast(OpKind, kind), int(amount) if sep else 0))
+        ops.append(CacheOp(cast(OpKind, kind), value))
     return ops
 
 
