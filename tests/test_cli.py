@@ -95,3 +95,12 @@ def test_check_runs_float16(tiny_llama_dir, tmp_path, capsys):
     assert main([*argv, "--json", str(out_json)]) == 0
     report = json.loads(out_json.read_text())
     assert report["engine"]["dtype"] == "float16"
+
+
+def test_python_dash_m_ropekv_is_the_command_line() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-m", "ropekv", "--version"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().startswith("ropekv ")

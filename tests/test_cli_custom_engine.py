@@ -15,7 +15,7 @@ from ropekv.cli.main import main
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "adapters"
 
 # The docs' logits-tier example, made loadable from the command line (docs/adapters.md).
-ADAPTER = '''
+ADAPTER = """
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -49,7 +49,7 @@ class LoadFails:
 class RunFails(CliEngine):
     def run_case(self, case, tokens):
         raise KeyError("cache slot")
-'''
+"""
 
 
 @pytest.fixture

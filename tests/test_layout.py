@@ -40,7 +40,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("adapters",),
     ("faults",),
     ("handoff",),
-    ("api", "testing", "bench", "cli"),
+    ("api", "testing", "bench", "cli", "__main__"),
 )
 
 # What the parity harness must not know (it drives any engine through the adapter protocol).
