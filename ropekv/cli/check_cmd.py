@@ -165,12 +165,13 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
         )
     from ..models.default import display_name
+    from ..parity.report import plural
 
     ckpt = adapter.checkpoint
     cfg = ckpt.config
     print(
         f"model: {display_name(ckpt)} ({cfg.architecture}, {cfg.num_layers} layers, fingerprint {ckpt.fingerprint}); "
-        f"engine: {adapter.name} ({adapter.tier} tier); {len(cases)} cases",
+        f"engine: {adapter.name} ({adapter.tier} tier); {plural(len(cases), 'case')}",
         file=sys.stderr,
     )
     for warning in cfg.warnings:  # fields the architecture's reference implementation ignores
