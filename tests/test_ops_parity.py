@@ -12,7 +12,7 @@ import pytest
 
 from ropekv import check
 from ropekv.adapters.native import NativeAdapter
-from ropekv.errors import NotApplicable, UsageError
+from ropekv.errors import NotApplicable
 from ropekv.faults.registry import OP_FAULTS
 from ropekv.models import load_checkpoint
 from ropekv.parity.cases import CacheOp, Case

@@ -41,7 +41,9 @@ class Applicability:
     not_applicable: str | None
 
 
-def applicability(case: Case, cfg: ModelConfig, engine: EngineDescription, ignored: tuple[Ignored, ...]) -> Applicability:
+def applicability(
+    case: Case, cfg: ModelConfig, engine: EngineDescription, ignored: tuple[Ignored, ...]
+) -> Applicability:
     """Whether ``case`` (already :meth:`Case.for_model`) applies to the model ``cfg`` and an engine that
     describes itself as ``engine`` and ignores ``ignored`` of the case's parameters."""
     changing = [x for x in ignored if x.param in CHANGES_OUTPUT]

@@ -194,7 +194,11 @@ class Case:
         have = len(self._evict_candidates(window))
         if have >= self.op.amount:
             return None
-        own = "" if window is None else (f" under window {window}" if window == self.window else f" under the model's window {window}")
+        own = (
+            ""
+            if window is None
+            else (f" under window {window}" if window == self.window else f" under the model's window {window}")
+        )
         return (
             f"evict:{self.op.amount}: a {self.prefix + self.length}-token prompt{own} has only {have} interior "
             "live tokens to evict"

@@ -23,8 +23,8 @@ from ..models.config import Checkpoint, ModelConfig
 from ..models.reference import ReferenceDecoder, ReferenceOutput
 from ..probe import LayerProbe
 from . import ops
-from .bug_class import BugClass
 from .applicable import Applicability, applicability
+from .bug_class import BugClass
 from .cases import Case, build_matrix, check_numbers, token_stream
 from .compare import (
     LogitsOf,
@@ -250,9 +250,7 @@ def _refuse_nothing_judged(plans: list[Applicability]) -> None:
         return
     shown = "; ".join(f"{p.case.label()}: {p.not_applicable}" for p in plans[:3])
     more = f"; and {plural(len(plans) - 3, 'more case')}" if len(plans) > 3 else ""
-    raise NotApplicable(
-        f"no case applies to this model and engine, so nothing was judged (not a pass): {shown}{more}"
-    )
+    raise NotApplicable(f"no case applies to this model and engine, so nothing was judged (not a pass): {shown}{more}")
 
 
 def tier_limits(tier: Tier, results: list[CaseResult]) -> str:
