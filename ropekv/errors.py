@@ -18,6 +18,13 @@ class UsageError(RopeKVError):
     """A call or command line that cannot be honoured (bad flag value, unknown fault name, ...)."""
 
 
+class NotApplicable(UsageError):
+    """A request that does not apply to this model or engine: a cache operation the RoPE or the engine
+    cannot run, a case longer than the model's positions, a case parameter the engine ignores that
+    would change the expected output. The parity harness reports such a case as ``n/a`` with this
+    message and judges the others; where nothing is left to judge it is raised (exit 2)."""
+
+
 class ConfigError(RopeKVError):
     """A model or RoPE configuration that is malformed, incomplete or of an unsupported kind."""
 
@@ -72,6 +79,7 @@ class TransportError(RopeKVError):
 ALL_ERRORS: tuple[type[RopeKVError], ...] = (
     RopeKVError,
     UsageError,
+    NotApplicable,
     ConfigError,
     CheckpointError,
     ContractMismatch,

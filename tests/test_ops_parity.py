@@ -12,7 +12,7 @@ import pytest
 
 from ropekv import check
 from ropekv.adapters.native import NativeAdapter
-from ropekv.errors import UsageError
+from ropekv.errors import NotApplicable
 from ropekv.faults.registry import OP_FAULTS
 from ropekv.models import load_checkpoint
 from ropekv.parity.cases import CacheOp, Case
@@ -63,9 +63,10 @@ def test_each_operation_fault_is_caught_and_named(llama, name):
     print(name, "->", report.diagnosis.evidence)
 
 
-def test_hf_rollback_via_crop_passes_and_other_ops_are_refused(tiny_llama_dir):
-    """transformers' DynamicCache.crop runs a rollback; an operation the adapter cannot run is refused
-    by the harness (UsageError), never compared as if it had run."""
+def test_hf_rollback_via_crop_passes_and_other_ops_are_not_applicable(tiny_llama_dir):
+    """transformers' DynamicCache.crop runs a rollback; an operation the adapter cannot run is n/a in
+    its row (never compared as if it had run), the other cases are judged; with nothing left to
+    judge the run is refused (NotApplicable)."""
     from ropekv.adapters.hf import HFEngine
 
     hf = HFEngine.load(tiny_llama_dir)
@@ -78,8 +79,11 @@ def test_hf_rollback_via_crop_passes_and_other_ops_are_refused(tiny_llama_dir):
     )
     assert report.passed, report.table()
     assert any("crop" in n for n in report.cases[0].notes)
-    with pytest.raises(UsageError, match="cannot run the cache operation"):
-        check(hf, cases=[Case(length=17), Case(length=20, op=CacheOp("evict", 3))])
+    mixed = check(hf, cases=[Case(length=17), Case(length=20, op=CacheOp("evict", 3))])
+    assert mixed.passed and [r.outcome for r in mixed.cases] == ["pass", "n/a"], mixed.table()
+    assert "runs only rollback" in (mixed.cases[1].not_applicable or "")
+    with pytest.raises(NotApplicable, match="nothing was judged"):
+        check(hf, cases=[Case(length=20, op=CacheOp("evict", 3))])
 
 
 def test_operation_faults_do_not_show_without_their_operation(llama):

@@ -73,7 +73,10 @@ class NativeAdapter:
             # Room for the parent and the child sequence (every row of a batch), plus copy-on-write copies.
             rows = len(case.batch_lengths) if case.op is not None else 1
             draft = case.op.amount if case.op is not None and case.op.kind == "rollback" else 0
-            num_blocks = (rows + 1) * (-(-(case.total + draft) // case.block_size)) + 8
+            # Spare blocks for copy-on-write copies: about 64 slots' worth, 2 to 8 blocks (8 blocks of
+            # a large block size are gigabytes for a case of a few tokens).
+            spare = min(8, max(2, -(-64 // case.block_size)))
+            num_blocks = (rows + 1) * (-(-(case.total + draft) // case.block_size)) + spare
         if self._weights is None:
             self._weights = DecoderWeights.from_checkpoint(self.checkpoint, self.dtype, self.device)
         return Engine(

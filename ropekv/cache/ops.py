@@ -17,10 +17,18 @@ from typing import Any
 import torch
 
 from ..errors import CacheError, CapacityError, ContractMismatch
+from ..rope import RopeSpec
 from .layout import CacheGroup, Group, Overwrite, SeqState, pool_rows
 from .store import CacheStore
 
 _NOT_SHIFT_INVARIANT = ("mrope", "multimodal", "dynamic", "longrope")
+
+
+def shift_invariant(rope: RopeSpec) -> bool:
+    """Whether keys under ``rope`` can be moved exactly by turning them: R(a) R(b) = R(a + b) holds
+    only while the frequencies do not depend on the length (dynamic NTK, LongRoPE) and positions are
+    one number per token (not M-RoPE's sections). :meth:`CacheOps.shift` refuses the others."""
+    return not (rope.length_dependent or rope.scaling.rope_type in _NOT_SHIFT_INVARIANT)
 
 
 class CacheOps(CacheStore):
@@ -121,7 +129,7 @@ class CacheOps(CacheStore):
         is cleared (its keys were turned at the old positions): a later rollback past it is refused."""
         seq = self._seq(seq_id)
         rope = self.contract.rope
-        if rope.length_dependent or rope.scaling.rope_type in _NOT_SHIFT_INVARIANT:
+        if not shift_invariant(rope):
             raise ContractMismatch(
                 f"shift of {seq_id!r}: {rope.scaling.rope_type} RoPE is not shift-invariant (R(a) R(b) != R(a + b) "
                 "once frequencies depend on the length or positions come per section); the cache cannot be "

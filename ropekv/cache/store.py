@@ -8,18 +8,20 @@ streamed imports: one class, built from those parts.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Hashable
 from typing import Any
 
 import torch
 
 from ..contract import CacheContract
-from ..errors import CacheError, UsageError
+from ..errors import CacheError, CapacityError, UsageError
 from .layout import CacheGroup, Group, Reservation, SeqState, group_of, head_major_pool
 from .policy import CORRECT, CacheOpPolicy
 
 # (flat slot index [N], slots [N], positions [N], first row or -1); see CacheStore._index
 IndexEntry = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
+MEMORY_SHARE = 0.9  # the most of the device's available memory one cache's pools may take
 
 
 class CacheStore:
@@ -49,6 +51,7 @@ class CacheStore:
         self.contract = contract
         self.device = torch.device(device)
         c = contract
+        check_pool_fits(c, num_blocks, self.device)
         self._layer_group: list[CacheGroup] = [group_of(c.layer_attention(i)) for i in range(c.num_layers)]
         sliding = tuple(i for i, g in enumerate(self._layer_group) if g == "sliding")
         full = tuple(i for i, g in enumerate(self._layer_group) if g == "full")
@@ -148,6 +151,56 @@ class CacheStore:
                 f"position {seq.last_position}"
             )
         return pos
+
+
+def pool_bytes(contract: CacheContract, num_blocks: int) -> int:
+    """Bytes of a cache's pools: per layer two ``[num_blocks, block_size, KVH, D]`` tensors (keys and
+    values), and per layer group (at most two) the int64 positions ``[num_blocks, block_size]``."""
+    c = contract
+    element = torch.empty((), dtype=c.torch_dtype).element_size()
+    slots = num_blocks * c.block_size
+    return 2 * c.num_layers * slots * c.num_kv_heads * c.head_dim * element + 2 * slots * 8
+
+
+def available_bytes(device: torch.device) -> int | None:
+    """Memory ``device`` can still give (CUDA: free device memory; CPU: the kernel's MemAvailable),
+    None where it cannot be told."""
+    if device.type == "cuda":
+        try:
+            return int(torch.cuda.mem_get_info(device)[0])
+        except (RuntimeError, AssertionError):
+            return None
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_pool_fits(contract: CacheContract, num_blocks: int, device: torch.device) -> None:
+    """CapacityError, before anything is allocated, when the pools of ``num_blocks`` blocks would take
+    more than :data:`MEMORY_SHARE` of the memory ``device`` has available (an allocator failure, or
+    the machine swapping, otherwise)."""
+    need = pool_bytes(contract, num_blocks)
+    have = available_bytes(device)
+    if have is not None and need > MEMORY_SHARE * have:
+        c = contract
+        raise CapacityError(
+            f"a cache of {num_blocks} blocks x {c.block_size} slots ({c.num_layers} layers, keys and values, "
+            f"{c.dtype}) needs {_gib(need)}; {device.type} has {_gib(have)} available: use fewer or smaller blocks"
+        )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.3g} GiB"
 
 
 def check_seq_id(seq_id: Any) -> None:

@@ -193,12 +193,13 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
         )
     from ..models.default import display_name
+    from ..parity.report import plural
 
     ckpt = adapter.checkpoint
     cfg = ckpt.config
     print(
         f"model: {display_name(ckpt)} ({cfg.architecture}, {cfg.num_layers} layers, fingerprint {ckpt.fingerprint}); "
-        f"engine: {adapter.name} ({adapter.tier} tier); {len(cases)} case{'s' if len(cases) != 1 else ''}",
+        f"engine: {adapter.name} ({adapter.tier} tier); {plural(len(cases), 'case')}",
     )  # on stdout with the table: `ropekv check > out.txt` keeps which model and engine it judged
     for warning in cfg.warnings:  # fields the architecture's reference implementation ignores
         print(f"ropekv: warning: {warning}", file=sys.stderr)

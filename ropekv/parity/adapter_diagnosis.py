@@ -45,7 +45,7 @@ def diagnose_mislabelled_keys(
     attention only (final logits clean at every step, the first divergence at a layer, DIVERGED x the
     attention tolerance); None otherwise. ``failed``: failing cases with their runs (the first gives the
     evidence); ``reference_row(case, t)``: the reference's row of position ``t``."""
-    bad = [r for r in results if not r.passed]
+    bad = [r for r in results if not r.passed and r.not_applicable is None]
     if not bad or not failed:
         return None
     worst_logits = 0.0

@@ -4,17 +4,23 @@ A case: the first ``prefix`` tokens come from a prefix-cache hit (a parent seque
 then forked at ``prefix``), the next ``length`` tokens are prefilled (in chunks of ``chunk`` tokens if
 set), then ``decode_steps`` tokens are decoded one at a time. Decode step ``s`` feeds the token at
 logical position ``t = prefix + length + s`` and is compared with row ``t`` of a full forward.
+
+A case without a window of its own runs under the model's own windows and chunks; :meth:`Case.for_model`
+records them (:class:`ModelAttention`) so that the case's operations choose only positions the model's
+layers still cache, and its label says which window it ran under (``W=12(model)``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal, cast, get_args
 
 import torch
 
+from ..attention_kind import LayerAttention
 from ..errors import UsageError
 
 OpKind = Literal["rollback", "evict", "shift", "batch", "restore"]
@@ -77,7 +83,55 @@ def parse_ops(text: str) -> list[CacheOp]:
 
 
 @dataclass(frozen=True)
+class ModelAttention:
+    """The model's own windows and chunks, as a case without a window of its own runs under them.
+
+    ``window``: the sliding window of the model's sliding layers (the narrowest, should they differ),
+    None without any; ``chunk``: the chunk size of its chunked layers, None without any;
+    ``every_layer_slides``: no layer keeps every key, so a position older than the window is no
+    longer cached anywhere (only then does the window limit which positions an operation can touch).
+    """
+
+    window: int | None = None
+    chunk: int | None = None
+    every_layer_slides: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("window", "chunk"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+                raise UsageError(f"ModelAttention.{name} must be a positive integer or None, got {v!r}")
+        if self.every_layer_slides and self.window is None:
+            raise UsageError("ModelAttention: every layer slides, but no window is given")
+
+    @classmethod
+    def of(cls, layers: Sequence[LayerAttention]) -> ModelAttention | None:
+        """The record of a model's per-layer attention (``ModelConfig.layer_attentions``); None when
+        every layer attends to every earlier key (nothing to record)."""
+        windows = [a.size for a in layers if a.kind == "sliding" and a.size is not None]
+        chunks = [a.size for a in layers if a.kind == "chunked" and a.size is not None]
+        if not windows and not chunks:
+            return None
+        return cls(
+            window=min(windows) if windows else None,
+            chunk=min(chunks) if chunks else None,
+            every_layer_slides=bool(layers) and len(windows) == len(layers),
+        )
+
+    def label(self) -> str:
+        """``W=12(model)`` (every layer slides), ``W=4|full(model)`` (sliding and full layers),
+        ``C=8|full(model)`` (chunked and full layers)."""
+        parts = ([f"W={self.window}"] if self.window else []) + ([f"C={self.chunk}"] if self.chunk else [])
+        if not self.every_layer_slides:
+            parts.append("full")
+        return "|".join(parts) + "(model)"
+
+
+@dataclass(frozen=True)
 class Case:
+    """One cached run (module doc). ``window``: a window forced on every layer (None: the model's own,
+    recorded in ``model_attention`` by :meth:`for_model`); ``sink_tokens`` need a case window."""
+
     length: int
     prefix: int = 0
     block_size: int = 16
@@ -86,20 +140,39 @@ class Case:
     chunk: int | None = None
     decode_steps: int = 3
     op: CacheOp | None = None
+    model_attention: ModelAttention | None = None
 
     def __post_init__(self) -> None:
-        if self.length < 1:
-            raise UsageError(f"case length must be >= 1, got {self.length}")
-        if self.prefix < 0 or self.block_size < 1 or self.decode_steps < 1:
-            raise UsageError(f"bad case {self}")
-        if self.chunk is not None and self.chunk < 1:
-            raise UsageError(f"chunk must be >= 1, got {self.chunk}")
-        if self.window is not None and self.window < 1:
-            raise UsageError(f"window must be >= 1, got {self.window}")
+        for name, low in (("length", 1), ("prefix", 0), ("block_size", 1), ("decode_steps", 1), ("sink_tokens", 0)):
+            _check_int(f"case {name}", getattr(self, name), low)
+        for name in ("chunk", "window"):
+            if getattr(self, name) is not None:
+                _check_int(f"case {name}", getattr(self, name), 1)
         if self.sink_tokens and self.window is None:
             raise UsageError("sink tokens need a window")
+        if self.model_attention is not None:
+            if not isinstance(self.model_attention, ModelAttention):
+                raise UsageError(f"case model_attention must be a ModelAttention, got {self.model_attention!r}")
+            if self.window is not None:
+                raise UsageError("a case with a window of its own does not run under the model's windows")
         if self.op is not None:
             self._check_op()
+
+    def for_model(self, layers: Sequence[LayerAttention]) -> Case:
+        """This case as it runs on a model with per-layer attention ``layers``
+        (``ModelConfig.layer_attentions``): a case without a window of its own records the model's."""
+        if self.window is not None:
+            return self
+        return dataclasses.replace(self, model_attention=ModelAttention.of(layers))
+
+    @property
+    def live_window(self) -> int | None:
+        """The most recent positions every layer keeps cached (besides the sinks): the case's window,
+        else the model's when every layer slides; None when some layer keeps every key."""
+        if self.window is not None:
+            return self.window
+        m = self.model_attention
+        return m.window if m is not None and m.every_layer_slides else None
 
     def _check_op(self) -> None:
         op = self.op
@@ -107,26 +180,43 @@ class Case:
             raise UsageError(f"case op must be a CacheOp, got {type(op).__name__}")
         if op.kind == "batch" and (self.prefix or self.length < op.amount):
             raise UsageError(f"batch:{op.amount} needs prefix 0 and length >= {op.amount} (rows of different lengths)")
-        if op.kind == "evict" and len(self._evict_candidates()) < op.amount:
-            raise UsageError(
-                f"evict:{op.amount}: a {self.prefix + self.length}-token prompt"
-                + (f" under window {self.window}" if self.window else "")
-                + f" has only {len(self._evict_candidates())} interior live tokens to evict"
-            )
+        # The case's own window is checked here; the model's (``live_window``) where the case meets
+        # the model (ropekv.parity.applicable), so that a model window too small for it is n/a.
+        if op.kind == "evict" and len(self._evict_candidates(self.window)) < op.amount:
+            raise UsageError(self.evict_shortfall(self.window))
 
     # ------------------------------------------------------------------ operations
 
-    def _evict_candidates(self) -> list[int]:
+    def _evict_candidates(self, window: int | None) -> list[int]:
         n = self.prefix + self.length
-        low = max(self.sink_tokens, 1, n - self.window + 1 if self.window else 1)
+        low = max(self.sink_tokens, 1, n - window + 1 if window else 1)
         return list(range(low, n - 1))  # never the first (sink-like) nor the newest token
+
+    def evict_shortfall(self, window: int | None) -> str | None:
+        """Why an ``evict`` case cannot evict its amount under ``window`` (None: it can)."""
+        if self.op is None or self.op.kind != "evict":
+            return None
+        have = len(self._evict_candidates(window))
+        if have >= self.op.amount:
+            return None
+        own = (
+            ""
+            if window is None
+            else (f" under window {window}" if window == self.window else f" under the model's window {window}")
+        )
+        return (
+            f"evict:{self.op.amount}: a {self.prefix + self.length}-token prompt{own} has only {have} interior "
+            "live tokens to evict"
+        )
 
     @property
     def evicted_positions(self) -> list[int]:
         """Positions an ``evict`` case drops after prefill: evenly spread over the interior live tokens."""
         if self.op is None or self.op.kind != "evict":
             return []
-        cand, k = self._evict_candidates(), self.op.amount
+        cand, k = self._evict_candidates(self.live_window), self.op.amount
+        if len(cand) < k:
+            raise UsageError(f"case {self.label()}: {self.evict_shortfall(self.live_window)}")
         if k == 1:
             return [cand[len(cand) // 2]]
         return [cand[round(i * (len(cand) - 1) / (k - 1))] for i in range(k)]
@@ -185,6 +275,8 @@ class Case:
         parts = [f"L={self.length}", f"P={self.prefix}", f"B={self.block_size}"]
         if self.window is not None:
             parts.append(f"W={self.window}" + (f"+{self.sink_tokens}s" if self.sink_tokens else ""))
+        elif self.model_attention is not None:
+            parts.append(self.model_attention.label())
         if self.chunk is not None:
             parts.append(f"chunk={self.chunk}")
         parts.append(f"S={self.decode_steps}")
@@ -196,10 +288,12 @@ class Case:
         return asdict(self)
 
 
-def default_matrix(max_positions: int) -> list[Case]:
+def default_matrix(max_positions: int | None = None) -> list[Case]:
     """The default cases: length 1; one below / at / one above a block boundary; an odd block size; a
     prefix offset that is not a multiple of the block size; chunked prefill with an odd chunk; a
-    wrapped odd-size window with and without sinks; and one context over 1,000 tokens."""
+    wrapped odd-size window with and without sinks; and one context over 1,000 tokens. With
+    ``max_positions``, only those that fit a model of that many positions; without, every one (the
+    harness reports those a model is too short for as not applicable, with the reason)."""
     cases = [
         Case(length=1),
         Case(length=15, block_size=16),
@@ -213,7 +307,32 @@ def default_matrix(max_positions: int) -> list[Case]:
         Case(length=1100, prefix=0, block_size=16, chunk=256),
         *default_op_cases(),
     ]
-    return [c for c in cases if c.positions_needed <= max_positions]
+    return cases if max_positions is None else [c for c in cases if c.positions_needed <= max_positions]
+
+
+def too_long(case: Case, max_positions: int) -> str | None:
+    """Why ``case`` cannot run on a model of ``max_positions`` positions (None: it fits)."""
+    if case.positions_needed <= max_positions:
+        return None
+    return f"needs {case.positions_needed} positions; the model has {max_positions}"
+
+
+def check_numbers(case: Case, max_positions: int) -> None:
+    """UsageError unless the case's block size, window (with its sinks) and chunk fit in the model's
+    ``max_positions`` positions: a block, ring or chunk larger than every position a case can reach
+    holds nothing more, and would only allocate memory (a block of 10^7 slots is 12.8 GB on the
+    default model)."""
+    for what, value in (
+        ("block size", case.block_size),
+        ("window", None if case.window is None else case.window + case.sink_tokens),
+        ("chunk", case.chunk),
+    ):
+        if value is not None and value > max_positions:
+            shown = f"{case.window}+{case.sink_tokens} sinks" if what == "window" and case.sink_tokens else value
+            raise UsageError(
+                f"case {case.label()}: {what} {shown} is larger than the model's {max_positions} positions "
+                f"(no case can reach more; give at most {max_positions})"
+            )
 
 
 def default_op_cases() -> list[Case]:
@@ -254,15 +373,23 @@ def build_matrix(
 ) -> list[Case]:
     """The cartesian product of the given values, or the default matrix when nothing is given.
 
-    ``window``/``chunk``/``decode_steps`` given alone modify every default case. An empty list is
+    Cases the model is too short for are refused when asked for (lengths, block sizes or prefix
+    offsets given), and kept when they come from the default matrix (the report lists them as not
+    applicable, with the reason). A block size, window or chunk larger than the model's positions is
+    refused (:func:`check_numbers`). ``window``/``chunk``/``decode_steps`` given alone modify every
+    default case. An empty list is
     refused (it would otherwise quietly mean the defaults). ``ops`` (``--ops``): the cases are then the
     operations, each on every case the other flags give, or on its default case when none are given.
     """
     for flag, values in (("lengths", lengths), ("block_sizes", block_sizes), ("prefix_offsets", prefix_offsets)):
         if values is not None and len(values) == 0:
             raise UsageError(f"{flag} is empty: give at least one value, or None for the default matrix")
-    if lengths is None and block_sizes is None and prefix_offsets is None:
-        cases = default_matrix(max_positions)
+    if not isinstance(max_positions, int) or isinstance(max_positions, bool) or max_positions < 1:
+        raise UsageError(f"max_positions must be a positive integer, got {max_positions!r}")
+    explicit_lengths = not (lengths is None and block_sizes is None and prefix_offsets is None)
+    if not explicit_lengths:
+        # Every default case, those too long for the model included: the harness lists them as n/a.
+        cases = default_matrix()
         if window is not None or chunk is not None or decode_steps is not None or sink_tokens:
             cases = [
                 Case(
@@ -303,10 +430,12 @@ def build_matrix(
                 )
                 for c in cases
             ]
-    too_long = [c for c in cases if c.positions_needed > max_positions]
-    if too_long:
-        c = too_long[0]
-        raise UsageError(f"case {c.label()} needs {c.positions_needed} positions; the model has {max_positions}")
+    for c in cases:
+        why = too_long(c, max_positions)
+        if why is None:
+            check_numbers(c, max_positions)
+        elif explicit_lengths:  # asked for: refused before any weight is read
+            raise UsageError(f"case {c.label()} {why}")
     return cases
 
 
@@ -315,3 +444,10 @@ def token_stream(vocab_size: int, n: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     low = min(16, vocab_size - 1)
     return torch.randint(low, vocab_size, (n,), generator=g, dtype=torch.int64)
+
+
+def _check_int(what: str, value: Any, low: int) -> None:
+    """UsageError unless ``value`` is an int (not a bool) >= ``low``; one message for every value
+    out of range (0 and -5 alike)."""
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise UsageError(f"{what} must be an integer >= {low}, got {value!r}")

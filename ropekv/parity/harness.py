@@ -18,14 +18,15 @@ import torch
 
 from ..attention_kind import MODEL_WINDOWS
 from ..contract import DTYPES
-from ..errors import UsageError
+from ..errors import NotApplicable, UsageError
 from ..models.config import Checkpoint, ModelConfig
 from ..models.reference import ReferenceDecoder, ReferenceOutput
 from ..probe import LayerProbe
 from . import ops
 from .adapter_diagnosis import diagnose_mislabelled_keys
+from .applicable import Applicability, applicability
 from .bug_class import BugClass
-from .cases import Case, build_matrix, token_stream
+from .cases import Case, build_matrix, check_numbers, token_stream
 from .compare import (
     LogitsOf,
     NextToken,
@@ -44,7 +45,7 @@ from .layer_diagnosis import diagnose_divergence, diagnose_unlocated
 from .progress import Progress
 from .protocol import CaseRun, EngineAdapter, EngineDescription, FullRun, StepRecord, Tier
 from .provenance import provenance
-from .report import CaseResult, Divergence, ParityReport
+from .report import CaseResult, Divergence, ParityReport, plural
 from .validate import check_adapter, check_case_run, check_description, check_full_run, check_ignored
 
 _MAX_FORENSIC_CASES = 6
@@ -82,6 +83,11 @@ def check(
     ``tolerance`` replaces the per-dtype tolerance for both comparisons, for an engine whose noise is
     not set by its compute dtype (quantized weights, an f16 cache; the adapter's docs justify it).
     Every adapter result is validated against its case first (AdapterError on a violation).
+
+    A case that does not apply to the model or the engine (:mod:`ropekv.parity.applicable`; or one
+    whose ``run_case`` raises :class:`~ropekv.errors.NotApplicable`) is reported as ``n/a`` with the
+    reason and not judged; the verdict is over the others. When no case is left to judge,
+    NotApplicable is raised: nothing judged is not a pass.
     """
     adapter = _as_adapter(engine, dtype=dtype, key_form=key_form, backend=backend)
     tier = check_adapter(adapter)
@@ -101,23 +107,36 @@ def check(
         )
     if not cases:
         raise UsageError("no parity cases to run")
-    _check_ops(adapter, cases)
+    plans = _plan(adapter, cfg, cases)
+    cases = [p.case for p in plans]
+    judged = [p.case for p in plans if p.not_applicable is None]
+    _refuse_nothing_judged(plans)
     started = time.perf_counter()
-    tokens = token_stream(cfg.vocab_size, max(c.total for c in cases), seed)
-    refs = _References(adapter, tier, ReferenceDecoder(adapter.checkpoint, dtype=DTYPES[reference]), tokens, cases)
+    tokens = token_stream(cfg.vocab_size, max(c.total for c in judged), seed)
+    refs = _References(adapter, tier, ReferenceDecoder(adapter.checkpoint, dtype=DTYPES[reference]), tokens, judged)
     tol_ref = tolerance or tolerance_for(adapter.dtype, DTYPES[reference])
     tol_self = tolerance or tolerance_for(adapter.dtype, adapter.dtype)
 
     results: list[CaseResult] = []
     failed: list[tuple[CaseResult, CaseRun]] = []
-    with Progress(total=refs.work + sum(c.total for c in cases), mode=progress) as bar:
+    with Progress(total=refs.work + sum(c.total for c in judged), mode=progress) as bar:
         refs.bar = bar
-        for n, case in enumerate(cases):
+        for n, plan in enumerate(plans):
+            case = plan.case
+            noted = tuple(x.text for x in plan.noted)
+            if plan.not_applicable is not None:
+                results.append(CaseResult.skipped(case, plan.not_applicable, noted))
+                bar.case_done(f"case {n + 1}/{len(cases)} {case.label()}: n/a ({plan.not_applicable})")
+                continue
             bar.describe(f"case {n + 1}/{len(cases)} {case.label()}: cached run")
             t0 = time.perf_counter()
-            ignored = check_ignored(adapter, case, adapter.ignored(case))
             r0 = time.perf_counter()
-            raw_run = adapter.run_case(case, tokens)
+            try:
+                raw_run = adapter.run_case(case, tokens)
+            except NotApplicable as exc:  # the adapter's own word that the case does not apply
+                results.append(CaseResult.skipped(case, str(exc), noted, time.perf_counter() - t0))
+                bar.case_done(f"case {n + 1}/{len(cases)} {case.label()}: n/a ({exc})")
+                continue
             refs.seconds["cached_runs"] += time.perf_counter() - r0
             run = check_case_run(adapter, tier, cfg, case, raw_run)
             bar.advance(case.total)
@@ -149,7 +168,7 @@ def check(
                 self_attn_errors=tuple(e.attn for e in err_self),
                 logit_errors=tuple(e.logits for e in err_ref),
                 self_logit_errors=tuple(e.logits for e in err_self),
-                ignored=tuple(x.text for x in ignored),
+                ignored=noted,
                 notes=run.notes + ops.notes(case),
                 full_forward_error=full_err,
                 seconds=time.perf_counter() - t0,
@@ -177,8 +196,9 @@ def check(
                     diagnosis = found if diagnosis is None or found.kind != BugClass.UNKNOWN else diagnosis
                 if diagnosis.kind != BugClass.UNKNOWN:
                     break
+    _refuse_nothing_judged([Applicability(r.case, (), r.not_applicable) for r in results])
     ckpt = adapter.checkpoint
-    passed = all(r.passed for r in results)
+    passed = all(r.passed for r in results if r.not_applicable is None)
     from ..models.default import display_name  # local: the default-model module pulls in the GGUF reader
 
     return ParityReport(
@@ -204,27 +224,37 @@ def check(
         seed=seed,
         phase_seconds=dict(refs.seconds),
         provenance=provenance(
-            f"ropekv.check({adapter.name!r}, {len(cases)} cases, seed={seed}, reference={reference!r})"
+            f"ropekv.check({adapter.name!r}, {plural(len(cases), 'case')}, seed={seed}, reference={reference!r})"
         ),
     )
 
 
-def _check_ops(adapter: EngineAdapter, cases: list[Case]) -> None:
-    """A case with a cache operation runs only on an engine that declares it (``describe().ops``):
-    an adapter that knows nothing of operations would run the case as a plain one and be judged
-    against the operation's reference. Refused loudly, with the adapter's own reason where it gives one."""
-    wanted = [(c, c.op) for c in cases if c.op is not None]
-    if not wanted:
+def _plan(adapter: EngineAdapter, cfg: ModelConfig, cases: list[Case]) -> list[Applicability]:
+    """Each case as it meets the model (its own windows recorded, :meth:`Case.for_model`) and the
+    engine: the ignored parameters it is judged without, or why it does not apply. A case that applies
+    must keep its numbers within the model's positions (UsageError otherwise)."""
+    facts = _describe(adapter)
+    if facts.name is None:
+        facts = dataclasses.replace(facts, name=adapter.name)
+    plans = []
+    for c in cases:
+        if not isinstance(c, Case):
+            raise UsageError(f"cases must be Case records, got {type(c).__name__}")
+        case = c.for_model(cfg.layer_attentions)
+        plan = applicability(case, cfg, facts, check_ignored(adapter, case, adapter.ignored(case)))
+        if plan.not_applicable is None:
+            check_numbers(case, cfg.position_limit)
+        plans.append(plan)
+    return plans
+
+
+def _refuse_nothing_judged(plans: list[Applicability]) -> None:
+    """NotApplicable when no case applies: a report with nothing judged would read as a pass."""
+    if any(p.not_applicable is None for p in plans):
         return
-    declared = _describe(adapter).ops
-    for case, op in wanted:
-        why = [x.text for x in check_ignored(adapter, case, adapter.ignored(case)) if x.param == "op"]
-        if op.kind not in declared or why:
-            reason = why[0] if why else f"it declares {', '.join(declared) or 'no cache operations'}"
-            raise UsageError(
-                f"engine {adapter.name!r} cannot run the cache operation of case {case.label()} "
-                f"({reason}); leave {op.kind} out of --ops for it"
-            )
+    shown = "; ".join(f"{p.case.label()}: {p.not_applicable}" for p in plans[:3])
+    more = f"; and {plural(len(plans) - 3, 'more case')}" if len(plans) > 3 else ""
+    raise NotApplicable(f"no case applies to this model and engine, so nothing was judged (not a pass): {shown}{more}")
 
 
 def tier_limits(tier: Tier, results: list[CaseResult]) -> str:

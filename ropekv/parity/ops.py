@@ -108,9 +108,10 @@ def hypotheses(case: Case, key_form: str | None) -> tuple[OpHypothesis, ...]:
                 offsets=(n,),
             )
         ]
-        if case.window is not None:
-            ring = case.window + case.sink_tokens
-            overwritten = tuple(i - case.window for i in range(end, end + n) if i >= ring)
+        window = case.live_window  # the case's window, or the model's when every layer slides
+        if window is not None:
+            ring = window + case.sink_tokens
+            overwritten = tuple(i - window for i in range(end, end + n) if i >= ring)
             if overwritten:
                 out.append(
                     OpHypothesis(

@@ -5,7 +5,8 @@ and every layer (y), the attention-logit error against the float64 reference div
 tolerance, on a log colour scale: clean runs are dark blue, anything above 1 (the tolerance) is red;
 the first divergence of each failing case is ringed. Right: the worst error per decode step against
 decode position, reference and self-parity, with the tolerance line. A logits-tier report (no layers)
-shows the next-token logits error in both panels instead.
+shows the next-token logits error in both panels instead. Cases that did not apply (``n/a``) were
+not run and are left out; the title counts them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 import numpy as np
-from matplotlib.ticker import FuncFormatter
+from matplotlib.figure import Figure
+from matplotlib.ticker import FuncFormatter, MaxNLocator
 
 from .report import ParityReport
 
@@ -30,7 +32,16 @@ def _plain(x: float, _pos: object = None) -> str:
 
 
 def plot_report(report: ParityReport, path: str | Path) -> None:
-    layered = any(any(row) for r in report.cases for row in r.attn_errors)
+    """Write the PNG of ``report`` to ``path``."""
+    fig = figure(report)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def figure(report: ParityReport) -> Figure:
+    """The two panels of ``report`` (module doc), as a matplotlib figure the caller closes."""
+    cases = report.judged  # an n/a case has no figures to show
+    layered = any(any(row) for r in cases for row in r.attn_errors)
     key = "attn_logits" if layered else "final_logits"
     tol = report.tolerances["reference"][key]
     tol_self = report.tolerances["self"][key]
@@ -38,7 +49,7 @@ def plot_report(report: ParityReport, path: str | Path) -> None:
     labels: list[str] = []
     bands: list[tuple[int, int, str, bool]] = []
     marks: list[tuple[int, int]] = []
-    for r in report.cases:
+    for r in cases:
         start = len(columns)
         rows = r.attn_errors if layered else [(e,) for e in r.logit_errors]
         for s, (pos, errs) in enumerate(zip(r.positions, rows)):
@@ -80,7 +91,7 @@ def plot_report(report: ParityReport, path: str | Path) -> None:
     fig.colorbar(im, ax=ax1, label="log10(error / tolerance): > 0 diverges")
 
     shown = {"pass": False, "fail": False}
-    for r in report.cases:
+    for r in cases:
         ref_rows = r.attn_errors if layered else [(e,) for e in r.logit_errors]
         self_rows = r.self_attn_errors if layered else [(e,) for e in r.self_logit_errors]
         ref = [max(max(row), 1e-12) for row in ref_rows]
@@ -98,21 +109,24 @@ def plot_report(report: ParityReport, path: str | Path) -> None:
         ax2.plot([], [], "o-", color="tab:red", label="failing case (o: vs float64, x: vs self)")
     ax2.set_yscale("log")
     ax2.yaxis.set_major_formatter(FuncFormatter(_plain))
-    positions = [p for r in report.cases for p in r.positions]
+    positions = [p for r in cases for p in r.positions]
     if max(positions) > 20 * max(1, min(positions)):  # a log axis only where positions span decades
         ax2.set_xscale("log")
         ax2.xaxis.set_minor_formatter(FuncFormatter(lambda x, p: ""))
+    else:  # positions are integers: no ticks between them (40 40 40 41 41 for one case)
+        ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
     ax2.xaxis.set_major_formatter(FuncFormatter(_plain))
     ax2.set_xlabel("decode position")
     ax2.set_ylabel(f"worst {'layer' if layered else 'step'} {what} error (scale-aware)")
     ax2.legend(fontsize=8, loc="best")
     verdict = "PASS" if report.passed else "FAIL"
     diag = f" - {report.diagnosis.kind}" if report.diagnosis else ""
+    skipped = len(report.not_applicable)
+    diag += f" ({skipped} n/a)" if skipped else ""
     fig.suptitle(
         f"ropekv check: {report.model.get('name', '')} / {report.engine.get('name', '')} "
         f"({report.tier} tier): {verdict}{diag}",
         fontsize=11,
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    return fig

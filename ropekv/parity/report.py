@@ -5,13 +5,34 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from .cases import Case
 from .diagnosis import Diagnosis
 
 REPORT_FORMAT = "ropekv.parity-report"
-REPORT_VERSION = 2  # 2: tier, limits, provenance, logit_errors, notes; nullable layer fields
+REPORT_VERSION = 3
+# 2: tier, limits, provenance, logit_errors, notes; nullable layer fields
+# 3: per case "outcome" ("pass", "fail", "n/a") and "not_applicable" (the reason); "judged" and
+#    "not_applicable" counts; the case's "model_attention"; a "units" block
+
+Outcome = Literal["pass", "fail", "n/a"]
+
+UNITS: dict[str, str] = {
+    "max_abs_logit_diff": "absolute: max |cached - reference| of the final logits",
+    "max_attn_error": "scale-aware: max |cached - ref| / max(1, max |ref|) of attention logits, worst step and layer",
+    "max_self_attn_error": "scale-aware, as max_attn_error, against the engine's own full forward",
+    "attn_errors": "[step][layer] scale-aware attention-logit errors against the float64 reference",
+    "self_attn_errors": "[step][layer] scale-aware attention-logit errors against the engine's own full forward",
+    "logit_errors": "[step] scale-aware next-token logits errors against the float64 reference",
+    "self_logit_errors": "[step] scale-aware next-token logits errors against the engine's own full forward",
+    "full_forward_error": "scale-aware: the engine's cache-free forward against the float64 reference",
+    "first_divergence.reference_logit, first_divergence.cached_logit": "absolute attention-logit values",
+    "first_divergence.attn_error, first_divergence.input_error, first_divergence.logits_error": "scale-aware",
+    "tolerances": "scale-aware thresholds, compared with the scale-aware errors",
+    "seconds, phase_seconds": "wall-clock seconds",
+}
+"""What every number of the report measures (also written into the JSON as ``"units"``)."""
 
 
 @dataclass(frozen=True)
@@ -56,11 +77,14 @@ class Divergence:
 
 @dataclass(frozen=True)
 class CaseResult:
+    """One case's verdict. A case that does not apply (``not_applicable``: the reason) was not run:
+    its ``passed`` fields are False and its figures empty, and the report's verdict leaves it out."""
+
     case: Case
     passed: bool
     reference_passed: bool
     self_passed: bool
-    max_abs_logit_diff: float  # final logits against the reference
+    max_abs_logit_diff: float | None  # final logits against the reference (None: not judged)
     max_attn_error: float | None  # worst attention-logit error against the reference (None: logits tier)
     max_self_attn_error: float | None
     first_divergence: Divergence | None
@@ -73,11 +97,45 @@ class CaseResult:
     notes: tuple[str, ...] = ()  # engine facts (prefix-cache hits, ...)
     full_forward_error: float | None = 0.0  # the engine's cache-free forward vs float64 (None: an op case)
     seconds: float = 0.0
+    not_applicable: str | None = None  # why the case does not apply to this model or engine (not judged)
+
+    def __post_init__(self) -> None:
+        if self.not_applicable is not None and (self.passed or self.first_divergence is not None):
+            raise ValueError("a case that does not apply is neither passed nor diverged")
+
+    @classmethod
+    def skipped(cls, case: Case, reason: str, ignored: tuple[str, ...] = (), seconds: float = 0.0) -> CaseResult:
+        """The result of a case that does not apply, with the reason (it was not run)."""
+        return cls(
+            case=case,
+            passed=False,
+            reference_passed=False,
+            self_passed=False,
+            max_abs_logit_diff=None,
+            max_attn_error=None,
+            max_self_attn_error=None,
+            first_divergence=None,
+            positions=(),
+            attn_errors=(),
+            self_attn_errors=(),
+            ignored=ignored,
+            full_forward_error=None,
+            seconds=seconds,
+            not_applicable=reason,
+        )
+
+    @property
+    def outcome(self) -> Outcome:
+        if self.not_applicable is not None:
+            return "n/a"
+        return "pass" if self.passed else "fail"
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "case": self.case.to_dict(),
             "label": self.case.label(),
+            "outcome": self.outcome,
+            "not_applicable": self.not_applicable,
             "passed": self.passed,
             "reference_passed": self.reference_passed,
             "self_passed": self.self_passed,
@@ -117,11 +175,26 @@ class ParityReport:
     # full forwards (self-parity) and the cached runs; the rest of ``seconds`` is the harness itself
     phase_seconds: dict[str, float] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if self.passed and (not self.judged or any(r.outcome == "fail" for r in self.cases)):
+            raise ValueError("a report passes only when some case was judged and every judged case passed")
+
+    @property
+    def judged(self) -> tuple[CaseResult, ...]:
+        """The cases that applied and were run (the verdict is over these)."""
+        return tuple(r for r in self.cases if r.not_applicable is None)
+
+    @property
+    def not_applicable(self) -> tuple[CaseResult, ...]:
+        return tuple(r for r in self.cases if r.not_applicable is not None)
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "format": REPORT_FORMAT,
             "version": REPORT_VERSION,
             "passed": self.passed,
+            "judged": len(self.judged),
+            "not_applicable": len(self.not_applicable),
             "model": self.model,
             "engine": self.engine,
             "tier": self.tier,
@@ -134,6 +207,7 @@ class ParityReport:
             "diagnosis": None if self.diagnosis is None else self.diagnosis.to_dict(),
             "provenance": self.provenance,
             "phase_seconds": {k: round(v, 3) for k, v in self.phase_seconds.items()},
+            "units": dict(UNITS),
         }
 
     def to_json(self, indent: int | None = 2) -> str:
@@ -149,15 +223,18 @@ class ParityReport:
             fd = r.first_divergence
             where = "-" if fd is None else fd.short()
             lines.append(
-                f"{r.case.label():<{w}} {'PASS' if r.passed else 'FAIL':<7} {r.max_abs_logit_diff:>11.2e} "
-                f"{_fmt(r.max_attn_error):>9} {_fmt(r.max_self_attn_error):>9}  {where}"
+                f"{r.case.label():<{w}} {r.outcome.upper() if r.outcome != 'n/a' else 'n/a':<7} "
+                f"{_fmt(r.max_abs_logit_diff):>11} {_fmt(r.max_attn_error):>9} {_fmt(r.max_self_attn_error):>9}  {where}"
             )
+            if r.not_applicable is not None:
+                lines.append(f"{'':<{w}} not applicable: {r.not_applicable}")
             if r.ignored:
                 lines.append(f"{'':<{w}} note: ignored for this engine: {', '.join(r.ignored)}")
             for note in r.notes:
                 lines.append(f"{'':<{w}} note: {note}")
-        n_fail = sum(not r.passed for r in self.cases)
-        worst_full = max((r.full_forward_error for r in self.cases if r.full_forward_error is not None), default=None)
+        judged = self.judged
+        n_fail = sum(r.outcome == "fail" for r in judged)
+        worst_full = max((r.full_forward_error for r in judged if r.full_forward_error is not None), default=None)
         lines.append("")
         if worst_full is not None:
             lines.append(
@@ -166,12 +243,16 @@ class ParityReport:
             )
         if self.limits:
             lines.append(self.limits)
+        skipped = len(self.not_applicable)
+        na = f"; {plural(skipped, 'case')} not applicable" if skipped else ""
+        counted = plural(len(judged), "judged case" if skipped else "case")
         if self.passed:
-            lines.append(f"parity holds in all {len(self.cases)} cases ({self.seconds:.1f} s)")
+            every = "all " if len(judged) > 1 else ""
+            lines.append(f"parity holds in {every}{counted}{na} ({self.seconds:.1f} s)")
         else:
-            lines.append(f"parity FAILS in {n_fail} of {len(self.cases)} cases ({self.seconds:.1f} s)")
-            first = next(r for r in self.cases if not r.passed)
-            if first.first_divergence is not None:
+            lines.append(f"parity FAILS in {n_fail} of {counted}{na} ({self.seconds:.1f} s)")
+            first = next((r for r in judged if r.outcome == "fail"), None)
+            if first is not None and first.first_divergence is not None:
                 lines.append(f"first divergence in {first.case.label()} " + first.first_divergence.describe())
         if self.diagnosis is not None:
             source = self.diagnosis.details.get("case")
@@ -180,6 +261,11 @@ class ParityReport:
                 f"{self.diagnosis.evidence}"
             )
         return "\n".join(lines)
+
+
+def plural(n: int, noun: str) -> str:
+    """``1 case``, ``2 cases``, ``0 cases``; a compound noun takes the plural on its last word."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _fmt(x: float | None) -> str:
