@@ -132,3 +132,4 @@ def test_keys_labelled_0_to_n_over_a_window_are_named_an_adapter_bug():
         in d.evidence
     )
     assert d.details["layer"] == 0 and d.details["query_position"] == 30
+    assert "bug class not named" not in report.limits and "the record, not the engine" in report.limits

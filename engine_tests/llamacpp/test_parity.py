@@ -16,10 +16,21 @@ def test_default_cases_are_the_default_matrix_without_windows():
     cases = llamacpp_cases(8192)
     assert [c.length for c in cases] == [1, 15, 16, 17, 20, 30, 61, 1100]
     assert all(c.window is None for c in cases)
+
+
+def test_the_cli_lists_what_llamacpp_cannot_honour_as_not_applicable():
+    """Without case flags the CLI lists the whole default matrix: windows, sinks, cache operations and
+    cases longer than the context come back as n/a rows with the reason, none dropped silently."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    assert default_cases(parser.parse_args([])) == cases  # n_ctx 2048 holds them all
-    assert [c.length for c in default_cases(parser.parse_args(["--n-ctx", "64"]))] == [1, 15, 16, 17, 20, 30]
+    listed = default_cases(parser.parse_args(["--n-ctx", "64"]))
+    assert len(listed) == 15 and any(c.window for c in listed) and any(c.op for c in listed)
+    small = LlamaCppEngine(n_ctx=64)
+    report = check(small, cases=[Case(length=30), Case(length=70), Case(length=48, window=37)])
+    outcome = {r.case.length: r.not_applicable for r in report.cases}
+    assert outcome[30] is None and report.passed, report.table()
+    assert "the case needs 73 cells; n_ctx is 64" in (outcome[70] or ""), report.table()
+    assert "window" in (outcome[48] or ""), report.table()
 
 
 def test_f32_gguf_f32_kv_passes_every_default_case(f32_engine):

@@ -63,22 +63,25 @@ def test_with_options_validates(engine):
     assert engine.with_options(max_kv_size=37, keep=4).keep == 4 and engine.keep is None
 
 
-def test_default_cases_drop_only_the_sinks_and_the_cache_operations():
-    """Cache operations run through the engine's own options (rollback, restore), not --ops cases."""
+def test_default_cases_drop_only_the_sinks():
+    """The CLI's default list is the whole default matrix with its sinks case run without sinks: the
+    cache-operation cases (run through the engine's own options, not --ops) and the cases the model is
+    too short for stay listed and are reported as n/a, never dropped silently."""
     import argparse
 
     from ropekv.adapters import mlx
     from ropekv.parity.cases import default_matrix
 
-    everything = default_matrix(8192)
-    cases, default = mlx.default_cases(argparse.Namespace(model=None)), [c for c in everything if c.op is None]
-    assert len(cases) == len(default) == 10 and len(everything) > len(default)
+    default = default_matrix()
+    cases = mlx.default_cases(argparse.Namespace(model=None))
+    assert len(cases) == len(default) == 15 and any(c.op for c in cases)
     for mine, theirs in zip(cases, default):
         assert mine.sink_tokens == 0
-        assert (mine.length, mine.window, mine.chunk, mine.prefix) == (
+        assert (mine.length, mine.window, mine.chunk, mine.prefix, mine.op) == (
             theirs.length,
             theirs.window,
             theirs.chunk,
             theirs.prefix,
+            theirs.op,
         )
     assert any(c.sink_tokens for c in default)

@@ -655,7 +655,7 @@ def launch(
                     p.join(5)
                 break
     except BaseException:
-        _shut_down(procs)
+        _shut_down(procs, ready=lambda rank: (workdir / f"rank{rank}.log").exists())
         raise
     return [
         RankOutcome(rank, p.exitcode, _read_json(workdir / f"rank{rank}.json"), _tail(workdir / f"rank{rank}.log"))
@@ -681,19 +681,25 @@ def _sigint_held():
         raise KeyboardInterrupt
 
 
-def _shut_down(procs: list[multiprocessing.process.BaseProcess], wait: float = 10.0) -> None:
+def _shut_down(
+    procs: list[multiprocessing.process.BaseProcess],
+    wait: float = 10.0,
+    ready: Callable[[int], bool] = lambda rank: True,
+) -> None:
     """Stop every rank still running: SIGINT first (a rank then writes its result, leaves the process
     group and exits normally, so multiprocessing's finalizers run), SIGKILL after ``wait`` seconds for a
-    rank stuck in a native wait; each is reaped. A second Ctrl-C meanwhile is ignored: the shutdown is
-    what it asks for."""
+    rank stuck in a native wait; each is reaped. A rank not yet ``ready(rank)`` (its output not yet sent
+    to its log: still in multiprocessing's start-up, holding nothing) is killed at once: a SIGINT there
+    would print a KeyboardInterrupt traceback on the launcher's terminal. A second Ctrl-C meanwhile is
+    ignored: the shutdown is what it asks for."""
     in_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main else None
     try:
         alive = [p for p in procs if p.exitcode is None]
-        for p in alive:
-            if p.pid is not None:
+        for rank, p in enumerate(procs):
+            if p.exitcode is None and p.pid is not None:
                 with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, signal.SIGINT)
+                    os.kill(p.pid, signal.SIGINT if ready(rank) else signal.SIGKILL)
         deadline = time.monotonic() + wait
         while alive and time.monotonic() < deadline:
             multiprocessing.connection.wait([p.sentinel for p in alive], timeout=0.2)
@@ -723,10 +729,13 @@ def _child_main(
     from tqdm import tqdm
 
     tqdm.set_lock(threading.RLock())
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    # The log appears under its name only once this rank's output goes to it: the launcher reads its
+    # existence as "the rank may be interrupted" (:func:`_shut_down`).
+    fd = os.open(log_path + ".part", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     os.close(fd)
+    os.replace(log_path + ".part", log_path)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world_size),

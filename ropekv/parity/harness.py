@@ -216,7 +216,7 @@ def check(
         engine=_describe(adapter).to_dict(),
         reference=reference,
         tier=tier.value,
-        limits=tier_limits(tier, results),
+        limits=tier_limits(tier, results, diagnosis),
         tolerances={"reference": tol_ref.to_dict(), "self": tol_self.to_dict()},
         cases=tuple(results),
         diagnosis=diagnosis,
@@ -257,8 +257,10 @@ def _refuse_nothing_judged(plans: list[Applicability]) -> None:
     raise NotApplicable(f"no case applies to this model and engine, so nothing was judged (not a pass): {shown}{more}")
 
 
-def tier_limits(tier: Tier, results: list[CaseResult]) -> str:
-    """What the tier the engine ran at cannot conclude, in one sentence for the report."""
+def tier_limits(tier: Tier, results: list[CaseResult], diagnosis: Diagnosis | None = None) -> str:
+    """What the tier the engine ran at cannot conclude, in one sentence for the report. ``diagnosis``:
+    the one the check named (an attention-tier check can still name an adapter-side bug: its recorded
+    attention against its own clean logits)."""
     failing = [(r, r.first_divergence) for r in results if r.first_divergence is not None]
     if tier == Tier.LOGITS:
         if not failing:
@@ -272,6 +274,11 @@ def tier_limits(tier: Tier, results: list[CaseResult]) -> str:
             f"of {first.case.label()}; layer and bug class unknown"
         )
     if tier == Tier.ATTENTION:
+        if failing and diagnosis is not None and diagnosis.kind == BugClass.MISLABELLED_KEYS:
+            return (
+                "attention tier: first divergent layer localized; the record, not the engine, is named "
+                "(clean logits, divergent recorded attention); engine-side bug classes not examined"
+            )
         return (
             (
                 "attention tier: first divergent layer localized; bug class not named (the adapter does not "

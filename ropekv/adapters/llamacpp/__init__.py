@@ -104,9 +104,14 @@ def llamacpp_cases(max_positions: int):
 
 
 def default_cases(args: argparse.Namespace):
-    """The cases ``ropekv check --engine llamacpp`` runs when no case flag is given (same hook as the
-    vLLM adapter's): :func:`llamacpp_cases` up to the context's ``--n-ctx`` cells."""
-    return llamacpp_cases(args.llamacpp_n_ctx)
+    """The cases ``ropekv check --engine llamacpp`` lists when no case flag is given (same hook as the
+    vLLM adapter's): the whole default matrix. What llama.cpp cannot honour is reported in its row as
+    not applicable, with the reason, never dropped silently: case windows and sinks (``ignored``),
+    cache operations (none declared), cases longer than the context's ``--n-ctx`` cells or the model."""
+    from ...parity.cases import default_matrix
+
+    del args  # the context size reaches the cases through the adapter's ignored()
+    return default_matrix()
 
 
 def engine_tolerance(adapter):

@@ -158,6 +158,10 @@ class LlamaCppEngine:
             out.append(Ignored("window"))  # llama.cpp applies only the model's own sliding window (none for llama)
         if case.sink_tokens:
             out.append(Ignored("sink_tokens"))
+        if case.positions_needed > self.n_ctx:  # the context's cells bound what one sequence can hold
+            out.append(
+                Ignored("length", f"length (the case needs {case.positions_needed} cells; n_ctx is {self.n_ctx})")
+            )
         return tuple(out)
 
     def run_case(self, case: Case, tokens: torch.Tensor) -> CaseRun:

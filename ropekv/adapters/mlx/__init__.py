@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .engine import MLXEngine
 
-__all__ = ["MLXEngine", "add_arguments", "from_args", "default_cases", "tolerance", "mlx_cases"]
+__all__ = ["MLXEngine", "add_arguments", "from_args", "default_cases", "tolerance"]
 
 
 def __getattr__(name: str) -> Any:
@@ -72,31 +72,18 @@ def from_args(args: argparse.Namespace) -> MLXEngine:
     )
 
 
-def mlx_cases(max_positions: int) -> list:
-    """ropekv's default matrix, its sink case run without sinks.
-
-    mlx-lm has no cache with ropekv's window-with-sinks semantics: ``RotatingKVCache(W + s, keep=s)``
-    keeps ``s`` sinks during decode but none during prefill (docs/engines/mlx.md, finding 2), so that
-    case measures the finding, not the cache. It stays reproducible with ``--window 13 --sinks 2`` and
-    ``scripts/findings/mlx_rotating_keep_semantics.py``; here the same wrapped odd window, chunked, runs
-    with ``keep=0``."""
+def default_cases(args: argparse.Namespace) -> list:
+    """What ``ropekv check --engine mlx`` lists without case flags: the default matrix with its sink case
+    run without sinks (no mlx-lm cache has ropekv's window-with-sinks semantics:
+    ``RotatingKVCache(W + s, keep=s)`` keeps no sinks during prefill, docs/engines/mlx.md finding 2);
+    its cache-operation cases and the cases the model is too short for stay in the list and are reported
+    as not applicable, with the reason, never dropped."""
     import dataclasses
 
     from ...parity.cases import default_matrix
 
-    # (cache operations run through the engine's own options, not --ops: docs/engines/mlx.md)
-    return [
-        dataclasses.replace(c, sink_tokens=0) if c.sink_tokens else c
-        for c in default_matrix(max_positions)
-        if c.op is None
-    ]
-
-
-def default_cases(args: argparse.Namespace) -> list:
-    """What ``ropekv check --engine mlx`` runs without case flags: :func:`mlx_cases`."""
-    from ...models import load_config
-
-    return mlx_cases(load_config(getattr(args, "model", None)).position_limit)
+    del args
+    return [dataclasses.replace(c, sink_tokens=0) if c.sink_tokens else c for c in default_matrix()]
 
 
 def engine_tolerance(adapter) -> None:
