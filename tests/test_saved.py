@@ -12,15 +12,12 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import struct
-import time
-import tracemalloc
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
+from bounded import bounded
 from safetensors.torch import load, save
 
 from ropekv.adapters.native import NativeAdapter
@@ -62,26 +59,6 @@ def refused(engine, path, error, match):
     assert engine.cache.state_digest() == digest and engine.cache.seq_ids() == ids
 
 
-@contextmanager
-def bounded(seconds: float = 5.0, peak_bytes: int = 16 << 20):
-    def alarm(signum, frame):
-        raise TimeoutError(f"load still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    tracemalloc.start()
-    started = time.perf_counter()
-    try:
-        yield
-    finally:
-        _, peak = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-    assert peak < peak_bytes, f"peak of {peak} traced bytes"
-    assert time.perf_counter() - started < seconds
-
-
 # ---------------------------------------------------------------------- what kind of file
 
 
@@ -95,12 +72,12 @@ def test_a_round_trip_still_restores_tokens_and_positions(llama, saved):
 def test_a_fifo_is_refused_without_blocking(llama, tmp_path):
     fifo = tmp_path / "cache.fifo"
     os.mkfifo(fifo)
-    with bounded(seconds=3.0):
+    with bounded(seconds=3.0, peak_bytes=16 << 20):
         refused(engine_with_a_sequence(llama), fifo, UsageError, r"cache\.fifo.*not a regular file \(a FIFO\)")
 
 
 def test_a_character_device_is_refused_without_reading(llama):
-    with bounded(seconds=3.0):
+    with bounded(seconds=3.0, peak_bytes=16 << 20):
         refused(engine_with_a_sequence(llama), Path("/dev/zero"), UsageError, "not a regular file .a character device")
 
 
@@ -114,7 +91,7 @@ def test_a_12_gib_sparse_file_is_refused_from_its_header(llama, tmp_path):
     sparse = tmp_path / "sparse.safetensors"
     with open(sparse, "wb") as f:
         f.truncate(12 << 30)  # declared size only: all zeros, a header length of 0
-    with bounded():
+    with bounded(peak_bytes=16 << 20):
         refused(engine_with_a_sequence(llama), sparse, PayloadError, "header length 0")
 
 
@@ -124,7 +101,7 @@ def test_a_huge_file_behind_a_valid_header_is_refused_before_its_tensors_are_rea
     big.write_bytes(saved.read_bytes())
     with open(big, "r+b") as f:
         f.truncate(12 << 30)
-    with bounded():
+    with bounded(peak_bytes=16 << 20):
         refused(engine_with_a_sequence(llama), big, PayloadError, "unaccounted for")
 
 

@@ -21,15 +21,12 @@ import io
 import json
 import re
 import shutil
-import signal
 import struct
-import time
 import tokenize
-import tracemalloc
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from bounded import bounded
 
 import ropekv
 from ropekv.errors import CheckpointError, ConfigError
@@ -303,33 +300,6 @@ def test_no_unpickling_eval_exec_remote_code_object_collectives_or_pickled_weigh
 
 
 # ----------------------------------------------------------------------------------- bounded sizes
-
-
-class _TooSlow(Exception):
-    pass
-
-
-@contextmanager
-def bounded(seconds: float = 5.0, peak_bytes: int = 8 * 1024 * 1024):
-    """Fail if the block takes longer than ``seconds`` (interrupting it) or its traced peak exceeds
-    ``peak_bytes``: a loader that believed a declared size would allocate or loop for it."""
-
-    def alarm(signum, frame):
-        raise _TooSlow(f"still running after {seconds} s: a declared size was believed")
-
-    previous = signal.signal(signal.SIGALRM, alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    tracemalloc.start()
-    started = time.perf_counter()
-    try:
-        yield
-    finally:
-        _, peak = tracemalloc.get_traced_memory()
-        tracemalloc.stop()
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-    assert peak < peak_bytes, f"peak of {peak} traced bytes"
-    assert time.perf_counter() - started < seconds
 
 
 @pytest.fixture
