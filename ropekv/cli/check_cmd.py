@@ -131,8 +131,9 @@ def run(args: argparse.Namespace) -> int:
     from ..models import load_checkpoint, load_config
 
     # The config alone (config.json / GGUF metadata) decides whether the cases fit the model: refuse
-    # them before any weight is read. An engine without case flags runs its own default matrix (the
-    # default one less what it cannot honour, e.g. case windows on llama.cpp).
+    # them before any weight is read. An external engine without case flags lists its own default
+    # matrix; what it cannot honour (case windows on llama.cpp, cache operations) the harness reports
+    # n/a in its row, with the reason.
     from ..parity.cases import build_matrix, parse_ops
     from ..parity.harness import check
 
