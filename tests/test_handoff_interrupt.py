@@ -38,19 +38,27 @@ def _group_is_empty(pgid: int) -> bool:
     return False
 
 
-@pytest.mark.parametrize("phase,target", [("starting", "launcher"), ("running", "group")])
-def test_ctrl_c_stops_every_rank_with_one_line(tiny_llama_dir, tmp_path, phase, target):
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ropekv.cli.main", "handoff", str(tiny_llama_dir), *LONG_RUN],
+def _start_session(argv: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    """``python ARGV`` from the repository root in a session of its own (a terminal's foreground
+    process group), SIGINT at its default so Ctrl-C reaches Python as KeyboardInterrupt."""
+    return subprocess.Popen(
+        [sys.executable, *argv],
         cwd=Path(__file__).resolve().parent.parent,
-        env={**os.environ, "TMPDIR": str(tmp)},
+        env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+
+@pytest.mark.parametrize("phase,target", [("starting", "launcher"), ("running", "group")])
+def test_ctrl_c_stops_every_rank_with_one_line(tiny_llama_dir, tmp_path, phase, target):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    proc = _start_session(
+        ["-m", "ropekv.cli.main", "handoff", str(tiny_llama_dir), *LONG_RUN], {**os.environ, "TMPDIR": str(tmp)}
     )
     try:
         workdirs = lambda: list(tmp.glob("ropekv-handoff-*"))
@@ -94,15 +102,7 @@ def test_interrupted_launcher_stops_a_busy_rank_without_leaking(tiny_llama_dir, 
     """A rank busy in its work (a progress bar open, a wait in progress) when the launcher alone is
     interrupted: the launcher stops and reaps it; the resource tracker has nothing to warn about."""
     marker = tmp_path / "rank-is-busy"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", _LAUNCH, str(tiny_llama_dir), str(tmp_path), str(marker)],
-        cwd=Path(__file__).resolve().parent.parent,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    proc = _start_session(["-c", _LAUNCH, str(tiny_llama_dir), str(tmp_path), str(marker)])
     try:
         _wait_for(marker.exists, 120)
         busy = int(marker.read_text())
