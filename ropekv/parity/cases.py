@@ -20,6 +20,7 @@ from typing import Any, Literal, cast, get_args
 
 import torch
 
+from ..argtypes import MAX_TOKENS, strict_int
 from ..attention_kind import LayerAttention
 from ..errors import UsageError
 
@@ -63,8 +64,6 @@ def parse_ops(text: str) -> list[CacheOp]:
     """``"rollback:3,evict:5,shift:1000,batch:3,restore"`` -> operations; one-line UsageError otherwise."""
     # Amounts are ASCII digits with an optional minus (str.isdigit() takes "²", which int() refuses),
     # bounded like every token count of the command line.
-    from ..argtypes import MAX_TOKENS, strict_int
-
     ops = []
     for item in (text or "").split(","):
         item = item.strip()
