@@ -9,7 +9,9 @@ and ``trim_prompt_cache`` for rollback. Probes (:mod:`.probes`) only observe. Se
 from __future__ import annotations
 
 import copy
+import json
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, get_args
 
@@ -19,6 +21,7 @@ import torch
 from ...contract import DTYPES
 from ...errors import CheckpointError, ConfigError, UsageError
 from ...models.config import Checkpoint, ModelConfig, fingerprint_of
+from ...models.hf_config import read_model_config
 from ...models.safetensors_dir import read_dir_config, weights_digest
 from ...parity.cases import Case
 from ...parity.protocol import CaseRun, EngineDescription, FullRun, Ignored, StepRecord, Tier
@@ -41,6 +44,10 @@ class MLXEngine:
     or for a case window ``W`` with ``s`` sinks ``RotatingKVCache(max_size=W + s, keep=s)``: the decode
     semantics of that cache is ropekv's window with sinks (its prefill semantics is not: docs/engines/mlx.md).
 
+    ``overrides`` update ``config.json`` for both mlx-lm (``load_model(path, model_config=...)``) and
+    ropekv's reading of it (another ``rope_theta``, ``rope_scaling``, ``layer_types`` and
+    ``sliding_window``): the same weights under another configuration.
+
     ``rollback=n`` feeds ``n`` rejected draft tokens in one call after the prefill and removes them with
     ``trim_prompt_cache`` (speculative decoding); ``restore=True`` saves the cache with
     ``save_prompt_cache`` and decodes from ``load_prompt_cache``'s copy. The reference is the
@@ -60,6 +67,7 @@ class MLXEngine:
         rollback: int = 0,
         restore: bool = False,
         blas: BlasChoice = "openblas",
+        overrides: Mapping[str, Any] | None = None,
     ):
         _check_options(max_kv_size, keep, rollback)
         if dtype not in _DTYPE_NAMES:
@@ -68,10 +76,13 @@ class MLXEngine:
         self.max_kv_size, self.keep, self.dtype_name = max_kv_size, keep, dtype
         self.rollback, self.restore = rollback, bool(restore)
         self.dtype = DTYPES[dtype]
-        self.path = _model_dir(model_dir)
-        self.config: ModelConfig = read_dir_config(self.path)  # ConfigError / CheckpointError, one line
+        self.path = model_directory(model_dir)
+        self.overrides = dict(overrides or {})
+        self.config: ModelConfig = _read_config(self.path, self.overrides)  # ConfigError / CheckpointError
         try:
-            self.model, self.mlx_config = self.rt.utils.load_model(self.path, trust_remote_code=False)
+            self.model, self.mlx_config = self.rt.utils.load_model(
+                self.path, trust_remote_code=False, model_config=dict(self.overrides) or None
+            )
         except (ValueError, FileNotFoundError, KeyError, OSError) as exc:
             raise CheckpointError(f"{self.path}: mlx-lm cannot load it: {str(exc).splitlines()[0]}") from None
         if len(self.model.layers) != self.config.num_layers:
@@ -273,7 +284,19 @@ def _check_options(max_kv_size: Any, keep: Any, rollback: Any) -> None:
         raise UsageError(f"mlx: rollback must be a non-negative integer, got {rollback!r}")
 
 
-def _model_dir(model_dir: str | Path | None) -> Path:
+def _read_config(path: Path, overrides: dict[str, Any]) -> ModelConfig:
+    """ropekv's reading of ``config.json`` updated with ``overrides`` (what ``load_model(path,
+    model_config=overrides)`` does to the dict mlx-lm builds its model from), so that the float64
+    reference runs the model mlx-lm runs."""
+    config = read_dir_config(path)  # validates the file first (size, JSON, fields)
+    if not overrides:
+        return config
+    data = json.loads((path / "config.json").read_text())
+    data.update(overrides)
+    return read_model_config(data, source=f"{path / 'config.json'} with {sorted(overrides)} overridden")
+
+
+def model_directory(model_dir: str | Path | None) -> Path:
     """The directory mlx-lm loads: the given one, or ropekv's converted embedded model (config.json,
     model.safetensors, tokenizer.json, tokenizer_config.json: all ``mlx_lm.load`` needs, offline)."""
     if model_dir is None:
