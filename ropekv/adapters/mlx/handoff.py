@@ -144,7 +144,7 @@ def table(steps: list[StepResult], tolerance: float | None) -> str:
     for i, s in enumerate(steps):
         verdict = "" if tolerance is None else ("PASS" if max(s.vs_reference, s.vs_full) < tolerance else "FAIL")
         lines.append(
-            f"{i:<5} {s.position:>8}  {s.max_abs:>11.3g}  {s.vs_reference:>10.3g}  {s.vs_full:>11.3g}  {verdict}"
+            f"{i:<5} {s.position:>8}  {s.max_abs:>11.3g}  {s.vs_reference:>10.3g}  {s.vs_full:>11.3g}  {verdict}".rstrip()
         )
     return "\n".join(lines)
 
@@ -232,3 +232,25 @@ def _describe(engine: Any) -> str:
 def _cache_kinds(caches: list[Any]) -> str:
     kinds = [type(c).__name__ + (f"({c.max_size})" if hasattr(c, "max_size") else "") for c in caches]
     return ", ".join(f"{kinds.count(k)} x {k}" for k in dict.fromkeys(kinds))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ropekv.adapters.mlx.handoff [MODEL] [--mlx-...]``: :func:`run` with the CLI's error
+    mapping (one line on stderr, the error's exit code), for use before and beside the subcommand."""
+    import sys
+
+    from ...errors import RopeKVError
+
+    parser = argparse.ArgumentParser(prog="python -m ropekv.adapters.mlx.handoff", description=__doc__)
+    parser.add_argument("model", nargs="?", default=None, help="model directory (default: the embedded model)")
+    add_arguments(parser.add_argument_group("mlx-lm prompt cache"))
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except RopeKVError as exc:
+        print(f"ropekv: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
