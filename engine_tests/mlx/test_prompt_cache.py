@@ -198,3 +198,33 @@ def test_cli_refuses_another_theta_with_exit_3(capsys):
     assert exc.value.exit_code == 3 and exc.value.fields == ("rope.theta",)
     out = capsys.readouterr().out
     assert "rope_theta 20000" in out and "load_checked: refused (rope.theta)" in out
+
+
+def test_a_restore_with_its_offset_reset_is_refused(engine, saved, fingerprint, tmp_path):
+    """The save/restore bug: keys restored but the offset back at 0 (the next token would be rotated at
+    position 0). The file is re-signed as documented (sha256 over the format name, the metadata without
+    the checksum, the entries and the data), so only the counters' check can catch it."""
+    import hashlib
+    import json
+
+    data = bytearray(saved.read_bytes())
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    meta = header.pop("__metadata__")
+    start, end = header["0.2"]["data_offsets"]  # layer 0's offset, an I32 scalar
+    assert header["0.2"]["dtype"] == "I32" and struct.unpack("<i", data[8 + n + start : 8 + n + end]) == (LENGTH,)
+    data[8 + n + start : 8 + n + end] = struct.pack("<i", 0)
+    h = hashlib.sha256(b"ropekv.mlx_prompt_cache")
+    covered = {k: v for k, v in meta.items() if k != "0.ropekv_checksum"}
+    h.update(json.dumps(covered, sort_keys=True, separators=(",", ":")).encode())
+    entries = {k: [e["dtype"], e["shape"], *e["data_offsets"]] for k, e in sorted(header.items())}
+    h.update(json.dumps(entries, sort_keys=True, separators=(",", ":")).encode())
+    h.update(bytes(data[8 + n :]))
+    meta["0.ropekv_checksum"] = "sha256:" + h.hexdigest()
+    raw = json.dumps({"__metadata__": meta, **header}, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    forged = tmp_path / "forged.safetensors"
+    forged.write_bytes(struct.pack("<Q", len(raw)) + raw + bytes(data[8 + n :]))
+    with pytest.raises(PayloadError, match="layer 0: the file's counters give .*offset=0"):
+        load_checked(forged, engine.model, fingerprint=fingerprint)
+    assert cache_mod.load_prompt_cache(str(forged))[0].offset == 0  # mlx-lm restores it as written
