@@ -30,8 +30,8 @@ import torch
 
 from ...contract import CacheContract
 from ...errors import PayloadError, UsageError
-from ...models.reference import ReferenceDecoder
 from ...models.config import Checkpoint
+from ...models.reference import ReferenceDecoder
 from ...parity.bug_class import BugClass
 from ...parity.forensics import effective_positions
 from ...rope import RopeScaling, RopeSpec, pair_channels
