@@ -128,7 +128,10 @@ def reference_kv(
     each ``[T, KVH, D]``, for ``token_ids [T]``: one full forward, no cache."""
     ids = torch.as_tensor(token_ids, dtype=torch.int64).reshape(-1)
     out = ReferenceDecoder(checkpoint).forward(ids, probe_rows=[ids.numel() - 1], logits_for="probed")
-    return tuple(p.k for p in out.layers), tuple(p.v for p in out.layers)
+    values = tuple(p.v for p in out.layers)
+    if any(v is None for v in values):
+        raise UsageError("the reference recorded no values")
+    return tuple(p.k for p in out.layers), tuple(v for v in values if v is not None)
 
 
 def check_entry(
