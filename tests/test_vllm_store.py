@@ -18,6 +18,7 @@ from safetensors.torch import save_file
 
 from ropekv.adapters.vllm import store
 from ropekv.errors import PayloadError
+from ropekv.parity.cases import token_stream
 
 B, KVH, D = 32, 3, 16  # block size, KV heads, head_dim (the real model's are 32, 3, 64)
 T = 64  # two blocks
@@ -56,9 +57,13 @@ def _write_raw(root: Path, ids: list[int], tensors: list[torch.Tensor]) -> Path:
 IDS = list(range(100, 100 + T))
 
 
+def test_entry_key_is_the_directory_name_a_real_producer_wrote():
+    # vLLM 0.32.0's ExampleConnector wrote this directory for the first 64 tokens of the embedded model's
+    # 70-token prompt (scripts/findings/vllm_store_layout.py; engine_tests/vllm/test_store.py checks it live)
+    assert store.entry_key(token_stream(49152, 70)[:64]) == "e1db32aa5d65c2483cd3ad0a205bb539"
+
+
 def test_entry_key_is_the_md5_of_little_endian_int64_ids():
-    # the directory name a real vLLM 0.32.0 producer wrote for the embedded model's 70-token prompt
-    # (engine_tests/vllm/test_store.py) is checked there; here: the byte rule on fixed values
     assert store.entry_key([1, 2]) == hashlib.md5(bytes([1] + [0] * 7 + [2] + [0] * 7)).hexdigest()
     assert store.entry_key(torch.tensor([1, 2])) == store.entry_key([1, 2])
     assert (
