@@ -61,13 +61,22 @@ def test_unpack_inverts_vllms_writer_and_the_connectors_extraction(isa, dtype):
     assert torch.equal(store.pack(keys, values, block_size=B, isa=isa), saved)
 
 
+_KEEP = []  # vLLM instances stay alive for the process: one collected mid-process tears down vLLM's groups
+
+
 @pytest.fixture(scope="module")
-def connector(tmp_path_factory):
+def connector(request, tmp_path_factory):
     """The vLLM instance, its store, the prompt, what the producer run stored and hooked, and the
-    float64 reference over the prompt and vLLM's greedy continuation."""
+    float64 reference over the prompt and vLLM's greedy continuation.
+
+    The worker side of a KV connector is one per process (``ensure_kv_transfer_initialized`` keeps the
+    first): while it exists, every other in-process vLLM instance's step asserts on its missing
+    connector metadata, and a later connector instance would run this one's. So it is shut down when
+    this module's tests are done; the instance itself is kept alive."""
     from conftest import ENGINE_KWARGS
     from vllm import SamplingParams
     from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_transfer_state import ensure_kv_transfer_shutdown
     from vllm.inputs import TokensPrompt
 
     from ropekv.adapters.vllm import VLLMEngine
@@ -78,6 +87,8 @@ def connector(tmp_path_factory):
     )
     kwargs = {**ENGINE_KWARGS, "max_num_batched_tokens": 128}  # the prompt in one forward
     engine = VLLMEngine(None, dtype="float32", enable_prefix_caching=False, kv_transfer_config=config, **kwargs)
+    _KEEP.append(engine)
+    request.addfinalizer(ensure_kv_transfer_shutdown)
     cfg = engine.checkpoint.config
     prompt = token_stream(cfg.vocab_size, N).tolist()
     params = SamplingParams(max_tokens=STEPS, temperature=0.0, logprobs=TOP, detokenize=False, ignore_eos=True)
@@ -97,7 +108,7 @@ def connector(tmp_path_factory):
         entry, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, block_size=BLOCK, isa=engine.contract.kernel_isa
     )
     reference = ReferenceDecoder(engine.checkpoint).forward(torch.tensor(tokens), probe_rows=[len(tokens) - 1])
-    return dict(
+    yield dict(
         engine=engine,
         root=root,
         prompt=prompt,

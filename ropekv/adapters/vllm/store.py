@@ -52,6 +52,8 @@ SUFFIX = ".safetensors"
 MAX_HEADER_BYTES = 64 << 10  # a one-tensor header is ~80 bytes; a little metadata is allowed
 MAX_TOKENS = 1 << 20
 MAX_LAYERS = 1024
+MAX_ENTRIES = 1 << 20  # names in a store directory ropekv lists
+MAX_FILE_BYTES = 1 << 32  # one layer's file: 4 GiB (the embedded model's is 98 KiB for 64 tokens)
 MAX_TOKEN_ID = 1 << 31
 _ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
 _ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2}
@@ -161,8 +163,8 @@ def list_entries(store_dir: str | os.PathLike) -> tuple[StoreEntry, ...]:
         names = sorted(os.listdir(root))
     except OSError as exc:
         raise PayloadError(f"cannot list the vLLM store {root}: {exc.strerror or exc}") from None
-    if len(names) > MAX_TOKENS:
-        raise PayloadError(f"vLLM store {root} holds {len(names)} names, more than ropekv reads")
+    if len(names) > MAX_ENTRIES:
+        raise PayloadError(f"vLLM store {root} holds {len(names)} names, more than the {MAX_ENTRIES} ropekv lists")
     out = []
     for name in names:
         if _KEY.fullmatch(name):
@@ -263,9 +265,11 @@ def _header(path: Path) -> _Header:
         raise PayloadError(f"{where}: dtype {str(dtype)[:20]!r} is not one of {', '.join(_ST_DTYPES)}")
     if not (isinstance(shape, list) and len(shape) == 3 and all(is_int(s) and s >= 1 for s in shape)):
         raise PayloadError(f"{where}: shape {str(shape)[:60]} is not [tokens, num_kv_heads, 2 * head_dim]")
-    if shape[0] > MAX_TOKENS or shape[1] * shape[2] > 1 << 20:
-        raise PayloadError(f"{where}: shape {shape} beyond what ropekv reads")
     need = shape[0] * shape[1] * shape[2] * _ITEMSIZE[dtype]
+    if shape[0] > MAX_TOKENS or need > MAX_FILE_BYTES:
+        raise PayloadError(
+            f"{where}: shape {shape} ({need} bytes) beyond what ropekv reads ({MAX_FILE_BYTES} bytes a file)"
+        )
     if offsets != [0, need] or 8 + header_len + need != size:
         raise PayloadError(
             f"{where}: {dtype} {shape} needs {need} data bytes; data_offsets {str(offsets)[:40]} and the file's "
