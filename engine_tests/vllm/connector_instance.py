@@ -2,7 +2,7 @@
 
 vLLM keeps its KV connector in a process-wide global, so a producer and a consumer (or two consumers)
 cannot share a process; each test instance runs this script. argv[1] is a JSON object:
-``{"connector", "role", "store", "policy", "hf_overrides"}``. Each stdin line is a request
+``{"connector", "role", "store", "policy", "hf_overrides", "max_num_batched_tokens"}``. Each stdin line is a request
 ``{"prompt": [token ids], "max_tokens": n}``; each stdout line the answer ``{"token_ids", "logprobs",
 "num_cached_tokens", "finish_reason"}`` (or ``{"error"}``). ``{"ready": ...}`` is printed once vLLM is up.
 """
@@ -57,6 +57,7 @@ def main() -> None:
         max_logprobs=1,
         kv_transfer_config=transfer,
         hf_overrides=spec.get("hf_overrides") or None,
+        max_num_batched_tokens=spec.get("max_num_batched_tokens") or 256,  # smaller: prompts are chunked
     )
     print(json.dumps({"ready": round(time.perf_counter() - started, 1)}), flush=True)
     for line in sys.stdin:
