@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import safetensors
 import safetensors.torch
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -282,10 +283,16 @@ class ContractConnector(ExampleConnector):
         for i, name in enumerate(self._engine.layer_names):
             if name not in data:
                 continue
-            tensor = safetensors.torch.load(data[name]).get("kv_cache")
-            if tensor is None or tuple(tensor.shape) != want or name not in layers:
-                shape = None if tensor is None else tuple(tensor.shape)
-                diffs.append(FieldDiff(f"checksum.layers.{i}", f"kv_cache {want}", f"kv_cache {shape}"))
+            try:
+                tensor = safetensors.torch.load(data[name]).get("kv_cache")
+            except safetensors.SafetensorError as exc:  # checksummed, yet not a safetensors file
+                diffs.append(FieldDiff(f"checksum.layers.{i}", "a safetensors file", str(exc)[:160]))
+                continue
+            cache = layers.get(name)
+            if tensor is None or cache is None or tuple(tensor.shape) != want or tensor.dtype != cache.dtype:
+                found = None if tensor is None else (tuple(tensor.shape), str(tensor.dtype))
+                wanted = (want, None if cache is None else str(cache.dtype))
+                diffs.append(FieldDiff(f"checksum.layers.{i}", f"kv_cache {wanted}", f"kv_cache {found}"))
             else:
                 out[name] = tensor
         if diffs:
