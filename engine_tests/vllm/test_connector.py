@@ -26,9 +26,10 @@ STORED = 64  # whole blocks of 32 below the last prompt token
 THETA_20000 = {"rope_theta": 20000, "rope_parameters": {"rope_type": "default", "rope_theta": 20000}}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    """``(store, entry, pristine copy of the entry, the producer's plain run, {"recompute", "fail"})``."""
+    """``(store, entry, pristine copy of the entry, the producer's plain run, {"recompute", "fail"})``;
+    module-scoped: the consumers exit when this file's tests are done, not at the end of the session."""
     base = tmp_path_factory.mktemp("connector")
     store = base / "store"
     store.mkdir()
