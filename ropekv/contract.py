@@ -14,6 +14,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, get_args
 
@@ -186,6 +187,18 @@ def consequence(diff: FieldDiff) -> str:
     if field.startswith("rope.scaling."):
         return _CONSEQUENCES["rope.scaling"]
     return _CONSEQUENCES[field]
+
+
+def mismatch(
+    diffs: list[FieldDiff], *, ours: str, theirs: str, explain: Callable[[FieldDiff], str] = consequence
+) -> ContractMismatch:
+    """The handshake's refusal for ``diffs`` (non-empty): every field, both values and the consequence
+    (``explain``, :func:`consequence` unless a caller compares fields beyond the contract's own)."""
+    parts = [f"{d.field}: {ours}={d.ours!r}, {theirs}={d.theirs!r} ({explain(d)})" for d in diffs]
+    return ContractMismatch(
+        f"{ours} and {theirs} cache contracts differ in {len(diffs)} field(s): " + "; ".join(parts),
+        fields=tuple(d.field for d in diffs),
+    )
 
 
 @dataclass(frozen=True)
@@ -501,13 +514,8 @@ class CacheContract:
         ``other`` (labelled ``theirs``) is the side that produced the keys; ``self`` (``ours``) reads them.
         """
         diffs = self.diff(other)
-        if not diffs:
-            return
-        parts = [f"{d.field}: {ours}={d.ours!r}, {theirs}={d.theirs!r} ({consequence(d)})" for d in diffs]
-        raise ContractMismatch(
-            f"{ours} and {theirs} cache contracts differ in {len(diffs)} field(s): " + "; ".join(parts),
-            fields=tuple(d.field for d in diffs),
-        )
+        if diffs:
+            raise mismatch(diffs, ours=ours, theirs=theirs)
 
     # ------------------------------------------------------------------ serialization
 

@@ -94,13 +94,36 @@ def read_contract(
     layers = list(model.model.layers)
     attn0 = layers[0].self_attn
     rope = attn0.rotary_emb
-    cls = type(rope).__name__
-    table = getattr(rope, "cos_sin_cache", None)  # [max_positions, rotary_dim]: cos | sin halves
-    table = None if table is None else table.detach().clone()
     same = all(
         getattr(block.self_attn, "rotary_emb", None) is rope or _same_rope(block.self_attn.rotary_emb, rope)
         for block in layers
     )
+    return rotary_contract(
+        rope,
+        spec,
+        same_module_all_layers=same,
+        block_size=block_size,
+        dtype=dtype,
+        kv_cache_dtype=kv_cache_dtype,
+        attention=attn0.attn,
+    )
+
+
+def rotary_contract(
+    rope: Any,
+    spec: RopeSpec,
+    *,
+    same_module_all_layers: bool,
+    block_size: int,
+    dtype: torch.dtype,
+    kv_cache_dtype: str,
+    attention: Any,
+) -> VLLMContract:
+    """The contract of one rotary module vLLM built (``rope``, vLLM's ``RotaryEmbedding``: ``Any``, its
+    attributes are vLLM's) and one of its ``Attention`` layers."""
+    cls = type(rope).__name__
+    table = getattr(rope, "cos_sin_cache", None)  # [max_positions, rotary_dim]: cos | sin halves
+    table = None if table is None else table.detach().clone()
     return VLLMContract(
         rope_class=cls,
         rope_type=ROPE_CLASSES.get(cls),
@@ -114,12 +137,12 @@ def read_contract(
         cos_sin_positions=int(table.shape[0]) if table is not None else 0,
         cos_sin_max_error=table_error(table, spec),
         cos_sin_table=table,
-        same_module_all_layers=same,
+        same_module_all_layers=same_module_all_layers,
         block_size=block_size,
         dtype=str(dtype).removeprefix("torch."),
         kv_cache_dtype=kv_cache_dtype,
-        attention_backend=type(attn0.attn.impl).__name__,
-        kernel_isa=str(getattr(attn0.attn, "isa", "unknown")),
+        attention_backend=type(attention.impl).__name__,
+        kernel_isa=str(getattr(attention, "isa", "unknown")),
     )
 
 
