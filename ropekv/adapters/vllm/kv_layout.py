@@ -104,3 +104,31 @@ def slots_of(block_table_row: torch.Tensor, num_tokens: int, block_size: int) ->
     row (token ``i`` lives in block ``block_table_row[i // block_size]`` at offset ``i % block_size``)."""
     i = torch.arange(num_tokens)
     return block_table_row.to(torch.int64)[i // block_size] * block_size + i % block_size
+
+
+def key_cell_order(isa: str, block_size: int, head_dim: int) -> torch.Tensor:
+    """``[block_size, head_dim]`` int64: the cell, within the key half of one block and head
+    (``block_size * head_dim`` elements), of key element ``(token offset, channel)`` under ``isa``."""
+    return _block_order(isa, block_size, head_dim)
+
+
+def value_cell_order(isa: str, block_size: int, head_dim: int) -> torch.Tensor:
+    """``[block_size, head_dim]`` int64: the cell, within the value half of one block and head, of value
+    element ``(token offset, channel)`` under ``isa``. ``vec`` / ``vec16``: token-major ``[block_size][head_dim]``
+    (not transposed like the keys); ``amx``: 16-channel tiles with token pairs interleaved,
+    ``[head_dim / 16][block_size / 2][16][2]`` (the VNNI order of the probabilities-times-values product).
+    Measured with ``cpu_attn_reshape_and_cache`` (engine_tests/vllm/test_store.py keeps it as a test)."""
+    cells = torch.arange(block_size * head_dim)
+    if isa in ("vec", "vec16"):
+        return cells.view(block_size, head_dim)
+    if isa == "amx":
+        if block_size % 2 or head_dim % 16:
+            raise AdapterError(
+                ADAPTER,
+                "kv layout",
+                "amx values in 16-channel tiles of token pairs",
+                f"block_size={block_size}, head_dim={head_dim}",
+            )
+        view = cells.view(head_dim // 16, block_size // 2, 16, 2)  # [channel tile, token pair, channel, lane]
+        return view.permute(1, 3, 0, 2).reshape(block_size, head_dim)
+    return _block_order(isa, block_size, head_dim)  # raises the same AdapterError for an unknown ISA
