@@ -66,8 +66,15 @@ def test_list_faults_lists_every_transfer_fault(capsys):
     assert code == 0
     names = [line.split()[0] for line in out.strip().splitlines()]
     assert names == list(VLLM_TRANSFER_FAULTS)
-    assert {"consumer_rope_theta", "consumer_linear_scaling", "consumer_yarn_scaling", "consumer_other_weights",
-            "consumer_bfloat16", "inject_position_shift", "forged_store_entry"} == set(names)
+    assert {
+        "consumer_rope_theta",
+        "consumer_linear_scaling",
+        "consumer_yarn_scaling",
+        "consumer_other_weights",
+        "consumer_bfloat16",
+        "inject_position_shift",
+        "forged_store_entry",
+    } == set(names)
 
 
 def test_without_vllm_the_run_is_engine_unavailable(monkeypatch):
@@ -106,7 +113,14 @@ def test_no_refusal_file_means_no_refusal(tmp_path):
     assert read_refusals(tmp_path) == [] and refusal_error([]) is None
 
 
-@pytest.mark.parametrize("line", ["not json", json.dumps({"request_id": "r"}), json.dumps({"request_id": "r", "key": "k", "fields": "rope.theta", "message": "m", "policy": "fail"})])
+@pytest.mark.parametrize(
+    "line",
+    [
+        "not json",
+        json.dumps({"request_id": "r"}),
+        json.dumps({"request_id": "r", "key": "k", "fields": "rope.theta", "message": "m", "policy": "fail"}),
+    ],
+)
 def test_a_broken_refusal_line_is_a_transport_error(tmp_path, line):
     (tmp_path / REFUSALS_FILE).write_text(line + "\n")
     with pytest.raises(TransportError, match=f"{REFUSALS_FILE}:1: not a refusal record"):
@@ -226,7 +240,13 @@ def test_a_side_error_comes_back_as_its_class(tmp_path):
 def _side(theta: float, dtype: str = "float32", fingerprint: str = "fp-a") -> dict:
     rope = RopeSpec(head_dim=64, rotary_dim=64, theta=theta)
     contract = CacheContract(
-        key_form="rotated", rope=rope, block_size=32, dtype=dtype, num_layers=2, num_kv_heads=3, head_dim=64,
+        key_form="rotated",
+        rope=rope,
+        block_size=32,
+        dtype=dtype,
+        num_layers=2,
+        num_kv_heads=3,
+        head_dim=64,
         model_fingerprint=fingerprint,
     )
     return {"cache_contract": contract.to_dict(), "contract": {"theta": theta, "dtype": dtype, "kernel_isa": "vec"}}
@@ -235,7 +255,11 @@ def _side(theta: float, dtype: str = "float32", fingerprint: str = "fp-a") -> di
 def test_the_sides_differences_are_named_with_their_consequence():
     contract, runs = vllm_driver.compare_sides(_side(100000.0), _side(20000.0, "bfloat16", "fp-b"))
     fields = [d.diff.field for d in contract]
-    assert fields == ["rope.theta", "dtype", "model_fingerprint"] or set(fields) == {"rope.theta", "dtype", "model_fingerprint"}
+    assert fields == ["rope.theta", "dtype", "model_fingerprint"] or set(fields) == {
+        "rope.theta",
+        "dtype",
+        "model_fingerprint",
+    }
     theta = next(d for d in contract if d.diff.field == "rope.theta")
     assert theta.diff.ours == 20000.0 and theta.diff.theirs == 100000.0
     assert "frequenc" in theta.consequence
@@ -269,6 +293,8 @@ def test_model_config_type_is_what_faults_edit():
 def test_subprocess_of_this_python_imports_this_tree():
     out = subprocess.run(
         [sys.executable, "-c", "import ropekv.handoff.vllm_role as m; print(m.__file__)"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     assert Path(out.strip()).resolve().is_relative_to(Path(vllm_driver.__file__).resolve().parents[2])

@@ -42,7 +42,14 @@ def _by_name(faults: Iterable[F]) -> Mapping[str, F]:
 
 # Every fault by name; names are unique across engines.
 REGISTRY: Mapping[str, Fault] = _by_name(
-    (*catalogue.CATALOGUE, *ops.CATALOGUE, *handoff.CATALOGUE, *vllm.CATALOGUE, *vllm_transfer.CATALOGUE, *mlx.CATALOGUE)
+    (
+        *catalogue.CATALOGUE,
+        *ops.CATALOGUE,
+        *handoff.CATALOGUE,
+        *vllm.CATALOGUE,
+        *vllm_transfer.CATALOGUE,
+        *mlx.CATALOGUE,
+    )
 )
 
 

@@ -110,9 +110,9 @@ def _scale_one_tensor(source: Path, dest: Path, name: str) -> None:
 
     for path in sorted(source.glob("*.safetensors")):
         with safe_open(str(path), framework="pt") as f:
-            if name not in f.keys():
+            if name not in f.keys():  # noqa: SIM118 (safe_open is not iterable)
                 continue
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
             metadata = f.metadata()
         tensors[name] = tensors[name] * SCALED
         (dest / path.name).unlink()

@@ -48,9 +48,7 @@ def read_refusals(store: Path) -> list[Refusal]:
             fields = d["fields"]
             if not isinstance(fields, list) or not all(isinstance(f, str) for f in fields):
                 raise TypeError("fields must be a list of strings")
-            out.append(
-                Refusal(str(d["request_id"]), str(d["key"]), tuple(fields), str(d["message"]), str(d["policy"]))
-            )
+            out.append(Refusal(str(d["request_id"]), str(d["key"]), tuple(fields), str(d["message"]), str(d["policy"])))
         except (ValueError, KeyError, TypeError) as exc:
             raise TransportError(f"{path}:{n}: not a refusal record ({type(exc).__name__}: {exc})") from None
     return out

@@ -11,7 +11,11 @@ processes, checked by ropekv.
    handshake's consequence wording, and what vLLM runs on each (:class:`VLLMContract`); and reports
    what came through the connector (tokens injected vs recomputed, vLLM's ``num_cached_tokens``).
 
-The verdict: the handoff holds when parity holds and the two sides' contracts agree. Exit codes:
+The store itself is checked too (:mod:`.vllm_entries`): each entry the consumer reads, decoded, must
+hold exactly the producer's hooked post-RoPE keys of its prompt.
+
+The verdict: the handoff holds when parity holds, the two sides' contracts agree and every entry
+holds its own prompt's keys. Exit codes:
 0 it holds; 1 it does not (parity fails, or the contracts differ); 2 bad input (flags, a store
 directory that is missing, not a directory, not readable and writable, or without room for the
 entries; checked before any vLLM starts); 3 the ``ropekv`` connector refused the stored KV (its
@@ -22,6 +26,7 @@ producer could not write it, an entry is missing). Ctrl-C kills the running side
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -41,6 +46,7 @@ from ..faults.registry import get_transfer_fault
 from ..faults.vllm_transfer import TransferFault, forge_entry
 from . import vllm_role
 from .refusals import read_refusals, refusal_error
+from .vllm_entries import describe, entry_findings
 
 REPORT_FORMAT = "ropekv.vllm-handoff-report"
 REPORT_VERSION = 1
@@ -139,10 +145,8 @@ def run_role(
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is already gone
         os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
     proc.wait()
 
 
@@ -207,11 +211,7 @@ def check_store(store: Path, need: int) -> None:
 
 
 def _store_files(store: Path) -> dict[str, int]:
-    return {
-        str(p.relative_to(store)): p.stat().st_size
-        for p in sorted(store.rglob("*.safetensors"))
-        if p.is_file()
-    }
+    return {str(p.relative_to(store)): p.stat().st_size for p in sorted(store.rglob("*.safetensors")) if p.is_file()}
 
 
 # ---------------------------------------------------------------------- the comparison
@@ -229,7 +229,12 @@ class Difference:
         return f"{d.field}: consumer={d.ours!r}, producer={d.theirs!r} ({self.consequence})"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"field": self.diff.field, "consumer": self.diff.ours, "producer": self.diff.theirs, "consequence": self.consequence}
+        return {
+            "field": self.diff.field,
+            "consumer": self.diff.ours,
+            "producer": self.diff.theirs,
+            "consequence": self.consequence,
+        }
 
 
 def compare_sides(producer: dict[str, Any], consumer: dict[str, Any]) -> tuple[list[Difference], list[FieldDiff]]:
@@ -252,16 +257,10 @@ def compare_sides(producer: dict[str, Any], consumer: dict[str, Any]) -> tuple[l
 def run(options: Options) -> dict[str, Any]:
     """Run one handoff and return its report (a JSON-ready dict; ``"exit_code"`` is the verdict's).
     Errors that stop the run are raised (module docstring for their exit codes)."""
-    if importlib.util.find_spec("vllm") is None:
-        raise EngineUnavailable(
-            "vLLM is not importable here: run ropekv handoff --engine vllm from the engine venv "
-            "(.venv-vllm/bin/ropekv, make setup-vllm)"
-        )
+    require_vllm()
     fault = get_transfer_fault(options.fault) if options.fault else None
-    source = _model_dir(options.model)
-    prompts = [(n, options.seed) for n in options.lengths]
-    if fault is not None and fault.forge:
-        prompts.append((options.lengths[0], options.seed + FORGE_SEED_OFFSET))
+    prompts = prompts_for(options, forge=fault is not None and fault.forge)
+    source = model_dir(options.model)
     need = sum(entry_bytes(source, n) for n, _ in prompts) + 2**20
     with tempfile.TemporaryDirectory(prefix="ropekv-vllm-handoff-") as tmp:
         work = Path(tmp)
@@ -269,63 +268,104 @@ def run(options: Options) -> dict[str, Any]:
         if options.store is None:
             store.mkdir()
         check_store(store, need)
-        return _run(options, fault, source, store, work, prompts)
+        started = time.monotonic()
+        producer = produce(options, store, work, prompts)
+        return consume(options, store, work, producer, started=started)
 
 
-def _run(
-    options: Options, fault: TransferFault | None, source: Path, store: Path, work: Path, prompts: list[tuple[int, int]]
-) -> dict[str, Any]:
-    started = time.monotonic()
-    consumer_dir = str(fault.consumer_model_dir(source, work / "consumer-model")) if fault and fault.own_model_dir else options.model
-    common = dict(block_size=BLOCK_SIZE, store=str(store), connector=options.connector, decode_steps=options.decode_steps)
-    sides: dict[str, RoleOutcome] = {}
-    for role, model_dir, dtype, role_prompts in (
-        ("producer", options.model, options.dtype, prompts),
-        ("consumer", consumer_dir, (fault.consumer_dtype if fault else None) or options.dtype, prompts[: len(options.lengths)]),
-    ):
-        spec = vllm_role.spec(
-            role,
-            model_dir=model_dir,
-            dtype=dtype,
-            prompts=role_prompts,
-            fault=fault.name if (fault is not None and role == "consumer") else None,
-            **common,  # type: ignore[arg-type]
+def require_vllm() -> None:
+    """EngineUnavailable unless vLLM is importable by this interpreter (which the sides run under)."""
+    if importlib.util.find_spec("vllm") is None:
+        raise EngineUnavailable(
+            "vLLM is not importable here: run ropekv handoff --engine vllm from the engine venv "
+            "(.venv-vllm/bin/ropekv, make setup-vllm)"
         )
-        out_dir = work / role
-        out_dir.mkdir()
-        (out_dir / "spec.json").write_text(json.dumps(spec))
-        argv = [options.python, "-m", "ropekv.handoff.vllm_role", str(out_dir / "spec.json"), str(out_dir / "result.json")]
-        outcome = run_role(role, argv, timeout=options.timeout, result=out_dir / "result.json", log=out_dir / "log.txt")
-        sides[role] = outcome
-        if role == "producer":
-            error = _outcome_error(outcome)
-            if error is not None:
-                raise error
-            _after_producer(outcome.result or {}, store, fault, len(options.lengths))
-            stored = _store_files(store)
-        else:
-            refused = refusal_error(read_refusals(store))
-            if refused is not None:
-                raise refused
-            error = _outcome_error(outcome)
-            if error is not None:
-                raise error
-    return _report(options, fault, sides, stored, _store_files(store), time.monotonic() - started)
 
 
-def _after_producer(result: dict[str, Any], store: Path, fault: TransferFault | None, kept: int) -> None:
-    """Every prompt the consumer reads has its entry in the store; a forged fault copies the donor's
-    entry (the extra prompt) over the first prompt's."""
-    prompts = result.get("prompts") or []
-    for p in prompts:
+def prompts_for(options: Options, *, forge: bool) -> list[tuple[int, int]]:
+    """``(length, seed)`` of every prompt the producer prefills: one per length, then (``forge``) the
+    donor of a forged entry, the first length of the next seed's token stream."""
+    prompts = [(n, options.seed) for n in options.lengths]
+    return prompts + [(options.lengths[0], options.seed + FORGE_SEED_OFFSET)] if forge else prompts
+
+
+def _side(role: str, options: Options, work: Path, argv_spec: dict[str, Any]) -> RoleOutcome:
+    out_dir = work / role
+    out_dir.mkdir(parents=True)
+    (out_dir / "spec.json").write_text(json.dumps(argv_spec))
+    argv = [options.python, "-m", "ropekv.handoff.vllm_role", str(out_dir / "spec.json"), str(out_dir / "result.json")]
+    return run_role(role, argv, timeout=options.timeout, result=out_dir / "result.json", log=out_dir / "log.txt")
+
+
+def produce(options: Options, store: Path, work: Path, prompts: list[tuple[int, int]]) -> RoleOutcome:
+    """The producer side: prefill ``prompts`` into ``store``; raises what it failed with, and
+    TransportError if a prompt did not get exactly one store entry."""
+    spec = vllm_role.spec(
+        "producer",
+        model_dir=options.model,
+        dtype=options.dtype,
+        block_size=BLOCK_SIZE,
+        store=str(store),
+        connector=options.connector,
+        prompts=prompts,
+        decode_steps=options.decode_steps,
+        fault=None,
+    )
+    outcome = _side("producer", options, work, spec)
+    error = _outcome_error(outcome)
+    if error is not None:
+        raise error
+    for p in (outcome.result or {}).get("prompts") or []:
         if len(p["entries"]) != 1 or not (store / p["entries"][0]).is_dir():
             raise TransportError(
                 f"the producer's connector wrote {len(p['entries'])} store entries for the {p['length']}-token "
                 f"prompt (expected 1) in {store}"
             )
+    return outcome
+
+
+def consume(
+    options: Options, store: Path, work: Path, producer: RoleOutcome, *, started: float | None = None
+) -> dict[str, Any]:
+    """The consumer side over ``store`` as ``producer`` left it (the fault of ``options`` applied:
+    a changed model directory in ``work``, a forged entry in ``store``), and the report."""
+    started = time.monotonic() if started is None else started
+    fault = get_transfer_fault(options.fault) if options.fault else None
+    prompts = (producer.result or {})["prompts"]
     if fault is not None and fault.forge:
-        victim, donor = prompts[0]["entries"][0], prompts[kept]["entries"][0]
-        forge_entry(store, store / victim, store / donor)
+        if len(prompts) <= len(options.lengths):
+            raise UsageError("a forged entry needs the producer to have prefilled the donor prompt (prompts_for)")
+        forge_entry(store, store / prompts[0]["entries"][0], store / prompts[len(options.lengths)]["entries"][0])
+    stored = _store_files(store)
+    entries = entry_findings(store, producer.result or {}, len(options.lengths))
+    consumer_dir = options.model
+    if fault is not None and fault.own_model_dir:
+        consumer_dir = str(fault.consumer_model_dir(model_dir(options.model), work / "consumer-model"))
+    spec = vllm_role.spec(
+        "consumer",
+        model_dir=consumer_dir,
+        dtype=(fault.consumer_dtype if fault else None) or options.dtype,
+        block_size=BLOCK_SIZE,
+        store=str(store),
+        connector=options.connector,
+        prompts=[(p["length"], p["seed"]) for p in prompts[: len(options.lengths)]],
+        decode_steps=options.decode_steps,
+        fault=None if fault is None else fault.name,
+    )
+    outcome = _side("consumer", options, work, spec)
+    refused = refusal_error(read_refusals(store))
+    if refused is not None:
+        raise refused
+    error = _outcome_error(outcome)
+    if error is not None:
+        raise error
+    sides = {"producer": producer, "consumer": outcome}
+    doc = _report(options, fault, sides, stored, _store_files(store), time.monotonic() - started)
+    doc["store_entries"] = entries
+    wrong = [e for e in entries if e["holds"] != e["prompt"]]
+    doc["passed"] = doc["passed"] and not wrong
+    doc["exit_code"] = 0 if doc["passed"] else 1
+    return doc
 
 
 def _report(
@@ -369,7 +409,11 @@ def _report(
             "counters": consumer["counters"],
         },
         "first_token_logprobs": first_change,
-        "seconds": {"producer": round(sides["producer"].seconds, 1), "consumer": round(sides["consumer"].seconds, 1), "total": round(seconds, 1)},
+        "seconds": {
+            "producer": round(sides["producer"].seconds, 1),
+            "consumer": round(sides["consumer"].seconds, 1),
+            "total": round(seconds, 1),
+        },
         "table": consumer["table"],
         "parity": parity,
     }
@@ -393,6 +437,7 @@ def summary(doc: dict[str, Any]) -> str:
             f"first-token logprob ({f['length']} tokens): producer {f['producer_first_logprob']:.4f}, "
             f"consumer {f['consumer_first_logprob']:.4f} (change {f['change']:+.4f})"
         )
+    lines += [describe(e) for e in doc.get("store_entries", [])]
     if doc["contract_differences"]:
         lines.append(f"contract: the sides differ in {len(doc['contract_differences'])} field(s):")
         lines += [
@@ -403,20 +448,29 @@ def summary(doc: dict[str, Any]) -> str:
         lines.append("contract: producer and consumer agree (RoPE, dtype, block size, model fingerprint)")
     if doc["vllm_differences"]:
         lines.append(
-            "vLLM runs: " + "; ".join(f"{d['field']} consumer={d['consumer']!r} producer={d['producer']!r}" for d in doc["vllm_differences"])
+            "vLLM runs: "
+            + "; ".join(
+                f"{d['field']} consumer={d['consumer']!r} producer={d['producer']!r}" for d in doc["vllm_differences"]
+            )
         )
     diagnosis = (doc["parity"].get("diagnosis") or {}).get("kind")
     verdict = "holds" if doc["passed"] else "FAILS"
-    why = [] if doc["passed"] else (["parity fails"] if not doc["parity"]["passed"] else []) + (
-        ["contracts differ"] if doc["contract_differences"] else []
+    why = (
+        []
+        if doc["passed"]
+        else (["parity fails"] if not doc["parity"]["passed"] else [])
+        + (["contracts differ"] if doc["contract_differences"] else [])
     )
     lines.append(
-        f"handoff {verdict}" + (f" ({', '.join(why)})" if why else "") + (f"; forensics: {diagnosis}" if diagnosis else "")
+        f"handoff {verdict}"
+        + (f" ({', '.join(why)})" if why else "")
+        + (f"; forensics: {diagnosis}" if diagnosis else "")
     )
     return "\n".join(lines)
 
 
-def _model_dir(model: str | None) -> Path:
+def model_dir(model: str | None) -> Path:
+    """The model directory both sides start from (None: the embedded SmolLM2's)."""
     if model is None:
         from ..models.default import default_checkpoint_dir
 

@@ -123,7 +123,10 @@ def _consumer(s: dict[str, Any]) -> dict[str, Any]:
         enable_prefix_caching=True,
     )
     seed = int(s["prompts"][0][1])
-    cases = [Case(length=int(length), block_size=s["block_size"], decode_steps=s["decode_steps"]) for length, _ in s["prompts"]]
+    cases = [
+        Case(length=int(length), block_size=s["block_size"], decode_steps=s["decode_steps"])
+        for length, _ in s["prompts"]
+    ]
     undo = fault.install(engine) if fault is not None else (lambda: None)
     try:
         report = check(engine, cases=cases, seed=seed)

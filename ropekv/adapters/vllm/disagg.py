@@ -169,7 +169,9 @@ class ConnectorConsumer(VLLMEngine):
             f"connector ({self.connector}): {injected} of {case.length} prompt tokens injected from the store, "
             f"{counters['recomputed_tokens']} recomputed (vLLM's num_cached_tokens {counters['num_cached_tokens']})"
         )
-        return CaseRun(steps=run.steps, notes=(*run.notes, note))
+        # The parent's note counts every cached token as a prefix-cache hit; here they came from the store.
+        notes = tuple(n for n in run.notes if not n.startswith("vLLM took"))
+        return CaseRun(steps=run.steps, notes=(note, *notes))
 
     def full_forward(self, tokens: torch.Tensor, rows: list[int], case: Case) -> FullRun:
         with self.tap.store_off():
@@ -193,7 +195,9 @@ class ConnectorConsumer(VLLMEngine):
         finally:
             self.tap.after_inject.remove(note_injection)
         if logprobs and prompt_logprobs is None:
-            self.case_logprobs.append([max(lp.values(), key=lambda x: x.logprob).logprob for lp in out.outputs[0].logprobs])
+            self.case_logprobs.append(
+                [max(lp.values(), key=lambda x: x.logprob).logprob for lp in out.outputs[0].logprobs]
+            )
         self._last_counts = {"num_cached_tokens": int(out.num_cached_tokens or 0)}
         return out
 
