@@ -40,14 +40,19 @@ def test_correct_handoff_holds_with_the_prompt_injected(produced):
     # the first token over injected KV is the producer's own (computed by its full prefill)
     assert abs(doc["first_token_logprobs"][0]["change"]) < 1e-4
     assert doc["parity"]["cases"][0]["max_self_attn_error"] < 1e-4
+    # the entry, decoded for the producer's kernel ISA, is exactly the producer's hooked post-RoPE keys
+    assert doc["store_entries"][0]["holds"] == 0 and doc["store_entries"][0]["errors"][0] == 0.0
 
 
 def test_consumer_with_another_rope_theta_is_named(produced):
     doc = _consume(produced, "consumer_rope_theta", "theta")
     assert doc["exit_code"] == 1 and not doc["passed"] and not doc["parity"]["passed"]
     fields = {x["field"]: x for x in doc["contract_differences"]}
-    assert set(fields) == {"rope.theta"}
+    # the checkpoint fingerprint covers the config too, so it differs with the theta
+    assert set(fields) == {"rope.theta", "model_fingerprint"}
     assert fields["rope.theta"]["consumer"] == 20000.0 and fields["rope.theta"]["producer"] == 100000.0
     assert {x["field"] for x in doc["vllm_differences"]} == {"theta"}
     assert doc["transfer"]["counters"][0]["injected_tokens"] == 64  # vLLM loaded the foreign KV silently
     assert abs(doc["first_token_logprobs"][0]["change"]) > 1e-2
+    assert doc["parity"]["diagnosis"]["kind"] == "frequency_mismatch"
+    assert doc["store_entries"][0]["holds"] == 0  # the store itself is right: the consumer reads it wrong

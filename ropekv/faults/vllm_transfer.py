@@ -150,14 +150,15 @@ CATALOGUE: tuple[TransferFault, ...] = (
     ),
     TransferFault(
         name="consumer_linear_scaling",
-        kind=BugClass.FREQUENCY_MISMATCH,
+        # at the consumer's angles (j / 2 per position) a key stored at angle j sits at position 2j
+        kind=BugClass.DOUBLE_ROTATION,
         description="the consumer runs linear RoPE scaling, factor 2",
         fields=("rope.scaling.rope_type", "rope.scaling.factor"),
         consumer_config={"rope_scaling": dict(_LINEAR), "rope_parameters": dict(_LINEAR)},
     ),
     TransferFault(
         name="consumer_yarn_scaling",
-        kind=BugClass.FREQUENCY_MISMATCH,
+        kind=BugClass.UNKNOWN,  # YaRN's per-channel ramp and attention factor fit no single pattern
         description="the consumer runs YaRN, factor 2 over 4096 original positions",
         fields=("rope.scaling.rope_type", "rope.scaling.factor"),
         consumer_config={"rope_scaling": dict(_YARN), "rope_parameters": dict(_YARN)},

@@ -358,7 +358,7 @@ def consume(
         raise refused
     error = _outcome_error(outcome)
     if error is not None:
-        raise error
+        raise _named(error, producer, outcome)
     sides = {"producer": producer, "consumer": outcome}
     doc = _report(options, fault, sides, stored, _store_files(store), time.monotonic() - started)
     doc["store_entries"] = entries
@@ -366,6 +366,19 @@ def consume(
     doc["passed"] = doc["passed"] and not wrong
     doc["exit_code"] = 0 if doc["passed"] else 1
     return doc
+
+
+def _named(error: RopeKVError, producer: RoleOutcome, consumer: RoleOutcome) -> RopeKVError:
+    """A consumer that failed after it started: where the two sides' contracts differ, the failure is
+    the transfer's (vLLM failed on the foreign KV): TransportError naming the fields."""
+    side = (consumer.result or {}).get("side")
+    if side is None:
+        return error
+    contract, _ = compare_sides((producer.result or {})["side"], side)
+    if not contract:
+        return error
+    named = "; ".join(d.describe() for d in contract)
+    return TransportError(f"{error} -- the sides' cache contracts differ in {len(contract)} field(s): {named}")
 
 
 def _report(

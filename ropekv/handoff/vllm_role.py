@@ -127,12 +127,16 @@ def _consumer(s: dict[str, Any]) -> dict[str, Any]:
         Case(length=int(length), block_size=s["block_size"], decode_steps=s["decode_steps"])
         for length, _ in s["prompts"]
     ]
+    side = SideFacts.of("consumer", engine, cache_contract=_contract(engine))
     undo = fault.install(engine) if fault is not None else (lambda: None)
     try:
         report = check(engine, cases=cases, seed=seed)
+    except Exception as exc:  # the side's facts go back with the error: the parent names what differs
+        doc = _error_doc(exc)
+        doc["side"] = side.to_dict()
+        return doc
     finally:
         undo()
-    side = SideFacts.of("consumer", engine, cache_contract=_contract(engine))
     return {
         "status": "ok",
         "side": side.to_dict(),
@@ -141,6 +145,18 @@ def _consumer(s: dict[str, Any]) -> dict[str, Any]:
         "counters": engine.case_counters,
         "logprobs": engine.case_logprobs,
     }
+
+
+def _error_doc(exc: Exception) -> dict[str, Any]:
+    """A ropekv error as its class and message; anything else as a crash, with the traceback."""
+    if isinstance(exc, RopeKVError):
+        return {
+            "status": "error",
+            "error_class": type(exc).__name__,
+            "error": str(exc),
+            "fields": list(getattr(exc, "fields", ()) or ()),
+        }
+    return {"status": "crash", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
 
 
 def _write(path: Path, doc: dict[str, Any]) -> None:
@@ -163,15 +179,8 @@ def main(argv: list[str] | None = None) -> int:
             doc = _consumer(s)
         else:
             raise UsageError(f"role must be producer or consumer, got {s.get('role')!r}")
-    except RopeKVError as exc:
-        doc = {
-            "status": "error",
-            "error_class": type(exc).__name__,
-            "error": str(exc),
-            "fields": list(getattr(exc, "fields", ()) or ()),
-        }
-    except Exception as exc:  # one line for the parent; the traceback for --debug
-        doc = {"status": "crash", "error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()}
+    except Exception as exc:
+        doc = _error_doc(exc)
     _write(result_path, doc)
     return 0 if doc["status"] == "ok" else 1
 

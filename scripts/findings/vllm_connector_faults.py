@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 if __name__ == "__main__":
+    from ropekv.errors import RopeKVError
     from ropekv.faults.registry import VLLM_TRANSFER_FAULTS
     from ropekv.handoff import vllm_driver as d
 
@@ -34,19 +35,31 @@ if __name__ == "__main__":
             (work / "store").mkdir()
             started = time.monotonic()
             producer = d.produce(base, work / "store", work / "p", d.prompts_for(base, forge=True))
-            print(f"pass {run}: producer {producer.seconds:.0f} s; store {len(list((work / 'store').iterdir()))} entries")
+            print(
+                f"pass {run}: producer {producer.seconds:.0f} s; store {len(list((work / 'store').iterdir()))} entries"
+            )
             print(f"{'consumer':24s} {'dlogprob1':>9s} {'max err':>8s} {'parity':>6s} {'injected':>8s}  named")
             for k, name in enumerate(names):
                 store = work / f"store{k}"
                 shutil.copytree(work / "store", store)
                 opts = d.Options(timeout=900, fault=name)
-                doc = d.consume(opts, store, work / f"c{k}", producer)
+                try:
+                    doc = d.consume(opts, store, work / f"c{k}", producer)
+                except RopeKVError as exc:  # the consumer failed or refused: print what it said
+                    print(f"{name or 'correct':24s} {type(exc).__name__} (exit {exc.exit_code}): {exc}")
+                    continue
                 case = doc["parity"]["cases"][0]
                 fields = ",".join(x["field"] for x in doc["contract_differences"]) or "-"
                 kind = (doc["parity"].get("diagnosis") or {}).get("kind") or "-"
                 vllm = ",".join(x["field"] for x in doc["vllm_differences"])
                 entry = doc["store_entries"][0]
-                held = "own prompt" if entry["holds"] == 0 else f"prompt #{entry['holds']}" if entry["holds"] else "no prompt"
+                held = (
+                    "own prompt"
+                    if entry["holds"] == 0
+                    else f"prompt #{entry['holds']}"
+                    if entry["holds"]
+                    else "no prompt"
+                )
                 n = doc["transfer"]["counters"][0]
                 print(
                     f"{name or 'correct':24s} {doc['first_token_logprobs'][0]['change']:+9.4f} "
