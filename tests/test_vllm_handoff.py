@@ -21,7 +21,6 @@ from ropekv.errors import ContractMismatch, EngineUnavailable, TransportError, U
 from ropekv.faults.registry import VLLM_TRANSFER_FAULTS, get_transfer_fault
 from ropekv.handoff import vllm_driver
 from ropekv.handoff.refusals import REFUSALS_FILE, read_refusals, refusal_error
-from ropekv.models.config import ModelConfig
 from ropekv.rope import RopeSpec
 
 
@@ -139,14 +138,6 @@ def test_store_not_a_directory_is_usage_error(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(UsageError, match="not a directory"):
         vllm_driver.check_store(tmp_path / "f", 1)
-
-
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads and writes any directory")
-def test_store_unreadable_is_usage_error(tmp_path):  # pragma: no cover - CI runs as a user
-    store = tmp_path / "s"
-    store.mkdir(mode=0o300)
-    with pytest.raises(UsageError, match="not readable and writable"):
-        vllm_driver.check_store(store, 1)
 
 
 def test_store_unreadable_is_usage_error_for_any_user(tmp_path, monkeypatch):
@@ -287,7 +278,6 @@ def test_model_config_type_is_what_faults_edit():
     for name in ("consumer_rope_theta", "consumer_linear_scaling", "consumer_yarn_scaling"):
         changes = get_transfer_fault(name).consumer_config
         assert changes and set(changes) <= {"rope_theta", "rope_parameters", "rope_scaling"}
-    assert ModelConfig is not None
 
 
 def test_subprocess_of_this_python_imports_this_tree():
