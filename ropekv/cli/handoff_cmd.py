@@ -1,9 +1,17 @@
 """``ropekv handoff``: prefill on one worker, hand the KV cache off, decode on others, check parity.
 
-Starts a prefill rank and ``--decode-workers`` decode ranks on 127.0.0.1 (torch.distributed, gloo;
+``--engine ropekv`` (the default): ropekv's own workers. Starts a prefill rank and ``--decode-workers`` decode ranks on 127.0.0.1 (torch.distributed, gloo;
 ``ropekv.handoff.workers``), prints each decode rank's parity table (prefill on worker A + decode on
 worker B against full forwards) and the transfer facts. Exit codes as ``ropekv check``: 0 parity
 holds, 1 it does not, 2 bad input, 3 a handshake refused a contract, 4 a worker failed or went silent.
+
+``--engine vllm --connector {example,ropekv}``: vLLM's disaggregated prefill, a producer and a consumer
+vLLM instance in two processes sharing a connector's store (``ropekv.handoff.vllm_driver``; run from
+the engine venv). Exit codes: 0 the handoff holds (parity, and the two sides' contracts agree), 1 it
+does not, 2 bad input (flags; a ``--store`` that is missing, not a directory, not readable and
+writable, or without room), 3 the ``ropekv`` connector refused the stored KV (the fields named), 4 a
+side failed, was killed, ran past ``--timeout`` (then killed with its process group) or the store
+failed during the transfer. Defaults there: ``--lengths 70 --decode-steps 2 --timeout 600``.
 """
 
 from __future__ import annotations
@@ -18,6 +26,11 @@ from typing import Any
 from ..errors import ContractMismatch, RopeKVError, TransportError, UsageError
 from .options import worker_count, writable_path
 
+ENGINES = ("ropekv", "vllm")
+# Defaults that depend on the engine: the flags' own default is None, filled in here.
+ROPEKV_DEFAULTS = {"lengths": [1, 17, 300], "decode_steps": 3, "timeout": 60.0}
+VLLM_DEFAULTS = {"lengths": [70], "decode_steps": 2, "timeout": 600.0}
+
 REPORT_FORMAT = "ropekv.handoff-report"
 
 
@@ -31,7 +44,28 @@ def add_parser(subparsers) -> None:
         "torch.distributed (after a contract handshake), decode there, and compare with full "
         "forwards layer by layer. See docs/handoff.md.",
     )
-    add_arguments(p, cli=True)
+    from ..faults.registry import HANDOFF_FAULTS, VLLM_TRANSFER_FAULTS
+
+    add_arguments(p, cli=True, inject_choices=(*HANDOFF_FAULTS, *VLLM_TRANSFER_FAULTS))
+    p.set_defaults(lengths=None, decode_steps=None, timeout=None)
+    p.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="ropekv",
+        help="ropekv: ropekv's own prefill/decode workers (default); vllm: two vLLM instances and a KV connector",
+    )
+    p.add_argument(
+        "--connector",
+        choices=("example", "ropekv"),
+        default="example",
+        help="--engine vllm: vLLM's ExampleConnector (default) or ropekv's contract-carrying ContractConnector",
+    )
+    p.add_argument(
+        "--store",
+        default=None,
+        metavar="DIR",
+        help="--engine vllm: keep the connector's store in this existing directory (default: a temporary one)",
+    )
     p.add_argument("--list-faults", action="store_true", help="list the handoff fault catalogue and exit")
     p.add_argument(
         "--decode-workers", type=worker_count, default=1, help="decode worker processes (default 1, at most 64)"
@@ -41,14 +75,81 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..handoff.workers import launch, worker_argv
-
+    if args.engine == "vllm":
+        return _run_vllm(args)
+    _fill_defaults(args, ROPEKV_DEFAULTS)
     if args.list_faults:
         from ..faults.registry import HANDOFF_FAULTS, listing
 
         for f in HANDOFF_FAULTS.values():
             print(listing(f))
         return 0
+    from ..faults.registry import HANDOFF_FAULTS
+
+    if args.inject is not None and args.inject not in HANDOFF_FAULTS:
+        raise UsageError(f"--inject {args.inject} is a vLLM transfer fault: use it with --engine vllm")
+    return _run_ropekv(args)
+
+
+def _fill_defaults(args: argparse.Namespace, defaults: dict[str, Any]) -> None:
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+
+
+# Flags of ropekv's own workers that vLLM's handoff does not take (their parser defaults).
+_ROPEKV_ONLY = {
+    "block_sizes": [16],
+    "key_form_prefill": "rotated",
+    "key_form_decode": None,
+    "convert": "never",
+    "decode_rope_theta": None,
+    "save_payload": None,
+    "dist_backend": "auto",
+    "decode_workers": 1,
+}
+
+
+def _run_vllm(args: argparse.Namespace) -> int:
+    from ..faults.registry import VLLM_TRANSFER_FAULTS, listing
+    from ..handoff import vllm_driver
+
+    if args.list_faults:
+        for f in VLLM_TRANSFER_FAULTS.values():
+            print(listing(f))
+        return 0
+    given = [name for name, default in _ROPEKV_ONLY.items() if getattr(args, name) != default]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise UsageError(f"{flags}: not taken by --engine vllm (ropekv's own workers only)")
+    if args.inject is not None and args.inject not in VLLM_TRANSFER_FAULTS:
+        raise UsageError(
+            f"--inject {args.inject} is not a vLLM transfer fault; choose one of: {', '.join(VLLM_TRANSFER_FAULTS)}"
+        )
+    _fill_defaults(args, VLLM_DEFAULTS)
+    json_path = writable_path(args.json, "--json")
+    options = vllm_driver.Options(
+        model=args.model,
+        connector=args.connector,
+        lengths=tuple(args.lengths),
+        decode_steps=args.decode_steps,
+        seed=args.seed,
+        dtype=args.dtype,
+        timeout=args.timeout,
+        fault=args.inject,
+        store=args.store,
+    )
+    doc = vllm_driver.run(options)
+    print(doc["table"])
+    print(vllm_driver.summary(doc))
+    if json_path is not None:
+        json_path.write_text(json.dumps(doc, indent=2, allow_nan=False, default=str))
+    return int(doc["exit_code"])
+
+
+def _run_ropekv(args: argparse.Namespace) -> int:
+    from ..handoff.workers import launch, worker_argv
+
     json_path = writable_path(args.json, "--json")
     save_path = writable_path(args.save_payload, "--save-payload")
     if save_path is not None:

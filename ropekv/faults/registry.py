@@ -8,7 +8,8 @@ tests read it. The views below are filters of :data:`REGISTRY`, in its order:
 - :data:`ARCH_FAULTS`: ropekv's engine, those that need a model with a per-layer RoPE feature;
 - :data:`OP_FAULTS`: the cache-operation ones alone;
 - :data:`HANDOFF_FAULTS`, :data:`VLLM_FAULTS`, :data:`MLX_FAULTS`: the handoff's import, a patched vLLM
-  and a patched mlx-lm. Registering these imports neither vLLM nor mlx (their patches do, when run).
+  and a patched mlx-lm; :data:`VLLM_TRANSFER_FAULTS`: between a vLLM producer and consumer
+  (``ropekv handoff --engine vllm --inject``). Registering these imports neither vLLM nor mlx (their patches do, when run).
 """
 
 from __future__ import annotations
@@ -18,13 +19,14 @@ from types import MappingProxyType
 from typing import TypeVar
 
 from ..errors import ConfigError, UsageError
-from . import catalogue, handoff, mlx, ops, vllm
+from . import catalogue, handoff, mlx, ops, vllm, vllm_transfer
 from .handoff import HandoffFault
 from .mlx import MlxFault
 from .native import NativeFault
 from .ops import OpFault
 from .record import Fault, FaultEngine
 from .vllm import VLLMFault
+from .vllm_transfer import TransferFault
 
 F = TypeVar("F", bound=Fault)
 
@@ -40,7 +42,14 @@ def _by_name(faults: Iterable[F]) -> Mapping[str, F]:
 
 # Every fault by name; names are unique across engines.
 REGISTRY: Mapping[str, Fault] = _by_name(
-    (*catalogue.CATALOGUE, *ops.CATALOGUE, *handoff.CATALOGUE, *vllm.CATALOGUE, *mlx.CATALOGUE)
+    (
+        *catalogue.CATALOGUE,
+        *ops.CATALOGUE,
+        *handoff.CATALOGUE,
+        *vllm.CATALOGUE,
+        *vllm_transfer.CATALOGUE,
+        *mlx.CATALOGUE,
+    )
 )
 
 
@@ -56,6 +65,9 @@ ARCH_FAULTS: Mapping[str, NativeFault] = _by_name(
 OP_FAULTS: Mapping[str, OpFault] = _by_name(f for f in REGISTRY.values() if isinstance(f, OpFault))
 HANDOFF_FAULTS: Mapping[str, HandoffFault] = _by_name(f for f in REGISTRY.values() if isinstance(f, HandoffFault))
 VLLM_FAULTS: Mapping[str, VLLMFault] = _by_name(f for f in REGISTRY.values() if isinstance(f, VLLMFault))
+VLLM_TRANSFER_FAULTS: Mapping[str, TransferFault] = _by_name(
+    f for f in REGISTRY.values() if isinstance(f, TransferFault)
+)
 MLX_FAULTS: Mapping[str, MlxFault] = _by_name(f for f in REGISTRY.values() if isinstance(f, MlxFault))
 
 
@@ -79,3 +91,10 @@ def listing(f: Fault) -> str:
     """The line ``--list-faults`` prints for ``f``."""
     line = f"{f.name:28s} -> {f.kind:22s} {f.description}"
     return f"{line} (shows with: {f.shows_when})" if f.shows_when else line
+
+
+def get_transfer_fault(name: str) -> TransferFault:
+    """The vLLM transfer fault named ``name`` (``ropekv handoff --engine vllm --inject``); UsageError if none."""
+    if name not in VLLM_TRANSFER_FAULTS:
+        raise UsageError(f"unknown vLLM transfer fault {name!r}; choose one of: {', '.join(VLLM_TRANSFER_FAULTS)}")
+    return VLLM_TRANSFER_FAULTS[name]

@@ -86,11 +86,14 @@ class TransferHooks:
 # ---------------------------------------------------------------------- arguments
 
 
-def add_arguments(parser: argparse.ArgumentParser, *, cli: bool = False) -> None:
+def add_arguments(
+    parser: argparse.ArgumentParser, *, cli: bool = False, inject_choices: tuple[str, ...] | None = None
+) -> None:
     """The flags every rank and ``ropekv handoff`` share (each rank reads the ones for its role).
 
     ``cli``: the ``ropekv handoff`` spelling, consistent with ``ropekv check``: ``--block-sizes`` (one
-    handoff run per block size) and ``--dist-backend``; a rank takes one ``--block-size`` and ``--backend``."""
+    handoff run per block size) and ``--dist-backend``; a rank takes one ``--block-size`` and ``--backend``.
+    ``inject_choices``: what ``--inject`` accepts (default: the handoff faults a rank runs)."""
     add_model_argument(parser)
     parser.add_argument(
         "--lengths",
@@ -135,9 +138,9 @@ def add_arguments(parser: argparse.ArgumentParser, *, cli: bool = False) -> None
     )
     parser.add_argument(
         "--inject",
-        choices=tuple(HANDOFF_FAULTS),
+        choices=tuple(HANDOFF_FAULTS) if inject_choices is None else inject_choices,
         default=None,
-        help="a handoff fault on the decode side: rotate-on-transfer",
+        help="a handoff fault on the decode side (--engine vllm: a transfer fault, --list-faults)",
     )
     parser.add_argument(
         "--save-payload",
