@@ -8,7 +8,6 @@ fingerprint where a test is about one RoPE or window field and not about the wei
 
 from __future__ import annotations
 
-import argparse
 import os
 import struct
 
@@ -18,7 +17,6 @@ import torch
 from conftest import RUNTIME
 
 from ropekv.adapters.mlx.cache_contract import model_fingerprint
-from ropekv.adapters.mlx.handoff import add_arguments, run
 from ropekv.adapters.mlx.prompt_cache import load_checked, save_checked
 from ropekv.errors import CacheError, ContractMismatch, PayloadError, UsageError
 from ropekv.parity.compare import scaled_error
@@ -190,14 +188,14 @@ def test_save_refuses_bad_input_and_leaves_nothing(engine, saved, fingerprint, t
 
 
 def test_cli_refuses_another_theta_with_exit_3(capsys):
-    parser = argparse.ArgumentParser()
-    add_arguments(parser.add_argument_group("mlx"))
-    args = parser.parse_args(["--mlx-length", "20", "--mlx-reader-rope-theta", "20000"])
-    with pytest.raises(ContractMismatch) as exc:
-        run(args)
-    assert exc.value.exit_code == 3 and exc.value.fields == ("rope.theta",)
-    out = capsys.readouterr().out
-    assert "rope_theta 20000" in out and "load_checked: refused (rope.theta)" in out
+    from ropekv.cli.main import main
+
+    code = main(["handoff", "--engine", "mlx", "--mlx-length", "20", "--mlx-reader-rope-theta", "20000"])
+    captured = capsys.readouterr()
+    assert code == 3
+    assert "rope_theta 20000" in captured.out and "load_checked: refused (rope.theta)" in captured.out
+    (line,) = captured.err.strip().splitlines()  # one line, no traceback
+    assert line.startswith("ropekv: error: ") and "rope.theta: reader=20000.0, writer=100000.0" in line
 
 
 def test_a_restore_with_its_offset_reset_is_refused(engine, saved, fingerprint, tmp_path):

@@ -26,7 +26,9 @@ from typing import Any
 from ..errors import ContractMismatch, RopeKVError, TransportError, UsageError
 from .options import worker_count, writable_path
 
-ENGINES = ("ropekv", "vllm")
+ENGINES = ("ropekv", "vllm", "mlx")
+# Engines whose transfer check lives in their adapter: ``add_arguments(group)`` and ``run(args) -> int``.
+ADAPTER_HANDOFFS = {"mlx": "mlx-lm prompt cache (--engine mlx)"}
 # Defaults that depend on the engine: the flags' own default is None, filled in here.
 ROPEKV_DEFAULTS = {"lengths": [1, 17, 300], "decode_steps": 3, "timeout": 60.0}
 VLLM_DEFAULTS = {"lengths": [70], "decode_steps": 2, "timeout": 600.0}
@@ -52,7 +54,8 @@ def add_parser(subparsers) -> None:
         "--engine",
         choices=ENGINES,
         default="ropekv",
-        help="ropekv: ropekv's own prefill/decode workers (default); vllm: two vLLM instances and a KV connector",
+        help="ropekv: ropekv's own prefill/decode workers (default); vllm: two vLLM instances and a KV connector; "
+        "mlx: an mlx-lm prompt cache saved by one model and loaded by another",
     )
     p.add_argument(
         "--connector",
@@ -71,12 +74,24 @@ def add_parser(subparsers) -> None:
         "--decode-workers", type=worker_count, default=1, help="decode worker processes (default 1, at most 64)"
     )
     p.add_argument("--json", default=None, metavar="PATH", help="write the parity report and handoff facts here")
+    for engine, title in ADAPTER_HANDOFFS.items():
+        _adapter_handoff(engine).add_arguments(p.add_argument_group(title))
     p.set_defaults(handler=run)
+
+
+def _adapter_handoff(engine: str):
+    if engine == "mlx":
+        from ..adapters.mlx import handoff
+    else:  # pragma: no cover - ADAPTER_HANDOFFS names only the engines above
+        raise UsageError(f"no transfer check for --engine {engine}")
+    return handoff
 
 
 def run(args: argparse.Namespace) -> int:
     if args.engine == "vllm":
         return _run_vllm(args)
+    if args.engine in ADAPTER_HANDOFFS:
+        return _run_adapter(args)
     _fill_defaults(args, ROPEKV_DEFAULTS)
     if args.list_faults:
         from ..faults.registry import HANDOFF_FAULTS, listing
@@ -145,6 +160,30 @@ def _run_vllm(args: argparse.Namespace) -> int:
     if json_path is not None:
         json_path.write_text(json.dumps(doc, indent=2, allow_nan=False, default=str))
     return int(doc["exit_code"])
+
+
+def _run_adapter(args: argparse.Namespace) -> int:
+    """An engine whose transfer check its adapter runs in this process (mlx-lm's prompt caches)."""
+    if args.list_faults:
+        raise UsageError(
+            f"--list-faults: --engine {args.engine} has no fault catalogue (its flags set the reader apart)"
+        )
+    common = {
+        "connector": "example",
+        "store": None,
+        "inject": None,
+        "json": None,
+        "lengths": None,
+        "decode_steps": None,
+        "timeout": None,
+        "dtype": "float32",
+        "seed": 0,
+    }
+    given = [n for n, default in {**_ROPEKV_ONLY, **common}.items() if getattr(args, n, default) != default]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise UsageError(f"{flags}: not taken by --engine {args.engine} (see ropekv handoff --help for its own flags)")
+    return int(_adapter_handoff(args.engine).run(args))
 
 
 def _run_ropekv(args: argparse.Namespace) -> int:
