@@ -33,7 +33,7 @@ from .state import StateContext, get_seq_state, load_state, save_state, set_seq_
 @dataclass(frozen=True)
 class StepResult:
     position: int
-    vs_reference: float  # scale-aware logits error, restored reader vs float64
+    vs_reference: float | None  # scale-aware logits error, restored reader vs float64 (None: not computed)
     vs_self: float  # restored reader vs its own full forward
     vs_writer: float  # max |dlogit|, restored reader vs the writer decoding the same token
     logprob_change: float  # the writer's top token: log p under the reader minus log p under the writer
@@ -59,11 +59,17 @@ class TransferCheck:
 
 
 class References:
-    """float64 references of one engine's checkpoint under the RoPE specs reader contexts run (one each)."""
+    """float64 references of one engine's checkpoint under the RoPE specs reader contexts run (one each),
+    each forward computed once per tokens and rows. ``default``: an existing reference of the checkpoint
+    as it is (shared: converting weights costs seconds). An engine on a GGUF with the same weights
+    (the Q4_1 file and its float32 copy) may share the object."""
 
-    def __init__(self, engine: LlamaCppEngine):
+    def __init__(self, engine: LlamaCppEngine, default: ReferenceDecoder | None = None):
         self.engine = engine
         self._by_rope: dict[str, ReferenceDecoder] = {}
+        self._logits: dict[tuple[str, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
+        if default is not None:
+            self._by_rope[engine.config.rope.fingerprint()] = default
 
     def logits(self, sc: StateContext, tokens: list[int], rows: list[int]) -> torch.Tensor:
         """``[len(rows), vocab]`` float64 logits of a full forward over ``tokens`` under ``sc``'s RoPE."""
@@ -73,8 +79,11 @@ class References:
             ckpt = self.engine.checkpoint
             config = dataclasses.replace(ckpt.config, rope=rope)
             self._by_rope[key] = ReferenceDecoder(dataclasses.replace(ckpt, config=config))
-        out = self._by_rope[key].forward(torch.tensor(tokens), probe_rows=rows[-1:])
-        return out.logits[rows]
+        memo = (key, tuple(tokens), tuple(rows))
+        if memo not in self._logits:
+            out = self._by_rope[key].forward(torch.tensor(tokens), probe_rows=rows, logits_for="probed")
+            self._logits[memo] = out.logits
+        return self._logits[memo]
 
 
 def full_forward(engine: LlamaCppEngine, rope: RopeOverrides, tokens: list[int], rows: list[int]) -> np.ndarray:
@@ -98,7 +107,7 @@ def decode_steps(sc: StateContext, tokens: list[int], n: int, steps: int) -> np.
 
 def check_transfer(
     engine: LlamaCppEngine,
-    references: References,
+    references: References | None,
     tokens: list[int],
     n: int,
     steps: int,
@@ -110,7 +119,8 @@ def check_transfer(
 ) -> TransferCheck:
     """Prefill ``tokens[:n]`` in a writer context, move the state to a fresh reader, decode ``steps``.
 
-    ``checked``: through :func:`save_state` / :func:`load_state` at ``state_path`` (raises
+    ``references`` None: no float64 reference (the judgement is then against the reader's own full
+    forward only). ``checked``: through :func:`save_state` / :func:`load_state` at ``state_path`` (raises
     ContractMismatch where the contexts' contracts differ, before the reader is touched); else
     llama.cpp's own bytes, unchecked, whatever it does with them."""
     writer_rope, reader_rope = writer_rope or RopeOverrides(), reader_rope or RopeOverrides()
@@ -123,9 +133,8 @@ def check_transfer(
         if state_path is None:
             raise ValueError("a checked transfer needs a state_path")
         save_state(writer, state_path, tokens[:n])
-        state_bytes = os.path.getsize(state_path)
-        load_state(reader, state_path)  # ContractMismatch / PayloadError: nothing restored
-        accepted = state_bytes
+        header = load_state(reader, state_path)  # ContractMismatch / PayloadError: nothing restored
+        state_bytes = accepted = header.state_bytes  # load_state checked llama.cpp read all of them
     else:
         state = get_seq_state(writer)
         state_bytes = len(state)
@@ -134,7 +143,7 @@ def check_transfer(
     own = decode_steps(writer, tokens, n, steps)
     rows = list(range(n, n + steps))
     self_full = full_forward(engine, reader_rope, tokens[: n + steps], rows)
-    ref = references.logits(reader, tokens[: n + steps], rows)
+    ref = None if references is None else references.logits(reader, tokens[: n + steps], rows)
     tol = engine.tolerance.logits
     results = []
     for s, position in enumerate(rows):
@@ -145,14 +154,17 @@ def check_transfer(
         results.append(
             StepResult(
                 position=position,
-                vs_reference=scaled_error(mine, ref[s]),
+                vs_reference=None if ref is None else scaled_error(mine, ref[s]),
                 vs_self=scaled_error(mine, torch.from_numpy(self_full[s])),
                 vs_writer=float((mine - theirs).abs().max()),
                 logprob_change=float(lp_mine - lp_theirs),
                 same_top_token=int(mine.argmax()) == top,
             )
         )
-    passed = all(r.vs_reference <= tol and r.vs_self <= tol and math.isfinite(r.vs_writer) for r in results)
+    passed = all(
+        (r.vs_reference is None or r.vs_reference <= tol) and r.vs_self <= tol and math.isfinite(r.vs_writer)
+        for r in results
+    )
     return TransferCheck(
         n=n,
         writer=writer_rope.label(),
@@ -179,9 +191,13 @@ def table(check: TransferCheck) -> str:
     ]
     for r in check.steps:
         lines.append(
-            f"  {r.position:>8}  {r.vs_reference:>10.2e}  {r.vs_self:>11.2e}  {r.vs_writer:>10.2e}  "
+            f"  {r.position:>8}  {_num(r.vs_reference):>10}  {r.vs_self:>11.2e}  {r.vs_writer:>10.2e}  "
             f"{r.logprob_change:>+9.4f}  {'same' if r.same_top_token else 'CHANGED'}"
         )
     verdict = "parity" if check.passed else "NO PARITY"
     lines.append(f"  {verdict} (tolerance {check.tolerance:g} scale-aware on the logits, vs float64 and vs own full)")
     return "\n".join(lines)
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2e}"
