@@ -143,3 +143,50 @@ def test_rope_overrides_are_bounded_and_set_only_what_is_given():
     for bad in ({"freq_base": 0.5}, {"freq_scale": math.inf}, {"yarn_orig_ctx": 0}, {"scaling_type": "ntk"}):
         with pytest.raises(UsageError):
             RopeOverrides(**bad)
+
+
+def _handoff_parser():
+    import argparse
+
+    from ropekv.adapters.llamacpp import handoff
+
+    parser = argparse.ArgumentParser()
+    handoff.add_arguments(parser.add_argument_group("llama.cpp handoff"))
+    return parser, handoff
+
+
+def test_handoff_flags_give_each_side_its_rope_settings():
+    parser, handoff = _handoff_parser()
+    args = parser.parse_args(
+        [
+            "--llamacpp-reader-rope-freq-base",
+            "20000",
+            "--llamacpp-writer-rope-scaling",
+            "yarn",
+            "--llamacpp-writer-rope-freq-scale",
+            "0.25",
+            "--llamacpp-writer-yarn-orig-ctx",
+            "2048",
+        ]
+    )
+    assert handoff.rope_from_args(args, "reader") == RopeOverrides(freq_base=20000.0)
+    assert handoff.rope_from_args(args, "writer") == RopeOverrides(
+        freq_scale=0.25, scaling_type="yarn", yarn_orig_ctx=2048
+    )
+    assert args.llamacpp_prompt_tokens == 64 and args.llamacpp_decode_steps == 3 and not args.llamacpp_unchecked
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--llamacpp-reader-rope-freq-base", "1e30"],
+        ["--llamacpp-reader-rope-freq-scale", "nan"],
+        ["--llamacpp-writer-rope-scaling", "ntk"],
+        ["--llamacpp-prompt-tokens", "0"],
+        ["--llamacpp-decode-steps", "100000"],
+    ],
+)
+def test_handoff_flags_are_bounded(argv, capsys):
+    parser, _ = _handoff_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(argv)
