@@ -8,11 +8,12 @@ says, and llama.cpp's own graph input (``inp_pos``) is what the tap reads back.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ...errors import AdapterError
+from .rope_params import RopeOverrides
 from .tap import GraphTap
 
 
@@ -23,6 +24,7 @@ class ContextSpec:
     type_k: int  # GGML_TYPE_F32 / GGML_TYPE_F16 / ...
     type_v: int
     n_threads: int
+    rope: RopeOverrides = field(default_factory=RopeOverrides)  # the context's RoPE settings (None: the model's)
 
 
 class TappedContext:
@@ -38,6 +40,7 @@ class TappedContext:
         p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max = spec.n_ctx, spec.n_batch, spec.n_batch, 1
         p.n_threads = p.n_threads_batch = spec.n_threads
         p.type_k, p.type_v = spec.type_k, spec.type_v
+        spec.rope.apply(p)
         p.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED  # kq-N exists only without it
         p.cb_eval = tap.callback
         p.cb_eval_user_data = None

@@ -25,15 +25,17 @@ import numpy as np
 import torch
 
 from ...errors import AdapterError, CheckpointError, EngineUnavailable, UsageError
-from ...models.gguf_file import load_gguf, open_gguf
+from ...models.gguf_file import file_sha256, load_gguf, open_gguf
 from ...parity.cases import Case
 from ...parity.protocol import CaseRun, EngineDescription, FullRun, Ignored, StepRecord, Tier
 from ...probe import LayerProbe
 from .context import ContextSpec, TappedContext
+from .rope_params import RopeOverrides
 from .tap import Capture, GraphTap, visible_cells
 from .tolerance import KV_TYPES, tolerance_for_run, weight_kind
 
 _GGML_TYPE = {"f32": 0, "f16": 1, "q8_0": 8}
+_FILE_FINGERPRINTS: dict[tuple[str, int, int], str] = {}  # (path, size, mtime) -> sha256[:16]
 
 
 def _llama_cpp():
@@ -116,14 +118,32 @@ class LlamaCppEngine:
         self._full: TappedContext | None = None  # made at the first full forward (its buffers fit n_ctx tokens)
 
     def _context(self, n_batch: int, tap: GraphTap) -> TappedContext:
+        return self.context(n_batch, tap)
+
+    def context(self, n_batch: int, tap: GraphTap, *, rope: RopeOverrides | None = None) -> TappedContext:
+        """A new llama.cpp context on the loaded model (this engine's KV types, cells and threads),
+        observed by ``tap``; ``rope``: the context's RoPE settings (default: the model's)."""
         spec = ContextSpec(
             n_ctx=self.n_ctx,
             n_batch=n_batch,
             type_k=_GGML_TYPE[self.type_k],
             type_v=_GGML_TYPE[self.type_v],
             n_threads=self.n_threads,
+            rope=rope or RopeOverrides(),
         )
         return TappedContext(self._llm._model, spec, tap, self.name)
+
+    def new_tap(self) -> GraphTap:
+        """A graph tap for a context of this engine (:meth:`context`)."""
+        return GraphTap(self._lib, self.config.num_layers)
+
+    def model_file_fingerprint(self) -> str:
+        """The first 16 hex digits of the GGUF file's sha256 (computed once per file version)."""
+        st = self.gguf_path.stat()
+        key = (str(self.gguf_path.resolve()), st.st_size, st.st_mtime_ns)
+        if key not in _FILE_FINGERPRINTS:
+            _FILE_FINGERPRINTS[key] = file_sha256(self.gguf_path)[:16]
+        return _FILE_FINGERPRINTS[key]
 
     # ------------------------------------------------------------------ protocol
 

@@ -16,6 +16,7 @@ src/llama-graph.cpp, src/llama-kv-cache.cpp):
   cache's bytes as the kernel read them (f16 in an f16 cache);
 - ``kq_soft_max-N``: ``src[1]`` is the mask ``[T_pad, n_kv]`` (0 visible, -inf not);
 - ``embd`` (GET_ROWS) and ``l_out-N``: the residual stream entering layer 0 and layer N + 1;
+- the ``op_params`` of ``Kcur-0``'s ROPE: the RoPE arguments the context runs (:class:`RopeRun`);
 - the K-shift graph (``llama_memory_seq_add`` then the next decode): one in-place ROPE per layer over a
   view of ``cache_k_lN`` with ``src[1]`` = the per-cell shift (int32 ``[kv_size]``); the map moves by it.
 
@@ -33,6 +34,7 @@ import numpy as np
 
 from . import ggml
 from .ggml import GgmlTensor
+from .rope_params import RopeRun
 
 _LAYER_NAME = re.compile(r"^(Qcur|Kcur|Vcur|kq|kq_soft_max|l_out)-(\d+)$")
 
@@ -94,6 +96,7 @@ class GraphTap:
         self.capture = Capture()
         self.fault: ShiftFault | None = None
         self.shifts_seen = 0  # K-shift graphs observed (one per applied llama_memory_seq_add batch)
+        self.rope_run: RopeRun | None = None  # the arguments of the latest graph's layer-0 key RoPE
         self.error: Exception | None = None
         self.rows: list[int] | None = None
         self.keep_scores = False
@@ -139,6 +142,8 @@ class GraphTap:
                 self._track_writes(t)
             return True
         if op == "ROPE":
+            if ask and name == "Kcur-0":  # what this context turns keys with, as its graph says
+                self.rope_run = RopeRun.from_op_params(list(t.op_params))
             base = ggml.src(t, 0)
             cache = ggml.view_source(base) if base is not None else None
             if base is not None and cache is not None and ggml.name_of(cache).startswith("cache_k_l"):
