@@ -134,3 +134,12 @@ def test_raw_session_file_pair_accepts_another_rope_base_too(f32_engine, stream,
     assert rc > 0 and read == stream[:N] and target.positions() == (0, N - 1)
     # and the same bytes through set_data are refused by nothing either
     assert set_seq_state(StateContext(f32_engine, rope=BASE_20K), get_seq_state(writer)) > 0
+
+
+def test_cli_refuses_a_restore_into_another_base_with_exit_3(capsys):
+    from ropekv.cli.main import main
+
+    code = main(["handoff", "--engine", "llamacpp", "--llamacpp-reader-rope-freq-base", "20000"])
+    (line,) = capsys.readouterr().err.strip().splitlines()  # one line, no traceback
+    assert code == 3
+    assert line.startswith("ropekv: error: ") and "rope.theta: reader context=20000.0, saved state=100000.0" in line

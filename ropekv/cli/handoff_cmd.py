@@ -26,9 +26,12 @@ from typing import Any
 from ..errors import ContractMismatch, RopeKVError, TransportError, UsageError
 from .options import worker_count, writable_path
 
-ENGINES = ("ropekv", "vllm", "mlx")
+ENGINES = ("ropekv", "vllm", "mlx", "llamacpp")
 # Engines whose transfer check lives in their adapter: ``add_arguments(group)`` and ``run(args) -> int``.
-ADAPTER_HANDOFFS = {"mlx": "mlx-lm prompt cache (--engine mlx)"}
+ADAPTER_HANDOFFS = {
+    "mlx": "mlx-lm prompt cache (--engine mlx)",
+    "llamacpp": "llama.cpp sequence state (--engine llamacpp)",
+}
 # Defaults that depend on the engine: the flags' own default is None, filled in here.
 ROPEKV_DEFAULTS = {"lengths": [1, 17, 300], "decode_steps": 3, "timeout": 60.0}
 VLLM_DEFAULTS = {"lengths": [70], "decode_steps": 2, "timeout": 600.0}
@@ -55,7 +58,8 @@ def add_parser(subparsers) -> None:
         choices=ENGINES,
         default="ropekv",
         help="ropekv: ropekv's own prefill/decode workers (default); vllm: two vLLM instances and a KV connector; "
-        "mlx: an mlx-lm prompt cache saved by one model and loaded by another",
+        "mlx: an mlx-lm prompt cache saved by one model and loaded by another; "
+        "llamacpp: a llama.cpp sequence state moved into a fresh context",
     )
     p.add_argument(
         "--connector",
@@ -74,20 +78,37 @@ def add_parser(subparsers) -> None:
         "--decode-workers", type=worker_count, default=1, help="decode worker processes (default 1, at most 64)"
     )
     p.add_argument("--json", default=None, metavar="PATH", help="write the parity report and handoff facts here")
+    owned: dict[str, dict[str, tuple[str, Any]]] = {}  # engine -> its flags' dests (flag, default)
     for engine, title in ADAPTER_HANDOFFS.items():
-        _adapter_handoff(engine).add_arguments(p.add_argument_group(title))
-    p.set_defaults(handler=run)
+        group = p.add_argument_group(title)
+        if engine == "llamacpp":  # the engine's own flags (GGUF file, KV types, context size) first
+            from ..adapters import llamacpp
+
+            llamacpp.add_arguments(group)
+        _adapter_handoff(engine).add_arguments(group)
+        owned[engine] = {a.dest: (a.option_strings[0], a.default) for a in group._group_actions}
+    p.set_defaults(handler=run, engine_flags=owned)
 
 
 def _adapter_handoff(engine: str):
     if engine == "mlx":
         from ..adapters.mlx import handoff
+    elif engine == "llamacpp":
+        from ..adapters.llamacpp import handoff
     else:  # pragma: no cover - ADAPTER_HANDOFFS names only the engines above
         raise UsageError(f"no transfer check for --engine {engine}")
     return handoff
 
 
 def run(args: argparse.Namespace) -> int:
+    for engine, flags in getattr(args, "engine_flags", {}).items():
+        stray = [
+            flag for dest, (flag, default) in flags.items() if engine != args.engine and getattr(args, dest) != default
+        ]
+        if stray:
+            raise UsageError(
+                f"{', '.join(stray)}: only taken by --engine {engine} (this run is --engine {args.engine})"
+            )
     if args.engine == "vllm":
         return _run_vllm(args)
     if args.engine in ADAPTER_HANDOFFS:
@@ -168,17 +189,18 @@ def _run_adapter(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--list-faults: --engine {args.engine} has no fault catalogue (its flags set the reader apart)"
         )
-    common = {
+    common: dict[str, Any] = {
         "connector": "example",
         "store": None,
         "inject": None,
-        "json": None,
         "lengths": None,
         "decode_steps": None,
         "timeout": None,
         "dtype": "float32",
         "seed": 0,
     }
+    if args.engine == "mlx":
+        common["json"] = None  # the mlx check prints its table; it writes no report
     given = [n for n, default in {**_ROPEKV_ONLY, **common}.items() if getattr(args, n, default) != default]
     if given:
         flags = ", ".join("--" + name.replace("_", "-") for name in given)
