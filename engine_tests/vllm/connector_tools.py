@@ -20,7 +20,13 @@ class Instance:
     def __init__(self, name: str, spec: dict, log_dir: Path):
         self.name = name
         self.log = log_dir / f"{name}.log"
-        env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        # INFO: the tests read the connector's inject lines from the log (an in-process engine test
+        # earlier in the session sets VLLM_LOGGING_LEVEL=WARNING in this process's environment).
+        env = dict(
+            os.environ,
+            PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+            VLLM_LOGGING_LEVEL="INFO",
+        )
         self.proc = subprocess.Popen(
             [sys.executable, str(INSTANCE), json.dumps(spec)],
             stdin=subprocess.PIPE,
