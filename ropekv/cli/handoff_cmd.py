@@ -21,6 +21,7 @@ import json
 import sys
 import tempfile
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from ..errors import ContractMismatch, RopeKVError, TransportError, UsageError
@@ -90,14 +91,17 @@ def add_parser(subparsers) -> None:
     p.set_defaults(handler=run, engine_flags=owned)
 
 
-def _adapter_handoff(engine: str):
+def _adapter_handoff(engine: str) -> ModuleType:
+    """The adapter module with ``add_arguments(group)`` and ``run(args) -> int`` for ``engine``."""
     if engine == "mlx":
-        from ..adapters.mlx import handoff
-    elif engine == "llamacpp":
-        from ..adapters.llamacpp import handoff
-    else:  # pragma: no cover - ADAPTER_HANDOFFS names only the engines above
-        raise UsageError(f"no transfer check for --engine {engine}")
-    return handoff
+        from ..adapters.mlx import handoff as mlx_handoff
+
+        return mlx_handoff
+    if engine == "llamacpp":
+        from ..adapters.llamacpp import handoff as llamacpp_handoff
+
+        return llamacpp_handoff
+    raise UsageError(f"no transfer check for --engine {engine}")
 
 
 def run(args: argparse.Namespace) -> int:
