@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import safetensors
 import safetensors.torch
-from safetensors.torch import load as tensors_from_bytes  # safetensors only: no pickle
 import torch
+from safetensors.torch import load as tensors_from_bytes  # safetensors only: no pickle
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
