@@ -25,7 +25,18 @@ bench: setup
 	.venv/bin/ropekv bench
 
 setup-engines: setup-vllm setup-mlx setup-llamacpp
-test-engines: test-vllm test-mlx test-llamacpp
+# The engines' suites run in two lanes side by side, after their venvs are set up one by one (each
+# set-up installs ropekv editable from this tree): vLLM, and mlx-lm then llama.cpp. Much of each vLLM
+# start is single-threaded, so on two cores the lanes overlap; -O prints each lane's output together.
+test-engines: setup-engines
+	@$(MAKE) --no-print-directory -O -j2 lane-vllm lane-mlx-llamacpp
+
+.PHONY: lane-vllm lane-mlx-llamacpp
+lane-vllm:
+	@bash scripts/test-vllm.sh
+lane-mlx-llamacpp:
+	@bash scripts/test-mlx.sh
+	@bash scripts/test-llamacpp.sh
 
 .PHONY: setup-vllm test-vllm
 setup-vllm:
