@@ -19,7 +19,12 @@ this connector adds:
   into a failed request (finish reason ``error``);
 - consumer (its worker): the bytes it injects are the bytes it checked (read once, checksummed, every
   layer before the first is injected), so a file changed after the scheduler's check is refused too,
-  through vLLM's own load-failure path.
+  through vLLM's own load-failure path;
+- consumer (its worker), right before each layer's attention reads the paged cache
+  (``wait_for_layer_load``): the injected rows are read back and must equal the checked bytes, so KV
+  changed inside the consumer after the injection (keys turned to other positions by a bug of its
+  own) is refused too, with the layers named (``injected.layers.N``), through the same path. The
+  cost: one gather and compare of the injected rows per layer, once per load.
 
 Prompts longer than one forward's token budget (chunked prefill) are not stored: the ExampleConnector
 saves a prompt in its first step only, before the blocks of its later chunks are computed.
@@ -46,6 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
     ReqMeta,
     align_to_block_size,
 )
+from vllm.forward_context import get_forward_context
 
 from ...contract import FieldDiff
 from ...errors import ConfigError, ContractMismatch
@@ -115,6 +121,9 @@ class ContractConnector(ExampleConnector):
         self._engine: EngineContract | None = None  # the worker builds it; the scheduler gets it handed
         self._verdicts: dict[str, ContractMismatch | None] = {}  # scheduler: request id -> refusal
         self._load_errors: set[int] = set()  # worker: blocks of loads refused this step
+        # worker: this step's injected rows, per layer name: (load, its blocks, slots [n], rows [n, *kv_row_shape])
+        self._injected: dict[str, list[tuple[Load, set[int], torch.Tensor, torch.Tensor]]] = {}
+        self._altered: dict[str, tuple[Load, set[int], list[FieldDiff]]] = {}  # request id -> changed layers
 
     # ------------------------------------------------------------------ start-up (worker -> scheduler)
 
@@ -243,6 +252,7 @@ class ContractConnector(ExampleConnector):
             for name, layer in forward_context.no_compile_layers.items()
             if getattr(layer, "kv_cache", None) is not None
         }
+        self._injected, self._altered = {}, {}
         for load in metadata.loads:
             blocks = {int(b) for b in torch.unique(load.meta.slot_mapping // self._block_size)}
             if load.refused:
@@ -267,7 +277,35 @@ class ContractConnector(ExampleConnector):
             )
             slots = load.meta.slot_mapping
             for name, src in tensors.items():  # src: [num_tokens, *kv_row_shape]
-                layers[name][slots // self._block_size, :, slots % self._block_size] = src.to(layers[name].device)
+                rows = src.to(layers[name].device)
+                layers[name][slots // self._block_size, :, slots % self._block_size] = rows
+                self._injected.setdefault(name, []).append((load, blocks, slots, rows))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Right before ``layer_name``'s attention reads the paged cache: the rows this step injected
+        must still be the checked bytes, exactly. Rows changed in between (by anything in the consumer
+        after the injection: a kernel, a patch, a position fix-up) fail their load through vLLM's
+        load-failure path, and :meth:`get_block_ids_with_load_errors` records the refusal."""
+        checks = self._injected.pop(layer_name, [])
+        if not checks:
+            return
+        layer = get_forward_context().no_compile_layers[layer_name]
+        cache = layer.kv_cache  # [num_blocks, num_kv_heads, block_size, C]
+        assert self._engine is not None  # a load was injected, so the worker has a contract
+        index = self._engine.layer_names.index(layer_name)
+        for load, blocks, slots, rows in checks:
+            now = cache[slots // self._block_size, :, slots % self._block_size]  # [n, *kv_row_shape]
+            if torch.equal(now, rows):
+                continue
+            changed = int((now != rows).flatten(1).any(1).sum())
+            worst = float((now.float() - rows.float()).abs().max())
+            diff = FieldDiff(
+                f"injected.layers.{index}",
+                f"{changed} of {len(slots)} rows changed after the injection (max |diff| {worst:.3g})",
+                f"the {len(slots)} checked rows",
+            )
+            _, _, diffs = self._altered.setdefault(load.request_id, (load, blocks, []))
+            diffs.append(diff)
 
     def _checked_tensors(self, folder: Path, load: Load, layers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Each layer's stored ``kv_cache [num_tokens, *kv_row_shape]`` from the checked bytes of the
@@ -300,6 +338,17 @@ class ContractConnector(ExampleConnector):
         return out
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        """After the forward: the blocks of every load refused this step (at inject, or changed before
+        attention read them); each changed load is recorded as a refusal here, naming its layers."""
+        for rid, (load, blocks, diffs) in self._altered.items():
+            error = refusal(diffs)
+            key = Path(
+                self._generate_foldername_debug(load.meta.token_ids, load.meta.mm_hashes, create_folder=False)
+            ).name
+            append_refusal(self._store, request_id=rid, key=key, error=error, policy=self._policy)
+            logger.error("ropekv contract connector: injected KV of %s changed before attention: %s", rid, error)
+            self._load_errors |= blocks
+        self._altered, self._injected = {}, {}
         errors, self._load_errors = self._load_errors, set()
         return errors
 
