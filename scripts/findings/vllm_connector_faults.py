@@ -71,7 +71,8 @@ def column(connector: str, names: list[str | None]) -> dict[str | None, tuple[in
                 doc = d.consume(opts, store, work / f"c{k}", producer)
             except ContractMismatch as exc:  # the contract connector refused: the fields it named
                 out[name] = (exc.exit_code, "refused: " + ", ".join(exc.fields))
-                print(f"{name or 'correct':24s} refused (exit {exc.exit_code}): {exc}", flush=True)
+                text = str(exc) if len(str(exc)) <= 400 else str(exc)[:400] + " ..."
+                print(f"{name or 'correct':24s} refused (exit {exc.exit_code}) [{time.monotonic() - t0:.0f} s]: {text}")
                 continue
             except RopeKVError as exc:  # the consumer failed: print what it said
                 out[name] = (exc.exit_code, f"{type(exc).__name__}: {str(exc)[:120]}")

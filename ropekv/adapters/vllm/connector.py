@@ -23,7 +23,7 @@ this connector adds:
 - consumer (its worker), right before each layer's attention reads the paged cache
   (``wait_for_layer_load``): the injected rows are read back and must equal the checked bytes, so KV
   changed inside the consumer after the injection (keys turned to other positions by a bug of its
-  own) is refused too, with the layers named (``injected.layers.N``), through the same path. The
+  own) is refused too, with the layers named (``injected.layers``), through the same path. The
   cost: one gather and compare of the injected rows per layer, once per load.
 
 Prompts longer than one forward's token budget (chunked prefill) are not stored: the ExampleConnector
@@ -100,6 +100,30 @@ class Load:
 
 
 @dataclass
+class _Altered:
+    """What changed in one load's injected rows between the injection and attention (accumulated per
+    layer in one forward): the layers, the values changed of those layers' injected values, the worst
+    absolute change."""
+
+    load: Load
+    blocks: set[int]
+    layers: list[int] = field(default_factory=list)
+    changed: int = 0
+    total: int = 0
+    worst: float = 0.0
+
+    def diff(self, num_layers: int) -> FieldDiff:
+        first, last = self.layers[0], self.layers[-1]
+        which = f"{first}-{last}" if self.layers == list(range(first, last + 1)) and last > first else str(self.layers)
+        return FieldDiff(
+            "injected.layers",
+            f"layers {which} of {num_layers} changed after the injection: {self.changed} of {self.total} "
+            f"injected values (max |diff| {self.worst:.3g})",
+            "the injected values, unchanged",
+        )
+
+
+@dataclass
 class ContractConnectorMetadata(KVConnectorMetadata):
     """One step's work for the worker: loads, and stores (each a :class:`ReqMeta` with ``is_store``)."""
 
@@ -123,7 +147,7 @@ class ContractConnector(ExampleConnector):
         self._load_errors: set[int] = set()  # worker: blocks of loads refused this step
         # worker: this step's injected rows, per layer name: (load, its blocks, slots [n], rows [n, *kv_row_shape])
         self._injected: dict[str, list[tuple[Load, set[int], torch.Tensor, torch.Tensor]]] = {}
-        self._altered: dict[str, tuple[Load, set[int], list[FieldDiff]]] = {}  # request id -> changed layers
+        self._altered: dict[str, _Altered] = {}  # worker: request id -> what changed after its injection
 
     # ------------------------------------------------------------------ start-up (worker -> scheduler)
 
@@ -297,15 +321,11 @@ class ContractConnector(ExampleConnector):
             now = cache[slots // self._block_size, :, slots % self._block_size]  # [n, *kv_row_shape]
             if torch.equal(now, rows):
                 continue
-            changed = int((now != rows).flatten(1).any(1).sum())
-            worst = float((now.float() - rows.float()).abs().max())
-            diff = FieldDiff(
-                f"injected.layers.{index}",
-                f"{changed} of {len(slots)} rows changed after the injection (max |diff| {worst:.3g})",
-                f"the {len(slots)} checked rows",
-            )
-            _, _, diffs = self._altered.setdefault(load.request_id, (load, blocks, []))
-            diffs.append(diff)
+            altered = self._altered.setdefault(load.request_id, _Altered(load, blocks))
+            altered.layers.append(index)
+            altered.changed += int((now != rows).sum())
+            altered.total += rows.numel()
+            altered.worst = max(altered.worst, float((now.float() - rows.float()).abs().max()))
 
     def _checked_tensors(self, folder: Path, load: Load, layers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Each layer's stored ``kv_cache [num_tokens, *kv_row_shape]`` from the checked bytes of the
@@ -340,14 +360,13 @@ class ContractConnector(ExampleConnector):
     def get_block_ids_with_load_errors(self) -> set[int]:
         """After the forward: the blocks of every load refused this step (at inject, or changed before
         attention read them); each changed load is recorded as a refusal here, naming its layers."""
-        for rid, (load, blocks, diffs) in self._altered.items():
-            error = refusal(diffs)
-            key = Path(
-                self._generate_foldername_debug(load.meta.token_ids, load.meta.mm_hashes, create_folder=False)
-            ).name
+        for rid, altered in self._altered.items():
+            error = refusal([altered.diff(len(self._engine.layer_names) if self._engine else 0)])
+            meta = altered.load.meta
+            key = Path(self._generate_foldername_debug(meta.token_ids, meta.mm_hashes, create_folder=False)).name
             append_refusal(self._store, request_id=rid, key=key, error=error, policy=self._policy)
             logger.error("ropekv contract connector: injected KV of %s changed before attention: %s", rid, error)
-            self._load_errors |= blocks
+            self._load_errors |= altered.blocks
         self._altered, self._injected = {}, {}
         errors, self._load_errors = self._load_errors, set()
         return errors
