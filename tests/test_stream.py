@@ -19,11 +19,11 @@ import torch
 
 from ropekv.cache.paged import PagedKVCache
 from ropekv.contract import CacheContract
-from ropekv.errors import CacheError, CapacityError, ContractMismatch, PayloadError, TransportError
+from ropekv.errors import AdapterError, CacheError, CapacityError, ContractMismatch, PayloadError, TransportError
 from ropekv.rope import RopeSpec
 from ropekv.transfer.importer import ModelLimits
 from ropekv.transfer.payload import window_rows
-from ropekv.transfer.stream import StreamHeader, chunk_plan, receive_sequence, send_sequence
+from ropekv.transfer.stream import StreamHeader, chunk_plan, rebuild_error, receive_sequence, send_sequence
 
 ROPE = RopeSpec(head_dim=8, rotary_dim=8, theta=10000.0)
 
@@ -374,3 +374,10 @@ def test_header_refuses_inconsistent_state(kwargs, match):
     )
     with pytest.raises(PayloadError, match=match):
         StreamHeader(**{**fields, **kwargs})
+
+
+def test_an_adapter_error_another_process_reported_is_rebuilt_with_its_message():
+    sent = AdapterError("vllm", "connector metadata", "a list", "dict")
+    error = rebuild_error(type(sent).__name__, f"vLLM consumer: {sent}")
+    assert type(error) is AdapterError and str(error) == f"vLLM consumer: {sent}"
+    assert error.exit_code == sent.exit_code

@@ -169,6 +169,16 @@ def _good() -> torch.Tensor:
     return _stored_as_vllm_vec(*_kv(), [0, 1])
 
 
+def test_an_entry_with_the_contract_connectors_sidecar_reads_as_its_layers(tmp_path):
+    layers = [_kv(seed) for seed in range(3)]
+    folder = _write_raw(tmp_path, IDS, [_stored_as_vllm_vec(k, v, [0, 1]) for k, v in layers])
+    (folder / "ropekv-contract.json").write_text("{}")  # the sidecar is the connector's, not a layer
+    entry = store.find_entry(tmp_path, IDS)
+    assert entry is not None and entry.num_layers == 3
+    kv = store.read_entry(entry, num_kv_heads=KVH, head_dim=D, block_size=B, isa="vec")
+    assert all(torch.equal(kv.keys[i], k) for i, (k, _) in enumerate(layers))
+
+
 @pytest.mark.parametrize(
     "damage,match",
     [

@@ -24,6 +24,9 @@ for key, value in {
     "VLLM_LOGGING_STREAM": "ext://sys.stderr",  # stdout carries the answers only
 }.items():
     os.environ.setdefault(key, value)
+# The tests read the connector's INFO lines ("inject 64 checked tokens") from this log; an in-process
+# VLLMEngine of the same pytest session sets WARNING in os.environ, which this process inherits.
+os.environ["VLLM_LOGGING_LEVEL"] = "INFO"
 
 
 def main() -> None:

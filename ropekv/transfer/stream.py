@@ -35,7 +35,7 @@ import torch
 from ..cache.import_policy import ImportPolicy
 from ..cache.paged import PagedKVCache, Reservation, head_rows, pool_rows
 from ..contract import CacheContract
-from ..errors import ALL_ERRORS, ContractMismatch, PayloadError, RopeKVError, TransportError, UsageError
+from ..errors import ALL_ERRORS, AdapterError, ContractMismatch, PayloadError, RopeKVError, TransportError, UsageError
 from ..numbers import is_int
 from ..rope import MAX_POSITIONS
 from .handshake import Channel, Posted
@@ -461,6 +461,11 @@ def rebuild_error(class_name: Any, message: str, fields: Any = ()) -> RopeKVErro
     cls = _ERRORS.get(str(class_name), RopeKVError)
     if issubclass(cls, ContractMismatch):
         return cls(message, tuple(fields or ()))
+    if issubclass(cls, AdapterError):  # built from its parts; the other rank sent the whole message
+        error = cls.__new__(cls)
+        RopeKVError.__init__(error, message)
+        error.adapter = error.field = error.expected = error.got = ""
+        return error
     return cls(message)
 
 

@@ -19,7 +19,12 @@ this connector adds:
   into a failed request (finish reason ``error``);
 - consumer (its worker): the bytes it injects are the bytes it checked (read once, checksummed, every
   layer before the first is injected), so a file changed after the scheduler's check is refused too,
-  through vLLM's own load-failure path.
+  through vLLM's own load-failure path;
+- consumer (its worker), right before each layer's attention reads the paged cache
+  (``wait_for_layer_load``): the injected rows are read back and must equal the checked bytes, so KV
+  changed inside the consumer after the injection (keys turned to other positions by a bug of its
+  own) is refused too, with the layers named (``injected.layers``), through the same path. The
+  cost: one gather and compare of the injected rows per layer, once per load.
 
 Prompts longer than one forward's token budget (chunked prefill) are not stored: the ExampleConnector
 saves a prompt in its first step only, before the blocks of its later chunks are computed.
@@ -47,6 +52,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.example_connector import (
     ReqMeta,
     align_to_block_size,
 )
+from vllm.forward_context import get_forward_context
 
 from ...contract import FieldDiff
 from ...errors import ConfigError, ContractMismatch
@@ -95,6 +101,30 @@ class Load:
 
 
 @dataclass
+class _Altered:
+    """What changed in one load's injected rows between the injection and attention (accumulated per
+    layer in one forward): the layers, the values changed of those layers' injected values, the worst
+    absolute change."""
+
+    load: Load
+    blocks: set[int]
+    layers: list[int] = field(default_factory=list)
+    changed: int = 0
+    total: int = 0
+    worst: float = 0.0
+
+    def diff(self, num_layers: int) -> FieldDiff:
+        first, last = self.layers[0], self.layers[-1]
+        which = f"{first}-{last}" if self.layers == list(range(first, last + 1)) and last > first else str(self.layers)
+        return FieldDiff(
+            "injected.layers",
+            f"layers {which} of {num_layers} changed after the injection: {self.changed} of {self.total} "
+            f"injected values (max |diff| {self.worst:.3g})",
+            "the injected values, unchanged",
+        )
+
+
+@dataclass
 class ContractConnectorMetadata(KVConnectorMetadata):
     """One step's work for the worker: loads, and stores (each a :class:`ReqMeta` with ``is_store``)."""
 
@@ -116,6 +146,9 @@ class ContractConnector(ExampleConnector):
         self._engine: EngineContract | None = None  # the worker builds it; the scheduler gets it handed
         self._verdicts: dict[str, ContractMismatch | None] = {}  # scheduler: request id -> refusal
         self._load_errors: set[int] = set()  # worker: blocks of loads refused this step
+        # worker: this step's injected rows, per layer name: (load, its blocks, slots [n], rows [n, *kv_row_shape])
+        self._injected: dict[str, list[tuple[Load, set[int], torch.Tensor, torch.Tensor]]] = {}
+        self._altered: dict[str, _Altered] = {}  # worker: request id -> what changed after its injection
 
     # ------------------------------------------------------------------ start-up (worker -> scheduler)
 
@@ -244,6 +277,7 @@ class ContractConnector(ExampleConnector):
             for name, layer in forward_context.no_compile_layers.items()
             if getattr(layer, "kv_cache", None) is not None
         }
+        self._injected, self._altered = {}, {}
         for load in metadata.loads:
             blocks = {int(b) for b in torch.unique(load.meta.slot_mapping // self._block_size)}
             if load.refused:
@@ -268,7 +302,31 @@ class ContractConnector(ExampleConnector):
             )
             slots = load.meta.slot_mapping
             for name, src in tensors.items():  # src: [num_tokens, *kv_row_shape]
-                layers[name][slots // self._block_size, :, slots % self._block_size] = src.to(layers[name].device)
+                rows = src.to(layers[name].device)
+                layers[name][slots // self._block_size, :, slots % self._block_size] = rows
+                self._injected.setdefault(name, []).append((load, blocks, slots, rows))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Right before ``layer_name``'s attention reads the paged cache: the rows this step injected
+        must still be the checked bytes, exactly. Rows changed in between (by anything in the consumer
+        after the injection: a kernel, a patch, a position fix-up) fail their load through vLLM's
+        load-failure path, and :meth:`get_block_ids_with_load_errors` records the refusal."""
+        checks = self._injected.pop(layer_name, [])
+        if not checks:
+            return
+        layer = get_forward_context().no_compile_layers[layer_name]
+        cache = layer.kv_cache  # [num_blocks, num_kv_heads, block_size, C]
+        assert self._engine is not None  # a load was injected, so the worker has a contract
+        index = self._engine.layer_names.index(layer_name)
+        for load, blocks, slots, rows in checks:
+            now = cache[slots // self._block_size, :, slots % self._block_size]  # [n, *kv_row_shape]
+            if torch.equal(now, rows):
+                continue
+            altered = self._altered.setdefault(load.request_id, _Altered(load, blocks))
+            altered.layers.append(index)
+            altered.changed += int((now != rows).sum())
+            altered.total += rows.numel()
+            altered.worst = max(altered.worst, float((now.float() - rows.float()).abs().max()))
 
     def _checked_tensors(self, folder: Path, load: Load, layers: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Each layer's stored ``kv_cache [num_tokens, *kv_row_shape]`` from the checked bytes of the
@@ -301,6 +359,16 @@ class ContractConnector(ExampleConnector):
         return out
 
     def get_block_ids_with_load_errors(self) -> set[int]:
+        """After the forward: the blocks of every load refused this step (at inject, or changed before
+        attention read them); each changed load is recorded as a refusal here, naming its layers."""
+        for rid, altered in self._altered.items():
+            error = refusal([altered.diff(len(self._engine.layer_names) if self._engine else 0)])
+            meta = altered.load.meta
+            key = Path(self._generate_foldername_debug(meta.token_ids, meta.mm_hashes, create_folder=False)).name
+            append_refusal(self._store, request_id=rid, key=key, error=error, policy=self._policy)
+            logger.error("ropekv contract connector: injected KV of %s changed before attention: %s", rid, error)
+            self._load_errors |= altered.blocks
+        self._altered, self._injected = {}, {}
         errors, self._load_errors = self._load_errors, set()
         return errors
 

@@ -80,13 +80,27 @@ class Produced:
     num_cached_tokens: int
 
 
-def _connector_requests(meta: Any) -> list[Any]:
-    """The per-request entries of a connector's metadata (``ExampleConnectorMetadata.requests`` and its
-    subclasses'); an unknown shape is refused rather than guessed."""
-    requests = getattr(meta, "requests", None)
-    if requests is None:
-        raise AdapterError(ADAPTER, "connector metadata", "a .requests list (ExampleConnector's)", type(meta).__name__)
-    return list(requests)
+def _loaded_slots(meta: Any) -> list[torch.Tensor]:
+    """The slots (``[n]`` int64, token i at ``[i]``) of each load one step's connector metadata asks the
+    worker for: the ``.requests`` of ``ExampleConnectorMetadata`` (and its subclasses') that are not
+    stores, or the ``.loads`` of ropekv's ``ContractConnectorMetadata`` that its scheduler did not refuse
+    (a load its worker refuses at inject is still counted: the refusal log says so). Another shape is
+    refused rather than guessed."""
+    from .connector import ContractConnectorMetadata
+
+    if isinstance(meta, ContractConnectorMetadata):
+        records = [load.meta for load in meta.loads if not load.refused]
+    else:
+        requests = getattr(meta, "requests", None)
+        if requests is None:
+            raise AdapterError(
+                ADAPTER,
+                "connector metadata",
+                "ExampleConnector's .requests or ContractConnector's .loads",
+                type(meta).__name__,
+            )
+        records = [r for r in requests if not r.is_store]
+    return [torch.as_tensor(r.slot_mapping).reshape(-1).to(torch.int64).clone() for r in records]
 
 
 class _ConnectorTap:
@@ -109,10 +123,7 @@ class _ConnectorTap:
 
         def build_connector_meta(scheduler_output, _build=build):
             meta = _build(scheduler_output)
-            for r in _connector_requests(meta):
-                if not r.is_store:
-                    slots = torch.as_tensor(r.slot_mapping).reshape(-1).to(torch.int64).clone()
-                    self.pending.append(Injection(slots))
+            self.pending.extend(Injection(slots) for slots in _loaded_slots(meta))
             return meta
 
         def start_load_kv(forward_context, _load=load, **kwargs):

@@ -58,6 +58,11 @@ _CONSEQUENCES: dict[str, str] = {
     "attention_backend": "another attention backend lays the paged cache out otherwise: rows would be misread",
     "kv_row_shape": "per-token rows have another shape (heads, channels): tensors would not fit, or be misread",
     "layer_names": "files are matched to layers by name: layers would read another layer's keys, or none",
+    "injected": (
+        "the paged cache no longer holds the rows the connector injected (changed after the injection, "
+        "before attention read them: e.g. keys turned to other positions): attention would read other "
+        "keys and values than the producer's"
+    ),
     "tokens": "the entry holds the KV of other tokens than the request's prompt: attention would read another text",
     "positions": (
         "the stored keys were rotated at other positions than the ones this request gives its tokens: "

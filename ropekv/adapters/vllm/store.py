@@ -46,6 +46,7 @@ from ...errors import PayloadError, RopeKVError
 from ...files import open_regular, read_exactly
 from ...numbers import is_int
 from . import kv_layout
+from .sidecar import SIDECAR
 
 TENSOR = "kv_cache"  # the one tensor name ExampleConnector writes and reads
 SUFFIX = ".safetensors"
@@ -196,7 +197,7 @@ def _entry_at(directory: Path, *, missing_ok: bool) -> StoreEntry | None:
     if len(files) > MAX_LAYERS:
         raise PayloadError(f"vLLM store entry {directory}: {len(files)} files, more than {MAX_LAYERS} layers")
     names = [f[: -len(SUFFIX)] for f in files if f.endswith(SUFFIX)]
-    others = [f for f in files if not f.endswith(SUFFIX)]
+    others = [f for f in files if not f.endswith(SUFFIX) and f != SIDECAR]  # ropekv's connector adds its sidecar
     if others:
         raise PayloadError(f"vLLM store entry {directory}: unexpected files {others[:4]}")
     if not names:
