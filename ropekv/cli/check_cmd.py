@@ -13,6 +13,7 @@ from ..adapters.registry import ENGINES, engine_module
 from ..argtypes import suggest
 from ..contract import DTYPES
 from ..errors import UsageError
+from ..parity.cases import LONG_CONTEXT
 from .custom_engine import CustomEngine, run_user_code
 from .options import (
     add_model_argument,
@@ -60,6 +61,11 @@ def add_parser(sub) -> None:
     p.add_argument("--sinks", type=non_negative_int, default=0, help="sink tokens kept forever (with --window)")
     p.add_argument("--chunk", type=positive_int, help="prefill chunk size")
     p.add_argument("--decode-steps", type=positive_int, help="decode steps per case (default 3)")
+    p.add_argument(
+        "--long",
+        action="store_true",
+        help=f"add the long case ({LONG_CONTEXT:,} tokens) to the default matrix of a model with sliding layers",
+    )
     p.add_argument(
         "--ops",
         metavar="OPS",
@@ -134,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     # them before any weight is read. An external engine without case flags lists its own default
     # matrix; what it cannot honour (case windows on llama.cpp, cache operations) the harness reports
     # n/a in its row, with the reason.
-    from ..parity.cases import build_matrix, parse_ops
+    from ..parity.cases import build_matrix, model_window, parse_ops
     from ..parity.harness import check
 
     ops = parse_ops(args.ops) if args.ops is not None else None
@@ -152,6 +158,7 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         and not args.sinks
+        and not args.long
     )
     if module is not None and no_case_flags:  # an external engine
         cases = module.default_cases(args)
@@ -167,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
             chunk=args.chunk,
             decode_steps=args.decode_steps,
             max_positions=cfg.position_limit,
+            windowed=None if args.window is not None else model_window(cfg.layer_attentions),
+            long=args.long,
         )
     longest = max(c.total for c in cases)
     if args.window is not None and args.window + args.sinks >= longest:

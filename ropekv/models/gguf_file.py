@@ -43,8 +43,14 @@ from .config import Checkpoint, ModelConfig, fingerprint_of
 from .hf_config import read_model_config
 from .weights import non_finite, weights_digest
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
-_HF_CLASS = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+_HF_CLASS = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+_MODEL_TYPE = {"gemma3": "gemma3_text"}  # transformers' model_type where it is not the GGUF architecture
 # Architectures whose Q/K rows llama.cpp's converter permuted for its interleaved RoPE.
 _PERMUTED_ARCHITECTURES = ("llama",)
 
@@ -86,6 +92,20 @@ _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
 }
+# Gemma 3's sandwich norms: llama.cpp names the pre-MLP norm ffn_norm (llama's post-attention norm).
+_GEMMA3_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_ARCH_LAYER_NAMES = {"gemma3": _GEMMA3_LAYER_NAMES}
+# llama.cpp's converter stores Gemma's RMSNorm weights as 1 + w (its RMSNorm multiplies by w);
+# transformers' Gemma norms multiply by 1 + w, so the HF weight is the stored one minus 1.
+_NORM_OFFSET_ARCHITECTURES = ("gemma3",)
+# What llama.cpp assumes for gemma3 when the file does not say (llama-model.cpp, LLM_ARCH_GEMMA3):
+# every sixth layer global, the sliding layers' RoPE base 10,000 (unscaled).
+_GEMMA3_SWA_PERIOD, _GEMMA3_SWA_THETA = 6, 10000.0
 _LAYER_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 # Rope scaling keys we translate; any other "<arch>.rope.scaling.*" key is refused, not dropped.
 _SCALING_KEYS = {
@@ -247,7 +267,7 @@ def hf_config_from_gguf(reader: GGUFReader, source: str) -> dict[str, Any]:
         return kind(value)
 
     for key, what in (("expert_count", "mixture-of-experts"), ("attention.sliding_window", "sliding-window attention")):
-        if meta.get(f"{arch}.{key}"):
+        if meta.get(f"{arch}.{key}") and not (arch == "gemma3" and key == "attention.sliding_window"):
             raise ConfigError(f"{source}: {what} ({arch}.{key}) is not supported")
     if "rope_freqs.weight" in names:
         raise ConfigError(f"{source}: per-dimension RoPE factors (rope_freqs.weight, llama3 scaling) are not supported")
@@ -271,7 +291,7 @@ def hf_config_from_gguf(reader: GGUFReader, source: str) -> dict[str, Any]:
         vocab = num("vocab_size")
     config: dict[str, Any] = {
         "architectures": [_HF_CLASS[arch]],
-        "model_type": arch,
+        "model_type": _MODEL_TYPE.get(arch, arch),
         "name": str(meta.get("general.name") or arch),
         "hidden_act": "silu",
         "hidden_size": hidden,
@@ -298,9 +318,52 @@ def hf_config_from_gguf(reader: GGUFReader, source: str) -> dict[str, Any]:
         scaling = _rope_scaling(meta, arch, source)
     except (TypeError, ValueError) as exc:
         raise ConfigError(f"{source}: malformed RoPE scaling metadata: {exc}") from None
-    if scaling is not None:
+    if arch == "gemma3":
+        _gemma3_fields(config, meta, scaling, source)
+    elif scaling is not None:
         config["rope_scaling"] = scaling
     return config
+
+
+def _gemma3_fields(
+    config: dict[str, Any], meta: Mapping[str, Any], scaling: dict[str, Any] | None, source: str
+) -> None:
+    """Gemma 3's own fields, as transformers' ``Gemma3TextConfig`` spells them (in place).
+
+    The file records the window and the global layers' base; the layer pattern and the sliding
+    layers' base are llama.cpp's fixed gemma3 values unless the file says otherwise. RoPE scaling,
+    where the file has it, applies to the global layers only (llama.cpp keeps the sliding layers
+    unscaled, as transformers does).
+    """
+    window = meta.get("gemma3.attention.sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ConfigError(f"{source}: gemma3 needs a positive gemma3.attention.sliding_window, got {window!r}")
+    period = meta.get("gemma3.attention.sliding_window_pattern", _GEMMA3_SWA_PERIOD)
+    if not isinstance(period, int) or isinstance(period, bool) or period < 1:
+        raise ConfigError(f"{source}: gemma3.attention.sliding_window_pattern must be a positive int, got {period!r}")
+    swa_theta = meta.get("gemma3.rope.freq_base_swa", _GEMMA3_SWA_THETA)
+    if not isinstance(swa_theta, (int, float)) or isinstance(swa_theta, bool) or not swa_theta > 0:
+        raise ConfigError(f"{source}: gemma3.rope.freq_base_swa must be a positive number, got {swa_theta!r}")
+    layers = config["num_hidden_layers"]
+    full: dict[str, Any] = {"rope_type": "default", "rope_theta": config.pop("rope_theta")}
+    if scaling is not None:
+        full = {**scaling, "rope_theta": full["rope_theta"]}
+    del config["hidden_act"]
+    config.update(
+        hidden_activation="gelu_pytorch_tanh",
+        sliding_window=window,
+        layer_types=["full_attention" if (i + 1) % period == 0 else "sliding_attention" for i in range(layers)],
+        rope_parameters={
+            "sliding_attention": {"rope_type": "default", "rope_theta": float(swa_theta)},
+            "full_attention": full,
+        },
+        # llama.cpp's attention scale for gemma3: 1/sqrt(head_dim), except the 27B (62 layers): 1/sqrt(hidden/heads).
+        query_pre_attn_scalar=(
+            config["hidden_size"] // config["num_attention_heads"] if layers == 62 else config["head_dim"]
+        ),
+        attn_logit_softcapping=None,
+        final_logit_softcapping=None,
+    )
 
 
 def _rope_scaling(meta: Mapping[str, Any], arch: str, source: str) -> dict[str, Any] | None:
@@ -385,8 +448,10 @@ def checkpoint_from_reader(
     path = Path(path)
     source = str(path)
     config, hf = config_from_reader(reader, path, layout=layout)
-    permuted = hf["model_type"] in _PERMUTED_ARCHITECTURES
-    plan = _plan(reader, config, source)
+    arch = next(a for a, c in _HF_CLASS.items() if c == hf["architectures"][0])
+    permuted = arch in _PERMUTED_ARCHITECTURES
+    norm_offset = arch in _NORM_OFFSET_ARCHITECTURES
+    plan = _plan(reader, config, source, arch)
     shapes = config.expected_shapes()
 
     weights: dict[str, torch.Tensor] = {}
@@ -407,6 +472,8 @@ def checkpoint_from_reader(
         if permuted and layout == "neox" and (".q_proj." in hf_name or ".k_proj." in hf_name):
             heads = config.num_heads if ".q_proj." in hf_name else config.num_kv_heads
             values = unpermute_qk(values, heads)
+        if norm_offset and hf_name.endswith("norm.weight"):
+            values = values - np.float32(1.0)
         # Copy out of the memory map: the checkpoint must not keep the file open or be read-only.
         weights[hf_name] = torch.from_numpy(np.array(values, dtype=np.float32, copy=True))
         problem = non_finite(weights[hf_name])
@@ -432,7 +499,7 @@ def config_from_reader(
     if layout not in LAYOUTS:
         raise ConfigError(f"unknown layout {layout!r}; supported: {', '.join(LAYOUTS)}")
     hf = hf_config_from_gguf(reader, source)
-    arch = hf["model_type"]
+    arch = next(a for a, c in _HF_CLASS.items() if c == hf["architectures"][0])
     if layout == "gptj" and arch not in _PERMUTED_ARCHITECTURES:
         raise ConfigError(
             f"{source}: a {arch} GGUF stores Q/K for the neox pairing (llama.cpp runs it with NEOX rope); "
@@ -441,7 +508,7 @@ def config_from_reader(
     return read_model_config(hf, source=source, layout=layout), hf
 
 
-def _plan(reader: GGUFReader, config: ModelConfig, source: str) -> list[tuple[str, Any]]:
+def _plan(reader: GGUFReader, config: ModelConfig, source: str, arch: str) -> list[tuple[str, Any]]:
     """``(hf_name, reader_tensor)`` pairs after checking names, types and declared shapes.
 
     Shapes are checked against the config before anything is dequantized, so a file cannot make us
@@ -450,7 +517,7 @@ def _plan(reader: GGUFReader, config: ModelConfig, source: str) -> list[tuple[st
     expected = config.expected_shapes()
     plan, problems = [], []
     for t in reader.tensors:
-        hf_name = hf_tensor_name(t.name)
+        hf_name = hf_tensor_name(t.name, arch)
         if hf_name is None or hf_name not in expected:
             problems.append(f"unexpected tensor {t.name!r}")
             continue
@@ -474,14 +541,16 @@ def _plan(reader: GGUFReader, config: ModelConfig, source: str) -> list[tuple[st
     return plan
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
-    """The transformers name of a GGUF tensor (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``)."""
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+    """The transformers name of a GGUF tensor of architecture ``arch``
+    (``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight``)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
+    names = _ARCH_LAYER_NAMES.get(arch, _LAYER_NAMES)
     m = _LAYER_RE.match(gguf_name)
-    if m is None or m.group(2) not in _LAYER_NAMES:
+    if m is None or m.group(2) not in names:
         return None
-    return f"model.layers.{int(m.group(1))}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    return f"model.layers.{int(m.group(1))}.{names[m.group(2)]}.{m.group(3)}"
 
 
 def file_sha256(path: str | os.PathLike, chunk_size: int = 1 << 22) -> str:

@@ -309,6 +309,34 @@ def default_matrix(max_positions: int | None = None) -> list[Case]:
     return cases if max_positions is None else [c for c in cases if c.positions_needed <= max_positions]
 
 
+LONG_CONTEXT = 8192  # the long case of a windowed model (ropekv check --long): a 512 ring wraps 16 times
+
+
+def window_matrix(window: int, *, long: bool = False) -> list[Case]:
+    """The default cases of a model whose sliding layers keep ``window`` keys (gemma3: 512), under
+    the model's own windows: the window crossed by one token, by a fraction and twice over (the
+    rings wrap while full-attention layers keep every key); a prefix-cache hit that ends just below
+    the window edge, so the suffix crosses it; a chunked prefill whose middle chunk straddles the
+    edge; and, with ``long``, one case of :data:`LONG_CONTEXT` tokens."""
+    w = window
+    cases = [  # for w = 512: 513, 600, 1,100 tokens
+        Case(length=w + 1),
+        Case(length=w + 88, block_size=16),
+        Case(length=2 * w + 76, block_size=16, chunk=256),  # two wraps, chunked
+        Case(length=91, prefix=w - 3, block_size=16),  # the hit stops 3 keys short of the edge; 600 in all
+        Case(length=w + 88, block_size=32, chunk=w // 2 + 45),  # chunk 2 covers [301, 602): the edge inside
+    ]
+    if long:
+        cases.append(Case(length=LONG_CONTEXT, block_size=32, chunk=1024, decode_steps=2))
+    return cases
+
+
+def model_window(layers: Sequence[LayerAttention]) -> int | None:
+    """The window of a model's sliding layers (the largest, where they differ), or None without any."""
+    sizes = [la.window for la in layers if la.kind == "sliding" and la.window is not None]
+    return max(sizes) if sizes else None
+
+
 def too_long(case: Case, max_positions: int) -> str | None:
     """Why ``case`` cannot run on a model of ``max_positions`` positions (None: it fits)."""
     if case.positions_needed <= max_positions:
@@ -369,6 +397,8 @@ def build_matrix(
     decode_steps: int | None = None,
     max_positions: int,
     ops: list[CacheOp] | None = None,
+    windowed: int | None = None,
+    long: bool = False,
 ) -> list[Case]:
     """The cartesian product of the given values, or the default matrix when nothing is given.
 
@@ -379,7 +409,11 @@ def build_matrix(
     default case. An empty list is
     refused (it would otherwise quietly mean the defaults). ``ops`` (``--ops``): the cases are then the
     operations, each on every case the other flags give, or on its default case when none are given.
+    ``windowed``: the model's own sliding window (:func:`model_window`); the default matrix is then
+    :func:`window_matrix` (``long`` adds its long case), and the operations run on its second (600 tokens for w=512).
     """
+    if long and windowed is None:
+        raise UsageError("--long is the long case of a model with sliding layers; this model has none")
     for flag, values in (("lengths", lengths), ("block_sizes", block_sizes), ("prefix_offsets", prefix_offsets)):
         if values is not None and len(values) == 0:
             raise UsageError(f"{flag} is empty: give at least one value, or None for the default matrix")
@@ -388,7 +422,7 @@ def build_matrix(
     explicit_lengths = not (lengths is None and block_sizes is None and prefix_offsets is None)
     if not explicit_lengths:
         # Every default case, those too long for the model included: the harness lists them as n/a.
-        cases = default_matrix()
+        cases = default_matrix() if windowed is None else window_matrix(windowed, long=long)
         if window is not None or chunk is not None or decode_steps is not None or sink_tokens:
             cases = [
                 Case(
@@ -417,7 +451,10 @@ def build_matrix(
         ]
     if ops:
         explicit = not (lengths is None and block_sizes is None and prefix_offsets is None)
-        cases = op_matrix(ops, cases if explicit else None)
+        if windowed is not None and not explicit:  # the model's windows, not a case window: ops on its rings
+            cases = op_matrix(ops, [dataclasses.replace(window_matrix(windowed)[1], decode_steps=2)])
+        else:
+            cases = op_matrix(ops, cases if explicit else None)
         if not explicit and (window is not None or chunk is not None or decode_steps is not None):
             cases = [
                 dataclasses.replace(
