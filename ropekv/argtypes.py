@@ -191,9 +191,18 @@ def _with_choice_suggestion(message: str) -> str:
 
 
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
+    """``MODEL`` (a path, or an embedded model's name) and ``--model NAME`` (an embedded model by name);
+    :func:`ropekv.cli.main.main` checks the name and folds it into ``args.model``."""
     parser.add_argument(
         "model",
         nargs="?",
         default=None,
-        help="a transformers directory or a .gguf file (default: the embedded SmolLM2-135M)",
+        help="a transformers directory, a .gguf file or an embedded model's name (default: the embedded SmolLM2-135M)",
+    )
+    parser.add_argument(
+        "--model",
+        dest="model_name",
+        metavar="NAME",
+        default=None,
+        help="an embedded model by name: smollm2-135m (the default) or gemma3-270m (`ropekv models` lists them)",
     )

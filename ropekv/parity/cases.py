@@ -337,6 +337,38 @@ def model_window(layers: Sequence[LayerAttention]) -> int | None:
     return max(sizes) if sizes else None
 
 
+def slide_note(case: Case, layers: Sequence[LayerAttention]) -> str | None:
+    """Which layers slid in ``case`` under the model's own windows (None when the model has no sliding
+    layer, or the case forces a window of its own): the sliding layers that dropped keys by the last
+    decode step, how many, and the full layers that read every key."""
+    if case.window is not None:
+        return None
+    sliding = [i for i, la in enumerate(layers) if la.kind == "sliding" and la.window is not None]
+    if not sliding:
+        return None
+    seen = case.total  # the keys in context at the last decode step, its own included
+    window = min(layers[i].window or 0 for i in sliding)
+    full = [i for i, la in enumerate(layers) if la.kind == "full"]
+    full_text = f"; full layers {_ranges(full)} read all {seen:,}" if full else ""
+    if seen <= window:
+        return f"no layer slid: {seen:,} keys fit the {window:,}-key window{full_text}"
+    return (
+        f"sliding layers {_ranges(sliding)} dropped {seen - window:,} of {seen:,} keys at the last decode "
+        f"(each {window:,}-slot ring wrapped {(seen - 1) // window}x){full_text}"
+    )
+
+
+def _ranges(indices: Sequence[int]) -> str:
+    """``[0, 1, 2, 4]`` -> ``"0-2,4"``."""
+    out: list[str] = []
+    for i in indices:
+        if out and int(out[-1].split("-")[-1]) == i - 1:
+            out[-1] = f"{out[-1].split('-')[0]}-{i}"
+        else:
+            out.append(str(i))
+    return ",".join(out)
+
+
 def too_long(case: Case, max_positions: int) -> str | None:
     """Why ``case`` cannot run on a model of ``max_positions`` positions (None: it fits)."""
     if case.positions_needed <= max_positions:

@@ -26,7 +26,7 @@ from . import ops
 from .adapter_diagnosis import diagnose_mislabelled_keys
 from .applicable import Applicability, applicability
 from .bug_class import BugClass
-from .cases import Case, build_matrix, check_numbers, token_stream
+from .cases import Case, build_matrix, check_numbers, slide_note, token_stream
 from .compare import (
     LogitsOf,
     NextToken,
@@ -169,7 +169,7 @@ def check(
                 logit_errors=tuple(e.logits for e in err_ref),
                 self_logit_errors=tuple(e.logits for e in err_self),
                 ignored=noted,
-                notes=run.notes + ops.notes(case),
+                notes=run.notes + ops.notes(case) + tuple(n for n in [slide_note(case, cfg.layer_attentions)] if n),
                 full_forward_error=full_err,
                 seconds=time.perf_counter() - t0,
             )
