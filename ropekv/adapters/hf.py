@@ -50,6 +50,7 @@ import torch
 
 from ..contract import DTYPES
 from ..errors import CheckpointError, RopeKVError, UsageError
+from ..models import resolve_model_dir
 from ..models.config import Checkpoint
 from ..models.families import FAMILIES, family_of
 from ..models.hf_config import read_model_config
@@ -149,11 +150,7 @@ class HFEngine:
         dtype = dtype or "float32"
         if dtype not in DTYPES:
             raise UsageError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
-        if path is None:
-            from ..models.default import default_checkpoint_dir
-
-            path = default_checkpoint_dir()
-        folder = Path(path)
+        folder = resolve_model_dir(path)  # None or an embedded model's name: its converted folder
         if not folder.is_dir() or not (folder / "config.json").is_file():
             raise CheckpointError(
                 f"{folder}: the HF engine needs a transformers directory with config.json "

@@ -31,6 +31,7 @@ import torch
 
 from ..contract import KeyForm
 from ..errors import UsageError
+from ..models import resolve_model_dir
 from .bandwidth import measure_bandwidth
 from .decode import (
     DecodeRun,
@@ -332,11 +333,7 @@ def _transformers_dir(model: str | None) -> tuple[Path | None, str | None]:
         import transformers  # noqa: F401
     except ImportError:
         return None, "transformers is not installed"
-    if model is None:
-        from ..models.default import default_checkpoint_dir
-
-        return Path(default_checkpoint_dir()), None
-    p = Path(model)
+    p = resolve_model_dir(model)  # None or an embedded model's name: its converted folder
     if p.is_dir() and (p / "config.json").is_file():
         return p, None
     return None, f"{model} is not a transformers directory (config.json + safetensors)"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from ..errors import CheckpointError
 from ..models.embedded import DEFAULT_MODEL, EMBEDDED, EmbeddedModel, licence_paths, package_dir
@@ -32,13 +33,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"  source: {row['source']}")
         print(
             f"  licence: {row['licence']}"
-            + (f"; terms: {', '.join(row['licence_files'])}" if row["licence_files"] else "")
+            + (f"; terms: {', '.join(map(str, row['licence_files']))}" if row["licence_files"] else "")
         )
         print(f"  installed: {row['installed']}")
     return 0
 
 
-def _row(m: EmbeddedModel) -> dict[str, object]:
+def _row(m: EmbeddedModel) -> dict[str, Any]:
     try:
         for module, _ in m.chunks:
             package_dir(m, module)

@@ -278,6 +278,21 @@ def _forget_chunks(contract: CacheContract) -> CacheContract:
     return contract.replace(chunk_size=None, chunk_layers=())
 
 
+def _has_window_and_full(cfg) -> bool:
+    kinds = {a.kind for a in cfg.layer_attentions}
+    return "sliding" in kinds and "full" in kinds
+
+
+def _window_every_layer(contract: CacheContract) -> CacheContract:
+    """The global layers slide too: every layer reads only the last ``window`` keys."""
+    return contract.replace(window_layers=tuple(range(contract.num_layers)))
+
+
+def _forget_windows(contract: CacheContract) -> CacheContract:
+    """The sliding layers read as full ones: every cached key reaches the kernel (a window ignored)."""
+    return contract.replace(window=None, window_layers=(), sink_tokens=0)
+
+
 CATALOGUE: tuple[NativeFault, ...] = (
     NativeFault(
         name="double-rotation",
@@ -411,6 +426,28 @@ CATALOGUE: tuple[NativeFault, ...] = (
         needs="multi-head latent attention (deepseek_v2, deepseek_v3)",
         applies=_has_mla,
         fixed_key_form=True,
+    ),
+    NativeFault(
+        name="window-on-global-layers",
+        kind="window_mismatch",
+        description="the global (full-attention) layers slide over the window too",
+        key_form="rotated",
+        shows_when="a context longer than the window",
+        rotation=RotationPolicy,
+        needs="sliding and full layers (gemma3)",
+        applies=_has_window_and_full,
+        contract_change=_window_every_layer,
+    ),
+    NativeFault(
+        name="sliding-layers-unwindowed",
+        kind="window_mismatch",
+        description="the sliding layers read every cached key (their window ignored)",
+        key_form="rotated",
+        shows_when="a context longer than the window",
+        rotation=RotationPolicy,
+        needs="sliding layers of the model's own (gemma3, mistral)",
+        applies=lambda cfg: any(a.kind == "sliding" for a in cfg.layer_attentions),
+        contract_change=_forget_windows,
     ),
     NativeFault(
         name="chunked-layers-read-earlier-chunks",

@@ -44,6 +44,7 @@ from ..contract import CacheContract, FieldDiff, consequence
 from ..errors import EngineUnavailable, RopeKVError, TransportError, UsageError
 from ..faults.registry import get_transfer_fault
 from ..faults.vllm_transfer import TransferFault, forge_entry
+from ..models import resolve_model_dir
 from . import vllm_role
 from .refusals import read_refusals, refusal_error
 from .vllm_entries import describe, entry_findings
@@ -484,11 +485,7 @@ def summary(doc: dict[str, Any]) -> str:
 
 def model_dir(model: str | None) -> Path:
     """The model directory both sides start from (None: the embedded SmolLM2's)."""
-    if model is None:
-        from ..models.default import default_checkpoint_dir
-
-        return default_checkpoint_dir()
-    folder = Path(model)
+    folder = resolve_model_dir(model)  # None or an embedded model's name: its converted folder
     if not folder.is_dir():
         raise UsageError(f"{folder}: --engine vllm needs a transformers model directory")
     return folder
