@@ -38,12 +38,13 @@ def add_parser(sub) -> None:
 
 
 def _tokenizer(model: str | None):
+    from ..models.embedded import EMBEDDED
     from ..models.tokenizer import Tokenizer
 
-    if model is None:
+    if model is None or (model in EMBEDDED and not Path(model).exists()):
         from ..models.default import default_tokenizer
 
-        return default_tokenizer()
+        return default_tokenizer(model)
     path = Path(model)
     if path.is_dir() and (path / "tokenizer.json").is_file():
         return Tokenizer.from_file(path / "tokenizer.json")
@@ -57,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ..adapters.native import NativeAdapter
     from ..models import load_checkpoint, load_config
-    from ..models.default import DEFAULT_PROMPT
+    from ..models.embedded import EMBEDDED
     from ..models.reference import ReferenceDecoder
     from ..parity.cases import Case
 
@@ -71,7 +72,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         if tok is None:
             raise UsageError("this model has no tokenizer.json: pass --token-ids")
-        ids = tok.encode(args.prompt or DEFAULT_PROMPT)
+        ids = tok.encode(
+            args.prompt or EMBEDDED.get(args.model or "smollm2-135m", EMBEDDED["smollm2-135m"]).default_prompt
+        )
     if not ids:
         raise UsageError("the prompt is empty")
     if max(ids) >= cfg.vocab_size or min(ids) < 0:
@@ -93,6 +96,15 @@ def run(args: argparse.Namespace) -> int:
         f"  RoPE: theta {r.theta:g}, rotary_dim {r.rotary_dim}{where}, layout {r.layout}, scaling "
         f"{r.scaling.rope_type}, attention factor {r.attention_factor:g} (fingerprint {r.fingerprint()})"
     )
+    if not cfg.uniform_rope:  # per-layer RoPE (gemma3's sliding and global layers)
+        groups: dict[str, list[int]] = {}
+        for i in range(cfg.num_layers):
+            spec = cfg.layer_rope(i)
+            groups.setdefault(
+                "NoPE" if spec is None else f"theta {spec.theta:g} ({spec.scaling.rope_type})", []
+            ).append(i)
+        for what, layers in groups.items():
+            print(f"    layers {','.join(map(str, layers))}: {what}")
     print(f"  model fingerprint {ckpt.fingerprint}")
     prompt = torch.tensor(ids)
     text = tok.decode(ids) if tok else str(ids)
