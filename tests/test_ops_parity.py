@@ -166,3 +166,27 @@ def test_reference_positions_and_key_mask_against_transformers_and_removal(tiny_
     keep = [i for i in range(T) if i != j]
     removed = ref.forward(tokens[keep], positions=torch.tensor(keep)).logits
     torch.testing.assert_close(masked[keep], removed, atol=1e-9, rtol=0)
+
+
+# Two layers, one sliding (base 1e4), one global (base 1e6): the gemma3 pattern at its smallest.
+GEMMA3_TWO_BASES = {
+    "sliding_window": 5,
+    "layer_types": ["sliding_attention", "full_attention"],
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+        "full_attention": {"rope_type": "default", "rope_theta": 1e6},
+    },
+}
+
+
+@pytest.mark.parametrize("key_form", ["rotated", "raw"])
+def test_shift_turns_each_layer_with_its_own_rope(make_arch_checkpoint, key_form):
+    """A gemma3 model's sliding and global layers turn with different bases: a shift must turn each
+    layer's keys with that layer's RoPE (turning the global layers with the sliding base diverged by
+    2.4 in attention logits at layer 5 of Gemma 3 270M)."""
+    ckpt = load_checkpoint(make_arch_checkpoint("gemma3_text", **GEMMA3_TWO_BASES))
+    assert ckpt.config.layer_rope(0) != ckpt.config.layer_rope(1)  # two bases, or the test proves nothing
+    report = check(
+        NativeAdapter(ckpt, key_form=key_form), cases=[Case(length=20, block_size=7, op=CacheOp("shift", 100))]
+    )
+    assert report.passed, report.table()

@@ -128,7 +128,10 @@ class CacheOps(CacheStore):
         on the length: dynamic NTK, LongRoPE; position ids per section: M-RoPE). The overwrite journal
         is cleared (its keys were turned at the old positions): a later rollback past it is refused."""
         seq = self._seq(seq_id)
-        rope = self.contract.rope
+        # Every layer's own RoPE (gemma3's sliding and global layers turn with different bases); NoPE
+        # layers (None) hold keys no position turned, so a shift only relabels them.
+        layer_ropes = [lc.rope for lc in self.contract.layers]
+        rope = next((r for r in layer_ropes if r is not None and not shift_invariant(r)), self.contract.rope)
         if not shift_invariant(rope):
             raise ContractMismatch(
                 f"shift of {seq_id!r}: {rope.scaling.rope_type} RoPE is not shift-invariant (R(a) R(b) != R(a + b) "
@@ -172,9 +175,12 @@ class CacheOps(CacheStore):
             flat = self._flat(g, seq, slots)
             g.positions.view(-1)[flat] += delta
             for layer in g.layers:
+                layer_rope = layer_ropes[layer]
+                if layer_rope is None:
+                    continue
                 rows = pool_rows(self.keys[layer])
                 k = rows.index_select(0, flat)  # [k, KVH, D]
-                turned = self.policy.shift_keys(c.rope, k, delta, c.key_form)
+                turned = self.policy.shift_keys(layer_rope, k, delta, c.key_form)
                 rows.index_copy_(0, flat, turned.to(rows.dtype))
         seq.history = kept + [p + delta for p in moved]
         seq.last_position = seq.history[-1]
