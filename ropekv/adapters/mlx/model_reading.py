@@ -99,7 +99,7 @@ def embedding_scale(model: Any, mx: Any, nn: Any, hidden_size: int) -> float | N
     all-ones embedding (``input_embeddings``, float32), recording what the first layer's
     ``input_layernorm`` receives (:class:`~.probes.NormProbe`). None when the model takes no
     ``input_embeddings`` or that input is not constant (then nothing is claimed)."""
-    _, NormProbe = _module_wrapper(nn)
+    NormProbe = _module_wrapper(nn)[1]
     layer = model.layers[0]
     norm = layer.input_layernorm
     calls = _LayerCalls()
