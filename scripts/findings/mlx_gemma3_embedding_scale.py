@@ -13,7 +13,8 @@ way (3.8e-05), and with the factor set to 25.25 ropekv's float64 reference agree
 1e-4 in the logits and 1e-5 in every key.
 
 What this script does not verify: it does not run transformers (ropekv's float64 reference stands for
-it; ropekv's ``--engine hf`` check on the same folder passes, run by the main session).
+it; ropekv's ``--engine hf`` check on the same folder passes, run by the main session); transformers'
+``Gemma3TextScaledWordEmbedding`` was read: ``embed_scale=hidden_size**0.5`` cast to the weights' dtype.
 
 Run from .venv-mlx:  .venv-mlx/bin/python scripts/findings/mlx_gemma3_embedding_scale.py [FOLDER]
 (FOLDER: a Gemma 3 transformers folder in float32, default /tmp/gem/hf-f32)

@@ -260,6 +260,11 @@ class MLXEngine:
             type(c).__name__ != "RotatingKVCache" or case.prefix + PARENT_EXTRA < c.max_size for c in caches
         )
         extra = PARENT_EXTRA if trimmable_after else 0
+        if not extra:
+            notes.append(
+                f"prefix hit: a parent of exactly {case.prefix} tokens (a RotatingKVCache holding "
+                f"{case.prefix + PARENT_EXTRA} tokens could not be trimmed back)"
+            )
         parent = torch.cat([tokens[: case.prefix], other[:extra]])
         self.prefill(caches, parent, None)
         child = copy.deepcopy(caches)
