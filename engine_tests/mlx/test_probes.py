@@ -7,8 +7,10 @@ import mlx.core as mx
 import numpy as np
 import torch
 
+from ropekv.adapters.mlx import MLXEngine
 from ropekv.adapters.mlx.probes import ForwardProbe
 from ropekv.parity.cases import Case
+from ropekv.parity.harness import check
 
 
 def _decode_logits(engine, case, tokens, probed: bool):
@@ -72,3 +74,20 @@ def test_recorded_tensors_reproduce_the_kernel_output(engine, tokens):
     out = torch.einsum("hrn,nhd->rhd", scores.softmax(-1), v[:, kv]).reshape(1, -1)
     fused = torch.from_numpy(np.array(captured["o_in"][0].astype(mx.float32))).double()
     assert (out - fused).abs().max() < 1e-5
+
+
+def test_a_decode_mask_selects_the_keys_the_kernel_reads(engine, tokens):
+    """Plain KVCaches under sliding layers: mlx-lm's llama masks the decode with the window (a boolean
+    mask over every cached row); the probe keeps the rows that mask keeps, and the run passes."""
+    kinds = ["sliding_attention" if i % 2 else "full_attention" for i in range(engine.config.num_layers)]
+
+    class PlainCaches(MLXEngine):
+        def new_caches(self, case):
+            return [self.rt.cache.KVCache() for _ in self.model.layers]
+
+    plain = PlainCaches(engine.path, overrides={"layer_types": kinds, "sliding_window": 8})
+    case = Case(length=20, decode_steps=2)
+    step = plain.run_case(case, tokens).steps[0]
+    assert step.layers[1].key_positions.tolist() == list(range(13, 21))  # the window of 8 ending at 20
+    assert step.layers[0].key_positions.tolist() == list(range(21))  # a full layer reads every key
+    assert check(plain, cases=[case], progress="off").passed

@@ -108,3 +108,39 @@ CATALOGUE: tuple[MlxFault, ...] = (
         patch=offset_counts_kept_rows,
     ),
 )
+
+
+@contextmanager
+def layer_rope_base(model: Any, layer: int, base: float) -> Iterator[None]:
+    """Layer ``layer`` turns its queries and keys with RoPE base ``base`` (same dims and pairing),
+    prefill and decode alike: e.g. a Gemma 3 sliding layer given the global layers' 1e6 instead of
+    its 1e4, what a loader that reads one ``rope_theta`` for every layer builds. The module is put
+    back on exit."""
+    import mlx.nn as nn
+
+    attn = model.layers[layer].self_attn
+    original = attn.rope
+    attn.rope = nn.RoPE(int(original.dims), traditional=bool(original.traditional), base=float(base))
+    try:
+        yield
+    finally:
+        attn.rope = original
+
+
+@contextmanager
+def window_ignored(model: Any) -> Iterator[None]:
+    """Sliding layers attend to every key: ``make_cache`` gives every layer a plain ``KVCache`` and the
+    model builds its sliding mask without a window (``window_size = None``), what a loader that never
+    read ``sliding_window`` runs. Both are needed: with plain KVCaches alone mlx-lm's gemma3 mask still
+    applies the window, in prefill and decode (docs/engines/mlx.md). Put back on exit."""
+    from mlx_lm.models.cache import KVCache
+
+    cls, inner = type(model), model.model
+    original, window = cls.make_cache, inner.window_size
+    cls.make_cache = lambda self: [KVCache() for _ in self.layers]
+    inner.window_size = None
+    try:
+        yield
+    finally:
+        cls.make_cache = original
+        inner.window_size = window

@@ -73,16 +73,24 @@ def from_args(args: argparse.Namespace) -> MLXEngine:
 
 
 def default_cases(args: argparse.Namespace) -> list:
-    """What ``ropekv check --engine mlx`` lists without case flags: the default matrix with its sink case
-    run without sinks (no mlx-lm cache has ropekv's window-with-sinks semantics:
-    ``RotatingKVCache(W + s, keep=s)`` keeps no sinks during prefill, docs/engines/mlx.md finding 2);
-    its cache-operation cases and the cases the model is too short for stay in the list and are reported
-    as not applicable, with the reason, never dropped."""
+    """What ``ropekv check --engine mlx`` lists without case flags.
+
+    A model with sliding layers (gemma3: five sliding layers of window 512, then one global) gets
+    ropekv's :func:`~ropekv.parity.cases.window_matrix` of its window, run under the model's own caches
+    (``make_prompt_cache``: ``RotatingKVCache(max_size=W)`` on sliding layers, ``KVCache`` on global ones).
+    Any other model gets the default matrix with its sink case run without sinks (no mlx-lm cache has
+    ropekv's window-with-sinks semantics: ``RotatingKVCache(W + s, keep=s)`` keeps no sinks during
+    prefill, docs/engines/mlx.md finding 2); its cache-operation cases and the cases the model is too
+    short for stay in the list and are reported as not applicable, with the reason, never dropped.
+    The model's config is read from ``args.model`` (config.json only, no weights)."""
     import dataclasses
 
-    from ...parity.cases import default_matrix
+    from ...models import load_config
+    from ...parity.cases import default_matrix, model_window, window_matrix
 
-    del args
+    window = model_window(load_config(getattr(args, "model", None)).layer_attentions)
+    if window is not None:
+        return window_matrix(window)
     return [dataclasses.replace(c, sink_tokens=0) if c.sink_tokens else c for c in default_matrix()]
 
 

@@ -23,9 +23,10 @@ from ...errors import CheckpointError, ConfigError, UsageError
 from ...models.config import Checkpoint, ModelConfig, fingerprint_of
 from ...models.hf_config import read_model_config
 from ...models.safetensors_dir import read_dir_config, weights_digest
-from ...parity.cases import Case
+from ...parity.cases import Case, model_window
 from ...parity.protocol import CaseRun, EngineDescription, FullRun, Ignored, StepRecord, Tier
 from ...parity.recorder import visible_keys
+from .model_reading import check_built, embedding_scale, mlx_spelling
 from .probes import ForwardProbe, installed
 from .runtime import BlasChoice, import_mlx
 
@@ -79,9 +80,11 @@ class MLXEngine:
         self.path = model_directory(model_dir)
         self.overrides = dict(overrides or {})
         self.config: ModelConfig = _read_config(self.path, self.overrides)  # ConfigError / CheckpointError
+        # ropekv's per-layer reading in mlx-lm's field names, then the caller's overrides (which win)
+        self.spelling = mlx_spelling(self.config, _model_type(self.path, self.overrides))
         try:
             self.model, self.mlx_config = self.rt.utils.load_model(
-                self.path, trust_remote_code=False, model_config=dict(self.overrides) or None
+                self.path, trust_remote_code=False, model_config={**self.spelling, **self.overrides} or None
             )
         except (ValueError, FileNotFoundError, KeyError, OSError) as exc:
             raise CheckpointError(f"{self.path}: mlx-lm cannot load it: {str(exc).splitlines()[0]}") from None
@@ -89,6 +92,11 @@ class MLXEngine:
             raise ConfigError(
                 f"{self.path}: mlx-lm built {len(self.model.layers)} layers, config says {self.config.num_layers}"
             )
+        check_built(self.model, self.rt.cache.make_prompt_cache(self.model), self.config)
+        self.file_config = self.config  # what config.json says (the fingerprint's config)
+        self.config = _with_engine_embedding_scale(
+            self.config, embedding_scale(self.model, self.rt.mx, self.rt.nn, self.config.hidden_size)
+        )
         if dtype != "float32":
             self.model.set_dtype(getattr(self.rt.mx, dtype))
         self._checkpoint: Checkpoint | None = None
@@ -122,7 +130,7 @@ class MLXEngine:
                 if k in expected
             }
             self._checkpoint = Checkpoint(
-                self.config, weights, f"mlx-lm {self.path}", fingerprint_of(self.config, weights_digest(weights))
+                self.config, weights, f"mlx-lm {self.path}", fingerprint_of(self.file_config, weights_digest(weights))
             )
         return self._checkpoint
 
@@ -143,6 +151,9 @@ class MLXEngine:
                 "prefix_hit": f"parent request of P + {PARENT_EXTRA} tokens, copy.deepcopy, trim_prompt_cache "
                 f"({PARENT_EXTRA}); a parent of exactly P tokens where the cache cannot trim",
                 "key_positions": "from each cache's offset and ring write index (_idx, keep)",
+                "mlx_config": dict(self.spelling) or "config.json as mlx-lm reads it",
+                "embedding_scale": f"{self.config.embedding_scale:.8g} (measured on mlx-lm's forward; "
+                f"config.json: {self.file_config.embedding_scale:.8g})",
             },
         )
 
@@ -150,6 +161,15 @@ class MLXEngine:
         out = [Ignored("block_size")]
         if self.max_kv_size is not None and (case.window is not None or case.sink_tokens):
             out.append(Ignored("window", f"window/sink_tokens (the engine's caches are fixed: {self._cache_text()})"))
+        elif case.window is not None and model_window(self.config.layer_attentions) is not None:
+            out.append(
+                Ignored(
+                    "window",
+                    f"window={case.window} (mlx-lm masks a sliding layer's prefill with the model's window "
+                    f"{model_window(self.config.layer_attentions)} whatever its cache holds: a case window "
+                    "would hold in decode only, docs/engines/mlx.md)",
+                )
+            )
         return tuple(out)
 
     # ------------------------------------------------------------------ the protocol
@@ -240,6 +260,11 @@ class MLXEngine:
             type(c).__name__ != "RotatingKVCache" or case.prefix + PARENT_EXTRA < c.max_size for c in caches
         )
         extra = PARENT_EXTRA if trimmable_after else 0
+        if not extra:
+            notes.append(
+                f"prefix hit: a parent of exactly {case.prefix} tokens (a RotatingKVCache holding "
+                f"{case.prefix + PARENT_EXTRA} tokens could not be trimmed back)"
+            )
         parent = torch.cat([tokens[: case.prefix], other[:extra]])
         self.prefill(caches, parent, None)
         child = copy.deepcopy(caches)
@@ -282,6 +307,28 @@ def _check_options(max_kv_size: Any, keep: Any, rollback: Any) -> None:
         raise UsageError(f"mlx: keep needs max_kv_size and 0 <= keep < max_kv_size, got keep={keep!r}")
     if isinstance(rollback, bool) or not isinstance(rollback, int) or rollback < 0:
         raise UsageError(f"mlx: rollback must be a non-negative integer, got {rollback!r}")
+
+
+def _model_type(path: Path, overrides: dict[str, Any]) -> str:
+    """``model_type`` as mlx-lm picks its model class: config.json's, or the overrides'."""
+    if "model_type" in overrides:
+        return str(overrides["model_type"])
+    return str(json.loads((path / "config.json").read_text()).get("model_type", ""))
+
+
+def _with_engine_embedding_scale(config: ModelConfig, measured: float | None) -> ModelConfig:
+    """``config`` with the embedding scale mlx-lm really applies, when it differs from the config's (and
+    a warning the CLI prints): gemma3_text rounds ``sqrt(hidden_size)`` to bfloat16 in every dtype
+    (``mx.array(hidden_size**0.5, mx.bfloat16)``), 25.25 for 640 where transformers and ropekv's
+    reading use 25.2982; the reference then runs mlx-lm's model, the RoPE and the caches are judged on it
+    (scripts/findings/mlx_gemma3_embedding_scale.py measures what the difference costs)."""
+    if measured is None or abs(measured - config.embedding_scale) <= 1e-6 * abs(config.embedding_scale):
+        return config
+    note = (
+        f"mlx-lm scales the embeddings by {measured:.6g}, config.json by {config.embedding_scale:.6g} "
+        f"(x{measured / config.embedding_scale:.6f}); the reference uses mlx-lm's factor"
+    )
+    return config.replace(embedding_scale=measured, warnings=(*config.warnings, note))
 
 
 def _read_config(path: Path, overrides: dict[str, Any]) -> ModelConfig:

@@ -16,6 +16,9 @@ so three thin wrappers see what the kernel sees, without changing one operation:
 - :class:`RopeProbe` wraps a layer's ``rope`` module: its first call per forward is the query, the
   second the new keys (the order of the source above); it records the rotated query and its offset.
 - :class:`NormProbe` wraps ``input_layernorm`` to record the layer input (the residual stream).
+- :class:`AttnProbe` wraps ``self_attn`` to record the mask the layer's attention is called with: a
+  decode step's boolean mask (sliding layers whose cache holds more than the window) selects the
+  fetched keys the kernel reads.
 
 Arrays are only kept as references during the forward; :meth:`ForwardProbe.layers` converts them to
 torch after the caller evaluated the logits, so probing adds no evaluation inside the graph.
@@ -42,7 +45,8 @@ class _LayerCalls:
     rope: list[tuple[Any, Any, int]] = field(default_factory=list)  # (input, output, offset) per rope call
     fetched: tuple[Any, Any, list[int], list[int]] | None = None  # keys, values, positions, slots
     hidden_in: Any = None
-    mask: Any = None
+    mask: Any = None  # what the layer's cache made when the model asked it for a mask
+    given_mask: Any = None  # the mask the layer's attention was called with (what its kernel applies)
 
 
 class CacheProbe:
@@ -110,7 +114,17 @@ def _module_wrapper(nn: Any):
             self._probe_calls.hidden_in = x
             return self.inner(x)
 
-    return RopeProbe, NormProbe
+    class AttnProbe(nn.Module):
+        def __init__(self, inner, calls: _LayerCalls):
+            super().__init__()
+            self.inner = inner
+            self._probe_calls = calls
+
+        def __call__(self, x, mask=None, cache=None):
+            self._probe_calls.given_mask = mask
+            return self.inner(x, mask, cache)
+
+    return RopeProbe, NormProbe, AttnProbe
 
 
 class ForwardProbe:
@@ -127,8 +141,8 @@ class ForwardProbe:
         """One LayerProbe per layer: ``q [R, H, D]`` at ``rows`` of this forward's new tokens (all when
         None), ``k``/``v [N, KVH, D]`` as fetched, ``key_positions``/``key_slots [N]``, ``hidden_in [R, hidden]``.
 
-        A decode step reads every key its cache returns (mlx-lm passes no mask for one token); a step
-        with a mask is refused (AdapterError) rather than probed wrongly."""
+        A decode step reads every key its cache returns, or those its layer's boolean mask keeps (the
+        mask that layer's attention was called with); any other decode mask is refused (AdapterError)."""
         recorder = AttentionRecorder(len(self.calls))
         for i, c in enumerate(self.calls):
             if not c.rope or c.fetched is None or c.hidden_in is None:
@@ -147,20 +161,30 @@ class ForwardProbe:
             hidden = _torch(c.hidden_in)[0]  # [S, hidden]
             pos = torch.tensor(positions, dtype=torch.int64)
             slot = torch.tensor(slots, dtype=torch.int64)
-            if q.shape[0] == 1 and any(m.mask is not None and not isinstance(m.mask, str) for m in self.calls):
-                # mlx-lm masks a decode only for sliding layers narrower than their cache; which layers
-                # share that mask is the model's business, so the probe refuses instead of guessing.
-                raise AdapterError(
-                    self.adapter,
-                    f"layers[{i}]",
-                    "a decode step without a mask (all keys read)",
-                    "a mask over cache rows (sliding layers narrower than their cache)",
-                )
+            if q.shape[0] == 1 and c.given_mask is not None and not isinstance(c.given_mask, str):
+                # mlx-lm masks a decode on sliding layers whose cache holds more than the window (a
+                # KVCache, a larger ring): the kernel reads the fetched rows the mask keeps.
+                keep = _read_mask(c.given_mask, k.shape[0], self.adapter, i)
+                k, v, pos, slot = k[keep], v[keep], pos[keep], slot[keep]
             sel = slice(None) if rows is None else torch.as_tensor(rows)
             recorder.record(
                 i, q=q[sel], k=k, key_positions=pos, key_slots=slot, hidden_in=hidden[sel], q_raw=q_raw[sel], v=v
             )
         return recorder.take()
+
+
+def _read_mask(mask: Any, num_keys: int, adapter: str, layer: int) -> torch.Tensor:
+    """Indices of the fetched rows a one-query boolean mask keeps (``[..., N]``, every leading dim 1)."""
+    import mlx.core as mx
+
+    if mask.dtype != mx.bool_ or mask.size != num_keys:
+        raise AdapterError(
+            adapter,
+            f"layers[{layer}]",
+            f"a boolean decode mask over the {num_keys} fetched keys",
+            f"a {mask.dtype} mask of shape {tuple(mask.shape)}",
+        )
+    return torch.from_numpy(np.array(mask, copy=True)).reshape(-1).nonzero()[:, 0]
 
 
 def _torch(a) -> torch.Tensor:
@@ -178,15 +202,17 @@ def installed(model: Any, probe: ForwardProbe | None, nn) -> Iterator[None]:
     if probe is None:
         yield
         return
-    RopeProbe, NormProbe = _module_wrapper(nn)
+    RopeProbe, NormProbe, AttnProbe = _module_wrapper(nn)
     layers = model.layers
-    saved = [(layer.self_attn.rope, layer.input_layernorm) for layer in layers]
+    saved = [(layer.self_attn, layer.self_attn.rope, layer.input_layernorm) for layer in layers]
     try:
         for layer, calls in zip(layers, probe.calls):
             layer.self_attn.rope = RopeProbe(layer.self_attn.rope, calls)
             layer.input_layernorm = NormProbe(layer.input_layernorm, calls)
+            layer.self_attn = AttnProbe(layer.self_attn, calls)
         yield
     finally:
-        for layer, (rope, norm) in zip(layers, saved):
-            layer.self_attn.rope = rope
+        for layer, (attn, rope, norm) in zip(layers, saved):
+            layer.self_attn = attn
+            attn.rope = rope
             layer.input_layernorm = norm
