@@ -199,3 +199,11 @@ def test_model_given_twice_or_unknown_is_one_line(capsys: pytest.CaptureFixture[
     )
     assert main(["check", "--model", "gemma"]) == 2
     assert "unknown embedded model 'gemma'; choose one of smollm2-135m, gemma3-270m" in capsys.readouterr().err
+
+
+def test_check_model_gemma_passes_through_transformers(capsys: pytest.CaptureFixture[str]) -> None:
+    """The HF adapter: transformers' Gemma3ForCausalLM with its own caches (sliding and full layers)."""
+    code = main(["check", "--model", GEMMA3_270M, "--engine", "hf", "--lengths", "513,600", "--no-progress"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "engine: transformers Gemma3ForCausalLM" in out and "parity holds in all 2 cases" in out

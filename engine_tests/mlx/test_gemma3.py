@@ -20,6 +20,7 @@ import torch
 from ropekv.adapters.mlx import MLXEngine, default_cases
 from ropekv.errors import ConfigError
 from ropekv.faults.mlx import layer_rope_base, window_ignored
+from ropekv.models.default import default_checkpoint_dir
 from ropekv.models.reference import ReferenceDecoder
 from ropekv.parity.cases import Case, token_stream, window_matrix
 from ropekv.parity.harness import check
@@ -31,7 +32,7 @@ SLIDING, GLOBAL = 0, 5  # layer 0 slides (base 1e4), layer 5 is the first global
 @pytest.fixture(scope="module")
 def gemma_dir() -> Path:
     """The float32 transformers folder of Gemma 3 270M (the one place its path is named)."""
-    return Path("/tmp/gem/hf-f32")
+    return default_checkpoint_dir("gemma3-270m")
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ it; ropekv's ``--engine hf`` check on the same folder passes, run by the main se
 ``Gemma3TextScaledWordEmbedding`` was read: ``embed_scale=hidden_size**0.5`` cast to the weights' dtype.
 
 Run from .venv-mlx:  .venv-mlx/bin/python scripts/findings/mlx_gemma3_embedding_scale.py [FOLDER]
-(FOLDER: a Gemma 3 transformers folder in float32, default /tmp/gem/hf-f32)
+(FOLDER: a Gemma 3 transformers folder in float32, default: the embedded gemma3-270m converted folder)
 """
 
 from __future__ import annotations
@@ -32,11 +32,12 @@ RT = import_mlx("openblas")  # before anything imports mlx.core
 
 from ropekv.adapters.mlx import MLXEngine  # noqa: E402
 from ropekv.models.config import Checkpoint  # noqa: E402
+from ropekv.models.default import default_checkpoint_dir  # noqa: E402
 from ropekv.models.reference import ReferenceDecoder  # noqa: E402
 from ropekv.parity.cases import Case, token_stream  # noqa: E402
 from ropekv.parity.compare import scaled_error  # noqa: E402
 
-FOLDER = sys.argv[1] if len(sys.argv) > 1 else "/tmp/gem/hf-f32"
+FOLDER = sys.argv[1] if len(sys.argv) > 1 else str(default_checkpoint_dir("gemma3-270m"))
 L = 600
 ROWS = [0, 511, 512, L - 1]
 

@@ -346,11 +346,9 @@ def _read_config(path: Path, overrides: dict[str, Any]) -> ModelConfig:
 def model_directory(model_dir: str | Path | None) -> Path:
     """The directory mlx-lm loads: the given one, or ropekv's converted embedded model (config.json,
     model.safetensors, tokenizer.json, tokenizer_config.json: all ``mlx_lm.load`` needs, offline)."""
-    if model_dir is None:
-        from ...models.default import default_checkpoint_dir
+    from ...models import resolve_model_dir
 
-        return default_checkpoint_dir()
-    path = Path(model_dir)
+    path = resolve_model_dir(model_dir)  # None or an embedded model's name: its converted folder
     if not path.exists():
         raise CheckpointError(f"{path}: no such file or directory")
     if not path.is_dir():
