@@ -60,9 +60,7 @@ class TappedContext:
         """Drop sequence 0's cached tokens at positions ``>= position`` (``llama_memory_seq_rm``)."""
         if not self._llama.llama_memory_seq_rm(self.memory, 0, position, -1):
             raise AdapterError(self.adapter_name, "llama_memory_seq_rm", "true", "false")
-        for cell, pos in list(self.tap.cells.items()):
-            if pos >= position:
-                del self.tap.cells[cell]
+        self.tap.forget_from(position)
 
     def decode(self, tokens: list[int], positions: list[int], outputs: list[bool]) -> None:
         """One ``llama_decode`` of ``tokens`` at ``positions`` (sequence 0); ``outputs`` flags the rows
