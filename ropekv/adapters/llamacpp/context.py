@@ -25,6 +25,9 @@ class ContextSpec:
     type_v: int
     n_threads: int
     rope: RopeOverrides = field(default_factory=RopeOverrides)  # the context's RoPE settings (None: the model's)
+    # A model with sliding layers: True (llama.cpp's default) sizes their cache at n_ctx cells; False at
+    # the window plus one ubatch, cells reused as the window moves (llama_kv_cache_iswa).
+    swa_full: bool = True
 
 
 class TappedContext:
@@ -41,6 +44,7 @@ class TappedContext:
         p.n_threads = p.n_threads_batch = spec.n_threads
         p.type_k, p.type_v = spec.type_k, spec.type_v
         spec.rope.apply(p)
+        p.swa_full = spec.swa_full
         p.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED  # kq-N exists only without it
         p.cb_eval = tap.callback
         p.cb_eval_user_data = None

@@ -32,7 +32,7 @@ from ...probe import LayerProbe
 from .context import ContextSpec, TappedContext
 from .rope_params import RopeOverrides
 from .tap import Capture, GraphTap, visible_cells
-from .tolerance import KV_TYPES, tolerance_for_run, weight_kind
+from .tolerance import KV_TYPES, tolerance_for_run, weights_name
 
 _GGML_TYPE = {"f32": 0, "f16": 1, "q8_0": 8}
 # Architectures llama.cpp rotates with its "NORM" (interleaved) RoPE; every other one ropekv reads
@@ -99,7 +99,7 @@ class LlamaCppEngine:
         self.n_threads = n_threads or 1
         # ropekv's own loader first: a bad file is a one-line CheckpointError before llama.cpp sees it.
         reader = open_gguf(self.gguf_path)
-        self.weights = weight_kind(reader)
+        self.weights = weights_name(reader)
         self.layout = rope_layout(reader)
         self.checkpoint = load_gguf(self.gguf_path, layout=self.layout)
         self.dtype = torch.float32 if type_k == "f32" else torch.float16
@@ -133,9 +133,12 @@ class LlamaCppEngine:
     def _context(self, n_batch: int, tap: GraphTap) -> TappedContext:
         return self.context(n_batch, tap)
 
-    def context(self, n_batch: int, tap: GraphTap, *, rope: RopeOverrides | None = None) -> TappedContext:
+    def context(
+        self, n_batch: int, tap: GraphTap, *, rope: RopeOverrides | None = None, swa_full: bool = True
+    ) -> TappedContext:
         """A new llama.cpp context on the loaded model (this engine's KV types, cells and threads),
-        observed by ``tap``; ``rope``: the context's RoPE settings (default: the model's)."""
+        observed by ``tap``; ``rope``: the context's RoPE settings (default: the model's); ``swa_full``:
+        llama.cpp's sliding-layer cache size (:class:`ContextSpec`)."""
         spec = ContextSpec(
             n_ctx=self.n_ctx,
             n_batch=n_batch,
@@ -143,6 +146,7 @@ class LlamaCppEngine:
             type_v=_GGML_TYPE[self.type_v],
             n_threads=self.n_threads,
             rope=rope or RopeOverrides(),
+            swa_full=swa_full,
         )
         return TappedContext(self._llm._model, spec, tap, self.name)
 

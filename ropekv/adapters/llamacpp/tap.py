@@ -155,11 +155,11 @@ class GraphTap:
         name = ggml.name_of(t)
         if op == "SET_ROWS":
             dest = ggml.view_source(t)
-            cache = _CACHE_K.match(ggml.name_of(dest)) if dest is not None else None
-            if cache is None:
+            written = _CACHE_K.match(ggml.name_of(dest)) if dest is not None else None
+            if written is None:
                 return False
             if not ask:
-                self._track_writes(t, int(cache.group(1)))
+                self._track_writes(t, int(written.group(1)))
             return True
         if op == "ROPE":
             if ask and name == "Kcur-0":  # what this context turns keys with, as its graph says
