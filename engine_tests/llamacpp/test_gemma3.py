@@ -12,6 +12,7 @@ import pytest
 
 from ropekv.adapters.llamacpp import LlamaCppEngine, add_arguments, default_cases
 from ropekv.adapters.llamacpp.f32_gguf import default_f32_gguf
+from ropekv.adapters.llamacpp.judge import judge
 from ropekv.adapters.llamacpp.tolerance import tolerance_for_run
 from ropekv.parity.cases import Case, token_stream, window_matrix
 from ropekv.parity.compare import Tolerance
@@ -61,8 +62,12 @@ def test_f32_gguf_passes_the_default_gemma_check_under_float32s_tolerance(gemma_
     assert report.tier == "forensics"
 
 
-def test_q4_k_m_passes_the_default_gemma_check_under_its_noise_floor(gemma_q4km):
-    report = check(gemma_q4km, cases=window_matrix(512), tolerance=gemma_q4km.tolerance)
+def test_q4_k_m_passes_the_window_cases_under_its_noise_floor(gemma_q4km):
+    """The window matrix's prefix hit and its chunk across the edge (the whole matrix is the CLI run in
+    docs/engines/llamacpp.md; two cases keep the lane short) pass under the file's measured tolerance;
+    under float32's the same report fails: the noise is the file's, and the tolerance is not slack."""
+    assert gemma_q4km.weights == "Q4_K_M"
+    cases = [c for c in window_matrix(512) if c.prefix or c.chunk == 301]
+    report = check(gemma_q4km, cases=cases, tolerance=gemma_q4km.tolerance)
     assert report.passed, report.table()
-    float32s = Tolerance(attn=2e-3, hidden=2e-3, logits=5e-3)
-    assert not check(gemma_q4km, cases=[Case(length=513)], tolerance=float32s).passed  # the noise is real
+    assert not judge(report, Tolerance(attn=2e-3, hidden=2e-3, logits=5e-3)).passed

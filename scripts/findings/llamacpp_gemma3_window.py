@@ -11,13 +11,13 @@ suffix crosses the edge, a chunk across the edge), per decode step and layer 0 (
 and layer 5 (global, base 1e6): the positions of the keys the kernel read (the layer's own mask over
 its own cache's cells, read from the graph) against the reference's (sliding: the 512 positions
 ``t-511..t``; global: ``0..t``), and the scale-aware error of those keys and of the query against the
-float64 reference's post-RoPE keys and query.
+float64 reference's post-RoPE keys and query, and of the query before RoPE (after the q norm): what
+the rotation adds is the difference of the two query columns.
 """
 
 from __future__ import annotations
 
 import argparse
-import time
 from pathlib import Path
 
 from ropekv.adapters.llamacpp import LlamaCppEngine
@@ -59,10 +59,9 @@ def main() -> None:
             eng = LlamaCppEngine(path, tier="attention", n_ctx=2048, n_batch=n_batch)
             eng._cached = eng.context(n_batch, eng.tap, swa_full=swa_full)
             for case in CASES:
-                t0 = time.perf_counter()
                 run = eng.run_case(case, tokens)
                 for layer in LAYERS:
-                    same, kerr, qerr, spans, dlogit = True, 0.0, 0.0, set(), 0.0
+                    same, kerr, qerr, qraw, spans, dlogit = True, 0.0, 0.0, 0.0, set(), 0.0
                     for step in run.steps:
                         t, lp = step.position, step.layers[layer]
                         got = sorted(int(p) for p in lp.key_positions)
@@ -72,15 +71,15 @@ def main() -> None:
                         order = lp.key_positions.argsort()
                         kerr = max(kerr, scaled_error(lp.k[order], ref.layers[layer].k[sorted(got)]))
                         qerr = max(qerr, scaled_error(lp.q, ref.layers[layer].q[row_of[t] : row_of[t] + 1]))
+                        qraw = max(qraw, scaled_error(lp.q_raw, ref.layers[layer].q_raw[row_of[t] : row_of[t] + 1]))
                         dlogit = max(dlogit, float((step.logits.double() - ref.logits[row_of[t]]).abs().max()))
                     span = sorted(spans)[-1]
                     name = f"L={case.length} P={case.prefix}" + (f" c={case.chunk}" if case.chunk else "")
                     print(
                         f"{n_batch:>7} {str(swa_full):>8} {name:<18} {layer:>5} {span:>16} {str(same):>11} "
-                        f"{kerr:9.2e} {qerr:9.2e} {dlogit:9.2e}",
+                        f"{kerr:9.2e} {qerr:9.2e} {qraw:9.2e} {dlogit:9.2e}",
                         flush=True,
                     )
-                del t0
             del eng
 
 
