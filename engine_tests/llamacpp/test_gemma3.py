@@ -9,6 +9,7 @@ import argparse
 from pathlib import Path
 
 import pytest
+import torch
 
 from ropekv.adapters.llamacpp import LlamaCppEngine, add_arguments, default_cases
 from ropekv.adapters.llamacpp.f32_gguf import default_f32_gguf
@@ -53,6 +54,10 @@ def test_each_layer_reads_its_own_window_of_keys(gemma_f32):
         t = step.position
         assert sorted(step.layers[SLIDING].key_positions.tolist()) == list(range(t - 511, t + 1))
         assert sorted(step.layers[GLOBAL].key_positions.tolist()) == list(range(t + 1))
+        for layer in (SLIDING, GLOBAL):  # q before RoPE is read before llama.cpp's in-place ROPE overwrites it
+            q, q_raw = step.layers[layer].q, step.layers[layer].q_raw
+            assert not torch.allclose(q, q_raw, atol=1e-2)
+            assert torch.allclose(q.norm(dim=-1), q_raw.norm(dim=-1), rtol=1e-5)  # a rotation keeps norms
 
 
 def test_f32_gguf_passes_the_default_gemma_check_under_float32s_tolerance(gemma_f32):

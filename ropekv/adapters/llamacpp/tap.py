@@ -36,7 +36,7 @@ from . import ggml
 from .ggml import GgmlTensor
 from .rope_params import RopeRun
 
-_LAYER_NAME = re.compile(r"^(Qcur|Kcur|Vcur|kq|kq_soft_max|l_out)-(\d+)$")
+_LAYER_NAME = re.compile(r"^(Qcur_normed|Qcur|Kcur|Vcur|kq|kq_soft_max|l_out)-(\d+)$")
 _CACHE_K = re.compile(r"^cache_k_l(\d+)$")  # one per layer, in whichever cache holds the layer
 
 ShiftFaultKind = Literal["not_rerotated", "rerotated_twice"]
@@ -185,8 +185,12 @@ class GraphTap:
         if ask:
             return True
         cap = self.capture
-        if kind == "Qcur":
-            cap.q[layer], cap.q_raw[layer] = self._rows(ggml.read(t, 3)), self._rows(ggml.read(ggml.operand(t, 0), 3))
+        if kind == "Qcur_normed":  # gemma3: read before the ROPE node, which may overwrite it in place
+            cap.q_raw[layer] = self._rows(ggml.read(t, 3))
+        elif kind == "Qcur":
+            cap.q[layer] = self._rows(ggml.read(t, 3))
+            if layer not in cap.q_raw:
+                cap.q_raw[layer] = self._rows(ggml.read(ggml.operand(t, 0), 3))
             cap.positions = ggml.read(ggml.operand(t, 1), 1).astype(np.int64)
         elif kind == "Kcur":
             cap.k_new[layer], cap.k_new_raw[layer] = ggml.read(t, 3), ggml.read(ggml.operand(t, 0), 3)
