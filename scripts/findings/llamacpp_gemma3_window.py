@@ -52,7 +52,7 @@ def main() -> None:
         f"{path.name}: layer windows {[cfg.layer_window(i) for i in LAYERS]}, bases {[cfg.layer_rope(i).theta for i in LAYERS]}"
     )
     print(
-        f"{'n_batch':>7} {'swa_full':>8} {'case':<18} {'layer':>5} {'keys read':>16} {'= reference':>11} {'key err':>9} {'q err':>9} {'dlogit':>9}"
+        f"{'n_batch':>7} {'swa_full':>8} {'case':<18} {'layer':>5} {'keys read':>16} {'= reference':>11} {'key err':>9} {'q err':>9} {'q pre-RoPE':>10} {'dlogit':>9}"
     )
     for n_batch in (512, 128):
         for swa_full in (True, False):
@@ -77,7 +77,7 @@ def main() -> None:
                     name = f"L={case.length} P={case.prefix}" + (f" c={case.chunk}" if case.chunk else "")
                     print(
                         f"{n_batch:>7} {str(swa_full):>8} {name:<18} {layer:>5} {span:>16} {str(same):>11} "
-                        f"{kerr:9.2e} {qerr:9.2e} {qraw:9.2e} {dlogit:9.2e}",
+                        f"{kerr:9.2e} {qerr:9.2e} {qraw:10.2e} {dlogit:9.2e}",
                         flush=True,
                     )
             del eng
