@@ -33,20 +33,28 @@ def reference_scores(ref, layer: int, i: int, of: LogitsOf) -> torch.Tensor:
     return of.rows(layer, dataclasses.replace(probe, q=probe.q[i : i + 1]), ref.rows[i : i + 1])[:, 0]
 
 
-def decode_errors(run, ref, rows_of, of):
-    """max |dlogit| vs the reference, layer-0 and worst-layer attention error, per case."""
-    dlogit, l0, worst = 0.0, 0.0, 0.0
+def decode_errors_by_layer(run, ref, rows_of, of) -> tuple[float, list[float]]:
+    """max |dlogit| vs the reference (probed rows, in ``rows_of`` order), and each layer's worst
+    attention error (scale-aware) over the case's decode steps."""
+    dlogit, per_layer = 0.0, [0.0] * len(run.steps[0].layers)
     for step in run.steps:
         t = step.position
-        dlogit = max(dlogit, float((step.logits.double() - ref.logits[t]).abs().max()))
+        dlogit = max(dlogit, float((step.logits.double() - ref.logits[_logits_row(ref, t, rows_of)]).abs().max()))
         for i, lp in enumerate(step.layers):
             mine = of.step(i, lp, t)
             theirs = reference_scores(ref, i, rows_of[t], of)[:, lp.key_positions]
-            e = scaled_error(mine, theirs)
-            worst = max(worst, e)
-            if i == 0:
-                l0 = max(l0, e)
-    return dlogit, l0, worst
+            per_layer[i] = max(per_layer[i], scaled_error(mine, theirs))
+    return dlogit, per_layer
+
+
+def _logits_row(ref, t: int, rows_of) -> int:
+    return rows_of[t] if ref.probed_logits else t
+
+
+def decode_errors(run, ref, rows_of, of):
+    """max |dlogit| vs the reference, layer-0 and worst-layer attention error, per case."""
+    dlogit, per_layer = decode_errors_by_layer(run, ref, rows_of, of)
+    return dlogit, per_layer[0], max(per_layer)
 
 
 def main() -> None:

@@ -105,13 +105,18 @@ def llamacpp_cases(max_positions: int):
 
 def default_cases(args: argparse.Namespace):
     """The cases ``ropekv check --engine llamacpp`` lists when no case flag is given (same hook as the
-    vLLM adapter's): the whole default matrix. What llama.cpp cannot honour is reported in its row as
-    not applicable, with the reason, never dropped silently: case windows and sinks (``ignored``),
-    cache operations (none declared), cases longer than the context's ``--n-ctx`` cells or the model."""
-    from ...parity.cases import default_matrix
+    vLLM adapter's): ropekv's own default for the GGUF's model. A model with sliding layers (gemma3:
+    five of six slide over 512 keys) gets :func:`~ropekv.parity.cases.window_matrix` of its window,
+    run under the model's own windows, which llama.cpp applies itself; any other model the whole
+    default matrix. What llama.cpp cannot honour is reported in its row as not applicable, with the
+    reason, never dropped silently: case windows and sinks (``ignored``), cache operations (none
+    declared), cases longer than the context's ``--n-ctx`` cells or the model."""
+    from ...models.gguf_file import read_gguf_config
+    from ...parity.cases import default_matrix, model_window, window_matrix
 
-    del args  # the context size reaches the cases through the adapter's ignored()
-    return default_matrix()
+    gguf = gguf_from_args(args)  # None: the embedded default model, which has no sliding layers
+    window = None if gguf is None else model_window(read_gguf_config(gguf).layer_attentions)
+    return default_matrix() if window is None else window_matrix(window)
 
 
 def engine_tolerance(adapter):

@@ -25,6 +25,9 @@ class ContextSpec:
     type_v: int
     n_threads: int
     rope: RopeOverrides = field(default_factory=RopeOverrides)  # the context's RoPE settings (None: the model's)
+    # A model with sliding layers: True (llama.cpp's default) sizes their cache at n_ctx cells; False at
+    # the window plus one ubatch, cells reused as the window moves (llama_kv_cache_iswa).
+    swa_full: bool = True
 
 
 class TappedContext:
@@ -41,6 +44,7 @@ class TappedContext:
         p.n_threads = p.n_threads_batch = spec.n_threads
         p.type_k, p.type_v = spec.type_k, spec.type_v
         spec.rope.apply(p)
+        p.swa_full = spec.swa_full
         p.flash_attn_type = llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED  # kq-N exists only without it
         p.cb_eval = tap.callback
         p.cb_eval_user_data = None
@@ -60,9 +64,7 @@ class TappedContext:
         """Drop sequence 0's cached tokens at positions ``>= position`` (``llama_memory_seq_rm``)."""
         if not self._llama.llama_memory_seq_rm(self.memory, 0, position, -1):
             raise AdapterError(self.adapter_name, "llama_memory_seq_rm", "true", "false")
-        for cell, pos in list(self.tap.cells.items()):
-            if pos >= position:
-                del self.tap.cells[cell]
+        self.tap.forget_from(position)
 
     def decode(self, tokens: list[int], positions: list[int], outputs: list[bool]) -> None:
         """One ``llama_decode`` of ``tokens`` at ``positions`` (sequence 0); ``outputs`` flags the rows

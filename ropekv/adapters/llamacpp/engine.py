@@ -32,10 +32,21 @@ from ...probe import LayerProbe
 from .context import ContextSpec, TappedContext
 from .rope_params import RopeOverrides
 from .tap import Capture, GraphTap, visible_cells
-from .tolerance import KV_TYPES, tolerance_for_run, weight_kind
+from .tolerance import KV_TYPES, tolerance_for_run, weights_name
 
 _GGML_TYPE = {"f32": 0, "f16": 1, "q8_0": 8}
+# Architectures llama.cpp rotates with its "NORM" (interleaved) RoPE; every other one ropekv reads
+# (qwen2, qwen3, gemma3) runs NEOX (half-split) pairs on rows stored unpermuted (llama_model_rope_type).
+_NORM_ROPE_ARCHITECTURES = ("llama",)
 _FILE_FINGERPRINTS: dict[tuple[str, int, int], str] = {}  # (path, size, mtime) -> sha256[:16]
+
+
+def rope_layout(reader) -> str:
+    """The Q/K layout llama.cpp computes for the GGUF's architecture: ``"gptj"`` (interleaved pairs,
+    rows as stored) for llama, ``"neox"`` for the others."""
+    field = reader.fields.get("general.architecture")
+    arch = str(field.contents()) if field is not None else ""
+    return "gptj" if arch in _NORM_ROPE_ARCHITECTURES else "neox"
 
 
 def _llama_cpp():
@@ -87,8 +98,10 @@ class LlamaCppEngine:
         # spinning threads ran the same case 10x slower than one (docs/engines/llamacpp.md).
         self.n_threads = n_threads or 1
         # ropekv's own loader first: a bad file is a one-line CheckpointError before llama.cpp sees it.
-        self.weights = weight_kind(open_gguf(self.gguf_path))
-        self.checkpoint = load_gguf(self.gguf_path, layout="gptj")
+        reader = open_gguf(self.gguf_path)
+        self.weights = weights_name(reader)
+        self.layout = rope_layout(reader)
+        self.checkpoint = load_gguf(self.gguf_path, layout=self.layout)
         self.dtype = torch.float32 if type_k == "f32" else torch.float16
         self.tolerance = tolerance_for_run(self.weights, type_k, type_v)
         self.name = name or f"llama.cpp ({self.weights} weights, {type_k}/{type_v} KV, n_batch {n_batch})"
@@ -120,9 +133,12 @@ class LlamaCppEngine:
     def _context(self, n_batch: int, tap: GraphTap) -> TappedContext:
         return self.context(n_batch, tap)
 
-    def context(self, n_batch: int, tap: GraphTap, *, rope: RopeOverrides | None = None) -> TappedContext:
+    def context(
+        self, n_batch: int, tap: GraphTap, *, rope: RopeOverrides | None = None, swa_full: bool = True
+    ) -> TappedContext:
         """A new llama.cpp context on the loaded model (this engine's KV types, cells and threads),
-        observed by ``tap``; ``rope``: the context's RoPE settings (default: the model's)."""
+        observed by ``tap``; ``rope``: the context's RoPE settings (default: the model's); ``swa_full``:
+        llama.cpp's sliding-layer cache size (:class:`ContextSpec`)."""
         spec = ContextSpec(
             n_ctx=self.n_ctx,
             n_batch=n_batch,
@@ -130,6 +146,7 @@ class LlamaCppEngine:
             type_v=_GGML_TYPE[self.type_v],
             n_threads=self.n_threads,
             rope=rope or RopeOverrides(),
+            swa_full=swa_full,
         )
         return TappedContext(self._llm._model, spec, tap, self.name)
 
@@ -208,22 +225,35 @@ class LlamaCppEngine:
         logits = torch.from_numpy(np.stack([ctx.logits(r) for r in rows]))
         layers: tuple[LayerProbe, ...] = ()
         if self.tier >= Tier.ATTENTION:
-            cells = visible_cells(self._mask(cap)[T - 1])  # the last row sees every key of the sequence
-            positions = np.array([tap.cells[c] for c in cells], dtype=np.int64)
-            order = np.argsort(positions, kind="stable")
-            cells, positions = cells[order], positions[order]
-            layers = tuple(
-                LayerProbe(
-                    q=torch.from_numpy(cap.q[i]),
-                    k=torch.from_numpy(cap.k_cache[i][cells]),
-                    key_positions=torch.from_numpy(positions),
-                    key_slots=torch.from_numpy(cells),
-                    hidden_in=torch.from_numpy(cap.hidden[i]),
-                    q_raw=torch.from_numpy(cap.q_raw[i]),
-                )
-                for i in range(self.config.num_layers)
-            )
+            layers = tuple(self._full_layer(cap, tap, i, T) for i in range(self.config.num_layers))
         return FullRun(rows=torch.as_tensor(rows, dtype=torch.int64), logits=logits, layers=layers)
+
+    def _full_layer(self, cap: Capture, tap: GraphTap, layer: int, T: int) -> LayerProbe:
+        """Layer ``layer`` of a full forward: every key of the sequence (ropekv masks by position).
+
+        The last row of a full layer's mask sees every key; a sliding layer's sees only its window, so
+        the keys are every cell this forward wrote in the layer's cache, which the mask of some row
+        shows (checked: the union of the rows' visible cells)."""
+        cells_map = tap.layer_cells[layer]
+        cells = np.array(sorted(cells_map, key=lambda c: cells_map[c]), dtype=np.int64)
+        positions = np.array([cells_map[int(c)] for c in cells], dtype=np.int64)
+        if positions.tolist() != list(range(T)):
+            raise AdapterError(
+                self.name, f"layer {layer} cells of a full forward", f"positions 0..{T - 1}", str(positions[:8])
+            )
+        seen = np.isfinite(self._mask(cap, layer)[:T]).any(axis=0)
+        if not seen[cells].all():
+            raise AdapterError(
+                self.name, f"layer {layer} full-forward mask", "every written cell visible to some row", "not"
+            )
+        return LayerProbe(
+            q=torch.from_numpy(cap.q[layer]),
+            k=torch.from_numpy(cap.k_cache[layer][cells]),
+            key_positions=torch.from_numpy(positions),
+            key_slots=torch.from_numpy(cells),
+            hidden_in=torch.from_numpy(cap.hidden[layer]),
+            q_raw=torch.from_numpy(cap.q_raw[layer]),
+        )
 
     # ------------------------------------------------------------------ the cached path
 
@@ -281,30 +311,34 @@ class LlamaCppEngine:
         self.last_capture = cap
         if cap.positions is None or int(cap.positions[0]) != position:
             raise AdapterError(self.name, "decode position", str(position), str(cap.positions))
-        cells = visible_cells(self._mask(cap)[0])
-        missing = [int(c) for c in cells if int(c) not in tap.cells]
-        if missing:
-            raise AdapterError(self.name, "attended cells", "cells a batch wrote", f"unwritten cells {missing[:5]}")
-        positions = torch.tensor([tap.cells[int(c)] for c in cells], dtype=torch.int64)
-        slots = torch.from_numpy(cells.astype(np.int64))
-        layers = tuple(
-            LayerProbe(
-                q=torch.from_numpy(cap.q[i]),
-                k=torch.from_numpy(cap.k_cache[i][cells]),
-                key_positions=positions,
-                key_slots=slots,
-                hidden_in=torch.from_numpy(cap.hidden[i]),
-                q_raw=torch.from_numpy(cap.q_raw[i]),
-            )
-            for i in range(self.config.num_layers)
-        )
+        layers = tuple(self._decode_layer(cap, tap, i) for i in range(self.config.num_layers))
         return StepRecord(position=position, logits=torch.from_numpy(ctx.logits(0)), layers=layers)
 
-    def _mask(self, cap: Capture) -> np.ndarray:
-        """``[T_pad, n_kv]`` the attention mask the graph computed (layer 0's ``kq_soft_max``)."""
-        if cap.mask is None:
-            raise AdapterError(self.name, "attention mask", "layer 0's kq_soft_max mask", "none in the graph")
-        return cap.mask
+    def _decode_layer(self, cap: Capture, tap: GraphTap, layer: int) -> LayerProbe:
+        """Layer ``layer`` of a decode step: exactly the cells its own mask let the query see, at the
+        positions llama.cpp wrote there (a sliding layer's mask and cache are not a full layer's)."""
+        cells = visible_cells(self._mask(cap, layer)[0])
+        cells_map = tap.layer_cells[layer]
+        missing = [int(c) for c in cells if int(c) not in cells_map]
+        if missing:
+            raise AdapterError(
+                self.name, f"layer {layer} attended cells", "cells a batch wrote", f"unwritten cells {missing[:5]}"
+            )
+        return LayerProbe(
+            q=torch.from_numpy(cap.q[layer]),
+            k=torch.from_numpy(cap.k_cache[layer][cells]),
+            key_positions=torch.tensor([cells_map[int(c)] for c in cells], dtype=torch.int64),
+            key_slots=torch.from_numpy(cells.astype(np.int64)),
+            hidden_in=torch.from_numpy(cap.hidden[layer]),
+            q_raw=torch.from_numpy(cap.q_raw[layer]),
+        )
+
+    def _mask(self, cap: Capture, layer: int = 0) -> np.ndarray:
+        """``[T_pad, n_kv]`` the attention mask the graph computed for ``layer`` (its ``kq_soft_max``)."""
+        mask = cap.masks.get(layer)
+        if mask is None:
+            raise AdapterError(self.name, "attention mask", f"layer {layer}'s kq_soft_max mask", "none in the graph")
+        return mask
 
     def _check_fits(self, total: int) -> None:
         if total > self.n_ctx:

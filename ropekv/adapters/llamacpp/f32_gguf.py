@@ -28,8 +28,8 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter
 from gguf.quants import dequantize
 
-from ...errors import CheckpointError
-from ...models.gguf_file import open_gguf
+from ...errors import CheckpointError, UsageError
+from ...models.gguf_file import file_sha256, open_gguf
 
 CONVERSION_VERSION = "1"
 _FILE_TYPE_ALL_F32 = 0  # llama_ftype LLAMA_FTYPE_ALL_F32
@@ -76,12 +76,21 @@ def convert_to_f32(source: str | os.PathLike, dest: str | os.PathLike) -> Path:
     return dest
 
 
-def default_f32_gguf() -> Path:
-    """The embedded default model as an all-float32 GGUF in the user cache, converted once (seconds)."""
-    from ...models.default import cache_dir, default_gguf_path  # local: the default model is optional
+def default_f32_gguf(model: str | os.PathLike | None = None) -> Path:
+    """``model`` as an all-float32 GGUF in the user cache, converted once (seconds to a minute).
 
-    source = default_gguf_path()
-    dest = cache_dir().parent / f"{cache_dir().name}.f32.v{CONVERSION_VERSION}.{source.stat().st_size}.gguf"
+    ``model``: None, the embedded default model; a GGUF file's path; or an embedded model's name
+    (:func:`source_gguf`). The default keeps its cache name; any other source is cached under its
+    stem, size and the first 16 hex digits of its sha256, so two files never share a conversion."""
+    from ...models.default import cache_dir  # local: the default model is optional
+
+    source = source_gguf(model)
+    size = source.stat().st_size
+    if model is None:
+        dest = cache_dir().parent / f"{cache_dir().name}.f32.v{CONVERSION_VERSION}.{size}.gguf"
+    else:
+        digest = file_sha256(source)[:16]
+        dest = cache_dir().parent / f"{source.stem}.f32.v{CONVERSION_VERSION}.{size}.{digest}.gguf"
     if not dest.is_file():
         print(
             f"ropekv: writing {source.name} as an all-float32 GGUF for llama.cpp in {dest.parent} (once)",
@@ -89,3 +98,20 @@ def default_f32_gguf() -> Path:
         )
         convert_to_f32(source, dest)
     return dest
+
+
+def source_gguf(model: str | os.PathLike | None) -> Path:
+    """The GGUF file ``model`` names: None, the embedded default; an existing path, itself.
+
+    A name that is not a file is an embedded model's name; until the model registry resolves names
+    here (``default_gguf_path(name)``), only the default's is known and any other is refused."""
+    from ...models.default import default_gguf_path
+
+    if model is None:
+        return default_gguf_path()
+    path = Path(model)
+    if path.is_file():
+        return path
+    if path.suffix == ".gguf" or os.sep in str(model):
+        raise CheckpointError(f"{path}: no such GGUF file")
+    raise UsageError(f"no embedded model named {str(model)!r} is known to the llama.cpp adapter")

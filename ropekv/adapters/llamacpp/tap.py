@@ -36,7 +36,8 @@ from . import ggml
 from .ggml import GgmlTensor
 from .rope_params import RopeRun
 
-_LAYER_NAME = re.compile(r"^(Qcur|Kcur|Vcur|kq|kq_soft_max|l_out)-(\d+)$")
+_LAYER_NAME = re.compile(r"^(Qcur_normed|Qcur|Kcur|Vcur|kq|kq_soft_max|l_out)-(\d+)$")
+_CACHE_K = re.compile(r"^cache_k_l(\d+)$")  # one per layer, in whichever cache holds the layer
 
 ShiftFaultKind = Literal["not_rerotated", "rerotated_twice"]
 
@@ -78,7 +79,8 @@ class Capture:
     v_new: dict[int, np.ndarray] = field(default_factory=dict)  # [T, KVH, D]
     k_cache: dict[int, np.ndarray] = field(default_factory=dict)  # [n_kv, KVH, D] the keys the kernel read
     kq: dict[int, np.ndarray] = field(default_factory=dict)  # [H, T, n_kv] the kernel's q.k (unscaled)
-    mask: np.ndarray | None = None  # [T_pad, n_kv] 0 visible, -inf not
+    mask: np.ndarray | None = None  # [T_pad, n_kv] layer 0's mask: 0 visible, -inf not
+    masks: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> its mask (one array per mask tensor)
     positions: np.ndarray | None = None  # [T] the batch's inp_pos
     hidden: dict[int, np.ndarray] = field(default_factory=dict)  # layer -> [T, hidden] its input
 
@@ -91,7 +93,9 @@ class GraphTap:
     def __init__(self, lib: ggml.Ggml, num_layers: int):
         self.lib = lib
         self.num_layers = num_layers
-        self.cells: dict[int, int] = {}
+        # layer -> (cell -> position) of that layer's K cache. One map per layer, not one per model: a
+        # model with sliding layers (gemma3) has two caches (llama_kv_cache_iswa), whose cells differ.
+        self.layer_cells: dict[int, dict[int, int]] = {i: {} for i in range(num_layers)}
         self.recording = False
         self.capture = Capture()
         self.fault: ShiftFault | None = None
@@ -101,19 +105,34 @@ class GraphTap:
         self.rows: list[int] | None = None
         self.keep_scores = False
         self._before: dict[int, np.ndarray] = {}
+        self._masks_read: dict[int, np.ndarray] = {}  # mask tensor data address -> its array, this capture
         import llama_cpp  # local: this module is imported only where the engine is installed
 
         self.callback = llama_cpp.ggml_backend_sched_eval_callback(self._eval)
 
+    @property
+    def cells(self) -> dict[int, int]:
+        """Layer 0's cell -> position map."""
+        return self.layer_cells[0]
+
     def reset(self) -> None:
         """After ``llama_memory_clear``: no cell holds a key."""
-        self.cells.clear()
+        for cells in self.layer_cells.values():
+            cells.clear()
+
+    def forget_from(self, position: int) -> None:
+        """After ``llama_memory_seq_rm(seq 0, position, -1)``: cells at ``position`` and later are empty."""
+        for cells in self.layer_cells.values():
+            for cell, pos in list(cells.items()):
+                if pos >= position:
+                    del cells[cell]
 
     def start(self, rows: list[int] | None = None, *, keep_scores: bool = False) -> None:
         """Record the next graph computations; ``rows``: keep only these batch rows of q and the layer
         inputs (a full forward); ``keep_scores``: keep the kernel's ``kq`` (decode steps only: it is
         ``[H, T, n_kv]`` per layer)."""
         self.capture = Capture()
+        self._masks_read = {}
         self.rows = rows
         self.keep_scores = keep_scores
         self.recording = True
@@ -136,10 +155,11 @@ class GraphTap:
         name = ggml.name_of(t)
         if op == "SET_ROWS":
             dest = ggml.view_source(t)
-            if dest is None or ggml.name_of(dest) != "cache_k_l0":
+            written = _CACHE_K.match(ggml.name_of(dest)) if dest is not None else None
+            if written is None:
                 return False
             if not ask:
-                self._track_writes(t)
+                self._track_writes(t, int(written.group(1)))
             return True
         if op == "ROPE":
             if ask and name == "Kcur-0":  # what this context turns keys with, as its graph says
@@ -150,7 +170,7 @@ class GraphTap:
                 return self._shift(t, base, ggml.name_of(cache), ask)
         if not self.recording:
             return False
-        if name == "embd":
+        if name in ("embd", "inp_scaled"):  # inp_scaled: gemma's embeddings times sqrt(hidden), layer 0's input
             if not ask:
                 self.capture.hidden[0] = self._rows(ggml.read(t, 2))
             return True
@@ -165,8 +185,12 @@ class GraphTap:
         if ask:
             return True
         cap = self.capture
-        if kind == "Qcur":
-            cap.q[layer], cap.q_raw[layer] = self._rows(ggml.read(t, 3)), self._rows(ggml.read(ggml.operand(t, 0), 3))
+        if kind == "Qcur_normed":  # gemma3: read before the ROPE node, which may overwrite it in place
+            cap.q_raw[layer] = self._rows(ggml.read(t, 3))
+        elif kind == "Qcur":
+            cap.q[layer] = self._rows(ggml.read(t, 3))
+            if layer not in cap.q_raw:
+                cap.q_raw[layer] = self._rows(ggml.read(ggml.operand(t, 0), 3))
             cap.positions = ggml.read(ggml.operand(t, 1), 1).astype(np.int64)
         elif kind == "Kcur":
             cap.k_new[layer], cap.k_new_raw[layer] = ggml.read(t, 3), ggml.read(ggml.operand(t, 0), 3)
@@ -176,8 +200,13 @@ class GraphTap:
             if self.keep_scores:
                 cap.kq[layer] = ggml.read(t, 3)
             cap.k_cache[layer] = ggml.read(ggml.operand(t, 0), 3).transpose(1, 0, 2)  # [KVH, n_kv, D] -> [n_kv, KVH, D]
-        elif kind == "kq_soft_max" and layer == 0:
-            cap.mask = ggml.read(ggml.operand(t, 1), 2)
+        elif kind == "kq_soft_max":
+            mask = ggml.operand(t, 1)  # full and sliding layers read different mask tensors; read each once
+            seen = self._masks_read.get(int(mask.data or 0))
+            cap.masks[layer] = seen if seen is not None else ggml.read(mask, 2)
+            self._masks_read[int(mask.data or 0)] = cap.masks[layer]
+            if layer == 0:
+                cap.mask = cap.masks[0]
         elif kind == "l_out":
             cap.hidden[layer + 1] = self._rows(ggml.read(t, 2))
         return True
@@ -185,9 +214,9 @@ class GraphTap:
     def _rows(self, x: np.ndarray) -> np.ndarray:
         return x if self.rows is None else x[self.rows]
 
-    def _track_writes(self, t: GgmlTensor) -> None:
-        """The batch's keys (``src[0]``, a view of ``Kcur-0``) went to cells ``src[1]``; their positions
-        are ``Kcur-0``'s ``inp_pos``."""
+    def _track_writes(self, t: GgmlTensor, layer: int) -> None:
+        """The batch's keys (``src[0]``, a view of ``Kcur-N``) went to layer N's cells ``src[1]``; their
+        positions are ``Kcur-N``'s ``inp_pos``."""
         idxs = ggml.read(ggml.operand(t, 1), 1).astype(np.int64)
         k_view = ggml.src(t, 0)
         rope = ggml.view_source(k_view) if k_view is not None else None
@@ -196,8 +225,9 @@ class GraphTap:
         positions = ggml.read(ggml.operand(rope, 1), 1).astype(np.int64)
         if positions.shape != idxs.shape:
             raise RuntimeError(f"llama.cpp graph: {idxs.shape[0]} cache cells for {positions.shape[0]} positions")
+        cells = self.layer_cells[layer]
         for cell, pos in zip(idxs.tolist(), positions.tolist()):
-            self.cells[cell] = pos
+            cells[cell] = pos
 
     def _shift(self, t: GgmlTensor, view: GgmlTensor, cache_name: str, ask: bool) -> bool:
         """One layer of the K-shift graph: move the map (once, at layer 0) and apply a fault if set."""
@@ -209,9 +239,10 @@ class GraphTap:
         shift = ggml.read(ggml.operand(t, 1), 1).astype(np.int64)
         if layer == 0:
             self.shifts_seen += 1
-            for cell in list(self.cells):
-                if cell < shift.shape[0]:
-                    self.cells[cell] += int(shift[cell])
+        cells = self.layer_cells[layer]
+        for cell in list(cells):
+            if cell < shift.shape[0]:
+                cells[cell] += int(shift[cell])
         if self.fault is not None:
             after = ggml.read(view, 3)
             ggml.write(view, self.fault.apply(self._before.pop(layer), after, shift[: after.shape[0]]))
