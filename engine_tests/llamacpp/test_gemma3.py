@@ -15,6 +15,7 @@ from ropekv.adapters.llamacpp import LlamaCppEngine, add_arguments, default_case
 from ropekv.adapters.llamacpp.f32_gguf import default_f32_gguf
 from ropekv.adapters.llamacpp.judge import judge
 from ropekv.adapters.llamacpp.tolerance import tolerance_for_run
+from ropekv.models.default import default_gguf_path
 from ropekv.parity.cases import Case, token_stream, window_matrix
 from ropekv.parity.compare import Tolerance
 from ropekv.parity.harness import check
@@ -25,7 +26,7 @@ SLIDING, GLOBAL = 0, 5  # layer 0 slides over 512 keys; layer 5 is the first glo
 @pytest.fixture(scope="module")
 def gemma_gguf() -> Path:
     """The original Gemma 3 270M Q4_K_M GGUF (the one place naming it)."""
-    return Path("/tmp/gem/gemma.gguf")
+    return default_gguf_path("gemma3-270m")
 
 
 @pytest.fixture(scope="module")

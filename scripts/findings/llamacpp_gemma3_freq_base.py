@@ -11,13 +11,13 @@ step; the eval callback reads every layer's key RoPE node (``Kcur-N``) and print
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from ropekv.adapters.llamacpp import LlamaCppEngine, ggml
 from ropekv.adapters.llamacpp.rope_params import RopeOverrides, RopeRun
 from ropekv.adapters.llamacpp.tap import GraphTap
+from ropekv.models.default import default_gguf_path
 
-GGUF = Path("/tmp/gem/gemma.gguf")
+GGUF = default_gguf_path("gemma3-270m")  # Gemma 3 270M, the original Q4_K_M file
 
 
 class RopeTap(GraphTap):

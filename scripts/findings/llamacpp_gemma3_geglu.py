@@ -14,16 +14,16 @@ from __future__ import annotations
 
 import argparse
 import re
-from pathlib import Path
 
 import numpy as np
 
 from ropekv.adapters.llamacpp import LlamaCppEngine, ggml
 from ropekv.adapters.llamacpp.f32_gguf import default_f32_gguf
 from ropekv.adapters.llamacpp.tap import GraphTap
+from ropekv.models.default import default_gguf_path
 from ropekv.parity.cases import token_stream
 
-GGUF = Path("/tmp/gem/gemma.gguf")
+GGUF = default_gguf_path("gemma3-270m")  # Gemma 3 270M, the original Q4_K_M file
 _FFN = re.compile(r"^(ffn_gate|ffn_up|ffn_geglu)-(\d+)$")
 
 

@@ -24,11 +24,12 @@ from llamacpp_noise_floor import decode_errors_by_layer
 
 from ropekv.adapters.llamacpp import LlamaCppEngine
 from ropekv.adapters.llamacpp.f32_gguf import default_f32_gguf
+from ropekv.models.default import default_gguf_path
 from ropekv.models.reference import ReferenceDecoder
 from ropekv.parity.cases import Case, token_stream
 from ropekv.parity.compare import LogitsOf, scaled_error
 
-GGUF = Path("/tmp/gem/gemma.gguf")  # Gemma 3 270M, Q4_K_M (the main session's default_gguf_path("gemma3-270m"))
+GGUF = default_gguf_path("gemma3-270m")  # Gemma 3 270M, the original Q4_K_M file
 
 
 def main() -> None:

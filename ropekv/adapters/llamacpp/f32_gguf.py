@@ -101,17 +101,13 @@ def default_f32_gguf(model: str | os.PathLike | None = None) -> Path:
 
 
 def source_gguf(model: str | os.PathLike | None) -> Path:
-    """The GGUF file ``model`` names: None, the embedded default; an existing path, itself.
+    """The GGUF file ``model`` names: None, the embedded default's; an embedded model's name, its
+    original GGUF; an existing path, itself."""
+    from ...models import resolve_gguf
 
-    A name that is not a file is an embedded model's name; until the model registry resolves names
-    here (``default_gguf_path(name)``), only the default's is known and any other is refused."""
-    from ...models.default import default_gguf_path
-
-    if model is None:
-        return default_gguf_path()
-    path = Path(model)
+    path = resolve_gguf(None if model is None else str(model))
     if path.is_file():
         return path
     if path.suffix == ".gguf" or os.sep in str(model):
         raise CheckpointError(f"{path}: no such GGUF file")
-    raise UsageError(f"no embedded model named {str(model)!r} is known to the llama.cpp adapter")
+    raise UsageError(f"{str(model)!r} is neither a GGUF file nor an embedded model's name (`ropekv models`)")
