@@ -77,3 +77,28 @@ def test_q4_k_m_passes_the_window_cases_under_its_noise_floor(gemma_q4km):
     report = check(gemma_q4km, cases=cases, tolerance=gemma_q4km.tolerance)
     assert report.passed, report.table()
     assert not judge(report, Tolerance(attn=2e-3, hidden=2e-3, logits=5e-3)).passed
+
+
+def test_state_contract_carries_each_layers_rope_and_refuses_another_global_base(gemma_f32, tmp_path):
+    """A context's rope_freq_base reaches Gemma 3's global layers only (layer 0 slides with 10,000
+    whatever the context says): the state contract records each layer's RoPE as the graph runs it, so a
+    reader with another base is refused naming layer_ropes, before anything is restored."""
+    from ropekv.adapters.llamacpp.rope_params import RopeOverrides
+    from ropekv.adapters.llamacpp.state import StateContext, load_state, save_state
+    from ropekv.errors import ContractMismatch
+
+    writer = StateContext(gemma_f32)
+    assert [r.theta for r in writer.contract.layer_ropes[:6]] == [1e4] * 5 + [1e6]  # as the config says
+    tokens = token_stream(gemma_f32.config.vocab_size, 40, seed=1).tolist()
+    writer.prefill(tokens)
+    save_state(writer, tmp_path / "s", tokens)
+    reader = StateContext(gemma_f32, rope=RopeOverrides(freq_base=20000.0))
+    assert reader.contract.rope == writer.contract.rope  # layer 0's RoPE: the same, so it alone hid the change
+    assert [r.theta for r in reader.contract.layer_ropes[:6]] == [1e4] * 5 + [2e4]
+    with pytest.raises(ContractMismatch) as err:
+        load_state(reader, tmp_path / "s")
+    assert "layer_ropes" in err.value.fields
+    assert reader.positions() == (-1, -1)  # nothing was restored
+    same = StateContext(gemma_f32)
+    load_state(same, tmp_path / "s")
+    assert same.positions() == (0, 39)

@@ -61,7 +61,17 @@ class StateContext:
             dtype="float32" if engine.type_k == "f32" else "float16",
             model_fingerprint=engine.model_file_fingerprint(),
         )
-        self.contract = base.replace(rope=self.run.spec(base.rope))
+        self.runs = dict(self.tap.rope_runs)  # layer -> its key RoPE, read in the same probe
+        contract = base.replace(rope=self.run.spec(base.rope))
+        if not engine.config.uniform_rope:  # per-layer RoPE (gemma3): each layer's own, as its graph runs it
+            ropes = []
+            for i in range(engine.config.num_layers):
+                spec, run = engine.config.layer_rope(i), self.runs.get(i)
+                if spec is not None and run is None:
+                    raise AdapterError(engine.name, f"key RoPE node (Kcur-{i})", "one in the decode graph", "none")
+                ropes.append(None if spec is None or run is None else run.spec(spec))
+            contract = contract.replace(layer_ropes=tuple(ropes))
+        self.contract = contract
 
     def _probe(self) -> RopeRun:
         """Decode one token at position 0 to read the RoPE the graph runs, then empty the cache."""
@@ -92,6 +102,12 @@ class StateContext:
     def _same_rope(self) -> None:
         if self.tap.rope_run != self.run:
             raise AdapterError(self.engine.name, "key RoPE arguments", str(self.run), str(self.tap.rope_run))
+        changed = [i for i, run in self.runs.items() if self.tap.rope_runs.get(i, run) != run]
+        if changed:
+            i = changed[0]
+            raise AdapterError(
+                self.engine.name, f"layer {i} key RoPE arguments", str(self.runs[i]), str(self.tap.rope_runs[i])
+            )
 
 
 # ---------------------------------------------------------------------------- llama.cpp's own calls

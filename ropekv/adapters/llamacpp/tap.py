@@ -36,6 +36,7 @@ from . import ggml
 from .ggml import GgmlTensor
 from .rope_params import RopeRun
 
+_KEY_ROPE = re.compile(r"^Kcur-(\d+)$")
 _LAYER_NAME = re.compile(r"^(Qcur_normed|Qcur|Kcur|Vcur|kq|kq_soft_max|l_out)-(\d+)$")
 _CACHE_K = re.compile(r"^cache_k_l(\d+)$")  # one per layer, in whichever cache holds the layer
 
@@ -101,6 +102,9 @@ class GraphTap:
         self.fault: ShiftFault | None = None
         self.shifts_seen = 0  # K-shift graphs observed (one per applied llama_memory_seq_add batch)
         self.rope_run: RopeRun | None = None  # the arguments of the latest graph's layer-0 key RoPE
+        # layer -> the arguments of its key RoPE in the latest graph: gemma3's sliding and global layers
+        # turn with different bases (a context's rope_freq_base reaches the global layers only).
+        self.rope_runs: dict[int, RopeRun] = {}
         self.error: Exception | None = None
         self.rows: list[int] | None = None
         self.keep_scores = False
@@ -162,8 +166,12 @@ class GraphTap:
                 self._track_writes(t, int(written.group(1)))
             return True
         if op == "ROPE":
-            if ask and name == "Kcur-0":  # what this context turns keys with, as its graph says
-                self.rope_run = RopeRun.from_op_params(list(t.op_params))
+            key_layer = _KEY_ROPE.match(name) if ask else None
+            if key_layer is not None:  # what this context turns each layer's keys with, as its graph says
+                run = RopeRun.from_op_params(list(t.op_params))
+                self.rope_runs[int(key_layer.group(1))] = run
+                if name == "Kcur-0":
+                    self.rope_run = run
             base = ggml.src(t, 0)
             cache = ggml.view_source(base) if base is not None else None
             if base is not None and cache is not None and ggml.name_of(cache).startswith("cache_k_l"):
