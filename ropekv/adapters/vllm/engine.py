@@ -375,7 +375,6 @@ def _layer_diffs(contracts: tuple[VLLMContract, ...], cfg: ModelConfig, toleranc
     return tuple(out)
 
 
-
 def _dtype_name(dtype: str | torch.dtype) -> str:
     names = {v: k for k, v in CPU_DTYPES.items()}
     if isinstance(dtype, torch.dtype) and dtype in names:
