@@ -86,9 +86,17 @@ def vllm_cases(
 
 
 def default_cases(args: argparse.Namespace) -> list[Case]:
-    """The cases ``ropekv check --engine vllm`` runs when no case flag is given: :func:`vllm_cases` for
-    the engine's block size and token budget (ropekv's default matrix has windows and block sizes
-    vLLM cannot run)."""
+    """The cases ``ropekv check --engine vllm`` runs when no case flag is given: a model with sliding
+    layers (Gemma 3) gets ropekv's windowed matrix, :func:`~ropekv.parity.cases.window_matrix`, under
+    the model's own windows (its block sizes and chunks that vLLM does not run are reported per case
+    as ignored); any other model :func:`vllm_cases` for the engine's block size and token budget
+    (ropekv's default matrix has case windows and block sizes vLLM cannot run)."""
+    from ...models import load_config
+    from ...parity.cases import model_window, window_matrix
+
+    window = model_window(load_config(getattr(args, "model", None)).layer_attentions)
+    if window is not None:
+        return window_matrix(window)
     return vllm_cases(
         args.vllm_block_size,
         max_num_batched_tokens=args.vllm_max_num_batched_tokens,

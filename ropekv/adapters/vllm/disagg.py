@@ -192,7 +192,8 @@ class ConnectorConsumer(VLLMEngine):
         def note_injection(done: list[Injection]) -> None:
             for inj in done:
                 for position, slot in enumerate(inj.slots.tolist()):
-                    self.probes.slot_position[slot] = position  # token i's slot: position i
+                    for layer in range(len(self.probes.layers)):  # one KV cache group: every layer's slots
+                        self.probes.slot_position.setdefault(layer, {})[slot] = position  # token i: position i
 
         self.tap.after_inject.insert(0, note_injection)
         try:

@@ -34,7 +34,7 @@ from ...models.hf_config import read_model_config
 from ...parity.cases import Case
 from ...parity.protocol import CaseRun, EngineDescription, FullRun, Ignored, StepRecord, Tier
 from . import forced
-from .contract import VLLMContract, read_contract
+from .contract import VLLMContract, read_contract, rotary_contract
 from .probes import Probes
 from .weights import checkpoint_for
 
@@ -55,11 +55,14 @@ ENVIRONMENT = {
 }
 
 
-def cos_sin_tolerance(dtype: torch.dtype) -> float:
-    """How far vLLM's cos/sin table may be from ropekv's float64 one and still count as the same: its
-    float32 computation (position x inv_freq rounded in float32, up to ~5e-4 rad at 8k positions),
-    then rounding to the model dtype (bfloat16 keeps 8 bits: 2**-8 relative)."""
-    return 4e-3 if dtype == torch.bfloat16 else 1e-3
+def cos_sin_tolerance(dtype: torch.dtype, positions: int = 8192) -> float:
+    """How far vLLM's cos/sin table of ``positions`` rows may be from ropekv's float64 one and still count
+    as the same: its float32 computation (the angle position x inv_freq, rounded in float32 together
+    with inv_freq itself: up to 2 x positions x 2**-24 rad, 1e-3 at 8k rows, 3.9e-3 at Gemma 3's 32,768,
+    where vLLM's table measured 2.3e-3 on both bases), then rounding to the model dtype (bfloat16 keeps
+    8 bits: 2**-8 relative)."""
+    angle = max(1e-3, 2.0 * positions * 2.0**-24)
+    return max(4e-3, angle) if dtype == torch.bfloat16 else angle
 
 
 class VLLMEngine:
@@ -138,6 +141,11 @@ class VLLMEngine:
         )
         if max_num_batched_tokens is not None:
             kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+        self.config_overrides = config_overrides(file_config)
+        if self.config_overrides:
+            kwargs["hf_overrides"] = dict(self.config_overrides)
+        if "hf_overrides" in llm_kwargs and self.config_overrides:
+            llm_kwargs = dict(llm_kwargs, hf_overrides={**self.config_overrides, **llm_kwargs["hf_overrides"]})
         kwargs.update(llm_kwargs)
         try:
             self.llm = vllm.LLM(**kwargs)
@@ -161,7 +169,9 @@ class VLLMEngine:
             dtype=self.dtype,
             kv_cache_dtype=str(self.vllm_config.cache_config.cache_dtype),
         )
-        self.contract_diff = self.contract.diff(cfg.rope, tolerance=cos_sin_tolerance(self.dtype))
+        self.layer_contracts = layer_contracts(self.model, cfg, self.contract)
+        tolerance = cos_sin_tolerance(self.dtype, max(c.cos_sin_positions for c in self.layer_contracts))
+        self.contract_diff = _layer_diffs(self.layer_contracts, cfg, tolerance)
         self.probes = Probes(self.model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
 
     # ------------------------------------------------------------------ the protocol
@@ -185,6 +195,7 @@ class VLLMEngine:
                 "logits": f"top-{self.top_k} log-probabilities (decode logprobs vs prompt_logprobs)",
                 "contract": self.contract.to_dict(),
                 "contract_diff": [f"{d.field}: vLLM {d.ours}, checkpoint {d.theirs}" for d in self.contract_diff],
+                "config_overrides": {k: str(v) for k, v in self.config_overrides.items()},
                 "startup_seconds": round(self.startup_seconds, 2),
             },
         )
@@ -324,6 +335,46 @@ class VLLMEngine:
 # ---------------------------------------------------------------------- helpers
 
 
+def layer_contracts(model: Any, cfg: ModelConfig, first: VLLMContract) -> tuple[VLLMContract, ...]:
+    """One contract per layer, each read from the rotary module that layer calls (Gemma 3: vLLM builds
+    one for the sliding layers, base 10,000, and one for the global layers, base 1,000,000) against
+    that layer's own RoPE in the checkpoint. A model with one RoPE: ``first`` for every layer."""
+    if cfg.uniform_rope and first.same_module_all_layers:
+        return (first,) * cfg.num_layers
+    out = []
+    for i, block in enumerate(model.model.layers):
+        spec = cfg.layer_rope(i)
+        if spec is None:
+            raise ConfigError(f"layer {i} has no RoPE (NoPE): the vLLM adapter checks rotated layers only")
+        out.append(
+            rotary_contract(
+                block.self_attn.rotary_emb,
+                spec,
+                same_module_all_layers=True,
+                block_size=first.block_size,
+                dtype=CPU_DTYPES[first.dtype],
+                kv_cache_dtype=first.kv_cache_dtype,
+                attention=block.self_attn.attn,
+            )
+        )
+    return tuple(out)
+
+
+def _layer_diffs(contracts: tuple[VLLMContract, ...], cfg: ModelConfig, tolerance: float) -> tuple:
+    """Every layer's contract against its own RoPE; a diff on layer ``i`` is named ``layer i: field``.
+    One RoPE for every layer: the plain field names (layer 0's diff)."""
+    if cfg.uniform_rope:
+        return contracts[0].diff(cfg.rope, tolerance=tolerance)
+    out = []
+    for i, contract in enumerate(contracts):
+        spec = cfg.layer_rope(i)
+        assert spec is not None  # layer_contracts refused NoPE layers
+        for d in contract.diff(spec, tolerance=tolerance):
+            if d.field != "rotary module":
+                out.append(type(d)(f"layer {i}: {d.field}", d.ours, d.theirs))
+    return tuple(out)
+
+
 def _dtype_name(dtype: str | torch.dtype) -> str:
     names = {v: k for k, v in CPU_DTYPES.items()}
     if isinstance(dtype, torch.dtype) and dtype in names:
@@ -358,6 +409,29 @@ def _read_config(folder: Path) -> dict:
         raise CheckpointError(f"{path}: unreadable: {exc}") from None
     read_model_config(config, source=str(path))  # ConfigError for what ropekv cannot reference
     return config
+
+
+# transformers model_type -> the causal-LM class vLLM registers, for a config.json without ``architectures``
+# (a folder written from transformers' own GGUF load carries none).
+_ARCHITECTURES = {"gemma3_text": "Gemma3ForCausalLM", "llama": "LlamaForCausalLM"}
+
+
+def config_overrides(config: dict) -> dict[str, Any]:
+    """What vLLM must be told about a config.json that transformers wrote from a GGUF load, so it runs
+    the safetensors weights beside it (``hf_overrides``; stated in ``describe().extra``):
+
+    - ``quantization_config`` with ``quant_method: gguf`` (transformers' record of the file it
+      dequantized; the safetensors hold plain float weights, which ropekv's loader reads as such):
+      dropped, else vLLM expects a GGUF file;
+    - no ``architectures``: the causal-LM class of its ``model_type``, else vLLM guesses a pooling model.
+    """
+    out: dict[str, Any] = {}
+    quant = config.get("quantization_config")
+    if isinstance(quant, dict) and quant.get("quant_method") == "gguf":
+        out["quantization_config"] = None
+    if not config.get("architectures") and config.get("model_type") in _ARCHITECTURES:
+        out["architectures"] = [_ARCHITECTURES[config["model_type"]]]
+    return out
 
 
 def _token_list(tokens: torch.Tensor, need: int) -> list[int]:

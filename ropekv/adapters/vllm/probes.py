@@ -47,13 +47,13 @@ class LayerRecord:
     q_kernel: torch.Tensor | None = None  # [R, H, D] at probed rows, as the kernel received it
     keys: torch.Tensor | None = None  # [S, KVH, D] the keys the kernel read (when asked)
     key_slots: torch.Tensor | None = None  # [S] their physical slots
+    slots: torch.Tensor | None = None  # [N] where this forward wrote this layer's keys (its KV cache group's)
 
 
 @dataclass
 class ForwardRecord:
     positions: torch.Tensor  # [N] logical positions of this forward's tokens (the model runner's)
     rows: torch.Tensor  # [R] indices into this forward's tokens that are probed
-    slots: torch.Tensor | None = None  # [N] where this forward's tokens were written
     seq_len: int = 0  # keys the kernel attended over
     layers: dict[int, LayerRecord] = field(default_factory=dict)
 
@@ -77,7 +77,10 @@ class Probes:
         self.layers = list(model.model.layers)
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.forwards: list[ForwardRecord] = []
-        self.slot_position: dict[int, int] = {}
+        # Per layer: slot -> position. A model with sliding layers has several KV cache groups in vLLM
+        # (their own block tables and slot mappings over one shared tensor), so slots are per layer.
+        self.slot_position: dict[int, dict[int, int]] = {}
+        self.windows: dict[int, int] = {}  # layer -> the sliding window vLLM handed its kernel (keys)
         self.probe_positions: set[int] = set()
         self.read_keys_position: int | None = None
         self._current: ForwardRecord | None = None
@@ -97,11 +100,19 @@ class Probes:
 
         handles = []
         original = ops.cpu_attention_with_kv_cache
+        rotaries: list[Any] = []
         try:
             for i, layer in enumerate(self.layers):
                 attn = layer.self_attn
                 handles.append(layer.register_forward_pre_hook(self._layer_hook(i), with_kwargs=True))
-                handles.append(attn.qkv_proj.register_forward_hook(self._qkv_hook(i, attn)))
+                if hasattr(attn, "k_norm"):
+                    # q/k norms sit between qkv_proj and RoPE: the raw key is the rotary module's input.
+                    # vLLM shares one rotary module between layers of one kind: hooked once each.
+                    if not any(r is attn.rotary_emb for r in rotaries):
+                        rotaries.append(attn.rotary_emb)
+                        handles.append(attn.rotary_emb.register_forward_pre_hook(self._rotary_hook(), with_kwargs=True))
+                else:
+                    handles.append(attn.qkv_proj.register_forward_hook(self._qkv_hook(i, attn)))
                 handles.append(attn.attn.register_forward_pre_hook(self._attn_hook(i), with_kwargs=True))
             ops.cpu_attention_with_kv_cache = self._kernel(original)
             yield self
@@ -127,6 +138,7 @@ class Probes:
                 self.forwards.append(self._current)
             fwd = self._current_forward()
             rec = fwd.layers.setdefault(i, LayerRecord())
+            self._layer = i
             if fwd.rows.numel():
                 stream = hidden if residual is None else hidden + residual  # [N, hidden]
                 rec.hidden_in = stream[fwd.rows].detach().clone()
@@ -153,6 +165,22 @@ class Probes:
 
         return hook
 
+    def _rotary_hook(self):
+        def hook(module, args, kwargs):
+            names = ("positions", "query", "key")
+            got = dict(zip(names, args)) | {k: v for k, v in kwargs.items() if k in names}
+            i = self._layer
+            assert i is not None, "a rotary module ran outside a decoder layer"
+            fwd = self._current_forward()
+            rec = fwd.layers.setdefault(i, LayerRecord())
+            q, k = got["query"], got["key"]
+            n = q.shape[0]
+            rec.k_raw = k.detach().reshape(n, self.num_kv_heads, self.head_dim).clone()
+            if fwd.rows.numel():
+                rec.q_raw = q.detach().reshape(n, self.num_heads, self.head_dim)[fwd.rows].clone()
+
+        return hook
+
     def _attn_hook(self, i: int):
         def hook(module, args, kwargs):
             query = args[0] if args else kwargs["query"]
@@ -164,12 +192,11 @@ class Probes:
             if fwd.rows.numel():
                 rec.q_rot = query.detach().reshape(n, self.num_heads, self.head_dim)[fwd.rows].clone()
             self._layer = i
-            if i == 0:
-                self._note_slots(module)
+            self._note_slots(module, i)
 
         return hook
 
-    def _note_slots(self, module: Any) -> None:
+    def _note_slots(self, module: Any, i: int) -> None:
         """Slot mapping of this forward, from vLLM's forward context; ``slot -> position`` updated."""
         from vllm.forward_context import get_forward_context
 
@@ -181,10 +208,11 @@ class Probes:
         if slots is None:
             raise AdapterError(ADAPTER, "slot mapping", "the forward context's slot mapping", "none")
         slots = slots.detach().reshape(-1)[:n].to(torch.int64).clone()  # [N]
-        fwd.slots = slots
+        fwd.layers[i].slots = slots
+        table = self.slot_position.setdefault(i, {})
         for s, p in zip(slots.tolist(), fwd.positions.tolist()):
             if s >= 0:
-                self.slot_position[s] = p
+                table[s] = p
 
     def _kernel(self, original):
         def wrapper(
@@ -204,6 +232,8 @@ class Probes:
         ):
             fwd, i = self._current, self._layer
             if fwd is not None and i is not None:
+                if int(sliding_window) > 0:
+                    self.windows[i] = int(sliding_window)
                 self._on_kernel(fwd, i, query, key_cache, query_start_loc, seq_lens, block_table)
             return original(
                 query,
@@ -244,7 +274,7 @@ class Probes:
             return
         # The write: the slots this forward filled must hold exactly the keys the Attention module got.
         real_keys, _ = kv_layout.kernel_views(layer.kv_cache)
-        k_rot, slots = _seen(rec.k_rot), _seen(fwd.slots)  # this layer's Attention pre-hook; layer 0's
+        k_rot, slots = _seen(rec.k_rot), _seen(rec.slots)  # this layer's Attention pre-hook
         n = k_rot.shape[0]
         written = slots[:n] >= 0
         stored = kv_layout.read_keys(real_keys, slots[:n][written], isa)
@@ -262,9 +292,15 @@ class Probes:
             # The data: what the kernel read, through the block table it was handed. The labels: the
             # request's own blocks in vLLM's metadata (the same table unless something in between
             # handed the kernel other blocks), whose slots the slot -> position map knows.
-            read_from = kv_layout.slots_of(block_table[0], fwd.seq_len, block_size)  # [S]
+            # A sliding layer reads only the last ``window`` keys of each query (vLLM hands freed blocks'
+            # entries to its null block): keys from the probed row with the lowest position on.
+            first = 0
+            if i in self.windows and fwd.rows.numel():
+                lowest = int(fwd.positions[fwd.rows].min())
+                first = max(0, lowest - self.windows[i] + 1)
+            read_from = kv_layout.slots_of(block_table[0], fwd.seq_len, block_size)[first:]  # [S]
             rec.keys = kv_layout.read_keys(key_cache, read_from, isa)
-            rec.key_slots = kv_layout.slots_of(self._metadata(layer).block_table[0], fwd.seq_len, block_size)
+            rec.key_slots = kv_layout.slots_of(self._metadata(layer).block_table[0], fwd.seq_len, block_size)[first:]
 
     @staticmethod
     def _metadata(layer: Any) -> Any:
@@ -275,9 +311,10 @@ class Probes:
 
     # ------------------------------------------------------------------ results
 
-    def key_positions(self, slots: torch.Tensor) -> torch.Tensor:
-        """``[S]`` logical positions of the keys at ``slots``, from what vLLM wrote there."""
-        missing = [s for s in slots.tolist() if s not in self.slot_position]
+    def key_positions(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """``[S]`` logical positions of the keys at ``slots`` of ``layer``, from what vLLM wrote there."""
+        table = self.slot_position.get(layer, {})
+        missing = [s for s in slots.tolist() if s not in table]
         if missing:
             raise AdapterError(
                 ADAPTER,
@@ -285,16 +322,16 @@ class Probes:
                 "slots written by a request ropekv observed",
                 f"{len(missing)} unknown slots, first {missing[0]}",
             )
-        return torch.tensor([self.slot_position[s] for s in slots.tolist()], dtype=torch.int64)
+        return torch.tensor([table[s] for s in slots.tolist()], dtype=torch.int64)
 
     def raw_keys(self, layer: int, slots: torch.Tensor) -> torch.Tensor | None:
         """``[S, KVH, D]`` pre-RoPE keys last written at ``slots``, or None if one was never seen."""
         table: dict[int, tuple[torch.Tensor, int]] = {}
         for fwd in self.forwards:
             rec = fwd.layers.get(layer)
-            if rec is None or rec.k_raw is None or fwd.slots is None:
+            if rec is None or rec.k_raw is None or rec.slots is None:
                 continue
-            for r, s in enumerate(fwd.slots[: rec.k_raw.shape[0]].tolist()):
+            for r, s in enumerate(rec.slots[: rec.k_raw.shape[0]].tolist()):
                 table[s] = (rec.k_raw, r)
         if any(s not in table for s in slots.tolist()):
             return None
@@ -324,7 +361,7 @@ class Probes:
                 LayerProbe(
                     q=_seen(rec.q_kernel)[row : row + 1],
                     k=_seen(rec.keys),
-                    key_positions=self.key_positions(key_slots),
+                    key_positions=self.key_positions(i, key_slots),
                     key_slots=key_slots,
                     hidden_in=_seen(rec.hidden_in)[row : row + 1],
                     q_raw=_seen(rec.q_raw)[row : row + 1],
@@ -353,7 +390,7 @@ class Probes:
                 LayerProbe(
                     q=torch.stack(qs),
                     k=_seen(rec.keys),
-                    key_positions=self.key_positions(key_slots),
+                    key_positions=self.key_positions(i, key_slots),
                     key_slots=key_slots,
                     hidden_in=torch.stack(hs),
                     q_raw=torch.stack(qr),
