@@ -2,36 +2,31 @@
 global layer at base 1,000,000): ropekv's windowed default matrix through the adapter, and the keys of
 a sliding and a global layer against ropekv's float64 reference, per layer type.
 
-The checkpoint: ``ROPEKV_GEMMA3_DIR`` (a float32 transformers folder; default /tmp/gem/hf-f32 until the
-embedded-model registry names it). One vLLM instance for the module (about 10 s to start; the whole
+The checkpoint: the embedded gemma3-270m, converted once to a float32 transformers folder
+(docs/models.md). One vLLM instance for the module (about 10 s to start; the whole
 file about 2 min on 2 cores).
 """
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
 from parity_tools import reference
 
+from ropekv.models.default import default_checkpoint_dir
 from ropekv.parity.cases import Case, token_stream, window_matrix
 from ropekv.parity.compare import scaled_error
 from ropekv.parity.harness import check
 
-GEMMA_DIR = Path(os.environ.get("ROPEKV_GEMMA3_DIR", "/tmp/gem/hf-f32"))
 WINDOW = 512
 SLIDING, GLOBAL = 0, 5  # layer_types: five sliding layers, then a global one
 
 
 @pytest.fixture(scope="module")
 def gemma():
-    if not (GEMMA_DIR / "config.json").is_file():
-        pytest.skip(f"no Gemma 3 270M folder at {GEMMA_DIR} (set ROPEKV_GEMMA3_DIR)")
     from ropekv.adapters.vllm import VLLMEngine
 
-    return VLLMEngine(GEMMA_DIR, dtype="float32", block_size=32, max_model_len=2048)
+    return VLLMEngine(default_checkpoint_dir("gemma3-270m"), dtype="float32", block_size=32, max_model_len=2048)
 
 
 def test_vllm_builds_one_rotation_per_layer_type(gemma):

@@ -9,6 +9,7 @@ an error, not an option).
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -118,7 +119,7 @@ def load(
     return ReferenceDecoder(checkpoint, dtype=dtype)
 
 
-def resolve_model_dir(model: str | Path | None) -> Path:
+def resolve_model_dir(model: str | os.PathLike | None) -> Path:
     """The transformers folder an engine loads for ``model``: an embedded model's converted folder
     (None: the default's; converted once), else ``model`` itself as a path."""
     if _names_embedded(model):
@@ -128,7 +129,7 @@ def resolve_model_dir(model: str | Path | None) -> Path:
     return Path(str(model))
 
 
-def resolve_gguf(model: str | Path | None) -> Path:
+def resolve_gguf(model: str | os.PathLike | None) -> Path:
     """The GGUF file an engine loads for ``model``: an embedded model's original GGUF (None: the
     default's), else ``model`` itself as a path."""
     if _names_embedded(model):
@@ -138,6 +139,6 @@ def resolve_gguf(model: str | Path | None) -> Path:
     return Path(str(model))
 
 
-def _names_embedded(model: str | Path | None) -> bool:
+def _names_embedded(model: str | os.PathLike | None) -> bool:
     """True when ``model`` is None or an embedded model's name that is not also a path here."""
     return model is None or (isinstance(model, str) and model in EMBEDDED and not Path(model).exists())

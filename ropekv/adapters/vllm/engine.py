@@ -385,11 +385,9 @@ def _dtype_name(dtype: str | torch.dtype) -> str:
 
 
 def _model_dir(model_dir: str | os.PathLike | None) -> Path:
-    if model_dir is None:
-        from ...models.default import default_checkpoint_dir
+    from ...models import resolve_model_dir
 
-        return default_checkpoint_dir()
-    folder = Path(model_dir)
+    folder = resolve_model_dir(model_dir)  # None or an embedded model's name: its converted folder
     if not folder.is_dir():
         raise CheckpointError(f"{folder}: vLLM needs a transformers model directory (config.json + safetensors)")
     if not any(folder.glob("*.safetensors")):
