@@ -111,22 +111,7 @@ class Tokenizer:
             else byte_level
         )
         backend.decoder = decoders.ByteLevel()
-        backend.add_special_tokens(
-            [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
-        )
-        backend.add_tokens(
-            [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
-        )
-        if backend.get_vocab_size(with_added_tokens=True) != len(tokens):
-            raise CheckpointError(f"{path}: added tokens do not map onto the vocabulary")
-        bos, eos = get("tokenizer.ggml.bos_token_id"), get("tokenizer.ggml.eos_token_id")
-        return cls(
-            backend,
-            bos_token_id=None if bos is None else int(bos),
-            eos_token_id=None if eos is None else int(eos),
-            add_bos=bool(get("tokenizer.ggml.add_bos_token", False)),
-            chat_template=get("tokenizer.chat_template"),
-        )
+        return cls._finish(backend, tokens, types, get, path, add_bos_default=False)
 
     @classmethod
     def _from_sentencepiece(cls, get: Any, path: str | os.PathLike) -> Tokenizer:
@@ -140,12 +125,27 @@ class Tokenizer:
         pieces = respelled(tokens)
         if len(set(pieces)) != len(pieces):
             raise CheckpointError(f"{path}: duplicate entries in tokenizer.ggml.tokens")
-        backend = gemma_backend(pieces)
+        # llama.cpp adds BOS to a SentencePiece vocabulary whose file does not say otherwise.
+        return cls._finish(gemma_backend(pieces), pieces, types, get, path, add_bos_default=True)
+
+    @classmethod
+    def _finish(
+        cls,
+        backend: _Backend,
+        tokens: list[str],
+        types: list[int],
+        get: Any,
+        path: str | os.PathLike,
+        *,
+        add_bos_default: bool,
+    ) -> Tokenizer:
+        """Control tokens as special added tokens, user-defined ones as plain added tokens (both
+        matched whole in text, as llama.cpp does), then the BOS/EOS ids and flags from the file."""
         backend.add_special_tokens(
-            [AddedToken(t, special=True, normalized=False) for t, k in zip(pieces, types) if k == _CONTROL]
+            [AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL]
         )
         backend.add_tokens(
-            [AddedToken(t, special=False, normalized=False) for t, k in zip(pieces, types) if k == _USER_DEFINED]
+            [AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED]
         )
         if backend.get_vocab_size(with_added_tokens=True) != len(tokens):
             raise CheckpointError(f"{path}: added tokens do not map onto the vocabulary")
@@ -154,7 +154,7 @@ class Tokenizer:
             backend,
             bos_token_id=None if bos is None else int(bos),
             eos_token_id=None if eos is None else int(eos),
-            add_bos=bool(get("tokenizer.ggml.add_bos_token", True)),  # llama.cpp's default for SentencePiece
+            add_bos=bool(get("tokenizer.ggml.add_bos_token", add_bos_default)),
             chat_template=get("tokenizer.chat_template"),
         )
 
