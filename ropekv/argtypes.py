@@ -192,7 +192,7 @@ def _with_choice_suggestion(message: str) -> str:
 
 def add_model_argument(parser: argparse.ArgumentParser) -> None:
     """``MODEL`` (a path, or an embedded model's name) and ``--model NAME`` (an embedded model by name);
-    :func:`ropekv.cli.main.main` checks the name and folds it into ``args.model``."""
+    :func:`ropekv.models.embedded.fold_model_name` checks the name and folds it into ``args.model``."""
     parser.add_argument(
         "model",
         nargs="?",

@@ -14,7 +14,7 @@ import sys
 import traceback
 
 from ..argtypes import RaisingParser
-from ..errors import RopeKVError, UsageError
+from ..errors import RopeKVError
 
 SUBCOMMANDS = ("check", "run", "handoff", "bench", "models")
 
@@ -71,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command is None:
             parser.print_help(sys.stderr)
             return 2
-        _fold_model_name(args)
+        from ..models.embedded import fold_model_name
+
+        fold_model_name(args)
         return int(args.handler(args))
     except RopeKVError as exc:
         if debug:
@@ -82,19 +84,6 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("ropekv: interrupted", file=sys.stderr)
         return 130
-
-
-def _fold_model_name(args: argparse.Namespace) -> None:
-    """``--model NAME`` becomes ``args.model``: the one spelling every subcommand reads."""
-    name = getattr(args, "model_name", None)
-    if name is None:
-        return
-    from ..models.embedded import embedded_model
-
-    embedded_model(name)  # UsageError naming the embedded models for any other name
-    if args.model is not None:
-        raise UsageError(f"give the model once: MODEL ({args.model}) or --model {name}, not both")
-    args.model = name
 
 
 if __name__ == "__main__":

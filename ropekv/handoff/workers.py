@@ -58,6 +58,7 @@ from ..engine import Engine
 from ..errors import PayloadError, RopeKVError, TransportError, UsageError
 from ..faults.registry import HANDOFF_FAULTS, get_handoff_fault
 from ..models import Checkpoint, load_checkpoint
+from ..models.embedded import fold_model_name
 from ..parity.cases import Case, token_stream
 from ..transfer.handshake import Channel, answer, offer
 from ..transfer.importer import CONVERT_MODES, ModelLimits, export_handoff
@@ -263,6 +264,7 @@ def main(argv: list[str] | None = None, hooks: TransferHooks | None = None) -> i
     hooks = hooks or TransferHooks()
     try:
         args = build_parser().parse_args(argv)
+        fold_model_name(args)
         rank, world = _env_int("RANK"), _env_int("WORLD_SIZE")
     except RopeKVError as exc:
         print(f"ropekv handoff worker: error: {exc}", file=sys.stderr)

@@ -13,6 +13,7 @@ installs (``scripts/setup.sh``).
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import importlib.metadata
 import importlib.util
@@ -132,6 +133,20 @@ def embedded_model(name: str | None = None) -> EmbeddedModel:
             f"unknown embedded model {name!r}; choose one of {', '.join(EMBEDDED)}" + suggest(name, EMBEDDED)
         )
     return model
+
+
+def fold_model_name(args: argparse.Namespace) -> None:
+    """``--model NAME`` (``args.model_name``, :func:`~ropekv.argtypes.add_model_argument`) becomes
+    ``args.model``: the one spelling every command reads. An unknown name, or a name beside a MODEL
+    path, is a :class:`UsageError`."""
+    name = getattr(args, "model_name", None)
+    if name is None:
+        return
+    embedded_model(name)  # UsageError naming the embedded models for any other name
+    model = getattr(args, "model", None)
+    if model is not None:
+        raise UsageError(f"give the model once: MODEL ({model}) or --model {name}, not both")
+    args.model = name
 
 
 def cache_root() -> Path:
