@@ -15,4 +15,5 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1
 # Arguments select tests (files, -k ...); none: the whole vLLM suite.
 if [ $# -eq 0 ] || [ "${1#-}" != "$1" ]; then set -- engine_tests/vllm "$@"; fi
-exec .venv-vllm/bin/python -m pytest -q -p no:cacheprovider "$@"
+# pyproject.toml already adds -q; a second -q would drop the "N passed" closing line CI reads.
+exec .venv-vllm/bin/python -m pytest -p no:cacheprovider "$@"
