@@ -38,10 +38,10 @@ def add_parser(sub) -> None:
 
 
 def _tokenizer(model: str | None):
-    from ..models.embedded import EMBEDDED
+    from ..models.embedded import is_embedded_name
     from ..models.tokenizer import Tokenizer
 
-    if model is None or (model in EMBEDDED and not Path(model).exists()):
+    if model is None or is_embedded_name(model):
         from ..models.default import default_tokenizer
 
         return default_tokenizer(model)

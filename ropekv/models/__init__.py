@@ -16,7 +16,7 @@ import torch
 
 from ..errors import CheckpointError, ConfigError
 from .config import Checkpoint, ModelConfig
-from .embedded import EMBEDDED
+from .embedded import is_embedded_name
 from .reference import LayerProbe, ReferenceDecoder, ReferenceOutput
 from .safetensors_dir import PICKLE_SUFFIXES, load_safetensors_dir, read_dir_config
 
@@ -89,7 +89,7 @@ def _kind(path: str | Path | None) -> tuple[str, Path | None]:
     if path is None:
         return "default", None
     p = Path(path)
-    if isinstance(path, str) and path in EMBEDDED and not p.exists():
+    if is_embedded_name(path):
         return "embedded", p
     if p.is_dir():
         return "dir", p
@@ -141,4 +141,4 @@ def resolve_gguf(model: str | os.PathLike | None) -> Path:
 
 def _names_embedded(model: str | os.PathLike | None) -> bool:
     """True when ``model`` is None or an embedded model's name that is not also a path here."""
-    return model is None or (isinstance(model, str) and model in EMBEDDED and not Path(model).exists())
+    return model is None or is_embedded_name(model)

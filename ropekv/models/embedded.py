@@ -135,6 +135,12 @@ def embedded_model(name: str | None = None) -> EmbeddedModel:
     return model
 
 
+def is_embedded_name(model: object) -> bool:
+    """True when ``model`` names an embedded model and is not also a path here (a file or folder of
+    that name in the current directory is what the user means)."""
+    return isinstance(model, str) and model in EMBEDDED and not Path(model).exists()
+
+
 def fold_model_name(args: argparse.Namespace) -> None:
     """``--model NAME`` (``args.model_name``, :func:`~ropekv.argtypes.add_model_argument`) becomes
     ``args.model``: the one spelling every command reads. An unknown name, or a name beside a MODEL

@@ -61,11 +61,11 @@ def gguf_from_args(args: argparse.Namespace) -> Path | None:
     """The GGUF to run: ``--gguf PATH`` (or a MODEL path ending in .gguf); for an embedded model (MODEL
     or ``--model NAME``) its all-float32 conversion, or with ``--gguf embedded`` its original quantized
     file; None for the default model's float32 file."""
-    from ...models.embedded import EMBEDDED as EMBEDDED_MODELS
+    from ...models.embedded import is_embedded_name
 
     value = getattr(args, "llamacpp_gguf", None) or None
     model = getattr(args, "model", None)
-    name = model if isinstance(model, str) and model in EMBEDDED_MODELS and not Path(model).exists() else None
+    name = model if is_embedded_name(model) else None
     if value == EMBEDDED:
         from ...models.default import default_gguf_path
 
