@@ -49,7 +49,7 @@ def test_clean_engine_passes(llama, key_form, backend, dtype):
 )  # op faults: test_ops_parity
 def test_each_fault_is_caught_and_named(llama, name):
     fault = FAULTS[name]
-    report = check(fault.adapter(llama), cases=TINY_CASES)
+    report = check(fault.adapter(llama), cases=list(fault.exposing) or TINY_CASES)
     assert not report.passed, f"{name} went unnoticed:\n{report.table()}"
     assert report.diagnosis is not None and report.diagnosis.kind == fault.kind, report.table()
     failing = [c for c in report.cases if not c.passed]

@@ -17,6 +17,7 @@ from ..contract import CacheContract, KeyForm
 from ..engine.rotation import RotationPolicy
 from ..errors import ConfigError, UsageError
 from ..models.config import Checkpoint, ModelConfig
+from ..parity.cases import Case
 from .record import Fault, FaultEngine
 
 
@@ -31,6 +32,8 @@ class NativeFault(Fault):
     - ``contract_change``: the contract the faulty engine runs under, from the model's (None: that one).
     - ``needs`` / ``applies``: a model feature the fault needs to show ("": every model has it), and
       whether a model config has it; a model without it is refused.
+    - ``exposing``: cases that expose the fault where the default matrix cannot (positions past
+      2**15, a non-aligned prefix hit, ...); empty: any matrix with a decode past position 0 does.
     """
 
     engine: FaultEngine = field(default="ropekv", init=False)
@@ -42,9 +45,12 @@ class NativeFault(Fault):
     contract_change: Callable[[CacheContract], CacheContract] | None = None
     needs: str = ""
     applies: Callable[[ModelConfig], bool] | None = None
+    exposing: tuple[Case, ...] = ()
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if not all(isinstance(c, Case) for c in self.exposing):
+            raise ConfigError(f"fault {self.name!r}: exposing must hold Case objects, got {self.exposing!r}")
         if (self.needs == "") != (self.applies is None):
             raise ConfigError(f"fault {self.name!r}: a needed model feature comes with the test for it (applies)")
 
