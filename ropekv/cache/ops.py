@@ -63,14 +63,14 @@ class CacheOps(CacheStore):
             self._require_free({"sliding": len(cow)}, f"rollback of {n} token(s) on {seq_id!r}")
             for i in cow:
                 seq.tables["sliding"][i] = self._copy_block(g, seq.tables["sliding"][i])
-            for e in restores:
+            for age, e in enumerate(restores):  # newest first
                 flat = self._flat(g, seq, torch.tensor([e.slot]))
                 g.positions.view(-1)[flat] = e.position
                 for j, layer in enumerate(g.layers):
                     for pool, saved in ((self.keys[layer], e.keys), (self.values[layer], e.values)):
                         rows = pool_rows(pool)
                         now = rows[flat]  # [1, KVH, D]
-                        back = self.policy.ring_restore(saved[j : j + 1].to(pool.device), now)  # [1, KVH, D]
+                        back = self.policy.ring_restore(saved[j : j + 1].to(pool.device), now, age=age)  # [1, KVH, D]
                         rows[flat] = back.to(pool.dtype)
         for name, grp in self._groups.items():
             table = seq.tables[name]
@@ -118,6 +118,14 @@ class CacheOps(CacheStore):
                 seq.tables[name][i] = self._copy_block(g, seq.tables[name][i])
             if slots.numel():
                 g.positions.view(-1)[self._flat(g, seq, slots)] = -1
+        self._invalidate(seq_id)
+        for g in self._groups.values():
+            if g.ring is not None:  # a ring's slots follow positions: its survivors keep theirs whatever the policy
+                continue
+            flat, _, pos, _ = self._index(seq_id, seq, g)
+            kept = self.policy.survivor_positions(pos)
+            if not torch.equal(kept, pos):
+                g.positions.view(-1)[flat] = kept.to(pos.dtype)
         self._invalidate(seq_id)
 
     def shift(self, seq_id: Hashable, delta: int, from_position: int = 0) -> None:

@@ -20,10 +20,16 @@ class CacheOpPolicy:
 
     name = "correct"
 
-    def ring_restore(self, journal: torch.Tensor, current: torch.Tensor) -> torch.Tensor:
+    def ring_restore(self, journal: torch.Tensor, current: torch.Tensor, *, age: int) -> torch.Tensor:
         """Content ``[k, KVH, D]`` a rolled-back ring slot holds afterwards: the journal's copy of the
-        token the rejected one overwrote (``current`` is the rejected token's own key or value)."""
+        token the rejected one overwrote (``current`` is the rejected token's own key or value).
+        ``age``: 0 for the newest rejected token, counting back (restores run newest first)."""
         return journal
+
+    def survivor_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """Positions ``[N]`` the tokens surviving an eviction hold afterwards (``positions`` theirs
+        before, in write order; groups without a ring only): their own, unchanged."""
+        return positions
 
     def shift_keys(self, rope: RopeSpec, keys: torch.Tensor, delta: int, key_form: str) -> torch.Tensor:
         """Stored keys ``[N, KVH, D]`` after their positions moved by ``delta``."""

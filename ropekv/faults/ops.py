@@ -73,8 +73,32 @@ class RollbackStaleRing(CacheOpPolicy):
 
     name = "rollback-stale-ring"
 
-    def ring_restore(self, journal, current):
+    def ring_restore(self, journal, current, *, age):
         return current
+
+
+class RollbackKeepsNewestSlot(CacheOpPolicy):
+    """Ring rollback restores every slot the rejected draft overwrote except the newest one, whose
+    rejected key and value stay in view (an off-by-one in the restore loop's range)."""
+
+    name = "rollback-keeps-newest-slot"
+
+    def ring_restore(self, journal, current, *, age):
+        return current if age == 0 else journal
+
+
+class EvictCompacts(CacheOpPolicy):
+    """Eviction compacts the cache and renumbers the survivors 0..n-1 by their kept-row index: raw keys
+    are then turned at those numbers on read, and the cache labels its keys with them."""
+
+    name = "evict-compacts-positions"
+
+    def survivor_positions(self, positions):
+        return positions.argsort().argsort()
+
+
+class EvictCompactsPositions(EvictOffset):
+    """The rotation side of a compacting eviction: new tokens continue from the kept-row count."""
 
 
 class ShiftNotRotated(CacheOpPolicy):
@@ -125,6 +149,16 @@ CATALOGUE: tuple[OpFault, ...] = (
         needs_window=True,
     ),
     OpFault(
+        name="rollback-keeps-newest-slot",
+        kind="rollback_stale_keys",
+        description="ring rollback restores every overwritten slot but the newest",
+        key_form="rotated",
+        shows_when="a rollback whose draft overwrote ring slots (a wrapped window)",
+        op=CacheOp("rollback", 3),
+        cache_ops=RollbackKeepsNewestSlot,
+        needs_window=True,
+    ),
+    OpFault(
         name="rollback-offset",
         kind="rollback_offset",
         description="rollback leaves the offset advanced by the draft length",
@@ -141,6 +175,17 @@ CATALOGUE: tuple[OpFault, ...] = (
         shows_when="any eviction",
         op=CacheOp("evict", 5),
         rotation=EvictOffset,
+    ),
+    OpFault(
+        name="evict-compacts-positions",
+        kind="evict_offset",
+        description="eviction renumbers the survivors 0..n-1 (compaction) and continues from the kept count",
+        key_form="raw",
+        shows_when="any eviction of raw keys",
+        op=CacheOp("evict", 4),
+        rotation=EvictCompactsPositions,
+        cache_ops=EvictCompacts,
+        fixed_key_form=True,
     ),
     OpFault(
         name="shift-not-rotated",

@@ -344,11 +344,17 @@ def _diagnose_op(inp: ForensicInput, a: _Analysis) -> Diagnosis | None:
         ):
             show = torch.nonzero(at & ok).flatten()
             text = f"keys logical j, effective j {h.offsets[0]:+d} (the {int(at.sum())} shifted keys): {h.text}"
-        elif h.target == "misfit" and bool((~ok).any()) and bool((~ok & ~at).sum() == 0) and _most(at, ~ok):
+        elif h.target == "misfit" and q_ok and bool((~ok).any()) and bool((~ok & ~at).sum() == 0):
+            # Every key outside the hypothesis fits and the query is right: even one misfitting key among
+            # the named positions explains the divergence (a restore that missed one slot), not noise.
             show = torch.nonzero(~ok).flatten()
+            bad, named = int((~ok).sum()), int(at.sum())
+            some = (
+                "" if bad == named else f" ({bad} of the {named} such positions in view; the other {named - bad} fit)"
+            )
             text = (
-                f"{int((~ok).sum())} key(s) at positions {j[~ok].tolist()[:8]} are no rotation of those tokens' "
-                f"keys (fit {float(kf[~ok].max()):.2f} at best): {h.text}"
+                f"{bad} key(s) at positions {j[~ok].tolist()[:8]} are no rotation of those tokens' "
+                f"keys (fit {float(kf[~ok].max()):.2f} at best): {h.text}{some}"
             )
         else:
             continue
@@ -553,6 +559,21 @@ def _residual_trend(inp: ForensicInput, a: _Analysis, sel: torch.Tensor, done: _
             f"positions are right but the phase error grows with position, "
             f"{low:.3g} rad at the oldest keys to {top:.3g} rad at the newest{sp}",
             keep,
+            **details,
+        )
+    odd = a.kf[sel] < FIT_OK
+    if bool(odd.any()):
+        # A few keys that are no rotation of their own token's key while every other key and the query sit
+        # at their positions: evidence of wrong contents at those rows (stale or another token's), not noise.
+        pos = inp.key_positions.long()[sel][odd]
+        return done(
+            BugClass.UNKNOWN,
+            f"the query and {int((~odd).sum())} of {int(odd.numel())} keys sit at their logical positions; "
+            f"{int(odd.sum())} key(s) at positions {pos.tolist()[:8]} are no rotation of their own tokens' keys "
+            f"(fit {float(a.kf[sel][odd].max()):.2f} at best): those rows hold other contents (stale or another "
+            "token's keys), not a RoPE error",
+            odd,
+            misfit_keys=int(odd.sum()),
             **details,
         )
     return done(

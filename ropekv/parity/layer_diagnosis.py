@@ -18,6 +18,7 @@ Every diagnosis's details carry the case, the layer and the query position.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -67,9 +68,20 @@ def diagnose_divergence(
         raise UsageError("diagnose_divergence needs a divergence at a layer; see diagnose_unlocated")
     where = {"case": case.label(), "layer": layer, "query_position": fd.query_position}
     chunk = cfg.layer_chunk(layer) if case.window is None else None  # a case window replaces chunks
-    window = _window_diagnosis(reference_attn, view, case, fd, layer, chunk)
-    if window is not None:
+    # The hypotheses the case can show come first: an eviction's labels (a compacting cache numbers its
+    # keys by kept row), then a mask, and a window or chunk mask only where this layer has one.
+    view, relabelled = _compacted_labels(view, reference_attn, case)
+    masked = case.window is not None or cfg.layer_window(layer) is not None or chunk is not None
+    window = None if relabelled else _window_diagnosis(reference_attn, view, case, fd, layer, chunk)
+    if window is not None and masked:
         return window
+    if window is not None:
+        return Diagnosis(
+            BugClass.UNKNOWN,
+            f"{window.evidence}; layer {layer} has no window or chunk, so this is no window bug: the kernel "
+            "read other keys than the ones a full-attention layer sees (a cache that lost or relabelled rows)",
+            window.details,
+        )
     if reference.q_raw is None or reference.k_raw is None:
         raise UsageError("the reference's probe carries no raw query and keys")
     slots = view.key_slots if view.key_slots is not None else torch.full_like(view.key_positions, -1)
@@ -124,6 +136,11 @@ def diagnose_divergence(
     )
     d = forensics.diagnose(inp)
     kind, evidence = d.kind, d.evidence
+    if relabelled:
+        renumbered = _kept_row_rotation(d, view.key_positions, case, fd.query_position)
+        if renumbered is not None:
+            kind, evidence = BugClass.EVICT_OFFSET, renumbered
+        evidence = f"{relabelled}; {evidence}"
     if kind == BugClass.UNKNOWN and inp.rope.length_dependent and layer > 0:
         # Layer 0 matched and this layer's rotations are right: what differs is the cached prefix itself,
         # whose deeper keys and values were computed under an earlier length's frequencies. A full
@@ -139,6 +156,52 @@ def diagnose_divergence(
     details.update({**where, "query_effective": d.query_effective, "fit": _finite(d.fit)})
     return Diagnosis(
         kind, evidence, details, query_effective=d.query_effective, key_effective=d.key_effective, fit=d.fit
+    )
+
+
+def _compacted_labels(view: LayerProbe, ref_row: torch.Tensor, case: Case) -> tuple[LayerProbe, str]:
+    """After an eviction, keys labelled by their kept-row index (a cache compacted and renumbered
+    0..n-1) instead of their positions: the engine read as many keys as the reference shows, the
+    labels of the kept rows are 0..n-1 and the evicted positions are among them. The keys then are, in
+    order, the reference's visible positions; returns the probe relabelled with them and a sentence
+    saying so (``view`` and "" where the labels are positions). ``ref_row [H, T]`` by position."""
+    if case.op is None or case.op.kind != "evict":
+        return view, ""
+    visible = torch.nonzero(torch.isfinite(ref_row[0])).flatten()  # [V] positions, ascending
+    labels = view.key_positions
+    order = labels.argsort()
+    if labels.numel() != visible.numel() or torch.equal(labels[order], visible):
+        return view, ""
+    end = case.prefix + case.length  # tokens cached before the eviction
+    kept = labels[order][visible[: labels.numel()] < end]
+    if not torch.equal(kept, torch.arange(kept.numel(), dtype=kept.dtype)):
+        return view, ""
+    true = torch.empty_like(labels)
+    true[order] = visible
+    moved = int((true != labels).sum())
+    text = (
+        f"the cache labels its {kept.numel()} keys kept by the eviction 0..{kept.numel() - 1} (compacted: numbered "
+        f"by kept row, {moved} of them not their positions; the evicted positions {case.evicted_positions} "
+        "were renumbered away); read at their true positions"
+    )
+    return dataclasses.replace(view, key_positions=true), text
+
+
+def _kept_row_rotation(d: Diagnosis, positions: torch.Tensor, case: Case, t: int) -> str | None:
+    """Whether the forensics' effective positions are the kept-row numbers: every key at ``j`` minus the
+    evicted tokens before it, the query at ``t`` minus all of them (a compacting cache turning raw keys
+    at their renumbered rows and continuing from the kept count); the sentence saying so, else None."""
+    gone = torch.tensor(sorted(case.evicted_positions), dtype=torch.int64)
+    want = positions - torch.searchsorted(gone, positions)  # [N]
+    got = [(e, int(w)) for e, w in zip(d.key_effective, want.tolist(), strict=True) if e is not None]
+    if d.query_effective != t - gone.numel() or not got:
+        return None
+    if sum(e == w for e, w in got) < forensics.MOST * len(got):
+        return None
+    return (
+        f"every key sits at its kept-row number (j minus the evicted tokens before it) and the query at "
+        f"{t} - {gone.numel()} = {d.query_effective}: the offset counts kept rows, so positions lost the "
+        f"{gone.numel()} evicted tokens ({sum(e == w for e, w in got)} of {len(got)} fitting keys)"
     )
 
 
