@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from ..engine import Engine
+from ..engine import Engine, StepOutput
 from ..errors import UsageError
 from ..parity.cases import Case
 from ..parity.protocol import CaseRun, StepRecord
@@ -28,6 +28,8 @@ def run_op_case(make_engine: Callable[[Case], Engine], engine: Engine, case: Cas
     kind, amount = case.op.kind, case.op.amount
     if kind == "batch":
         return _batch(engine, case, tokens)
+    if kind == "spec":
+        return _spec(engine, case, tokens)
     prefill_case(engine, case, tokens, "prompt")
     notes: tuple[str, ...] = ()
     if kind == "rollback":
@@ -68,3 +70,38 @@ def _batch(engine: Engine, case: Case, tokens: torch.Tensor) -> CaseRun:
     return CaseRun(
         tuple(steps), notes=(f"{len(lengths)} sequences of lengths {lengths} decoded in left-padded batches",)
     )
+
+
+def _record(out: StepOutput) -> StepRecord:
+    return StepRecord(position=int(out.positions[0]), logits=out.logits[0], layers=out.layers)
+
+
+def _spec(engine: Engine, case: Case, tokens: torch.Tensor) -> CaseRun:
+    """One speculative step (``Case.spec_records``): the drafter (the same model, a sequence of its
+    own in the same engine, so its own block table and ring) decodes the draft one token at a time;
+    the target verifies all ``K`` in one forward; ``M`` are accepted, both caches give the rest back;
+    the drafter drafts the next token and the target decodes on."""
+    if case.op is None or case.op.kind != "spec":
+        raise UsageError(f"case {case.label()} runs no speculative step")
+    k, m, n = case.op.amount, case.spec_accepted, case.prefix + case.length
+    draft = case.spec_draft(tokens, engine.config.vocab_size)
+    prefill_case(engine, case, tokens, "prompt")
+    engine.prefill("drafter", tokens[:n], chunk_size=case.chunk)
+    # The drafter feeds d_0..d_{K-2} (the prompt's last logits proposed d_0); the rows of the accepted
+    # tokens are compared, the rejected ones read tokens the stream does not hold.
+    drafted = [engine.decode("drafter", draft[j], probe=j < m) for j in range(k - 1)]
+    verified = engine.verify("prompt", draft, probe=True)
+    engine.rollback("prompt", k - m)
+    if k - 1 > m:
+        engine.rollback("drafter", k - 1 - m)
+    redraft = engine.decode("drafter", tokens[n + m], probe=True)
+    steps = [_record(o) for o in drafted[:m]] + [_record(o) for o in verified[:m]] + [_record(redraft)]
+    for _, t in case.spec_records[2 * m + 1 :]:
+        steps.append(_record(engine.decode("prompt", tokens[t], probe=True)))
+    notes = (
+        f"speculative step: a {k}-token draft (drafter: same model, own cache) verified in one forward at "
+        f"positions {n}..{n + k - 1}, {m} accepted, {k - m} rolled back in the target and "
+        f"{max(0, k - 1 - m)} in the drafter; records: drafter rows {n}..{n + m - 1}, verify rows "
+        f"{n}..{n + m - 1}, drafter row {n + m} after its rollback, target decode from {n + m}",
+    )
+    return CaseRun(tuple(steps), notes=notes)

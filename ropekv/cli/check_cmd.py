@@ -71,7 +71,7 @@ def add_parser(sub) -> None:
         metavar="OPS",
         help="cache operations to check, e.g. rollback:3,evict:5,shift:1000,batch:3,restore "
         "(rollback:N rejected draft tokens, evict:N tokens, shift:DELTA positions, batch:ROWS "
-        "sequences, restore; see docs/ops.md); each runs on every case the other flags give, "
+        "sequences, restore, spec:K draft tokens of one speculative step; see docs/ops.md); each runs on every case the other flags give, "
         "or on its own default case",
     )
     p.add_argument(

@@ -45,7 +45,7 @@ from .attention import (
 )
 from .fit import check_contract_fits_model
 from .rotation import NO_OPS, OpFacts, Phase, RopeTable, RopeTables, RotationPolicy, StepContext
-from .step import StepGroup, StepRow, layer_probe
+from .step import StepGroup, StepRow, layer_probe, query_row
 from .transformer import DecoderWeights, LayerWeights, after_rope, embed, final_logits, finish_layer, project_qkv
 
 
@@ -137,6 +137,31 @@ class Engine:
             raise CacheError(f"decode: unknown sequence {seq_id!r}")
         tokens = self._check_tokens(torch.as_tensor([int(token)] if not torch.is_tensor(token) else token.reshape(1)))
         return self._step(seq_id, tokens, phase="decode", probe=probe)
+
+    def verify(self, seq_id: Hashable, tokens: torch.Tensor, *, probe: bool = False) -> list[StepOutput]:
+        """Append a speculative draft ``tokens [K]`` to ``seq_id`` in one forward (phase ``"verify"``)
+        and return one output per draft row: its next-token logits ``[1, vocab]``, its position and,
+        probed, per layer exactly the keys that row attended to (the engine's own mask). The caller
+        accepts a prefix and gives the rest back with :meth:`rollback`."""
+        if not self.cache.has(seq_id):
+            raise CacheError(f"verify: unknown sequence {seq_id!r}")
+        tokens = self._check_tokens(tokens)
+        self.cache.check_room(seq_id, tokens.numel())
+        start = self.cache.last_position(seq_id) + 1
+        positions = torch.arange(start, start + tokens.numel(), dtype=torch.int64)
+        self._check_positions(int(positions[-1]))
+        row = self._row(seq_id, slice(0, tokens.numel()), positions, "verify", probed=probe)
+        rows = list(range(tokens.numel()))
+        out = self._run(tokens, positions, [row], padded=False, probe_rows=rows if probe else None)[0]
+        masks = [row.groups[self.contract.layer_attention(layer)].mask for layer in range(len(out.layers))]
+        return [
+            StepOutput(
+                out.logits[i : i + 1],
+                positions[i : i + 1],
+                tuple(query_row(p, i, mask[i]) for p, mask in zip(out.layers, masks)),
+            )
+            for i in rows
+        ]
 
     def decode_batch(
         self, seq_ids: Sequence[Hashable], tokens: torch.Tensor, *, probe: bool = False

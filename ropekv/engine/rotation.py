@@ -160,17 +160,19 @@ class OpFacts:
 
 NO_OPS = OpFacts()
 
-# "prefill": a chunk of new tokens; "decode": one new token; "full": the engine's cache-free forward
-Phase = Literal["prefill", "decode", "full"]
-CACHED_PHASES: tuple[Phase, ...] = ("prefill", "decode")  # the phases that read and write the cache
+# "prefill": a chunk of new tokens; "decode": one new token; "full": the engine's cache-free forward;
+# "verify": a speculative draft appended in one forward (Engine.verify)
+Phase = Literal["prefill", "decode", "full", "verify"]
+CACHED_PHASES: tuple[Phase, ...] = ("prefill", "decode", "verify")  # the phases that read and write the cache
 
 
 @dataclass(frozen=True)
 class StepContext:
     """What a policy may know about the step in progress.
 
-    ``phase`` is ``"prefill"`` (a chunk of new tokens), ``"decode"`` (one new token) or ``"full"``
-    (the engine's own cache-free forward, used for self-parity). ``seq_len`` is the length the
+    ``phase`` is ``"prefill"`` (a chunk of new tokens), ``"decode"`` (one new token), ``"verify"``
+    (a speculative draft verified in one forward) or ``"full"`` (the engine's own cache-free forward,
+    used for self-parity). ``seq_len`` is the length the
     frequencies are computed for (length-dependent RoPE); ``fork_offset`` the prefix length the
     sequence was forked at (0 if it was not); ``block_size`` the cache's block size. ``tables``: the
     step's cos/sin tables (its query positions, each window group's key positions); ``key_scratch``:

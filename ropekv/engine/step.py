@@ -68,3 +68,18 @@ def layer_probe(
         q_raw=q[r],
         v=values[keep],
     )
+
+
+def query_row(probe: LayerProbe, i: int, visible: torch.Tensor) -> LayerProbe:
+    """Row ``i`` of a probe of several rows over every key (``visible [N]``: that row's mask), as a
+    decode step's probe: its query and exactly the keys it attended to."""
+    return LayerProbe(
+        q=probe.q[i : i + 1],
+        k=probe.k[visible],
+        key_positions=probe.key_positions[visible],
+        key_slots=None if probe.key_slots is None else probe.key_slots[visible],
+        hidden_in=None if probe.hidden_in is None else probe.hidden_in[i : i + 1],
+        q_raw=None if probe.q_raw is None else probe.q_raw[i : i + 1],
+        k_raw=None if probe.k_raw is None else probe.k_raw[visible],
+        v=None if probe.v is None else probe.v[visible],
+    )

@@ -47,5 +47,7 @@ class BugClass(StrEnum):
     # the adapter, not the engine (ropekv.parity.adapter_diagnosis): the final logits agree, the recorded
     # attention does not, so the record is wrong (most often the positions the adapter labels its keys with)
     MISLABELLED_KEYS = "mislabelled_keys"
+    # speculative decoding (ropekv.parity.speculative): a spec:K case's verify pass
+    SPEC_VERIFY_POSITION_OFFSET = "spec_verify_position_offset"  # the verify pass rotated its draft off by c
     # nothing above fits, or nothing is wrong at this layer (the evidence says which)
     UNKNOWN = "unknown"

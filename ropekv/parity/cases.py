@@ -24,9 +24,11 @@ from ..argtypes import MAX_TOKENS, strict_int
 from ..attention_kind import LayerAttention
 from ..errors import UsageError
 
-OpKind = Literal["rollback", "evict", "shift", "batch", "restore"]
+OpKind = Literal["rollback", "evict", "shift", "batch", "restore", "spec"]
 OP_KINDS: tuple[str, ...] = get_args(OpKind)
 _DRAFT_SHIFT = 7  # draft token ids: the real ones shifted, so a key left behind is a different token's
+MAX_SPEC_DRAFT = 16  # draft tokens of one speculative step (real drafters propose 1 to about 10)
+SpecRole = Literal["draft", "verify", "redraft", "decode"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,10 @@ class CacheOp:
     - ``batch`` (``amount`` = rows): that many sequences of different lengths are decoded together
       in left-padded batches (:attr:`Case.batch_lengths`).
     - ``restore`` (``amount`` unused, 0): the cache is saved to a file and loaded into a fresh engine.
+    - ``spec`` (``amount`` = draft tokens K, 2..:data:`MAX_SPEC_DRAFT`): one speculative decoding step
+      (:attr:`Case.spec_records`): a drafter with its own cache drafts K tokens, the target verifies
+      them in one forward, accepts ``M = K // 2`` (:attr:`Case.spec_accepted`), both roll the rest
+      back, and decoding continues after the accepted tokens.
     """
 
     kind: OpKind
@@ -51,17 +57,24 @@ class CacheOp:
             raise UsageError(f"unknown cache operation {self.kind!r}; choose one of {', '.join(OP_KINDS)}")
         if not isinstance(self.amount, int) or isinstance(self.amount, bool):
             raise UsageError(f"{self.kind}: amount must be an integer, got {self.amount!r}")
-        low = {"rollback": 1, "evict": 1, "shift": 1, "batch": 2, "restore": 0}[self.kind]
+        low = {"rollback": 1, "evict": 1, "shift": 1, "batch": 2, "restore": 0, "spec": 2}[self.kind]
         if self.amount < low or (self.kind == "restore" and self.amount != 0):
             want = "no amount" if self.kind == "restore" else f"an amount >= {low}"
+            if self.kind == "spec":
+                want = f"a draft of {low}..{MAX_SPEC_DRAFT} tokens (one accepted, one rejected at least)"
             raise UsageError(f"{self.kind} needs {want}, got {self.amount}")
+        if self.kind == "spec" and self.amount > MAX_SPEC_DRAFT:
+            raise UsageError(
+                f"spec needs a draft of {low}..{MAX_SPEC_DRAFT} tokens, got {self.amount} (a longer draft is "
+                "no longer one speculative step)"
+            )
 
     def label(self) -> str:
         return self.kind if self.kind == "restore" else f"{self.kind}:{self.amount}"
 
 
 def parse_ops(text: str) -> list[CacheOp]:
-    """``"rollback:3,evict:5,shift:1000,batch:3,restore"`` -> operations; one-line UsageError otherwise."""
+    """``"rollback:3,evict:5,shift:1000,batch:3,restore,spec:3"`` -> operations; one-line UsageError otherwise."""
     # Amounts are ASCII digits with an optional minus (str.isdigit() takes "²", which int() refuses),
     # bounded like every token count of the command line.
     ops = []
@@ -245,17 +258,54 @@ class Case:
         return (real + _DRAFT_SHIFT) % vocab_size
 
     @property
+    def spec_accepted(self) -> int:
+        """Draft tokens a ``spec`` case accepts: ``M = K // 2`` (at least one accepted, one rejected),
+        fixed by the case so that the run is reproducible (a greedy agreement would depend on the
+        model and on rounding ties); 0 for any other case."""
+        return self.op.amount // 2 if self.op is not None and self.op.kind == "spec" else 0
+
+    def spec_draft(self, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
+        """The ``K`` tokens a ``spec`` case's drafter proposes: the stream's next ``M`` tokens (the
+        drafter guessed them; they are accepted and become part of the stream) then ``K - M`` others
+        (shifted ids, so a rejected key left behind is a different token's)."""
+        if self.op is None or self.op.kind != "spec":
+            raise UsageError(f"case {self.label()} runs no speculative step: it has no draft")
+        n, k, m = self.prefix + self.length, self.op.amount, self.spec_accepted
+        rejected = tokens[n + m : n + k]
+        if rejected.numel() < k - m:
+            rejected = torch.cat([rejected, tokens[: k - m - rejected.numel()]])
+        return torch.cat([tokens[n : n + m], (rejected + _DRAFT_SHIFT) % vocab_size])
+
+    @property
+    def spec_records(self) -> list[tuple[SpecRole, int]]:
+        """The records a ``spec`` case compares, in order, with their query positions (``n`` = prompt
+        end, ``M`` accepted): the drafter's decode steps over the accepted draft tokens (``draft``,
+        ``n..n+M-1``), the target's verify rows of the accepted tokens (``verify``, ``n..n+M-1``;
+        the rejected rows read other tokens than the stream), the drafter's first step after its
+        rollback (``redraft``, ``n+M``), then the target's decode steps (``decode``, from ``n+M``)."""
+        if self.op is None or self.op.kind != "spec":
+            return []
+        n, m = self.prefix + self.length, self.spec_accepted
+        accepted = range(n, n + m)
+        return [
+            *(("draft", t) for t in accepted),
+            *(("verify", t) for t in accepted),
+            ("redraft", n + m),
+            *(("decode", n + m + s) for s in range(self.decode_steps)),
+        ]
+
+    @property
     def positions_needed(self) -> int:
         """Positions the case reaches (its highest position + 1), draft and shift included."""
         need = self.total + self.shift
-        if self.op is not None and self.op.kind == "rollback":
+        if self.op is not None and self.op.kind in ("rollback", "spec"):  # the draft's positions
             need = max(need, self.prefix + self.length + self.op.amount)
         return need
 
     @property
     def total(self) -> int:
-        """Tokens the case touches: prefix + prompt + decoded."""
-        return self.prefix + self.length + self.decode_steps
+        """Tokens the case touches: prefix + prompt (+ a ``spec`` case's accepted draft) + decoded."""
+        return self.prefix + self.length + self.spec_accepted + self.decode_steps
 
     @property
     def decode_positions(self) -> list[int]:
@@ -263,6 +313,8 @@ class Case:
         a ``batch`` case lists step ``s`` of every row before step ``s + 1`` (rows in order)."""
         if self.op is not None and self.op.kind == "batch":
             return [L + s for s in range(self.decode_steps) for L in self.batch_lengths]
+        if self.op is not None and self.op.kind == "spec":
+            return [t for _, t in self.spec_records]
         start = self.prefix + self.length + self.shift
         return list(range(start, start + self.decode_steps))
 
@@ -409,11 +461,18 @@ def default_op_cases() -> list[Case]:
     ]
 
 
+def default_spec_case() -> Case:
+    """The case ``--ops spec:K`` runs without other flags (not in the default matrix: a speculative
+    step is asked for): an odd-size window that has wrapped, so the verify pass overwrites ring slots
+    and the rejected tokens' rollback must restore them."""
+    return Case(length=48, block_size=7, window=37, decode_steps=2, op=CacheOp("spec", 3))
+
+
 def op_matrix(ops: list[CacheOp], base: list[Case] | None) -> list[Case]:
     """Cases for ``ops``: each operation on every ``base`` case, or on its own default case
     (:func:`default_op_cases`, with the given amount) when there is no base."""
     if base is None:
-        defaults = {c.op.kind: c for c in default_op_cases() if c.op is not None}
+        defaults = {c.op.kind: c for c in [*default_op_cases(), default_spec_case()] if c.op is not None}
         return [dataclasses.replace(defaults[op.kind], op=op) for op in ops]
     return [dataclasses.replace(c, op=op) for op in ops for c in base]
 

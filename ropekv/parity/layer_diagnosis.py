@@ -132,7 +132,7 @@ def diagnose_divergence(
         handoff_len=handoff_len,
         self_parity_passed=self_parity_passed,
         seq_len=fd.query_position + 1,
-        op_hypotheses=ops.hypotheses(case, key_form),
+        op_hypotheses=ops.hypotheses(case, key_form, fd.step),
     )
     d = forensics.diagnose(inp)
     kind, evidence = d.kind, d.evidence

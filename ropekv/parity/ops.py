@@ -10,7 +10,9 @@ engine's own output:
 - ``shift``: the full forward at the shifted positions (``positions = delta..delta + T - 1``);
 - ``batch``: each row against its own unpadded forward; all rows are prefixes of one token stream,
   so by causality one plain forward serves every row;
-- ``restore``: the uninterrupted run, i.e. the plain reference.
+- ``restore``: the uninterrupted run, i.e. the plain reference;
+- ``spec``: the plain reference (the accepted draft tokens are the stream's own; the rejected ones
+  must leave no trace), at the drafter's rows, the accepted verify rows and the decode rows.
 
 Self-parity (against the engine's own cache-free forward): plain for rollback, batch and restore; for
 a shift the engine's unshifted forward relabelled by ``delta`` (RoPE scores depend on ``i - j`` only);
@@ -31,6 +33,7 @@ from .bug_class import BugClass
 from .cases import Case
 from .compare import RefRow
 from .forensics import OpHypothesis
+from .speculative import spec_hypotheses
 
 OWN_REFERENCE = ("evict", "shift")
 
@@ -93,11 +96,14 @@ def notes(case: Case) -> tuple[str, ...]:
     return ()
 
 
-def hypotheses(case: Case, key_form: str | None) -> tuple[OpHypothesis, ...]:
-    """What each catalogued bug of the case's operation would look like at a decode row."""
+def hypotheses(case: Case, key_form: str | None, step: int | None = None) -> tuple[OpHypothesis, ...]:
+    """What each catalogued bug of the case's operation would look like at a decode row (``step``:
+    the index of the record that diverged, which a ``spec`` case's hypotheses depend on)."""
     if case.op is None:
         return ()
     kind, n = case.op.kind, case.op.amount
+    if kind == "spec":
+        return spec_hypotheses(case, step)
     end = case.prefix + case.length  # tokens cached before the operation
     if kind == "rollback":
         out = [
