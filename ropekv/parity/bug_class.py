@@ -47,5 +47,9 @@ class BugClass(StrEnum):
     # the adapter, not the engine (ropekv.parity.adapter_diagnosis): the final logits agree, the recorded
     # attention does not, so the record is wrong (most often the positions the adapter labels its keys with)
     MISLABELLED_KEYS = "mislabelled_keys"
+    # position index width (ropekv.parity.position_width)
+    POSITION_WRAPPED = "position_wrapped"  # positions narrowed to int16/int32: they wrap past 2**15 / 2**31
+    # block seam (ropekv.parity.block_seam)
+    BLOCK_SEAM = "block_seam"  # a non-aligned prefix hit: the seam block's recomputed rows hold other contents
     # nothing above fits, or nothing is wrong at this layer (the evidence says which)
     UNKNOWN = "unknown"
