@@ -27,6 +27,10 @@ from collections.abc import Iterable, Sequence
 from .errors import UsageError
 
 MAX_TOKENS = 2**20  # 1,048,576 tokens: above every model ropekv reads, far below any integer overflow
+# The highest position the engine runs at (a sequence shifted past the model's positions, whose span
+# still fits them): int64 holds it with room, and float64 holds every position * inv_freq to 2**-12 rad
+# (the reference computes the same float64 angles, so the parity check stays exact there).
+MAX_POSITION = 2**40
 MAX_BLOCK_SIZE = 1024  # vLLM's largest block size is 256; 1024 keeps a tiny case's pool small
 MAX_TIMEOUT_S = 86_400.0  # one day: a wait on a peer longer than that is a hang
 MAX_THREADS = 1024

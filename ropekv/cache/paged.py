@@ -78,6 +78,11 @@ class PagedKVCache(CacheOps, Reservations):
         """Logical position of the last appended token, -1 for an empty sequence."""
         return self._seq(seq_id).last_position
 
+    def first_position(self, seq_id: Hashable) -> int:
+        """Logical position of the sequence's first write (0 unless a shift moved it), -1 when empty."""
+        history = self._seq(seq_id).history
+        return history[0] if history else -1
+
     def block_table(self, seq_id: Hashable, group: str = "full") -> tuple[int, ...]:
         return tuple(self._seq(seq_id).tables[self._group(group).name])
 
@@ -175,11 +180,18 @@ class PagedKVCache(CacheOps, Reservations):
             flat = (blocks[slots // bs] * bs + slots % bs).to(self.device)  # [k]
             every = rows.numel() == n  # only a chunk longer than the ring skips rows
             rows_d = rows.to(self.device)
+            held = None  # rows of the blocks just copied that the shared block held a token at
+            if cow:
+                copied = torch.isin(slots // bs, torch.tensor(cow, dtype=torch.int64)).to(self.device)
+                held = copied & (g.positions.view(-1)[flat] >= 0)
             g.positions.view(-1)[flat] = pos if every else pos[rows_d]
             for layer in g.layers:
                 for pool, src in ((self.keys[layer], keys[layer]), (self.values[layer], values[layer])):
                     src = src.to(device=self.device, dtype=pool.dtype)  # [n, KVH, D]
-                    pool_rows(pool).index_copy_(0, flat, src if every else src[rows_d])
+                    src = src if every else src[rows_d]
+                    if held is not None and bool(held.any()):
+                        src = self.policy.copied_block_rows(src, pool_rows(pool).index_select(0, flat), held)
+                    pool_rows(pool).index_copy_(0, flat, src)
         seq.num_tokens += n
         seq.last_position = int(pos[-1])
         seq.history.extend(pos.tolist())

@@ -2,7 +2,7 @@
 
 :class:`CacheOpPolicy` decides the two places where an operation touches key *contents* (everything
 else an operation does is bookkeeping of positions and slots): what a rolled-back ring slot gets back,
-and how a shift turns stored keys. Faults (``ropekv.faults.ops``) are small subclasses handed
+how a shift turns stored keys, and what the rows written into a block copied on write hold. Faults (``ropekv.faults.ops``) are small subclasses handed
 to the cache, the way rotation faults subclass :class:`~ropekv.engine.rotation.RotationPolicy`, so the cache
 itself has no fault switches.
 """
@@ -30,6 +30,13 @@ class CacheOpPolicy:
         """Positions ``[N]`` the tokens surviving an eviction hold afterwards (``positions`` theirs
         before, in write order; groups without a ring only): their own, unchanged."""
         return positions
+
+    def copied_block_rows(self, written: torch.Tensor, stored: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+        """Content ``[k, KVH, D]`` of rows an append writes into a block it has just copied on write (the
+        partial block of a prefix-cache hit): the new tokens' own keys or values ``written``. ``stored``:
+        what the copy brought from the shared block at those rows; ``held [k]`` bool: rows where that
+        block held a token (the earlier request's continuation past the hit)."""
+        return written
 
     def shift_keys(self, rope: RopeSpec, keys: torch.Tensor, delta: int, key_form: str) -> torch.Tensor:
         """Stored keys ``[N, KVH, D]`` after their positions moved by ``delta``."""

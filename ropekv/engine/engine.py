@@ -26,7 +26,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..argtypes import MAX_POSITION
 from ..attention_kind import LayerAttention
+from ..cache.ops import shift_invariant
 from ..cache.paged import PagedKVCache
 from ..cache.policy import CacheOpPolicy
 from ..contract import CacheContract
@@ -118,7 +120,7 @@ class Engine:
             self._fork_offset[seq_id] = 0
         try:
             # Refuse the whole prompt before its first chunk, so a refused prefill caches nothing.
-            self._check_positions(self.cache.last_position(seq_id) + tokens.numel())
+            self._check_positions(self.cache.last_position(seq_id) + tokens.numel(), self._first(seq_id))
             self.cache.check_room(seq_id, tokens.numel())
             step = chunk_size or tokens.numel()
             out = None
@@ -193,8 +195,8 @@ class Engine:
                 "decode_batch: rotation_index='cache' re-indexes per row and is not batched; decode one by one"
             )
         positions = torch.tensor([cache.last_position(s) + 1 for s in seq_ids], dtype=torch.int64)  # [B]
-        for p in positions.tolist():
-            self._check_positions(p)
+        for sid, p in zip(seq_ids, positions.tolist()):
+            self._check_positions(p, self._first(sid))
         for sid in seq_ids:
             cache.check_room(sid, 1)
         cursor = int(positions.max())
@@ -242,7 +244,8 @@ class Engine:
     def shift(self, seq_id: Hashable, delta: int, from_position: int = 0) -> None:
         """Move the tokens at or after ``from_position`` by ``delta`` (see :meth:`PagedKVCache.shift`)."""
         last = self.cache.last_position(seq_id) + (delta if self.cache.last_position(seq_id) >= from_position else 0)
-        self._check_positions(last)
+        first = self._first(seq_id)
+        self._check_positions(last, first + delta if first >= from_position else first)
         self.cache.shift(seq_id, delta, from_position)
 
     def op_facts(self, seq_id: Hashable | None) -> OpFacts:
@@ -266,9 +269,25 @@ class Engine:
 
     # ------------------------------------------------------------------ internals
 
-    def _check_positions(self, last: int) -> None:
-        if last >= self.config.position_limit:
-            raise UsageError(f"position {last} is beyond the model's {self.config.position_limit} positions")
+    def _first(self, seq_id: Hashable) -> int:
+        """The first cached position of ``seq_id`` (0 for a new or empty sequence)."""
+        return max(0, self.cache.first_position(seq_id)) if self.cache.has(seq_id) else 0
+
+    def _check_positions(self, last: int, first: int = 0) -> None:
+        """Refuse ``last`` where the model cannot run at it. Under shift-invariant RoPE (fixed
+        frequencies, one position per token) the model sees positions only through ``i - j``: what must
+        fit its positions is the span from the sequence's first cached position ``first`` (0 unless a
+        shift moved it) to ``last``, and a shifted sequence may sit past them, up to
+        :data:`~ropekv.argtypes.MAX_POSITION`. Otherwise ``last`` itself must fit."""
+        limit = self.config.position_limit
+        c = self.contract
+        relative = all(r is None or shift_invariant(r) for r in (c.layer_rope(i) for i in range(c.num_layers)))
+        if last > MAX_POSITION:
+            raise UsageError(f"position {last} is beyond {MAX_POSITION} (2**40), the largest position ropekv runs at")
+        if relative and first > 0 and last - first >= limit:
+            raise UsageError(f"positions {first}..{last} span {last - first + 1}, beyond the model's {limit} positions")
+        if (not relative or first == 0) and last >= limit:
+            raise UsageError(f"position {last} is beyond the model's {limit} positions")
 
     def _check_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         tokens = torch.as_tensor(tokens)
@@ -284,7 +303,7 @@ class Engine:
         """One sequence's chunk (or decode token) as a step of one row."""
         start = self.cache.last_position(seq_id) + 1
         positions = torch.arange(start, start + tokens.numel(), dtype=torch.int64)
-        self._check_positions(int(positions[-1]))
+        self._check_positions(int(positions[-1]), self._first(seq_id) if self.cache.num_tokens(seq_id) else start)
         row = self._row(seq_id, slice(0, tokens.numel()), positions, phase, probed=probe)
         return self._run(
             tokens,

@@ -19,7 +19,7 @@ from types import MappingProxyType
 from typing import TypeVar
 
 from ..errors import ConfigError, UsageError
-from . import catalogue, handoff, mlx, ops, speculative, vllm, vllm_transfer
+from . import block_seam, catalogue, handoff, mlx, ops, position_width, speculative, vllm, vllm_transfer
 from .handoff import HandoffFault
 from .mlx import MlxFault
 from .native import NativeFault
@@ -46,6 +46,8 @@ REGISTRY: Mapping[str, Fault] = _by_name(
         *catalogue.CATALOGUE,
         *ops.CATALOGUE,
         *speculative.CATALOGUE,
+        *position_width.CATALOGUE,
+        *block_seam.CATALOGUE,
         *handoff.CATALOGUE,
         *vllm.CATALOGUE,
         *vllm_transfer.CATALOGUE,

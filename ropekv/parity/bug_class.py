@@ -49,5 +49,9 @@ class BugClass(StrEnum):
     MISLABELLED_KEYS = "mislabelled_keys"
     # speculative decoding (ropekv.parity.speculative): a spec:K case's verify pass
     SPEC_VERIFY_POSITION_OFFSET = "spec_verify_position_offset"  # the verify pass rotated its draft off by c
+    # position index width (ropekv.parity.position_width)
+    POSITION_WRAPPED = "position_wrapped"  # positions narrowed to int16/int32: they wrap past 2**15 / 2**31
+    # block seam (ropekv.parity.block_seam)
+    BLOCK_SEAM = "block_seam"  # a non-aligned prefix hit: the seam block's recomputed rows hold other contents
     # nothing above fits, or nothing is wrong at this layer (the evidence says which)
     UNKNOWN = "unknown"

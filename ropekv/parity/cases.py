@@ -68,6 +68,10 @@ class CacheOp:
                 f"spec needs a draft of {low}..{MAX_SPEC_DRAFT} tokens, got {self.amount} (a longer draft is "
                 "no longer one speculative step)"
             )
+        # Bounded as on the command line (parse_ops): a case's attention rows are held by position
+        # (``[heads, highest position + 1]``), so a shift by 2**31 would allocate gigabytes per row.
+        if self.amount > MAX_TOKENS:
+            raise UsageError(f"{self.kind}: the amount must be at most {MAX_TOKENS}, got {self.amount}")
 
     def label(self) -> str:
         return self.kind if self.kind == "restore" else f"{self.kind}:{self.amount}"
@@ -422,10 +426,17 @@ def _ranges(indices: Sequence[int]) -> str:
 
 
 def too_long(case: Case, max_positions: int) -> str | None:
-    """Why ``case`` cannot run on a model of ``max_positions`` positions (None: it fits)."""
-    if case.positions_needed <= max_positions:
+    """Why ``case`` cannot run on a model of ``max_positions`` positions (None: it fits).
+
+    A ``shift`` case needs its span (its tokens) within the model's positions, not its highest
+    position: a shift exists only for shift-invariant RoPE (``ropekv.parity.applicable`` refuses the
+    others), whose scores depend on ``i - j`` alone, so a sequence shifted past the model's positions
+    sees the distances it was trained on while its absolute positions test the engine's index types
+    (a position held in 16 bits wraps past 32,767)."""
+    need = case.positions_needed - case.shift
+    if need <= max_positions:
         return None
-    return f"needs {case.positions_needed} positions; the model has {max_positions}"
+    return f"needs {need} positions; the model has {max_positions}"
 
 
 def check_numbers(case: Case, max_positions: int) -> None:

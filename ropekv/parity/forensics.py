@@ -11,6 +11,11 @@ rotation whatever the attention factor ``A``.
 
 :func:`diagnose` (first match wins; "most" = at least :data:`MOST` of the examined keys that fit):
 
+0. Direct hypotheses, tested by their fit rather than found by the search: the query (and some keys)
+   at their positions wrapped in 16 or 32 bits -> ``position_wrapped``
+   (:mod:`ropekv.parity.position_width`); then the case operation's hypotheses; then misfit keys
+   exactly the first recomputed rows of a non-aligned prefix hit's seam block -> ``block_seam``
+   (:mod:`ropekv.parity.block_seam`).
 1. Unless the query and more than 1 - MOST of the keys fit (:data:`FIT_OK`) integer rotations under the
    contract: the other pairing fits -> ``layout_mismatch``; for length-dependent RoPE, keys fit the
    frequencies of an earlier length while the query fits the current ones -> ``stale_dynamic_scaling``;
@@ -46,14 +51,17 @@ import torch
 
 from ..errors import UsageError
 from ..rope import RopeSpec, pair_channels
+from . import block_seam, position_width
 from .bug_class import BugClass
 from .diagnosis import Diagnosis
+from .finding import Finding
 
 FIT_OK = 0.98  # a token "fits" an explanation at this weighted fit (bf16 storage costs ~1e-5)
 MOST = 0.9  # share of the examined keys a vote needs (robust to a few noisy keys)
 MAG_TOL = 0.02  # mean relative deviation of |c_m| from A |r_m| that still counts as "a rotation"
 RES_TOL = 3e-3  # rad: residual phase at the newest keys that counts as an angle error (bf16 storage ~5e-4, flat)
 MAX_KEYS = 256  # keys examined by the full integer search; the others are checked against hypotheses
+MAX_CANDIDATES = 1 << 18  # integers one search sweeps (a position 2**31 away from 0 cannot be swept)
 _TINY = 1e-300
 
 
@@ -288,7 +296,7 @@ def diagnose(inp: ForensicInput) -> Diagnosis:
     sel = _sample_keys(pos, inp)  # [M]
     hi = 2 * max(t, int(pos.max())) + 2 * max(1, inp.block_size) + 2
     hi = min(max(hi, int(slots.max()) + 1), 4 * (t + 1) + 64)  # slots beyond this are still tried per key
-    cands = torch.arange(-(t + 2), hi + 1)  # [C]
+    cands = _candidates(t, hi, pos)  # [C]
 
     def analyse(layout: str) -> _Analysis:
         qx, qn = _cross(inp.q_raw[None], inp.q_eff[None], layout, rd)  # [1, n], [1]
@@ -310,14 +318,52 @@ def diagnose(inp: ForensicInput) -> Diagnosis:
         return _Analysis(qx=qx, qn=qn, kx=kx, kn=kn, qp=int(qp[0]), qf=float(qf[0]), kp=kp, kf=kf)
 
     a = analyse(rope.layout)
+    wrap = position_width.wrapped(t, pos, a.qx, a.qn, a.kx, a.kn, w, fit_ok=FIT_OK, most=MOST)
+    if wrap is not None:  # before the operations' hypotheses: a shift's keys are right, the query wrapped
+        return _from_finding(inp, wrap, a)
     if inp.op_hypotheses:
         found = _diagnose_op(inp, a)
         if found is not None:
             return found
+    joint = block_seam.seam(t, a.qp, a.qf, pos, a.kp, a.kf, inp.fork_offset, inp.block_size, fit_ok=FIT_OK)
+    if joint is not None:
+        return _from_finding(inp, joint, a)
     misfit = a.kf[sel] < FIT_OK
     if a.qf < FIT_OK or float(misfit.double().mean()) > 1 - MOST:
         return _diagnose_misfit(inp, a, analyse, w, seq_len, sel)
     return _diagnose_pattern(inp, a, sel)
+
+
+def _candidates(t: int, hi: int, pos: torch.Tensor) -> torch.Tensor:
+    """The integers the search sweeps: ``-(t + 2)..hi``, or, where that is more than
+    :data:`MAX_CANDIDATES` (a sequence shifted far past 0), the integers near 0 and near the positions
+    the row holds (every named hypothesis, the wrapped positions included, is still tried directly)."""
+    if hi + t + 3 <= MAX_CANDIDATES:
+        return torch.arange(-(t + 2), hi + 1)
+    lo = int(pos.min())
+    span = min(t - lo + 64, MAX_CANDIDATES // 8)
+    return torch.cat((torch.arange(-span, span + 1), torch.arange(max(span + 1, lo - span), t + span + 1)))
+
+
+def _from_finding(inp: ForensicInput, f: Finding, a: _Analysis) -> Diagnosis:
+    """A direct hypothesis's finding as a diagnosis, the keys it shows quoted with their positions."""
+    ok = f.key_fit >= FIT_OK
+    show = torch.nonzero(f.show).flatten()
+    keys = [_tok(inp, int(i), int(f.key_effective[i]) if ok[i] else None, float(f.key_fit[i])) for i in _spread(show)]
+    fit = _wfit(f.query_fit, a.qn, f.key_fit[ok], a.kn[ok]) if ok.any() else f.query_fit
+    return _diagnosis(
+        f.kind,
+        f.text,
+        (inp.query_position, f.query_effective if f.query_fit >= FIT_OK else None, f.query_fit),
+        keys,
+        f.key_effective,
+        f.key_fit,
+        fit,
+        **dict(f.details),
+        query_offset=f.query_effective - inp.query_position,
+        examined_keys=int(f.key_fit.numel()),
+        fitting_keys=int(ok.sum()),
+    )
 
 
 def _diagnose_op(inp: ForensicInput, a: _Analysis) -> Diagnosis | None:
