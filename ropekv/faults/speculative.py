@@ -38,7 +38,7 @@ class SpecRejectedKeptRing(CacheOpPolicy):
 
     name = "spec-rejected-kv-kept"
 
-    def ring_restore(self, journal, current):
+    def ring_restore(self, journal, current, *, age):
         return current
 
 
