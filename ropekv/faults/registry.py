@@ -19,7 +19,7 @@ from types import MappingProxyType
 from typing import TypeVar
 
 from ..errors import ConfigError, UsageError
-from . import catalogue, handoff, mlx, ops, vllm, vllm_transfer
+from . import catalogue, handoff, mlx, ops, transfer_layout, vllm, vllm_transfer
 from .handoff import HandoffFault
 from .mlx import MlxFault
 from .native import NativeFault
@@ -46,6 +46,7 @@ REGISTRY: Mapping[str, Fault] = _by_name(
         *catalogue.CATALOGUE,
         *ops.CATALOGUE,
         *handoff.CATALOGUE,
+        *transfer_layout.CATALOGUE,
         *vllm.CATALOGUE,
         *vllm_transfer.CATALOGUE,
         *mlx.CATALOGUE,

@@ -47,5 +47,7 @@ class BugClass(StrEnum):
     # the adapter, not the engine (ropekv.parity.adapter_diagnosis): the final logits agree, the recorded
     # attention does not, so the record is wrong (most often the positions the adapter labels its keys with)
     MISLABELLED_KEYS = "mislabelled_keys"
+    # transfer_layout (ropekv.parity.transfer_layout): the receiver read the sender's block bytes in another order
+    BLOCK_LAYOUT_MISMATCH = "block_layout_mismatch"  # received (row, head) holds another sent (row, head)
     # nothing above fits, or nothing is wrong at this layer (the evidence says which)
     UNKNOWN = "unknown"
