@@ -179,3 +179,17 @@ def test_cli_catches_and_names_the_fault_across_processes(tiny_llama_dir, tmp_pa
     assert (
         d["kind"] == "block_layout_mismatch" and "received (row 0, head 1) holds sent (row 1, head 0)" in d["evidence"]
     )
+
+
+@pytest.mark.parametrize("key_form", ["rotated", "raw"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        Case(length=20, prefix=5, block_size=7),  # a prefix-cache hit on the prefill side
+        Case(length=20, block_size=5, window=7, sink_tokens=2),  # a ring travels as its 9 live rows
+    ],
+)
+def test_fault_is_named_for_both_key_forms_and_a_ring(ckpt, key_form, case):
+    fault = get_handoff_fault(FAULT)
+    report = check(HandoffAdapter(ckpt, prefill_key_form=key_form, policy=fault.policy()), cases=[case])
+    assert not report.passed and report.diagnosis.kind == "block_layout_mismatch", report.table()
