@@ -31,6 +31,13 @@ KeyForm = Literal["raw", "rotated"]  # closed sets are types; the tuples follow 
 RotationIndex = Literal["logical", "cache"]
 MlaForm = Literal["expanded", "latent"]
 MLA_FORMS: tuple[str, ...] = get_args(MlaForm)
+# How a layer's KV block tensor lies in memory, as the transfer carries it (not RoPE's channel-pair
+# ``rope.layout``): the block tensor ``[blocks, 2, ...]`` (2: keys, values) with each block's tokens
+# outermost (``block,heads``: ropekv's payload rows ``[rows, KVH, D]``) or its heads outermost
+# (``heads,block``: one head's rows of a block contiguous, a paged kernel's layout).
+BlockLayout = Literal["blocks,2,block,heads,dim", "blocks,2,heads,block,dim"]
+BLOCK_LAYOUTS: tuple[str, ...] = get_args(BlockLayout)
+DEFAULT_BLOCK_LAYOUT: BlockLayout = "blocks,2,block,heads,dim"
 KEY_FORMS: tuple[str, ...] = get_args(KeyForm)
 ROTATION_INDICES: tuple[str, ...] = get_args(RotationIndex)
 DTYPES: dict[str, torch.dtype] = {
@@ -102,6 +109,10 @@ _CONSEQUENCES: dict[str, str] = {
     "mla.qk_rope_head_dim": "MLA's position-free and rope parts would be cut at other channels",
     "mla.v_head_dim": "values would be read with another size per head",
     "mla.kv_lora_rank": "the compressed latent would have another size: latent and rope part would be misread",
+    "block_layout": (
+        "each block's bytes would be read with heads and tokens swapped: a received (row, head) would hold "
+        "another row's or another head's key and value, wrong from the first layer"
+    ),
 }
 
 
@@ -243,6 +254,10 @@ class CacheContract:
     - ``mla``: for multi-head latent attention, what a cache row holds (:class:`MlaCache`: expanded
       per-head keys or the compressed latent, and where the rope part sits); None otherwise. The rotated
       slice itself is the RoPE spec's (``rope.rotary_offset`` .. ``+ rope.rotary_dim``).
+    - ``block_layout``: the order of a layer's KV block tensor in a transfer (:data:`BLOCK_LAYOUTS`),
+      ``"blocks,2,block,heads,dim"`` (the default) or ``"blocks,2,heads,block,dim"``; a payload lays its
+      keys and values out so (``ropekv.transfer.payload``). Written only when not the default, so the
+      fingerprint of every contract in the default layout is unchanged.
 
     ``layers`` (derived, not a constructor argument and not serialized): one :class:`LayerContract` per
     layer, built once from ``window``/``window_layers``, ``chunk_size``/``chunk_layers`` and
@@ -270,10 +285,13 @@ class CacheContract:
     model_fingerprint: str = ""
     layer_ropes: tuple[RopeSpec | None, ...] | None = None
     mla: MlaCache | None = None
+    block_layout: BlockLayout = DEFAULT_BLOCK_LAYOUT
 
     def __post_init__(self) -> None:
         if self.key_form not in KEY_FORMS:
             raise ConfigError(f"contract key_form must be one of {KEY_FORMS}, got {self.key_form!r}")
+        if self.block_layout not in BLOCK_LAYOUTS:
+            raise ConfigError(f"contract block_layout must be one of {BLOCK_LAYOUTS}, got {self.block_layout!r}")
         if not isinstance(self.rope, RopeSpec):
             raise ConfigError(f"contract rope must be a RopeSpec, got {type(self.rope).__name__}")
         if self.rotation_index not in ROTATION_INDICES:
@@ -537,6 +555,8 @@ class CacheContract:
             del d["mla"]  # not MLA: the format (and fingerprints) of contracts before MLA
         else:
             d["mla"] = self.mla.to_dict()
+        if self.block_layout == DEFAULT_BLOCK_LAYOUT:
+            del d["block_layout"]  # the default layout: the format (and fingerprints) of contracts before it
         return d
 
     def to_json(self) -> str:
@@ -575,7 +595,7 @@ class CacheContract:
                     )
                 )
         expected = set(_FIELDS) | {"format", "version"}
-        optional = {"layer_ropes", "mla"}
+        optional = {"layer_ropes", "mla", "block_layout"}
         if version != 3:  # chunked attention exists from version 3 on; a version 3 document always has it
             expected -= {"chunk_size", "chunk_layers"}
         missing, unexpected = sorted(expected - set(data) - optional), sorted(set(data) - expected)

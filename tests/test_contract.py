@@ -214,6 +214,8 @@ VARIANTS = {
     "sink_tokens": (make(sink_tokens=4), {"sink_tokens"}, "keys the writer dropped"),
     "block_size": (make(block_size=16), {"block_size"}, "token boundaries"),
     "dtype": (make(dtype="bfloat16"), {"dtype"}, "another precision"),
+    # the block tensor's memory order in a transfer (not RoPE's channel-pair layout)
+    "block_layout": (make(block_layout="blocks,2,heads,block,dim"), {"block_layout"}, "heads and tokens swapped"),
     "num_layers": (make(num_layers=4), {"num_layers"}, "wrong layer"),
     "num_kv_heads": (make(num_kv_heads=4), {"num_kv_heads"}, "head counts differ"),
     "head_dim": (make(rope=ROPE.replace(head_dim=16), head_dim=16), {"rope.head_dim", "head_dim"}, "head sizes differ"),

@@ -129,6 +129,7 @@ def variants(base: CacheContract) -> dict[str, CacheContract]:
         "rope.mrope_section": base.replace(rope=rope.replace(mrope_section=(rope.rotary_dim // 2,))),
         "block_size": base.replace(block_size=8),
         "dtype": base.replace(dtype="bfloat16"),
+        "block_layout": base.replace(block_layout="blocks,2,heads,block,dim"),
         "num_layers": base.replace(num_layers=3),
         "num_kv_heads": base.replace(num_kv_heads=4),
         "model_fingerprint": base.replace(model_fingerprint="another-model"),

@@ -7,18 +7,29 @@ subclass :class:`~ropekv.engine.rotation.RotationPolicy`, and the importer has n
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..rope import RopeSpec
+
+if TYPE_CHECKING:
+    from ..contract import CacheContract
 
 
 class ImportPolicy:
     """What the decode side does to imported keys beyond the explicit conversion: nothing.
 
-    Faults override :meth:`imported_keys` (``ropekv.faults.handoff.RotateOnTransfer``).
+    Faults override :meth:`imported_keys` (``ropekv.faults.handoff.RotateOnTransfer``) or
+    :meth:`received_rows` (``ropekv.faults.transfer_layout``).
     """
 
     name = "correct"
+
+    def received_rows(self, sender: CacheContract, rows: torch.Tensor) -> torch.Tensor:
+        """One layer's keys or values ``[rows, KVH, D]`` as the decode side reads them off the transfer,
+        before any conversion (``sender``: the contract they were sent under): as they were sent."""
+        return rows
 
     def imported_keys(self, rope: RopeSpec, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Keys ``[rows, KVH, D]`` (in the engine's key form) at ``positions [rows]`` as they will be stored."""

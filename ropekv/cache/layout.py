@@ -149,6 +149,16 @@ def head_major_pool(num_blocks: int, c: CacheContract, device: torch.device) -> 
     return store.permute(1, 0, 2).view(num_blocks, c.block_size, c.num_kv_heads, c.head_dim)
 
 
+def window_rows(num_tokens: int, window: int, sinks: int) -> torch.Tensor:
+    """Write indices a sliding ring (``sinks`` + ``window`` slots) still holds after ``num_tokens``
+    appends, ascending ``[rows]`` int64 -- the same rule as ``PagedKVCache``'s sliding group."""
+    if num_tokens <= sinks + window:
+        return torch.arange(num_tokens, dtype=torch.int64)
+    return torch.cat(
+        (torch.arange(sinks, dtype=torch.int64), torch.arange(num_tokens - window, num_tokens, dtype=torch.int64))
+    )
+
+
 def pool_rows(pool: torch.Tensor) -> torch.Tensor:
     """A layer's pool as the rows ``[num_blocks * block_size, KVH, D]`` that
     :meth:`PagedKVCache.flat_rows` indexes (a strided view: row ``r`` of head ``h`` is ``[r, h]``)."""

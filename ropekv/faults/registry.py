@@ -19,7 +19,18 @@ from types import MappingProxyType
 from typing import TypeVar
 
 from ..errors import ConfigError, UsageError
-from . import block_seam, catalogue, handoff, mlx, ops, position_width, speculative, vllm, vllm_transfer
+from . import (
+    block_seam,
+    catalogue,
+    handoff,
+    mlx,
+    ops,
+    position_width,
+    speculative,
+    transfer_layout,
+    vllm,
+    vllm_transfer,
+)
 from .handoff import HandoffFault
 from .mlx import MlxFault
 from .native import NativeFault
@@ -49,6 +60,7 @@ REGISTRY: Mapping[str, Fault] = _by_name(
         *position_width.CATALOGUE,
         *block_seam.CATALOGUE,
         *handoff.CATALOGUE,
+        *transfer_layout.CATALOGUE,
         *vllm.CATALOGUE,
         *vllm_transfer.CATALOGUE,
         *mlx.CATALOGUE,

@@ -53,5 +53,7 @@ class BugClass(StrEnum):
     POSITION_WRAPPED = "position_wrapped"  # positions narrowed to int16/int32: they wrap past 2**15 / 2**31
     # block seam (ropekv.parity.block_seam)
     BLOCK_SEAM = "block_seam"  # a non-aligned prefix hit: the seam block's recomputed rows hold other contents
+    # transfer_layout (ropekv.parity.transfer_layout): the receiver read the sender's block bytes in another order
+    BLOCK_LAYOUT_MISMATCH = "block_layout_mismatch"  # received (row, head) holds another sent (row, head)
     # nothing above fits, or nothing is wrong at this layer (the evidence says which)
     UNKNOWN = "unknown"

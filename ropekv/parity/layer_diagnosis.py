@@ -6,6 +6,8 @@ order (first match wins):
 
 1. a mask: the kernel read keys the reference's window (or chunk) hides, or missed visible ones ->
    ``window_mismatch`` / ``chunk_mismatch`` (not a rotation at all);
+   then, after a handoff, handed-off keys found at other rows and heads as one block layout read as the
+   other predicts -> ``block_layout_mismatch`` (:mod:`ropekv.parity.transfer_layout`);
 2. per-layer RoPE features (:func:`ropekv.parity.layer_forensics.diagnose_layer`: NoPE layers,
    partial rotary, local/global RoPE, latent attention), which one spec alone cannot name;
 3. a layer without position embedding whose query and keys are not turned -> ``unknown``;
@@ -32,6 +34,7 @@ from .cases import Case
 from .diagnosis import Diagnosis
 from .layer_forensics import diagnose_layer
 from .report import Divergence
+from .transfer_layout import diagnose_block_layout
 
 
 def diagnose_unlocated(fd: Divergence | None) -> Diagnosis:
@@ -89,6 +92,20 @@ def diagnose_divergence(
         view.key_positions - case.shift
     ]  # the reference's rows are indices (a shift moves positions)
     q_raw, q_eff, k_eff = reference.q_raw[row], view.q[0], view.k
+    # A transfer's block bytes read in another order: handed-off keys at other rows and heads, not a rotation.
+    moved = diagnose_block_layout(
+        cfg.layer_rope(layer),
+        reference.k_raw,
+        k_eff,
+        view.key_positions,
+        handoff_len=handoff_len,
+        block_size=case.block_size,
+        window=case.window if case.window is not None else cfg.layer_attentions[layer].window,
+        sinks=case.sink_tokens,
+        shift=case.shift,
+    )
+    if moved is not None:
+        return Diagnosis(moved.kind, moved.evidence, {**moved.details, **where})
     # Per-layer RoPE features first (NoPE layers, partial rotary, local/global RoPE): bug classes one
     # spec alone cannot name. Then the general forensics under the diverging layer's own spec.
     arch = diagnose_layer(

@@ -198,13 +198,13 @@ def _layer_tensors(
     for layer in range(c.num_layers):
         rows = h.layer_rows(layer)  # [m]
         pos = h.positions[rows]
-        k = h.keys[layer]
+        k = policy.received_rows(h.contract, h.keys[layer])
         if conversion == "rotate":
             k = rope.rotate(k, pos)
         elif conversion == "unrotate":
             k = rope.unrotate(k, pos)
         k = policy.imported_keys(rope, k, pos).to(c.torch_dtype)
-        v = h.values[layer].to(c.torch_dtype)
+        v = policy.received_rows(h.contract, h.values[layer]).to(c.torch_dtype)
         if rows.numel() < n:
             k = torch.zeros((n, *k.shape[1:]), dtype=k.dtype).index_copy_(0, rows, k)
             v = torch.zeros((n, *v.shape[1:]), dtype=v.dtype).index_copy_(0, rows, v)

@@ -5,7 +5,9 @@ A payload is a safetensors file (docs/handoff.md):
 - tensors ``tokens [n]`` and ``positions [n]`` (int64: token ids and logical positions of the whole
   sequence), and per layer ``layers.{i}.keys`` / ``layers.{i}.values`` ``[rows, num_kv_heads, head_dim]``
   in the contract dtype. ``rows = n`` for full-attention layers; a windowed layer holds only the
-  tokens its ring keeps (:func:`window_rows`: the sinks and the last ``window`` tokens).
+  tokens its ring keeps (:func:`~ropekv.cache.layout.window_rows`: the sinks and the last ``window`` tokens). Under the
+  contract's ``block_layout`` ``"blocks,2,heads,block,dim"`` they are ``[blocks, num_kv_heads,
+  block_size, head_dim]`` instead (:mod:`ropekv.transfer.block_layout`).
 - ``__metadata__`` (strings): ``format`` (``ropekv.handoff``), ``version`` (``1``), ``contract`` (the
   sender's :class:`~ropekv.contract.CacheContract` JSON), ``sequence`` (JSON ``{"seq_id", "num_tokens"}``)
   and ``checksum``: ``sha256:`` over the canonical metadata and every tensor's name, dtype, shape and
@@ -28,6 +30,8 @@ from typing import Any
 
 import torch
 
+from ..cache.block_layout import from_wire, to_wire, wire_shape
+from ..cache.layout import window_rows
 from ..contract import CacheContract
 from ..errors import PayloadError, RopeKVError
 from ..numbers import is_int
@@ -94,16 +98,6 @@ def held_rows(c: CacheContract, layer: int, num_tokens: int) -> torch.Tensor:
     return window_rows(num_tokens, window, c.sink_tokens)
 
 
-def window_rows(num_tokens: int, window: int, sinks: int) -> torch.Tensor:
-    """Write indices a sliding ring (``sinks`` + ``window`` slots) still holds after ``num_tokens``
-    appends, ascending ``[rows]`` int64 -- the same rule as ``PagedKVCache``'s sliding group."""
-    if num_tokens <= sinks + window:
-        return torch.arange(num_tokens, dtype=torch.int64)
-    return torch.cat(
-        (torch.arange(sinks, dtype=torch.int64), torch.arange(num_tokens - window, num_tokens, dtype=torch.int64))
-    )
-
-
 # ---------------------------------------------------------------------- writing
 
 
@@ -136,8 +130,10 @@ def _tensors(h: Handoff) -> dict[str, torch.Tensor]:
     """Contiguous CPU tensors by payload name; a tensor sharing storage with an earlier one is copied
     (safetensors refuses shared storage, e.g. keys and values that are one tensor)."""
     out = {"tokens": h.tokens, "positions": h.positions}
+    c = h.contract
     for i, (k, v) in enumerate(zip(h.keys, h.values)):
-        out[f"layers.{i}.keys"], out[f"layers.{i}.values"] = k, v
+        out[f"layers.{i}.keys"] = to_wire(k, c.block_layout, c.block_size)
+        out[f"layers.{i}.values"] = to_wire(v, c.block_layout, c.block_size)
     storages = set()
     for name, t in out.items():
         t = t.detach().cpu().contiguous()
@@ -258,14 +254,18 @@ def assemble(header: PayloadHeader, tensors: dict[str, torch.Tensor]) -> Handoff
             "payload checksum mismatch: metadata or tensor bytes were changed after writing "
             "(a flipped bit, a truncated or spliced transfer)"
         )
-    c = header.contract
+    c, n = header.contract, header.num_tokens
+
+    def rows(name: str, layer: int) -> torch.Tensor:
+        return from_wire(tensors[name], c.block_layout, c.block_size, len(held_rows(c, layer, n)))
+
     return Handoff(
         contract=c,
         seq_id=header.seq_id,
         tokens=tensors["tokens"],
         positions=tensors["positions"],
-        keys=tuple(tensors[f"layers.{i}.keys"] for i in range(c.num_layers)),
-        values=tuple(tensors[f"layers.{i}.values"] for i in range(c.num_layers)),
+        keys=tuple(rows(f"layers.{i}.keys", i) for i in range(c.num_layers)),
+        values=tuple(rows(f"layers.{i}.values", i) for i in range(c.num_layers)),
     )
 
 
@@ -395,7 +395,10 @@ def _check_layout(entries: dict, c: CacheContract, n: int) -> None:
     for i in range(c.num_layers):
         rows = len(held_rows(c, i, n))
         for part in ("keys", "values"):
-            want[f"layers.{i}.{part}"] = (dtype, [rows, c.num_kv_heads, c.head_dim])
+            want[f"layers.{i}.{part}"] = (
+                dtype,
+                wire_shape(c.block_layout, rows, c.num_kv_heads, c.head_dim, c.block_size),
+            )
     missing, extra = sorted(set(want) - set(entries)), sorted(set(entries) - set(want))
     if missing or extra:
         raise PayloadError(

@@ -422,6 +422,11 @@ def _finish(
     policy, and commit. Returns the refusal instead of raising it."""
     c = cache.contract
     rope = c.rope
+    if type(policy).received_rows is not ImportPolicy.received_rows:  # a fault reads the rows otherwise
+        for layer in range(c.num_layers):
+            flat = cache.reserved_rows(res, layer)
+            for pool in (pool_rows(cache.keys[layer]), pool_rows(cache.values[layer])):
+                pool.index_copy_(0, flat, policy.received_rows(header.contract, pool.index_select(0, flat)))
     touches_keys = conversion is not None or type(policy).imported_keys is not ImportPolicy.imported_keys
     for layer in range(c.num_layers if touches_keys else 0):
         pool = pool_rows(cache.keys[layer])  # [pool rows, KVH, D]
