@@ -19,7 +19,7 @@ from types import MappingProxyType
 from typing import TypeVar
 
 from ..errors import ConfigError, UsageError
-from . import catalogue, handoff, mlx, ops, vllm, vllm_transfer
+from . import catalogue, handoff, mlx, mrope_axes, ops, vllm, vllm_transfer
 from .handoff import HandoffFault
 from .mlx import MlxFault
 from .native import NativeFault
@@ -49,6 +49,7 @@ REGISTRY: Mapping[str, Fault] = _by_name(
         *vllm.CATALOGUE,
         *vllm_transfer.CATALOGUE,
         *mlx.CATALOGUE,
+        *mrope_axes.CATALOGUE,
     )
 )
 

@@ -47,5 +47,7 @@ class BugClass(StrEnum):
     # the adapter, not the engine (ropekv.parity.adapter_diagnosis): the final logits agree, the recorded
     # attention does not, so the record is wrong (most often the positions the adapter labels its keys with)
     MISLABELLED_KEYS = "mislabelled_keys"
+    # mRoPE axes (ropekv.parity.mrope_forensics): image-like keys whose h/w sections turned at their t position
+    MROPE_AXES_COLLAPSED = "mrope_axes_collapsed"
     # nothing above fits, or nothing is wrong at this layer (the evidence says which)
     UNKNOWN = "unknown"
