@@ -165,3 +165,13 @@ def test_cli_image_grid_runs_and_names_the_fault(make_arch_checkpoint, capsys):
     for bad, why in (("4x4", "write ROWSxCOLS@START"), ("4x4@30", "past the 26-token prompt"), ("0x4@1", "image grid")):
         assert main(["check", model, *IMAGE_FLAGS[2:], "--image-grid", bad]) == 2
         assert why in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["double-rotation", "missing-rotation"])
+def test_other_rotation_faults_on_image_cases_are_not_named_collapsed(qwen2_vl, name):
+    """Keys off their streams in every section are not M-RoPE axes collapsed: the evidence says where they sit."""
+    from ropekv.faults.registry import FAULTS
+
+    report = check(FAULTS[name].adapter(qwen2_vl), cases=list(EXPOSING[:1]))
+    assert not report.passed and report.diagnosis.kind == "unknown", report.table()
+    assert "keys off their streams, not as h/w collapsed to t" in report.diagnosis.evidence
