@@ -156,11 +156,13 @@ class RopeSpec:
 
     ``mrope_section`` (Qwen2-VL's multimodal RoPE, ``rope_parameters.mrope_section``): the
     frequency pairs ``[0, rotary_dim / 2)`` cut into consecutive sections that turn by the temporal,
-    height and width position streams in turn (section ``i`` by stream ``i % 3``). ropekv holds one
-    position per token, i.e. the text case, where all three streams are the token's position: then
-    every section turns by the same position and the rotation *is* the plain RoPE of this spec
-    (checked against transformers in tests/test_mrope.py). The sections are recorded so that a cache
-    contract says the keys were written by an mRoPE model: a reader without them is not compatible.
+    height and width position streams in turn (section ``i`` by stream ``i % 3``). For text all three
+    streams are the token's position: then every section turns by the same position and the rotation
+    *is* the plain RoPE of this spec (checked against transformers in tests/test_mrope.py). Image-like
+    positions (:class:`PositionStreams`, e.g. from :func:`image_streams`) differ per stream; the
+    rotation then takes ``[3, num_tokens]`` positions (tests/test_mrope_axes.py). The sections are
+    recorded so that a cache contract says the keys were written by an mRoPE model: a reader without
+    them is not compatible.
     """
 
     head_dim: int
@@ -317,9 +319,23 @@ class RopeSpec:
         return _INV_FREQ[self.scaling.rope_type](self, seq_len)
 
     def angles(self, positions: torch.Tensor, seq_len: int | None = None) -> torch.Tensor:
-        """Rotation angles ``[num_tokens, rotary_dim // 2]`` in float64 for integer ``positions``."""
-        positions = _as_positions(positions)
-        return positions.to(torch.float64)[:, None] * self.inv_freq(seq_len).to(positions.device)[None, :]
+        """Rotation angles ``[num_tokens, rotary_dim // 2]`` in float64 for integer ``positions``:
+        ``[num_tokens]``, or for an mRoPE spec the three streams ``[3, num_tokens]`` (temporal, height,
+        width; :class:`PositionStreams`), section ``i`` of the pairs turning by stream ``i % 3``."""
+        positions = _as_positions(positions, streams=self.mrope_section is not None)
+        inv_freq = self.inv_freq(seq_len).to(positions.device)
+        if positions.dim() == 2:
+            return positions[self.section_axes().to(positions.device)].T.to(torch.float64) * inv_freq[None, :]
+        return positions.to(torch.float64)[:, None] * inv_freq[None, :]
+
+    def section_axes(self) -> torch.Tensor:
+        """The stream (0: t, 1: h, 2: w) each frequency pair turns by, ``[rotary_dim // 2]``; every
+        pair turns by stream 0 for a spec without ``mrope_section``."""
+        n = self.rotary_dim // 2
+        if self.mrope_section is None:
+            return torch.zeros(n, dtype=torch.int64)
+        sections = torch.tensor(self.mrope_section)
+        return torch.repeat_interleave(torch.arange(len(self.mrope_section)) % 3, sections)
 
     def cos_sin(self, positions: torch.Tensor, seq_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``cos, sin`` of :meth:`angles`, scaled by ``attention_factor``; float64 ``[num_tokens, rotary_dim // 2]``."""
@@ -392,11 +408,13 @@ def layout_permutation(rotary_dim: int, head_dim: int, src: str, dst: str) -> to
     return perm
 
 
-def _as_positions(positions: torch.Tensor | Any) -> torch.Tensor:
+def _as_positions(positions: torch.Tensor | Any, *, streams: bool = False) -> torch.Tensor:
+    """``positions [num_tokens]``, or with ``streams`` (an mRoPE spec) also ``[3, num_tokens]``."""
     if not isinstance(positions, torch.Tensor):
         positions = torch.as_tensor(positions)
-    if positions.dim() != 1:
-        raise ValueError(f"positions must be 1-D [num_tokens], got shape {tuple(positions.shape)}")
+    if positions.dim() != 1 and not (streams and positions.dim() == 2 and positions.shape[0] == 3):
+        want = "[num_tokens] or [3, num_tokens] (mRoPE streams)" if streams else "1-D [num_tokens]"
+        raise ValueError(f"positions must be {want}, got shape {tuple(positions.shape)}")
     if positions.is_floating_point() or positions.is_complex():
         raise ValueError("positions must be integers")
     return positions
@@ -485,3 +503,87 @@ _INV_FREQ: dict[str, Callable[[RopeSpec, int | None], torch.Tensor]] = {
     "llama3": _llama3,
     "longrope": _longrope,
 }
+
+
+# ---------------------------------------------------------------------- mRoPE position streams
+
+MROPE_AXES = ("t", "h", "w")  # Qwen2-VL's streams: temporal, height, width
+MAX_IMAGE_SIDE = 1024  # rows or columns of one image grid in LLM tokens (Qwen2-VL's largest images: ~100)
+
+
+@dataclass(frozen=True, eq=False)
+class PositionStreams:
+    """The three mRoPE position streams of a sequence by token index: ``streams [3, N]`` int64.
+
+    Token ``j < N`` turns section ``i`` of its pairs by ``streams[i % 3, j]``. Tokens past ``N`` are
+    text that follows the prompt: all three streams at ``max(streams) + 1 + (j - N)``, Qwen2-VL's
+    ``rope_deltas`` rule for generated tokens. The engine's logical positions stay the token indices
+    (the mask, the slots, the cache); only the rotation reads the streams.
+    """
+
+    streams: torch.Tensor
+
+    def __post_init__(self) -> None:
+        s = self.streams
+        if not isinstance(s, torch.Tensor) or s.dim() != 2 or s.shape[0] != 3 or s.shape[1] < 1:
+            shape = tuple(s.shape) if isinstance(s, torch.Tensor) else type(s).__name__
+            raise ConfigError(f"mRoPE position streams must be a tensor [3, num_tokens >= 1], got {shape}")
+        if s.is_floating_point() or s.is_complex() or s.dtype == torch.bool:
+            raise ConfigError(f"mRoPE position streams must be integers, got {s.dtype}")
+        if int(s.min()) < 0 or int(s.max()) >= MAX_POSITIONS:
+            raise ConfigError(f"mRoPE position streams must lie in [0, 2**40), got {int(s.min())}..{int(s.max())}")
+        object.__setattr__(self, "streams", s.to(torch.int64).cpu())
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.streams.shape[1])
+
+    @property
+    def next_text(self) -> int:
+        """The streams' value for the first token past the prompt (all three equal)."""
+        return int(self.streams.max()) + 1
+
+    def at(self, positions: torch.Tensor) -> torch.Tensor:
+        """The streams ``[3, T]`` of the tokens at logical ``positions [T]``: the table below ``N``,
+        text after it; a negative position (only a faulty engine computes one) as text."""
+        p = positions.to(torch.int64)
+        inside = (p >= 0) & (p < self.num_tokens)
+        text = torch.where(p >= self.num_tokens, p - self.num_tokens + self.next_text, p)
+        table = self.streams.to(p.device)[:, p.clamp(0, self.num_tokens - 1)]
+        return torch.where(inside[None, :], table, text[None, :])
+
+    def collapsed(self) -> PositionStreams:
+        """Every stream replaced by the temporal one (h and w at t): one position per token."""
+        return PositionStreams(self.streams[:1].expand(3, -1).clone())
+
+    def agrees(self, other: PositionStreams, num_tokens: int) -> bool:
+        """Whether both give the first ``num_tokens`` tokens the same streams."""
+        index = torch.arange(num_tokens)
+        return bool(torch.equal(self.at(index), other.at(index)))
+
+
+def image_streams(num_tokens: int, start: int, rows: int, cols: int) -> PositionStreams:
+    """The streams Qwen2-VL's ``get_rope_index`` gives ``num_tokens`` tokens with one image of
+    ``rows x cols`` LLM tokens (one temporal patch, after the spatial merge) at token ``start``: text
+    before it at ``0..start-1`` on all streams; image token ``(r, c)`` (row-major) at ``t = start``,
+    ``h = start + r``, ``w = start + c``; text after it from ``start + max(rows, cols)`` on
+    (transformers' ``current_pos += max(h, w)``; the image's largest stream + 1)."""
+    for name, value, low, high in (
+        ("num_tokens", num_tokens, 1, MAX_POSITIONS),
+        ("start", start, 0, MAX_POSITIONS),
+        ("rows", rows, 1, MAX_IMAGE_SIDE),
+        ("cols", cols, 1, MAX_IMAGE_SIDE),
+    ):
+        if not is_int(value) or not low <= value <= high:
+            raise ConfigError(f"image streams: {name} must be an integer in [{low}, {high}], got {value!r}")
+    end = start + rows * cols
+    if end > num_tokens:
+        raise ConfigError(f"image streams: a {rows}x{cols} image at token {start} ends at {end}, past {num_tokens}")
+    out = torch.arange(num_tokens, dtype=torch.int64).expand(3, -1).clone()  # text before the image
+    r, c = torch.meshgrid(torch.arange(rows), torch.arange(cols), indexing="ij")
+    out[0, start:end] = start
+    out[1, start:end] = start + r.reshape(-1)
+    out[2, start:end] = start + c.reshape(-1)
+    after = start + max(rows, cols)
+    out[:, end:] = torch.arange(after, after + num_tokens - end)
+    return PositionStreams(out)

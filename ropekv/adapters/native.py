@@ -122,5 +122,5 @@ class NativeAdapter:
 
     def full_forward(self, tokens: torch.Tensor, rows: list[int], case: Case) -> FullRun:
         engine = self.make_engine(case, num_blocks=1)
-        out = engine.forward_full(tokens, probe_rows=rows, logits_rows=rows)
+        out = engine.forward_full(tokens, probe_rows=rows, logits_rows=rows, streams=case.position_streams())
         return FullRun(rows=torch.as_tensor(rows), logits=out.logits, layers=out.layers)

@@ -18,15 +18,16 @@ def prefill_case(engine: Engine, case: Case, tokens: torch.Tensor, seq_id: Hasha
     request cached the prefix and, where no window can have overwritten it, a different continuation
     that must not leak into this one), then ``case.length`` tokens prefilled in ``case.chunk`` pieces."""
     end = case.prefix + case.length
+    streams = case.position_streams()  # image-like mRoPE positions, or None
     if case.prefix:
         parent = tokens[: case.prefix]
         if engine.contract.window is None:  # no ring (neither the case nor the model has a window)
             parent = torch.cat([parent, (tokens[:3] + 1) % engine.config.vocab_size])
-        engine.prefill("earlier-request", parent, chunk_size=case.chunk)
+        engine.prefill("earlier-request", parent, chunk_size=case.chunk, streams=streams)
         engine.fork(seq_id, "earlier-request", case.prefix)
-        engine.prefill(seq_id, tokens[case.prefix : end], chunk_size=case.chunk)
+        engine.prefill(seq_id, tokens[case.prefix : end], chunk_size=case.chunk, streams=streams)
     else:
-        engine.prefill(seq_id, tokens[:end], chunk_size=case.chunk)
+        engine.prefill(seq_id, tokens[:end], chunk_size=case.chunk, streams=streams)
 
 
 def decode_steps(engine: Engine, seq_id: Hashable, case: Case, tokens: torch.Tensor) -> tuple[StepRecord, ...]:

@@ -28,7 +28,9 @@ def shift_invariant(rope: RopeSpec) -> bool:
     """Whether keys under ``rope`` can be moved exactly by turning them: R(a) R(b) = R(a + b) holds
     only while the frequencies do not depend on the length (dynamic NTK, LongRoPE) and positions are
     one number per token (not M-RoPE's sections). :meth:`CacheOps.shift` refuses the others."""
-    return not (rope.length_dependent or rope.scaling.rope_type in _NOT_SHIFT_INVARIANT)
+    return not (
+        rope.length_dependent or rope.scaling.rope_type in _NOT_SHIFT_INVARIANT or rope.mrope_section is not None
+    )
 
 
 class CacheOps(CacheStore):
@@ -142,7 +144,7 @@ class CacheOps(CacheStore):
         rope = next((r for r in layer_ropes if r is not None and not shift_invariant(r)), self.contract.rope)
         if not shift_invariant(rope):
             raise ContractMismatch(
-                f"shift of {seq_id!r}: {rope.scaling.rope_type} RoPE is not shift-invariant (R(a) R(b) != R(a + b) "
+                f"shift of {seq_id!r}: {'M-RoPE' if rope.mrope_section else rope.scaling.rope_type} RoPE is not shift-invariant (R(a) R(b) != R(a + b) "
                 "once frequencies depend on the length or positions come per section); the cache cannot be "
                 "shifted exactly: recompute it at the new positions instead",
                 fields=("rope.scaling",),

@@ -10,10 +10,10 @@ import shlex
 import sys
 
 from ..adapters.registry import ENGINES, engine_module
-from ..argtypes import suggest
+from ..argtypes import strict_int, suggest
 from ..contract import DTYPES
 from ..errors import UsageError
-from ..parity.cases import LONG_CONTEXT
+from ..parity.cases import LONG_CONTEXT, ImageGrid
 from .custom_engine import CustomEngine, run_user_code
 from .options import (
     add_model_argument,
@@ -61,6 +61,12 @@ def add_parser(sub) -> None:
     p.add_argument("--sinks", type=non_negative_int, default=0, help="sink tokens kept forever (with --window)")
     p.add_argument("--chunk", type=positive_int, help="prefill chunk size")
     p.add_argument("--decode-steps", type=positive_int, help="decode steps per case (default 3)")
+    p.add_argument(
+        "--image-grid",
+        metavar="RxC@S",
+        help="image-like M-RoPE positions in every case: an R x C image at token S (e.g. 4x4@5; "
+        "M-RoPE models on ropekv's own engine only; no vision tower, the positions only)",
+    )
     p.add_argument(
         "--long",
         action="store_true",
@@ -177,6 +183,11 @@ def run(args: argparse.Namespace) -> int:
             windowed=None if args.window is not None else model_window(cfg.layer_attentions),
             long=args.long,
         )
+    if args.image_grid is not None:
+        if module is not None or custom is not None or args.engine == "hf":
+            raise UsageError("--image-grid runs on ropekv's own engine only (the others take no mRoPE positions)")
+        image = _image_grid(args.image_grid)
+        cases = [dataclasses.replace(c, image=image) for c in cases]
     longest = max(c.total for c in cases)
     if args.window is not None and args.window + args.sinks >= longest:
         raise UsageError(
@@ -232,3 +243,14 @@ def run(args: argparse.Namespace) -> int:
         plot_report(report, plot_path)
         print(f"plot written to {plot_path}", file=sys.stderr)
     return code
+
+
+def _image_grid(text: str) -> ImageGrid:
+    """``"4x4@5"`` -> ImageGrid(start=5, rows=4, cols=4); a one-line UsageError otherwise."""
+    grid, at, start = text.partition("@")
+    rows, x, cols = grid.partition("x")
+    values = [strict_int(v) for v in (rows, cols, start)]
+    if not (at and x) or any(v is None for v in values):
+        raise UsageError(f"--image-grid {text!r}: write ROWSxCOLS@START, e.g. 4x4@5")
+    r, c, st = (int(v) for v in values if v is not None)
+    return ImageGrid(start=st, rows=r, cols=c)

@@ -35,6 +35,7 @@ from ..contract import CacheContract
 from ..errors import CacheError, UsageError
 from ..models.config import Checkpoint
 from ..probe import LayerProbe
+from ..rope import PositionStreams
 from .attention import (
     Backend,
     PaddedRow,
@@ -98,6 +99,7 @@ class Engine:
         )
         self._fork_offset: dict[Hashable, int] = {}
         self._op_facts: dict[Hashable, OpFacts] = {}  # cache operations per sequence, for StepContext.ops
+        self._streams: dict[Hashable, PositionStreams] = {}  # mRoPE streams per sequence (image-like prompts)
         self._join_buffers: list[torch.Tensor | None] = [None, None]  # keys, values; see _joined
         self._key_scratch: torch.Tensor | None = None  # keys a rotating backend turns; see _scratch
         work = torch.float64 if self.dtype == torch.float64 else torch.float32
@@ -109,15 +111,31 @@ class Engine:
 
     # ------------------------------------------------------------------ public API
 
-    def prefill(self, seq_id: Hashable, tokens: torch.Tensor, *, chunk_size: int | None = None) -> torch.Tensor:
-        """Append ``tokens [n]`` to ``seq_id`` (created if new); returns the last token's logits ``[vocab]``."""
+    def prefill(
+        self,
+        seq_id: Hashable,
+        tokens: torch.Tensor,
+        *,
+        chunk_size: int | None = None,
+        streams: PositionStreams | None = None,
+    ) -> torch.Tensor:
+        """Append ``tokens [n]`` to ``seq_id`` (created if new); returns the last token's logits ``[vocab]``.
+
+        ``streams``: the sequence's mRoPE position streams by token index (an image-like prompt, an
+        mRoPE model only); they must give the tokens already cached the streams they were cached with.
+        Tokens past the streams, and every token of a sequence without any, are text."""
         tokens = self._check_tokens(tokens)
         if chunk_size is not None and chunk_size < 1:
             raise UsageError(f"chunk_size must be >= 1, got {chunk_size}")
         created = not self.cache.has(seq_id)
+        if streams is not None:
+            self._check_streams(seq_id, streams, 0 if created else self.cache.num_tokens(seq_id))
         if created:
             self.cache.create(seq_id)
             self._fork_offset[seq_id] = 0
+        old_streams = self._streams.get(seq_id)
+        if streams is not None:
+            self._streams[seq_id] = streams
         try:
             # Refuse the whole prompt before its first chunk, so a refused prefill caches nothing.
             self._check_positions(self.cache.last_position(seq_id) + tokens.numel(), self._first(seq_id))
@@ -129,6 +147,8 @@ class Engine:
         except Exception:
             if created and self.cache.num_tokens(seq_id) == 0:
                 self.free(seq_id)
+            elif old_streams is not None:
+                self._streams[seq_id] = old_streams
             raise
         assert out is not None  # tokens is non-empty: at least one chunk ran
         return out.logits[-1]
@@ -210,6 +230,8 @@ class Engine:
         """Start ``new_seq_id`` from the first ``prefix_len`` cached tokens of ``prefix_seq_id``."""
         self.cache.fork(new_seq_id, prefix_seq_id, prefix_len)
         self._fork_offset[new_seq_id] = prefix_len
+        if prefix_seq_id in self._streams:  # the prefix keeps the streams it was cached with
+            self._streams[new_seq_id] = self._streams[prefix_seq_id]
 
     def adopt(self, seq_id: Hashable, *, restored: int) -> None:
         """Take on ``seq_id``, a sequence of ``restored`` tokens written into the cache from outside (a
@@ -225,6 +247,7 @@ class Engine:
         self.cache.free(seq_id)
         self._fork_offset.pop(seq_id, None)
         self._op_facts.pop(seq_id, None)
+        self._streams.pop(seq_id, None)
 
     def num_tokens(self, seq_id: Hashable) -> int:
         return self.cache.num_tokens(seq_id)
@@ -257,14 +280,24 @@ class Engine:
         self._op_facts[seq_id] = dataclasses.replace(facts, **{k: getattr(facts, k) + v for k, v in counts.items()})
 
     def forward_full(
-        self, tokens: torch.Tensor, *, probe_rows: list[int] | None = None, logits_rows: list[int] | None = None
+        self,
+        tokens: torch.Tensor,
+        *,
+        probe_rows: list[int] | None = None,
+        logits_rows: list[int] | None = None,
+        streams: PositionStreams | None = None,
     ) -> StepOutput:
-        """The engine's own cache-free forward over ``tokens [T]`` at positions ``0..T-1``. Logits
-        ``[T, vocab]``, or ``[R, vocab]`` of ``logits_rows`` only (a check compares a few rows: at
-        8,190 tokens all rows are 1.6 GB of float32 logits)."""
+        """The engine's own cache-free forward over ``tokens [T]`` at positions ``0..T-1`` (under mRoPE
+        ``streams``, as :meth:`prefill` takes them). Logits ``[T, vocab]``, or ``[R, vocab]`` of
+        ``logits_rows`` only (a check compares a few rows: at 8,190 tokens all rows are 1.6 GB of
+        float32 logits)."""
         tokens = self._check_tokens(tokens)
+        if streams is not None:
+            self._check_streams(None, streams, 0)
         positions = torch.arange(tokens.numel())
-        row = self._row(None, slice(0, tokens.numel()), positions, "full", probed=probe_rows is not None)
+        row = self._row(
+            None, slice(0, tokens.numel()), positions, "full", probed=probe_rows is not None, streams=streams
+        )
         return self._run(tokens, positions, [row], padded=False, probe_rows=probe_rows, logits_rows=logits_rows)[0]
 
     # ------------------------------------------------------------------ internals
@@ -288,6 +321,23 @@ class Engine:
             raise UsageError(f"positions {first}..{last} span {last - first + 1}, beyond the model's {limit} positions")
         if (not relative or first == 0) and last >= limit:
             raise UsageError(f"position {last} is beyond the model's {limit} positions")
+
+    def _check_streams(self, seq_id: Hashable | None, streams: PositionStreams, num_cached: int) -> None:
+        """UsageError unless ``streams`` can serve ``seq_id``: an mRoPE contract, and the tokens already
+        cached keep the streams they were rotated at (text, for a sequence without streams)."""
+        if not isinstance(streams, PositionStreams):
+            raise UsageError(f"streams must be PositionStreams, got {type(streams).__name__}")
+        c = self.contract
+        if all(r is None or r.mrope_section is None for r in (c.layer_rope(i) for i in range(c.num_layers))):
+            raise UsageError("mRoPE position streams need an mRoPE model (rope mrope_section); this one has none")
+        old = self._streams.get(seq_id)
+        index = torch.arange(num_cached)
+        cached = old.at(index) if old is not None else index.expand(3, -1)
+        if num_cached and not torch.equal(streams.at(index), cached):
+            raise UsageError(
+                f"streams of {seq_id!r}: the {num_cached} cached tokens were rotated at other streams; "
+                "streams cannot change under cached keys"
+            )
 
     def _check_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         tokens = torch.as_tensor(tokens)
@@ -323,13 +373,17 @@ class Engine:
         *,
         probed: bool,
         padding: int | None = None,
+        streams: PositionStreams | None = None,
     ) -> StepRow:
         """``seq_id``'s share of a step: ``positions [n_r]`` at ``tokens`` of the step, its context and
         groups. ``padding`` (a row of a left-padded batch): the row's left padding, noted in its op
         facts. A batch row keeps its keys until the batch attends (no join buffer, no key scratch)
-        and turns its one query and key without step tables."""
+        and turns its one query and key without step tables. ``streams`` (the full forward's): mRoPE
+        streams; a cached sequence's are its own."""
         padded = padding is not None
         c = self.contract
+        if seq_id is not None:
+            streams = self._streams.get(seq_id)
         groups = self._step_groups(seq_id, positions, in_place=not (probed or padded))
         ops = self.op_facts(seq_id)
         ctx = StepContext(
@@ -340,8 +394,9 @@ class Engine:
             layer_ropes=tuple(c.layer_rope(i) for i in range(c.num_layers)),
             window_layers=c.window_layers,
             ops=ops if padding is None else dataclasses.replace(ops, padding=padding),
-            tables=() if padded else self._step_tables(positions, groups.values()),
+            tables=() if padded or streams is not None else self._step_tables(positions, groups.values()),
             key_scratch=None if probed or padded else self._scratch(groups.values()),
+            streams=streams,
         )
         return StepRow(seq_id, tokens, positions, ctx, groups)
 

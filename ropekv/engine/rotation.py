@@ -23,7 +23,7 @@ import torch
 
 from ..contract import CacheContract
 from ..errors import ContractMismatch
-from ..rope import RopeSpec, apply_rotation
+from ..rope import PositionStreams, RopeSpec, apply_rotation
 
 
 @dataclass(frozen=True, eq=False)
@@ -177,7 +177,9 @@ class StepContext:
     sequence was forked at (0 if it was not); ``block_size`` the cache's block size. ``tables``: the
     step's cos/sin tables (its query positions, each window group's key positions); ``key_scratch``:
     a buffer ``[N, KVH, D]`` (working dtype) a rotating read may write the layer's keys into, reused
-    by every layer of the step, or None.
+    by every layer of the step, or None. ``streams``: the sequence's mRoPE position streams by token
+    index (image-like positions; None: text, one position per token), which :func:`rotate` turns an
+    mRoPE spec's positions into.
     """
 
     phase: Phase
@@ -190,6 +192,7 @@ class StepContext:
     window_layers: tuple[int, ...] = ()  # the contract's sliding ("local") layers
     tables: tuple[RopeTable, ...] = field(default=(), compare=False)
     key_scratch: torch.Tensor | None = field(default=None, compare=False)
+    streams: PositionStreams | None = field(default=None, compare=False)
 
     @property
     def cached(self) -> bool:
@@ -201,8 +204,8 @@ class StepContext:
         return dataclasses.replace(self, layer=layer)
 
     def table_for(self, rope: RopeSpec | None, positions: torch.Tensor, x: torch.Tensor) -> RopeTable | None:
-        if rope is None:
-            return None
+        if rope is None or (self.streams is not None and rope.mrope_section is not None):
+            return None  # tables are by one position per token; streams are rotated directly
         return next((t for t in self.tables if t.serves(rope, positions, x)), None)
 
 
@@ -272,10 +275,12 @@ def rotate(
     rope: RopeSpec | None, x: torch.Tensor, positions: torch.Tensor, ctx: StepContext | None = None
 ) -> torch.Tensor:
     """``rope.rotate(x, positions, ctx.seq_len)`` (working dtype), from the step's table when it has
-    one for these positions, else computed (faults hand in other positions or specs); ``x`` itself
-    for ``rope=None`` (a NoPE layer: no position embedding, nothing turns)."""
+    one for these positions, else computed (faults hand in other positions or specs); under mRoPE with
+    ``ctx.streams``, at the streams of those positions; ``x`` itself for ``rope=None`` (a NoPE layer: no position embedding, nothing turns)."""
     if rope is None:
         return x
+    if ctx is not None and ctx.streams is not None and rope.mrope_section is not None:
+        return rope.rotate(x, ctx.streams.at(positions), ctx.seq_len)  # each section by its own stream
     table = None if ctx is None else ctx.table_for(rope, positions, x)
     if table is None:
         return rope.rotate(x, positions, None if ctx is None else ctx.seq_len)

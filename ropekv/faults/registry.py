@@ -24,6 +24,7 @@ from . import (
     catalogue,
     handoff,
     mlx,
+    mrope_axes,
     ops,
     position_width,
     speculative,
@@ -64,6 +65,7 @@ REGISTRY: Mapping[str, Fault] = _by_name(
         *vllm.CATALOGUE,
         *vllm_transfer.CATALOGUE,
         *mlx.CATALOGUE,
+        *mrope_axes.CATALOGUE,
     )
 )
 

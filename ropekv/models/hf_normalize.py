@@ -45,8 +45,8 @@ def _text_config(config: Mapping[str, Any], source: str) -> tuple[dict[str, Any]
     notes = []
     if config.get("vision_config") is not None:
         notes.append(
-            "vision_config is not checked: ropekv checks the text model at text positions, where the "
-            "three mRoPE position streams are one (image and video tokens are outside the check)"
+            "vision_config is not checked: ropekv checks the text model, at text positions (the three "
+            "mRoPE position streams are one) or image-like ones (--image-grid); vision features are outside the check"
         )
     return out, notes
 

@@ -35,6 +35,7 @@ import torch
 from ..attention_kind import MODEL_WINDOWS, ModelWindows
 from ..errors import UsageError
 from ..probe import LayerProbe
+from ..rope import PositionStreams
 from .config import Checkpoint, ModelConfig
 from .mla import LATENT_NORM_EPS, MlaSpec
 
@@ -73,6 +74,7 @@ class ReferenceDecoder:
         positions: torch.Tensor | Sequence[int] | None = None,
         key_mask: torch.Tensor | None = None,
         logits_for: Literal["all", "probed"] = "all",
+        streams: PositionStreams | None = None,
     ) -> ReferenceOutput:
         """Logits ``[T, vocab]`` for ``tokens [T]`` at positions ``0..T-1``, plus per-layer probes.
 
@@ -87,6 +89,10 @@ class ReferenceDecoder:
         mask stays by token order, and ``rows`` in the output are then the probed tokens' positions)
         and ``key_mask [T, T]`` (bool, False hides key ``j`` from query ``i`` on top of the causal and
         window mask: evicted keys for the rows after an eviction).
+
+        ``streams`` (an mRoPE model): the tokens' three position streams by index (image-like positions,
+        as Qwen2-VL's ``get_rope_index`` gives them); the rotation of an mRoPE layer turns each section
+        by its stream of each token's position, everything else (mask, rows) stays by position.
 
         ``logits_for="probed"`` (with ``probe_rows``) computes the logits of the probed rows only: a check
         compares a few rows, and all rows of an 8,190-token forward are 3.2 GB of float64 logits.
@@ -108,6 +114,12 @@ class ReferenceDecoder:
         ):
             raise UsageError(f"key_mask must be a bool tensor [{T}, {T}]")
         index = torch.arange(T)  # visibility is by index (positions only rotate; they increase with it)
+        if streams is not None and not isinstance(streams, PositionStreams):
+            raise UsageError(f"streams must be PositionStreams, got {type(streams).__name__}")
+        ropes = [cfg.layer_rope(i) for i in range(cfg.num_layers)]
+        if streams is not None and all(r is None or r.mrope_section is None for r in ropes):
+            raise UsageError("mRoPE position streams need an mRoPE model (rope mrope_section); this one has none")
+        rotate_at = positions if streams is None else streams.at(positions)  # [T] or [3, T]
         fam = cfg.family
         attn_in, attn_out_norm, mlp_in, mlp_out_norm = cfg.norm_slots
         x = self._w["model.embed_tokens.weight"][tokens] * cfg.embedding_scale  # [T, hidden]
@@ -126,8 +138,9 @@ class ReferenceDecoder:
                 # llama4 NoPE layers: q * (log1p(floor((p + 1) / f)) * s + 1)
                 temp = torch.log1p(torch.floor((positions.to(self.dtype) + 1) / floor_scale))
                 q = q * (temp * cfg.temperature_attn_scale + 1)[:, None, None]
-            q_rot = rope.rotate(q, positions, seq_len=T) if rope is not None else q  # [T, H, D]
-            k_rot = rope.rotate(k, positions, seq_len=T) if rope is not None else k  # [T, KVH, D]
+            at = rotate_at if rope is not None and rope.mrope_section is not None else positions
+            q_rot = rope.rotate(q, at, seq_len=T) if rope is not None else q  # [T, H, D]
+            k_rot = rope.rotate(k, at, seq_len=T) if rope is not None else k  # [T, KVH, D]
             if fam.block.qk_norm == "l2" and cfg.layer_qk_norm(layer):
                 # llama4 normalizes after RoPE, as here; the probes' raw q/k are the normalized ones before
                 # RoPE (what a raw-key cache holds), equal to these turned back since a rotation keeps norms.

@@ -53,6 +53,8 @@ def applicability(
         why = "ignored for this engine: " + ", ".join(x.text for x in changing) + " (the expected output depends on it)"
     if why is None and case.op is not None:
         why = _op_reason(case, cfg, engine)
+    if why is None and case.image is not None and cfg.rope.mrope_section is None:
+        why = f"image-like positions ({case.image.label()}) need an M-RoPE model; {cfg.architecture} has none"
     return Applicability(case, noted, why)
 
 
@@ -65,7 +67,7 @@ def _op_reason(case: Case, cfg: ModelConfig, engine: EngineDescription) -> str |
         return f"engine {engine.name or 'adapter'!r} does not run {op.kind} (it declares {declared})"
     if op.kind == "shift" and not shift_invariant(cfg.rope):
         return (
-            f"shift: {cfg.rope.scaling.rope_type} RoPE is not shift-invariant (frequencies that depend on the "
+            f"shift: {'M-RoPE' if cfg.rope.mrope_section else cfg.rope.scaling.rope_type} RoPE is not shift-invariant (frequencies that depend on the "
             "length, or positions per section): no cache can be shifted exactly"
         )
     return case.evict_shortfall(case.live_window)

@@ -55,5 +55,7 @@ class BugClass(StrEnum):
     BLOCK_SEAM = "block_seam"  # a non-aligned prefix hit: the seam block's recomputed rows hold other contents
     # transfer_layout (ropekv.parity.transfer_layout): the receiver read the sender's block bytes in another order
     BLOCK_LAYOUT_MISMATCH = "block_layout_mismatch"  # received (row, head) holds another sent (row, head)
+    # mRoPE axes (ropekv.parity.mrope_forensics): image-like keys whose h/w sections turned at their t position
+    MROPE_AXES_COLLAPSED = "mrope_axes_collapsed"
     # nothing above fits, or nothing is wrong at this layer (the evidence says which)
     UNKNOWN = "unknown"

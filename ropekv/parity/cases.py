@@ -22,7 +22,8 @@ import torch
 
 from ..argtypes import MAX_TOKENS, strict_int
 from ..attention_kind import LayerAttention
-from ..errors import UsageError
+from ..errors import ConfigError, UsageError
+from ..rope import PositionStreams, image_streams
 
 OpKind = Literal["rollback", "evict", "shift", "batch", "restore", "spec"]
 OP_KINDS: tuple[str, ...] = get_args(OpKind)
@@ -144,6 +145,28 @@ class ModelAttention:
 
 
 @dataclass(frozen=True)
+class ImageGrid:
+    """An image-like span of a prompt for an mRoPE model: ``rows x cols`` tokens from token ``start`` on,
+    at the positions Qwen2-VL's ``get_rope_index`` gives an image (``ropekv.rope.image_streams``).
+    No vision tower: the tokens are ordinary ids, only their three position streams are an image's."""
+
+    start: int
+    rows: int
+    cols: int
+
+    def __post_init__(self) -> None:
+        try:
+            image_streams(self.start + self.rows * self.cols, self.start, self.rows, self.cols)
+        except (ConfigError, TypeError) as e:
+            raise UsageError(f"image grid {self.start}/{self.rows}x{self.cols}: {e}") from None
+        if self.rows == 1 and self.cols == 1:
+            raise UsageError("an image grid of 1x1 tokens has h = w = t: it exposes nothing; give at least 2 tokens")
+
+    def label(self) -> str:
+        return f"img={self.rows}x{self.cols}@{self.start}"
+
+
+@dataclass(frozen=True)
 class Case:
     """One cached run (module doc). ``window``: a window forced on every layer (None: the model's own,
     recorded in ``model_attention`` by :meth:`for_model`); ``sink_tokens`` need a case window."""
@@ -157,6 +180,7 @@ class Case:
     decode_steps: int = 3
     op: CacheOp | None = None
     model_attention: ModelAttention | None = None
+    image: ImageGrid | None = None  # image-like mRoPE positions inside the prompt (mRoPE models only)
 
     def __post_init__(self) -> None:
         for name, low in (("length", 1), ("prefix", 0), ("block_size", 1), ("decode_steps", 1), ("sink_tokens", 0)):
@@ -173,6 +197,25 @@ class Case:
                 raise UsageError("a case with a window of its own does not run under the model's windows")
         if self.op is not None:
             self._check_op()
+        if self.image is not None:
+            self._check_image()
+
+    def _check_image(self) -> None:
+        im = self.image
+        if not isinstance(im, ImageGrid):
+            raise UsageError(f"case image must be an ImageGrid, got {type(im).__name__}")
+        end = im.start + im.rows * im.cols
+        if end > self.prefix + self.length:
+            raise UsageError(
+                f"case image {im.label()}: it ends at token {end}, past the {self.prefix + self.length}-token prompt"
+            )
+        if self.op is not None:  # the streams are keyed by token index; no operation is defined on them here
+            raise UsageError(f"case image {im.label()}: image-like positions are checked without cache operations")
+
+    def position_streams(self) -> PositionStreams | None:
+        """The mRoPE streams of the case's tokens (None: text, one position per token)."""
+        im = self.image
+        return None if im is None else image_streams(self.total, im.start, im.rows, im.cols)
 
     def for_model(self, layers: Sequence[LayerAttention]) -> Case:
         """This case as it runs on a model with per-layer attention ``layers``
@@ -337,6 +380,8 @@ class Case:
         parts.append(f"S={self.decode_steps}")
         if self.op is not None:
             parts.append(self.op.label())
+        if self.image is not None:
+            parts.append(self.image.label())
         return " ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:

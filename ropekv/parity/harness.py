@@ -26,7 +26,7 @@ from . import ops
 from .adapter_diagnosis import diagnose_mislabelled_keys
 from .applicable import Applicability, applicability
 from .bug_class import BugClass
-from .cases import Case, build_matrix, check_numbers, slide_note, token_stream
+from .cases import Case, ImageGrid, build_matrix, check_numbers, slide_note, token_stream
 from .compare import (
     LogitsOf,
     NextToken,
@@ -379,7 +379,7 @@ class _References:
 
     @staticmethod
     def _group(case: Case) -> _Group:
-        return (case.window, case.sink_tokens)
+        return (case.window, case.sink_tokens, case.image)
 
     def _key(self, case: Case, t: int) -> _Key:
         return (self._group(case), t if self.per_position else None)
@@ -409,7 +409,12 @@ class _References:
             window = MODEL_WINDOWS if case.window is None else case.window
             t0 = time.perf_counter()
             self._ref[key] = self.decoder.forward(
-                self.tokens[:n], probe_rows=rows, window=window, sink_tokens=case.sink_tokens, logits_for="probed"
+                self.tokens[:n],
+                probe_rows=rows,
+                window=window,
+                sink_tokens=case.sink_tokens,
+                logits_for="probed",
+                streams=case.position_streams(),
             )
             self.seconds["float64_reference_forwards"] += time.perf_counter() - t0
             if self.bar:
@@ -455,7 +460,7 @@ class _References:
         return _row(layers, run.rows + relabel, i, NextToken(run.logits[i], ids), case, self.cfg)
 
 
-_Group = tuple[int | None, int]  # (window, sink_tokens): the cases that share full forwards
+_Group = tuple[int | None, int, ImageGrid | None]  # (window, sink_tokens, image): cases sharing full forwards
 _Key = tuple[_Group, int | None]  # a group and, for length-dependent RoPE, the one position t forwarded
 
 

@@ -28,7 +28,7 @@ import torch
 from ..errors import UsageError
 from ..models.config import ModelConfig
 from ..probe import LayerProbe
-from . import forensics, ops
+from . import forensics, mrope_forensics, ops
 from .bug_class import BugClass
 from .cases import Case
 from .diagnosis import Diagnosis
@@ -106,6 +106,18 @@ def diagnose_divergence(
     )
     if moved is not None:
         return Diagnosis(moved.kind, moved.evidence, {**moved.details, **where})
+    streams, layer_rope = case.position_streams(), cfg.layer_rope(layer)
+    if streams is not None and layer_rope is not None and layer_rope.mrope_section is not None:
+        return mrope_forensics.diagnose(
+            layer_rope,
+            streams,
+            k_raw=k_raw,
+            k_eff=k_eff,
+            key_positions=view.key_positions,
+            layer=layer,
+            query_position=fd.query_position,
+            where=where,
+        )
     # Per-layer RoPE features first (NoPE layers, partial rotary, local/global RoPE): bug classes one
     # spec alone cannot name. Then the general forensics under the diverging layer's own spec.
     arch = diagnose_layer(

@@ -71,6 +71,15 @@ def import_mlx(blas: BlasChoice = "openblas") -> MLXRuntime:
                 f"mlx was already imported in this process with BLAS {_RUNTIME.blas}; blas={blas!r} needs a new process"
             )
         return _RUNTIME
+    # mlx itself first: where it is not installed, that is the one thing to say (not a missing BLAS).
+    import importlib.util
+
+    missing = [m for m in ("mlx", "mlx_lm") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise EngineUnavailable(
+            f"engine 'mlx' is not available in this environment (run it from .venv-mlx: make setup-mlx): "
+            f"{', '.join(missing)} not installed"
+        )
     path = "bundled"
     if blas == "openblas" and sys.platform.startswith("linux"):
         if "mlx.core" in sys.modules:
