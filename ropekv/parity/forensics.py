@@ -610,14 +610,14 @@ def _residual_trend(inp: ForensicInput, a: _Analysis, sel: torch.Tensor, done: _
     odd = a.kf[sel] < FIT_OK
     if bool(odd.any()):
         # A few keys that are no rotation of their own token's key while every other key and the query sit
-        # at their positions: evidence of wrong contents at those rows (stale or another token's), not noise.
+        # at their positions: shown as possible wrong contents at those rows, not dropped as noise.
         pos = inp.key_positions.long()[sel][odd]
         return done(
             BugClass.UNKNOWN,
-            f"the query and {int((~odd).sum())} of {int(odd.numel())} keys sit at their logical positions; "
-            f"{int(odd.sum())} key(s) at positions {pos.tolist()[:8]} are no rotation of their own tokens' keys "
-            f"(fit {float(a.kf[sel][odd].max()):.2f} at best): those rows hold other contents (stale or another "
-            "token's keys), not a RoPE error",
+            f"query and keys sit at their logical positions: no RoPE error visible at this layer, except "
+            f"{int(odd.sum())} of {int(odd.numel())} key(s), at positions {pos.tolist()[:8]}, that are no rotation "
+            f"of their own tokens' keys (fit {float(a.kf[sel][odd].max()):.2f} at best): those rows may hold other "
+            "contents (stale or another token's keys)",
             odd,
             misfit_keys=int(odd.sum()),
             **details,

@@ -76,7 +76,7 @@ def diagnose_divergence(
     view, relabelled = _compacted_labels(view, reference_attn, case)
     masked = case.window is not None or cfg.layer_window(layer) is not None or chunk is not None
     window = None if relabelled else _window_diagnosis(reference_attn, view, case, fd, layer, chunk)
-    if window is not None and masked:
+    if window is not None and (masked or _window_shaped(view.key_positions, reference_attn)):
         return window
     if window is not None:
         return Diagnosis(
@@ -214,6 +214,23 @@ def _compacted_labels(view: LayerProbe, ref_row: torch.Tensor, case: Case) -> tu
         "were renumbered away); read at their true positions"
     )
     return dataclasses.replace(view, key_positions=true), text
+
+
+def _window_shaped(pos: torch.Tensor, ref_row: torch.Tensor) -> bool:
+    """On a layer with no window of its own: whether the kernel read a window anyway (the newest keys
+    and perhaps a few first ones, every key it missed between them and none the reference hides), as an
+    engine sliding its full layers does; relabelled or lost rows read otherwise. ``pos [N]`` the keys
+    read, ``ref_row [H, T]`` the reference's row by position."""
+    visible = torch.isfinite(ref_row[0])
+    if bool((~visible[pos]).any()):
+        return False
+    read = torch.zeros_like(visible)
+    read[pos] = True
+    missed = torch.nonzero(visible & ~read).flatten()
+    if missed.numel() == 0:
+        return False
+    inside = (pos > missed.min()) & (pos < missed.max())
+    return not bool(inside.any()) and bool((pos > missed.max()).any())
 
 
 def _kept_row_rotation(d: Diagnosis, positions: torch.Tensor, case: Case, t: int) -> str | None:
