@@ -19,7 +19,7 @@ from types import MappingProxyType
 from typing import TypeVar
 
 from ..errors import ConfigError, UsageError
-from . import catalogue, handoff, mlx, ops, vllm, vllm_transfer
+from . import catalogue, handoff, magnitude, mlx, ops, vllm, vllm_transfer
 from .handoff import HandoffFault
 from .mlx import MlxFault
 from .native import NativeFault
@@ -44,6 +44,7 @@ def _by_name(faults: Iterable[F]) -> Mapping[str, F]:
 REGISTRY: Mapping[str, Fault] = _by_name(
     (
         *catalogue.CATALOGUE,
+        *magnitude.CATALOGUE,
         *ops.CATALOGUE,
         *handoff.CATALOGUE,
         *vllm.CATALOGUE,

@@ -47,5 +47,7 @@ class BugClass(StrEnum):
     # the adapter, not the engine (ropekv.parity.adapter_diagnosis): the final logits agree, the recorded
     # attention does not, so the record is wrong (most often the positions the adapter labels its keys with)
     MISLABELLED_KEYS = "mislabelled_keys"
+    # rope magnitude (ropekv.parity.magnitude): angles right, the attention factor dropped or applied twice
+    ROPE_MAGNITUDE = "rope_magnitude"  # query/keys at their positions but scaled: |c| / (A |r|) != 1
     # nothing above fits, or nothing is wrong at this layer (the evidence says which)
     UNKNOWN = "unknown"
