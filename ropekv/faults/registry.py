@@ -23,6 +23,7 @@ from . import (
     block_seam,
     catalogue,
     handoff,
+    magnitude,
     mlx,
     mrope_axes,
     ops,
@@ -56,6 +57,7 @@ def _by_name(faults: Iterable[F]) -> Mapping[str, F]:
 REGISTRY: Mapping[str, Fault] = _by_name(
     (
         *catalogue.CATALOGUE,
+        *magnitude.CATALOGUE,
         *ops.CATALOGUE,
         *speculative.CATALOGUE,
         *position_width.CATALOGUE,

@@ -57,5 +57,7 @@ class BugClass(StrEnum):
     BLOCK_LAYOUT_MISMATCH = "block_layout_mismatch"  # received (row, head) holds another sent (row, head)
     # mRoPE axes (ropekv.parity.mrope_forensics): image-like keys whose h/w sections turned at their t position
     MROPE_AXES_COLLAPSED = "mrope_axes_collapsed"
+    # rope magnitude (ropekv.parity.magnitude): angles right, the attention factor dropped or applied twice
+    ROPE_MAGNITUDE = "rope_magnitude"  # query/keys at their positions but scaled: |c| / (A |r|) != 1
     # nothing above fits, or nothing is wrong at this layer (the evidence says which)
     UNKNOWN = "unknown"

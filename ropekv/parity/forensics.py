@@ -51,7 +51,7 @@ import torch
 
 from ..errors import UsageError
 from ..rope import RopeSpec, pair_channels
-from . import block_seam, position_width
+from . import block_seam, magnitude, position_width
 from .bug_class import BugClass
 from .diagnosis import Diagnosis
 from .finding import Finding
@@ -497,6 +497,11 @@ def _diagnose_pattern(inp: ForensicInput, a: _Analysis, sel: torch.Tensor) -> Di
             offset=c,
         )
     if d_q == 0 and _most(ok, d == 0):
+        seq_len = inp.seq_len if inp.seq_len is not None else t + 1
+        k_raw, k_eff = inp.k_raw[sel], inp.k_eff[sel]
+        scaled = magnitude.scaled_rotation(inp.rope, inp.q_raw, inp.q_eff, k_raw, k_eff, t, j, seq_len, ok & (d == 0))
+        if scaled is not None:  # the angles are right, the lengths are not (an attention factor lost or doubled)
+            return done(BugClass.ROPE_MAGNITUDE, scaled.text, scaled.show, **scaled.details)
         return _residual_trend(inp, a, sel, done)
     return done(
         BugClass.UNKNOWN,
