@@ -200,6 +200,12 @@ def _other_key(path: Path) -> None:
     _rewrite_metadata(path, "key", "f" * 64)
 
 
+def _header_not_json(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[8:20] = b"#" * 12
+    path.write_bytes(bytes(raw))
+
+
 def _garbage(path: Path) -> None:
     path.write_bytes(b"\x00" * 7)
 
@@ -217,6 +223,7 @@ def _too_large(path: Path) -> None:
         (_swap_checksum, "checksum mismatch"),
         (_other_key, "its key is not this case's"),
         (_garbage, "truncated"),
+        (_header_not_json, "not JSON"),
         (_too_large, "more than"),
     ],
 )
@@ -260,6 +267,9 @@ def test_a_bad_folder_is_a_usage_error(llama, tmp_path):
     with pytest.raises(UsageError, match="does not exist"):
         check(llama, cases=PLAIN[:1], reference_cache=tmp_path / "no" / "refs")
     assert not (tmp_path / "no").exists()
+    with pytest.raises(UsageError, match="no parity cases"):  # refused after the folder was accepted
+        check(llama, cases=[], reference_cache=tmp_path / "refs")
+    assert not (tmp_path / "refs").exists(), "a refused check creates no folder"
 
 
 def test_concurrent_writers_leave_one_whole_entry(llama, tmp_path):

@@ -194,8 +194,9 @@ class EntryProblem(RopeKVError):
 
 class ReferenceStore:
     """Entries in one folder (module doc). ``folder`` must be a writable directory, or a path whose
-    parent is one (it is created); anything else is a UsageError before any work, naming ``what``
-    (the CLI flag, or the API's keyword)."""
+    parent is one (it is created when the first entry is stored, so a check refused later leaves
+    nothing behind); anything else is a UsageError before any work, naming ``what`` (the CLI flag,
+    or the API's keyword)."""
 
     def __init__(self, folder: str | os.PathLike[str], what: str = "--reference-cache"):
         self.folder = _usable_folder(folder, what)
@@ -241,6 +242,7 @@ class ReferenceStore:
             "seconds": repr(float(seconds)),
         }
         blob = save(tensors, metadata=meta)
+        self.folder.mkdir(exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".tmp", dir=self.folder)
         try:
             with os.fdopen(fd, "wb") as out:
@@ -270,13 +272,7 @@ def _usable_folder(folder: str | os.PathLike[str], what: str) -> Path:
             raise UsageError(f"{where}: folder {parent} does not exist")
         if not os.access(parent, os.W_OK | os.X_OK):
             raise UsageError(f"{where}: cannot create it ({parent} is not writable)")
-        try:
-            p.mkdir()
-        except FileExistsError:  # another check created it a moment ago
-            pass
-        except OSError as exc:
-            raise UsageError(f"{where}: cannot create it ({exc.strerror or exc})") from None
-    if not os.access(p, os.W_OK | os.X_OK):
+    elif not os.access(p, os.W_OK | os.X_OK):
         raise UsageError(f"{where}: not writable")
     return p
 
@@ -370,6 +366,19 @@ def _checksum(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def _data_length(header: dict[str, Any]) -> int:
+    """The data section's length a safetensors header declares (the largest end offset)."""
+    end = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = entry.get("data_offsets") if isinstance(entry, dict) else None
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise EntryProblem(f"tensor {name!r} has malformed data_offsets")
+        end = max(end, offsets[1])
+    return end
+
+
 def _parse(data: bytes) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     """Metadata and tensors of safetensors bytes; EntryProblem for anything safetensors or we refuse."""
     from safetensors import SafetensorError
@@ -389,8 +398,7 @@ def _parse(data: bytes) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
         raise EntryProblem("no metadata")
     if meta.get("format") != ENTRY_FORMAT or meta.get("version") != str(ENTRY_VERSION):
         raise EntryProblem(f"format {meta.get('format')!r} version {meta.get('version')!r} is not this one's")
-    ends = [v.get("data_offsets", [0, 0])[-1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
-    declared = 8 + n + max([e for e in ends if isinstance(e, int)], default=0)
+    declared = 8 + n + _data_length(header)
     if declared != len(data):
         what = "truncated" if declared > len(data) else "trailing bytes"
         raise EntryProblem(f"{what}: {len(data)} bytes where its header declares {declared}")
