@@ -7,6 +7,8 @@ happens here.
 
 from __future__ import annotations
 
+import os
+
 from .adapters.native import NativeAdapter
 from .contract import KeyForm
 from .engine.attention import BackendName
@@ -15,6 +17,7 @@ from .parity.cases import Case
 from .parity.compare import Tolerance
 from .parity.harness import check as _check
 from .parity.protocol import EngineAdapter
+from .parity.reference_cache import ReferenceStore
 from .parity.report import ParityReport
 
 
@@ -36,9 +39,12 @@ def check(
     cases: list[Case] | None = None,
     progress: bool | str = False,
     tolerance: Tolerance | None = None,
+    reference_cache: str | os.PathLike[str] | ReferenceStore | None = None,
 ) -> ParityReport:
     """:func:`ropekv.parity.harness.check` on ``engine``; a :class:`Checkpoint` runs on ropekv's own
-    engine with ``key_form`` (default rotated), ``backend`` and ``dtype`` (default float32)."""
+    engine with ``key_form`` (default rotated), ``backend`` and ``dtype`` (default float32).
+    ``reference_cache``: a folder where the float64 reference's per-case rows are stored and reused by
+    later checks of the same model on any engine (:mod:`ropekv.parity.reference_cache`)."""
     if isinstance(engine, Checkpoint):
         engine = NativeAdapter(engine, key_form=key_form or "rotated", backend=backend, dtype=dtype or "float32")
     return _check(
@@ -58,4 +64,5 @@ def check(
         cases=cases,
         progress=progress,
         tolerance=tolerance,
+        reference_cache=reference_cache,
     )

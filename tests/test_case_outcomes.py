@@ -102,7 +102,7 @@ def test_default_matrix_lists_the_cases_the_model_is_too_short_for(llama):
     assert "not applicable: needs 1103 positions; the model has 256" in table
     assert "parity holds in all 14 judged cases; 1 case not applicable" in table
     data = json.loads(report.to_json())
-    assert data["version"] == REPORT_VERSION == 3 and data["judged"] == 14 and data["not_applicable"] == 1
+    assert data["version"] == REPORT_VERSION == 4 and data["judged"] == 14 and data["not_applicable"] == 1
     rows = {c["label"]: c for c in data["cases"]}
     assert rows["L=1100 P=0 B=16 chunk=256 S=3"]["outcome"] == "n/a"
     assert rows["L=1100 P=0 B=16 chunk=256 S=3"]["not_applicable"] == "needs 1103 positions; the model has 256"

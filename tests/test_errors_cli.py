@@ -100,6 +100,14 @@ def _bad_inputs(tmp_path: Path) -> dict[str, tuple[list[str], list[str]]]:
         "shift beyond the bound": (["--ops", f"shift:{10**30}"], ["--ops", "at most 1048576"]),
         "unknown engine": (["--engine", "hff"], ["--engine", "unknown engine 'hff'", "did you mean 'hf'?"]),
         "malformed custom engine": (["--engine", "my engine:Cls"], ["--engine my engine:Cls", "not a module name"]),
+        "reference cache is a file": (
+            ["--reference-cache", str(tmp_path / "a_file")],
+            ["--reference-cache", "a_file", "not a directory"],
+        ),
+        "reference cache folder missing": (
+            ["--reference-cache", str(tmp_path / "no" / "refs")],
+            ["--reference-cache", str(tmp_path / "no"), "does not exist"],
+        ),
     }
 
 

@@ -89,6 +89,12 @@ def add_parser(sub) -> None:
     p.add_argument("--inject", metavar="FAULT", help="run a catalogued fault (see --list-faults)")
     p.add_argument("--list-faults", action="store_true", help="list the fault catalogue and exit")
     p.add_argument("--json", metavar="PATH", help="write the whole report as JSON")
+    p.add_argument(
+        "--reference-cache",
+        metavar="DIR",
+        help="store each case's float64 reference rows in DIR (created if missing) and reuse them in later "
+        "checks of the same model on any engine; a stale or corrupt entry is recomputed (docs/performance.md)",
+    )
     p.add_argument("--plot", metavar="PATH", help="write a PNG of divergence per layer against position")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device of ropekv's engine (default cpu)")
     p.add_argument("--seed", type=seed, default=0, help="seed of the token sequence")
@@ -122,6 +128,9 @@ def run(args: argparse.Namespace) -> int:
     fault = get_fault(args.inject) if args.inject else None
     json_path = writable_path(args.json, "--json")
     plot_path = writable_path(args.plot, "--plot")
+    from ..parity.reference_cache import ReferenceStore
+
+    store = None if args.reference_cache is None else ReferenceStore(args.reference_cache)
     if args.sinks < 0 or (args.sinks and args.window is None):
         raise UsageError("--sinks needs --window and must be >= 0")
     if args.device == "cuda":
@@ -228,7 +237,9 @@ def run(args: argparse.Namespace) -> int:
     tolerance = module.engine_tolerance(adapter) if module is not None else None
 
     def judge():
-        return check(adapter, cases=cases, seed=args.seed, progress=progress, tolerance=tolerance)
+        return check(
+            adapter, cases=cases, seed=args.seed, progress=progress, tolerance=tolerance, reference_cache=store
+        )
 
     report = judge() if custom is None else run_user_code(custom, "run", judge)
     print(report.table())

@@ -11,6 +11,7 @@ causal forward is the reference for position ``t``); for dynamic NTK and LongRoP
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any
 
@@ -45,6 +46,17 @@ from .layer_diagnosis import diagnose_divergence, diagnose_unlocated
 from .progress import Progress
 from .protocol import CaseRun, EngineAdapter, EngineDescription, FullRun, StepRecord, Tier
 from .provenance import provenance
+from .reference_cache import (
+    COMPUTED,
+    HIT,
+    RECOMPUTED,
+    EntryProblem,
+    ReferenceSource,
+    ReferenceStore,
+    RowsShape,
+    entry_fields,
+    fit,
+)
 from .report import CaseResult, Divergence, ParityReport, plural
 from .validate import check_adapter, check_case_run, check_description, check_full_run, check_ignored
 
@@ -72,6 +84,7 @@ def check(
     cases: list[Case] | None = None,
     progress: bool | str = False,
     tolerance: Tolerance | None = None,
+    reference_cache: str | os.PathLike[str] | ReferenceStore | None = None,
 ) -> ParityReport:
     """Run the parity matrix on ``engine`` and return a :class:`ParityReport`.
 
@@ -83,6 +96,10 @@ def check(
     ``tolerance`` replaces the per-dtype tolerance for both comparisons, for an engine whose noise is
     not set by its compute dtype (quantized weights, an f16 cache; the adapter's docs justify it).
     Every adapter result is validated against its case first (AdapterError on a violation).
+    ``reference_cache``: a folder (or a :class:`~ropekv.parity.reference_cache.ReferenceStore`) where
+    each case's float64 reference rows are stored and read back by later checks of the same model on
+    any engine (:mod:`ropekv.parity.reference_cache`; UsageError if it is not a writable folder);
+    the report says per case where its reference came from. The engine side is never stored.
 
     A case that does not apply to the model or the engine (:mod:`ropekv.parity.applicable`; or one
     whose ``run_case`` raises :class:`~ropekv.errors.NotApplicable`) is reported as ``n/a`` with the
@@ -93,6 +110,11 @@ def check(
     tier = check_adapter(adapter)
     if reference not in REFERENCE_DTYPES:
         raise UsageError(f"reference must be one of {', '.join(REFERENCE_DTYPES)}, got {reference!r}")
+    if reference_cache is None or isinstance(reference_cache, ReferenceStore):
+        store = reference_cache
+    else:
+        # UsageError unless a writable folder (or one that can be created), before any work
+        store = ReferenceStore(reference_cache, "reference_cache")
     cfg = adapter.checkpoint.config
     if cases is None:
         cases = build_matrix(
@@ -113,7 +135,7 @@ def check(
     _refuse_nothing_judged(plans)
     started = time.perf_counter()
     tokens = token_stream(cfg.vocab_size, max(c.total for c in judged), seed)
-    refs = _References(adapter, tier, ReferenceDecoder(adapter.checkpoint, dtype=DTYPES[reference]), tokens, judged)
+    refs = _References(adapter, tier, reference, tokens, judged, store)
     tol_ref = tolerance or tolerance_for(adapter.dtype, DTYPES[reference])
     tol_self = tolerance or tolerance_for(adapter.dtype, adapter.dtype)
 
@@ -140,6 +162,7 @@ def check(
             refs.seconds["cached_runs"] += time.perf_counter() - r0
             run = check_case_run(adapter, tier, cfg, case, raw_run)
             bar.advance(case.total)
+            refs.prepare(case)
             ref_rows = [refs.reference_row(case, s.position) for s in run.steps]
             self_rows = [refs.self_row(case, s.position) for s in run.steps]
             of = LogitsOf(cfg, case.window, case.sink_tokens)
@@ -169,9 +192,12 @@ def check(
                 logit_errors=tuple(e.logits for e in err_ref),
                 self_logit_errors=tuple(e.logits for e in err_self),
                 ignored=noted,
-                notes=run.notes + ops.notes(case) + tuple(n for n in [slide_note(case, cfg.layer_attentions)] if n),
+                notes=run.notes
+                + ops.notes(case)
+                + tuple(n for n in [slide_note(case, cfg.layer_attentions), refs.notes.get(case)] if n),
                 full_forward_error=full_err,
                 seconds=time.perf_counter() - t0,
+                reference_source=refs.sources.get(case),
             )
             results.append(result)
             bar.case_done(
@@ -223,6 +249,7 @@ def check(
         seconds=time.perf_counter() - started,
         seed=seed,
         phase_seconds=dict(refs.seconds),
+        reference_cache=None if store is None else refs.cache_summary(),
         provenance=provenance(
             f"ropekv.check({adapter.name!r}, {plural(len(cases), 'case')}, seed={seed}, reference={reference!r})"
         ),
@@ -349,13 +376,26 @@ def _max(errors: list[StepErrors]) -> float | None:
 
 
 class _References:
-    """Full forwards (float64 reference and the engine's own), computed once per window and reused."""
+    """Full forwards (float64 reference and the engine's own), computed once per window and reused;
+    with a :class:`ReferenceStore`, each case's reference rows are read from it when it holds them
+    (the decoder is then never built) and stored there when computed."""
 
     def __init__(
-        self, adapter: EngineAdapter, tier: Tier, decoder: ReferenceDecoder, tokens: torch.Tensor, cases: list[Case]
+        self,
+        adapter: EngineAdapter,
+        tier: Tier,
+        reference: str,
+        tokens: torch.Tensor,
+        cases: list[Case],
+        store: ReferenceStore | None = None,
     ):
-        self.adapter, self.tier, self.decoder, self.tokens = adapter, tier, decoder, tokens
+        self.adapter, self.tier, self.reference, self.tokens, self.store = adapter, tier, reference, tokens, store
         self.cfg = adapter.checkpoint.config
+        self._decoder: ReferenceDecoder | None = None
+        self._stored: dict[Case, dict[int, RefRow]] = {}  # a case's reference rows by position, from the store
+        self.sources: dict[Case, ReferenceSource] = {}
+        self.notes: dict[Case, str] = {}  # why an entry was recomputed, or could not be stored
+        self.cache_seconds = {"saved": 0.0, "spent": 0.0}
         self.per_position = self.cfg.rope.length_dependent
         self.bar: Progress | None = None
         self.seconds = {"float64_reference_forwards": 0.0, "engine_full_forwards": 0.0, "cached_runs": 0.0}
@@ -377,6 +417,70 @@ class _References:
             self.work = 2 * sum(max(rows) + 1 for rows in self._rows.values())
         self.work += sum(max(c.decode_positions) + 1 - c.shift for c in cases if ops.needs_own_reference(c))
 
+    @property
+    def decoder(self) -> ReferenceDecoder:
+        """The float64 decoder, built on first use (its weight copy is skipped when the store has every row)."""
+        if self._decoder is None:
+            self._decoder = ReferenceDecoder(self.adapter.checkpoint, dtype=DTYPES[self.reference])
+        return self._decoder
+
+    def prepare(self, case: Case) -> None:
+        """With a store: ``case``'s reference rows from it, or computed (the forward shared with the other
+        cases of its window, as without a store) and stored; the source is recorded for the report."""
+        if self.store is None or case in self.sources:
+            return
+        fields = entry_fields(self.adapter.checkpoint.fingerprint, self.reference, case, self.tokens)
+        cfg = self.cfg
+        positions = tuple(sorted(set(case.decode_positions)))
+        shape = RowsShape(
+            positions, cfg.num_layers, cfg.num_heads, cfg.hidden_size, cfg.vocab_size, DTYPES[self.reference]
+        )
+        problem = None
+        try:
+            stored = self.store.load(fields, shape)
+        except EntryProblem as exc:
+            stored, problem = None, str(exc)
+        if stored is not None:
+            rows = {t: fit(row, self._width(case, t, stored.widths[t])) for t, row in stored.rows.items()}
+            if all(r is not None for r in rows.values()):
+                self._stored[case] = {t: r for t, r in rows.items() if r is not None}
+                self.sources[case] = HIT
+                self.cache_seconds["saved"] += stored.seconds
+                return
+            problem = "its attention rows are wider than this check's forwards"
+        before = self.seconds["float64_reference_forwards"]
+        computed = {t: self._computed_row(case, t) for t in positions}
+        spent = self.seconds["float64_reference_forwards"] - before
+        self.cache_seconds["spent"] += spent
+        widths = {t: max((a.shape[1] for a in row.attn_logits), default=1) for t, row in computed.items()}
+        self.sources[case] = COMPUTED if problem is None else RECOMPUTED
+        if problem is not None:
+            self.notes[case] = f"reference: recomputed, the cached entry was not valid ({problem})"
+        try:
+            self.store.save(fields, computed, widths, spent)
+        except OSError as exc:
+            self.notes[case] = f"reference: computed but not stored ({exc.strerror or exc})"
+        self._stored[case] = computed
+
+    def _width(self, case: Case, t: int, stored_width: int) -> int:
+        """Columns of row ``t``'s attention as this check computes them: the own forward of an evict or
+        shift case is the case's alone (its stored width); a plain row spans its shared forward."""
+        if case.op is not None and ops.needs_own_reference(case):
+            return stored_width
+        return max(self._rows_for(self._key(case, t))) + 1
+
+    def cache_summary(self) -> dict[str, Any]:
+        """The report's ``reference_cache`` block (docs/report.md)."""
+        counted = list(self.sources.values())
+        return {
+            "folder": None if self.store is None else str(self.store.folder),
+            "hits": counted.count(HIT),
+            "computed": counted.count(COMPUTED),
+            "recomputed": counted.count(RECOMPUTED),
+            "seconds_saved": self.cache_seconds["saved"],
+            "seconds_spent": self.cache_seconds["spent"],
+        }
+
     @staticmethod
     def _group(case: Case) -> _Group:
         return (case.window, case.sink_tokens, case.image)
@@ -393,8 +497,9 @@ class _References:
             if case not in self._op_ref:
                 if self.bar:
                     self.bar.describe(f"float64 reference forward for {case.op.label()}")
+                decoder = self.decoder  # built outside the timer: the phase times forwards only
                 t0 = time.perf_counter()
-                self._op_ref[case] = ops.own_reference(self.decoder, case, self.tokens)
+                self._op_ref[case] = ops.own_reference(decoder, case, self.tokens)
                 self.seconds["float64_reference_forwards"] += time.perf_counter() - t0
                 if self.bar:
                     self.bar.advance(max(case.decode_positions) + 1 - case.shift)
@@ -407,8 +512,9 @@ class _References:
             if self.bar:
                 self.bar.describe(f"float64 reference forward over {n} tokens")
             window = MODEL_WINDOWS if case.window is None else case.window
+            decoder = self.decoder
             t0 = time.perf_counter()
-            self._ref[key] = self.decoder.forward(
+            self._ref[key] = decoder.forward(
                 self.tokens[:n],
                 probe_rows=rows,
                 window=window,
@@ -423,6 +529,12 @@ class _References:
         return out, _index(out.rows, t)
 
     def reference_row(self, case: Case, t: int) -> RefRow:
+        stored = self._stored.get(case)
+        if stored is not None:
+            return stored[t]
+        return self._computed_row(case, t)
+
+    def _computed_row(self, case: Case, t: int) -> RefRow:
         out, i = self.reference_output(case, t)
         logits = out.logits[i] if out.probed_logits else out.logits[t - case.shift]
         if out.rows is None:

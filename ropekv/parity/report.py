@@ -11,10 +11,11 @@ from .cases import Case
 from .diagnosis import Diagnosis
 
 REPORT_FORMAT = "ropekv.parity-report"
-REPORT_VERSION = 3
+REPORT_VERSION = 4
 # 2: tier, limits, provenance, logit_errors, notes; nullable layer fields
 # 3: per case "outcome" ("pass", "fail", "n/a") and "not_applicable" (the reason); "judged" and
 #    "not_applicable" counts; the case's "model_attention"; a "units" block
+# 4: per case "reference_source" and a "reference_cache" block (null without --reference-cache)
 
 Outcome = Literal["pass", "fail", "n/a"]
 
@@ -31,6 +32,8 @@ UNITS: dict[str, str] = {
     "first_divergence.attn_error, first_divergence.input_error, first_divergence.logits_error": "scale-aware",
     "tolerances": "scale-aware thresholds, compared with the scale-aware errors",
     "seconds, phase_seconds": "wall-clock seconds",
+    "reference_cache.seconds_saved": "wall-clock seconds the stored entries read took to compute when stored",
+    "reference_cache.seconds_spent": "wall-clock seconds of float64 forwards computing entries in this check",
 }
 """What every number of the report measures (also written into the JSON as ``"units"``)."""
 
@@ -98,6 +101,9 @@ class CaseResult:
     full_forward_error: float | None = 0.0  # the engine's cache-free forward vs float64 (None: an op case)
     seconds: float = 0.0
     not_applicable: str | None = None  # why the case does not apply to this model or engine (not judged)
+    # where the case's float64 reference rows came from with a reference cache: "cache hit", "computed",
+    # "recomputed (corrupt entry)"; None without a cache (always computed) and for a case not judged
+    reference_source: str | None = None
 
     def __post_init__(self) -> None:
         if self.not_applicable is not None and (self.passed or self.first_divergence is not None):
@@ -154,6 +160,7 @@ class CaseResult:
             "notes": list(self.notes),
             "full_forward_error": _num(self.full_forward_error),
             "seconds": round(self.seconds, 3),
+            "reference_source": self.reference_source,
         }
 
 
@@ -174,6 +181,9 @@ class ParityReport:
     # wall seconds of the check's unavoidable parts: float64 reference forwards, the engine's own
     # full forwards (self-parity) and the cached runs; the rest of ``seconds`` is the harness itself
     phase_seconds: dict[str, float] = field(default_factory=dict)
+    # with a reference cache (ropekv.parity.reference_cache): its folder, how many cases' references were
+    # read ("hits"), "computed" and "recomputed" (a corrupt entry), and the float64 seconds saved / spent
+    reference_cache: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.passed and (not self.judged or any(r.outcome == "fail" for r in self.cases)):
@@ -207,6 +217,9 @@ class ParityReport:
             "diagnosis": None if self.diagnosis is None else self.diagnosis.to_dict(),
             "provenance": self.provenance,
             "phase_seconds": {k: round(v, 3) for k, v in self.phase_seconds.items()},
+            "reference_cache": None
+            if self.reference_cache is None
+            else {k: round(v, 3) if isinstance(v, float) else v for k, v in self.reference_cache.items()},
             "units": dict(UNITS),
         }
 
@@ -230,6 +243,8 @@ class ParityReport:
                 lines.append(f"{'':<{w}} not applicable: {r.not_applicable}")
             if r.ignored:
                 lines.append(f"{'':<{w}} note: ignored for this engine: {', '.join(r.ignored)}")
+            if r.reference_source is not None:
+                lines.append(f"{'':<{w}} reference: {r.reference_source}")
             for note in r.notes:
                 lines.append(f"{'':<{w}} note: {note}")
         judged = self.judged
@@ -243,6 +258,8 @@ class ParityReport:
             )
         if self.limits:
             lines.append(self.limits)
+        if self.reference_cache is not None:
+            lines.append(self.cache_line())
         skipped = len(self.not_applicable)
         na = f"; {plural(skipped, 'case')} not applicable" if skipped else ""
         counted = plural(len(judged), "judged case" if skipped else "case")
@@ -261,6 +278,15 @@ class ParityReport:
                 f"{self.diagnosis.evidence}"
             )
         return "\n".join(lines)
+
+    def cache_line(self) -> str:
+        """One line on the reference cache: how many cases' references it gave, and the time saved."""
+        c = self.reference_cache or {}
+        return (
+            f"reference cache {c.get('folder')}: {plural(c.get('hits', 0), 'case')} from the cache, "
+            f"{c.get('computed', 0)} computed, {c.get('recomputed', 0)} recomputed (corrupt entry); "
+            f"float64 reference {c.get('seconds_saved', 0.0):.1f} s saved, {c.get('seconds_spent', 0.0):.1f} s spent"
+        )
 
 
 def plural(n: int, noun: str) -> str:
