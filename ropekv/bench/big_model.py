@@ -372,7 +372,8 @@ def format_table(doc: dict[str, Any]) -> str:
             "",
             f"{r['name']}: {r['parameters'] / 1e9:.3f}B parameters, {r['disk_bytes'] / gib:.2f} GiB bfloat16 on disk",
             f"  check: {'PASS' if r['check_passed'] else 'FAIL'} (exit {r['check_exit_code']}), {r['check_seconds']:.0f} s, "
-            f"peak RSS {r['check_peak_rss_bytes'] / gib:.2f} GiB, max|dlogit| {r['max_abs_logit_diff']}",
+            f"peak RSS {r['check_peak_rss_bytes'] / gib:.2f} GiB, max|dlogit| "
+            + ("-" if r["max_abs_logit_diff"] is None else f"{r['max_abs_logit_diff']:.2e}"),
             f"  engine weights ({p['engine_dtype']}) {p['engine_weights_bytes'] / gib:.2f} GiB + KV pool "
             f"{p['kv_pool_bytes'] / gib:.3f} GiB = {engine / gib:.2f} GiB; checkpoint tensors not shared with the engine "
             f"{p['checkpoint_bytes_not_shared_with_engine'] / gib:.2f} GiB",
