@@ -3,6 +3,8 @@ parity sweep cost, handoff throughput and cache memory, in one run (see docs/per
 
 Prints a table; ``--json`` writes every raw figure, the machine, and the goal ratios under ``goals``.
 Exit code 0 whether or not the goals are met (they are figures, not a verdict); 2 on bad input.
+``--big-models 1b,3b`` runs instead the check at real model sizes (:mod:`ropekv.bench.big_model`:
+minutes, and memory for the float32 model and a third more).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 import sys
 
 from ..argtypes import BoundedInt
+from ..errors import UsageError
 from .options import add_model_argument, positive_int_list, thread_count, writable_path
 
 MAX_STEPS = 100_000  # timed decode steps per context
@@ -62,7 +65,25 @@ def add_parser(subparsers) -> None:
         help="rotate_on_read turns cached keys with one torch.compile'd pass (needs a C++ compiler; "
         "compiling adds 10-30 s once)",
     )
+    p.add_argument(
+        "--big-models",
+        type=_shapes,
+        default=None,
+        metavar="SHAPES",
+        help="instead: write random-weight checkpoints of Llama-3.2 shapes (1b, 3b; e.g. 1b,3b) and measure "
+        "`ropekv check` on them (peak RSS against the engine's weights, the float64 reference's own peak); "
+        "minutes, and about 7 GiB (1b) or 17 GiB (3b) of memory",
+    )
     p.set_defaults(handler=run)
+
+
+def _shapes(text: str) -> list[str]:
+    from ..bench.big_model import shape_list
+
+    try:
+        return shape_list(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,6 +91,20 @@ def run(args: argparse.Namespace) -> int:
 
     json_path = writable_path(args.json, "--json")
     plot_path = writable_path(args.plot, "--plot")
+    if args.big_models is not None:
+        from ..bench import big_model
+
+        given = [
+            flag for flag, value in (("MODEL", args.model), ("--quick", args.quick), ("--plot", args.plot)) if value
+        ]
+        if given:
+            raise UsageError(
+                f"--big-models writes and measures its own checkpoints; {', '.join(given)} "
+                + ("does" if len(given) == 1 else "do")
+                + " not apply"
+            )
+        big_model.run(args.big_models, json_path, args.threads or 2)
+        return 0
     settings = BenchSettings.for_run(
         args.model,
         quick=args.quick,

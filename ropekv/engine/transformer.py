@@ -119,7 +119,11 @@ class DecoderWeights:
 
         def cat(names: list[str]) -> torch.Tensor | None:
             parts = [w[n] for n in names if n in w]
-            return torch.cat(parts) if len(parts) == len(names) else None
+            if len(parts) != len(names):
+                return None
+            fused = torch.cat(parts)
+            _share_fused(ckpt, w, names, fused)
+            return fused
 
         def qk_norm(layer: int, name: str) -> Norm | None:
             if not cfg.layer_qk_norm(layer):
@@ -178,9 +182,7 @@ class DecoderWeights:
                     attn_out=norm(p + attn_out if attn_out else None),
                     mlp_in=norm(p + mlp_in if mlp_in else None),
                     mlp_out=norm(p + mlp_out if mlp_out else None),
-                    qkv=None
-                    if mla
-                    else torch.cat([w[a + "q_proj.weight"], w[a + "k_proj.weight"], w[a + "v_proj.weight"]]),
+                    qkv=None if mla else cat([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
                     qkv_bias=cat([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"])
                     if cfg.attention_bias and not mla
                     else None,
@@ -228,6 +230,23 @@ class DecoderWeights:
                 seen.add(t.data_ptr())
                 total += t.numel() * t.element_size()
         return total
+
+
+def _share_fused(ckpt: Checkpoint, w: dict[str, torch.Tensor], names: list[str], fused: torch.Tensor) -> None:
+    """Hold the weights once: where the parts just concatenated into ``fused`` are the checkpoint's own
+    tensors (the engine runs in the checkpoint's dtype and device, so ``w`` holds them unconverted),
+    the checkpoint's entries become views of their rows of ``fused``. The values are the same bit for
+    bit; the separate copies are freed, so q/k/v and gate/up (two thirds of a model) are not held
+    twice, once by the checkpoint and once fused by the engine. A checkpoint whose weights are not a
+    plain dict is left as it is."""
+    weights = ckpt.weights
+    if not isinstance(weights, dict) or any(weights.get(n) is not w[n] for n in names):
+        return
+    start = 0
+    for n in names:
+        rows = w[n].shape[0]
+        weights[n] = w[n] = fused[start : start + rows]
+        start += rows
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

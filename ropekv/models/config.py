@@ -456,7 +456,11 @@ class ModelConfig:
 
 @dataclass(frozen=True, eq=False)
 class Checkpoint:
-    """A validated config and its float tensors (HF names). ``fingerprint`` identifies the weights."""
+    """A validated config and its float tensors (HF names). ``fingerprint`` identifies the weights.
+
+    An engine built in the checkpoint's own dtype and device re-points the q/k/v and gate/up entries
+    of ``weights`` at rows of its fused copies (the same values bit for bit), so the model is held once
+    (:func:`ropekv.engine.transformer.DecoderWeights.from_checkpoint`)."""
 
     config: ModelConfig
     weights: Mapping[str, torch.Tensor]

@@ -21,6 +21,13 @@ num_kv_heads)`` (grouped-query attention).
 Differences from transformers that are deliberate: norms are computed in ``dtype`` (HF upcasts to
 float32 and casts back), and RoPE angles come from float64 (HF uses float32), so a float64 run is a
 better reference than HF itself.
+
+Memory: the weights are never held in ``dtype`` all at once. A forward streams them: each layer's
+tensors are converted from the checkpoint when that layer runs over every row and dropped after it,
+the embedding is converted at the looked-up rows only and the LM head in blocks of vocabulary rows
+(:data:`HEAD_BLOCK_BYTES`). Beyond the checkpoint itself (which the engine under test shares) a
+float64 forward holds its hidden states plus one layer's weights, whatever the model's size (a 3B
+model is 25.7 GB in float64; one of its layers 0.8 GB).
 """
 
 from __future__ import annotations
@@ -40,6 +47,8 @@ from .config import Checkpoint, ModelConfig
 from .mla import LATENT_NORM_EPS, MlaSpec
 
 _QUERY_BLOCK = 256  # queries per attention block: bounds memory at [H, block, T] scores
+HEAD_BLOCK_BYTES = 64 << 20  # LM head rows converted to the reference dtype at once (a block of the vocabulary)
+_EMBED, _HEAD = "model.embed_tokens.weight", "lm_head.weight"
 
 
 @dataclass(frozen=True, eq=False)
@@ -51,7 +60,8 @@ class ReferenceOutput:
 
 
 class ReferenceDecoder:
-    """Full forward of ``checkpoint`` in ``dtype``; weights are converted once, here."""
+    """Full forward of ``checkpoint`` in ``dtype``; weights are converted as they are used, one layer at
+    a time (module docstring), so the decoder itself holds no weights between forwards."""
 
     def __init__(self, checkpoint: Checkpoint, dtype: torch.dtype = torch.float64):
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -59,7 +69,19 @@ class ReferenceDecoder:
         self.checkpoint = checkpoint
         self.config: ModelConfig = checkpoint.config
         self.dtype = dtype
-        self._w = {name: t.detach().to(dtype=dtype, copy=True) for name, t in checkpoint.weights.items()}
+        # The tensor names of each layer, and of the rest but the embedding and head (final norm, head bias).
+        layers: list[list[str]] = [[] for _ in range(self.config.num_layers)]
+        rest = []
+        for name in checkpoint.weights:
+            layer = _layer_of(name)
+            if layer is not None and layer < len(layers):
+                layers[layer].append(name)
+            elif name not in (_EMBED, _HEAD):
+                rest.append(name)
+        self._layer_names, self._rest_names = layers, rest
+        # The weights of the part of the forward being computed, in ``dtype``: one layer's, or the final
+        # ones; empty between forwards. The pieces below (_linear, _norm, ...) read them by name.
+        self._w: dict[str, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ public
 
@@ -113,19 +135,41 @@ class ReferenceDecoder:
             not isinstance(key_mask, torch.Tensor) or key_mask.dtype != torch.bool or tuple(key_mask.shape) != (T, T)
         ):
             raise UsageError(f"key_mask must be a bool tensor [{T}, {T}]")
-        index = torch.arange(T)  # visibility is by index (positions only rotate; they increase with it)
         if streams is not None and not isinstance(streams, PositionStreams):
             raise UsageError(f"streams must be PositionStreams, got {type(streams).__name__}")
         ropes = [cfg.layer_rope(i) for i in range(cfg.num_layers)]
         if streams is not None and all(r is None or r.mrope_section is None for r in ropes):
             raise UsageError("mRoPE position streams need an mRoPE model (rope mrope_section); this one has none")
         rotate_at = positions if streams is None else streams.at(positions)  # [T] or [3, T]
+        try:
+            return self._stream(tokens, rows, windows, chunks, sink_tokens, positions, key_mask, logits_for, rotate_at)
+        finally:
+            self._w = {}  # drop the last part's converted weights, also when a forward fails
+
+    def _stream(
+        self,
+        tokens: torch.Tensor,
+        rows: torch.Tensor | None,
+        windows: list[int | None],
+        chunks: list[int | None],
+        sink_tokens: int,
+        positions: torch.Tensor,
+        key_mask: torch.Tensor | None,
+        logits_for: str,
+        rotate_at: torch.Tensor,
+    ) -> ReferenceOutput:
+        """The forward of :meth:`forward` on checked arguments, one layer's weights converted at a time."""
+        cfg, T = self.config, tokens.shape[0]
+        index = torch.arange(T)  # visibility is by index (positions only rotate; they increase with it)
         fam = cfg.family
         attn_in, attn_out_norm, mlp_in, mlp_out_norm = cfg.norm_slots
-        x = self._w["model.embed_tokens.weight"][tokens] * cfg.embedding_scale  # [T, hidden]
+        # Row lookup then conversion: the same values as converting the whole table, for T rows' bytes.
+        x = _convert(self.checkpoint.weights[_EMBED][tokens], self.dtype) * cfg.embedding_scale  # [T, hidden]
         probes = []
         for layer in range(cfg.num_layers):
             p = f"model.layers.{layer}."
+            self._w = {}  # the previous layer's weights go before this layer's are converted
+            self._w = self._take(self._layer_names[layer])
             hidden_in = x
             h = self._norm(x, p, attn_in)
             if cfg.mla is not None:
@@ -190,12 +234,13 @@ class ReferenceDecoder:
                     )
                 )
 
+        self._w = {}
+        self._w = self._take(self._rest_names)  # final norm, head bias
         logits_of_rows = logits_for == "probed"
         if logits_of_rows:
             x = x[rows]  # [R, hidden]
         x = self._norm(x, "", fam.block.final_norm)
-        head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-        logits = x @ self._w[head].T  # [T or R, vocab]
+        logits = self._head(x, _EMBED if cfg.tie_word_embeddings else _HEAD)  # [T or R, vocab]
         if "lm_head.bias" in self._w:  # phi, gptj
             logits = logits + self._w["lm_head.bias"]
         logits = logits * cfg.logits_scale
@@ -213,6 +258,26 @@ class ReferenceDecoder:
         return int(self.forward(tokens).logits[-1].argmax())
 
     # ------------------------------------------------------------------ pieces
+
+    def _take(self, names: list[str]) -> dict[str, torch.Tensor]:
+        """The checkpoint's tensors ``names`` in the reference dtype (copies: nothing aliases the
+        checkpoint's, which the engine under test shares)."""
+        weights = self.checkpoint.weights
+        return {name: _convert(weights[name], self.dtype) for name in names}
+
+    def _head(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        """``x [N, hidden] @ W.T`` for the LM head ``name``, converting a block of its vocabulary rows
+        at a time (a 128k-token head is 3.2 GB in float64); one block when the head is small."""
+        weight = self.checkpoint.weights[name]
+        vocab, hidden = weight.shape
+        block = max(1, HEAD_BLOCK_BYTES // (hidden * torch.finfo(self.dtype).bits // 8))
+        if block >= vocab:
+            return x @ _convert(weight, self.dtype).T
+        out = torch.empty(x.shape[0], vocab, dtype=self.dtype)
+        for start in range(0, vocab, block):
+            stop = min(vocab, start + block)
+            out[:, start:stop] = x @ _convert(weight[start:stop], self.dtype).T
+        return out
 
     def _linear(self, x: torch.Tensor, name: str) -> torch.Tensor:
         """``x @ W.T (+ b)`` for the module ``name``; the bias exists iff the checkpoint has it
@@ -459,6 +524,19 @@ class ReferenceDecoder:
         if not isinstance(window, int) or isinstance(window, bool) or window < 1:
             raise UsageError(f"window must be 'model', None or a positive integer, got {window!r}")
         return [window] * n
+
+
+def _convert(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A copy of a checkpoint tensor in ``dtype``: every weight the reference computes with is made
+    here, and lives only as long as the part of the forward that reads it."""
+    return tensor.detach().to(dtype=dtype, copy=True)
+
+
+def _layer_of(name: str) -> int | None:
+    """The layer index of ``model.layers.{i}.*``, else None."""
+    head, _, rest = name.partition("model.layers.")
+    index = rest.split(".", 1)[0]
+    return int(index) if head == "" and index.isdigit() and "." in rest else None
 
 
 def _l2(x: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
