@@ -7,7 +7,11 @@ validated call, so a failed step leaves the cache as it was. ``forward_full`` is
 cache-free forward (for self-parity).
 
 Length-dependent RoPE (dynamic NTK, LongRoPE): under ``key_form="raw"`` keys are rotated on read with
-the frequencies of the current length, as a full forward over the same tokens does at layer 0. Under
+the frequencies of the current length, as a full forward over the same tokens does at layer 0. Every
+chunk of one prefill turns under the frequencies of the length the whole prefill reaches, as one
+unchunked forward over it does: a chunked prefill computes what an unchunked one computes (choosing
+per chunk, from the chunk's end, gives LongRoPE's early chunks the short factors and later ones the
+long factors: the ``longrope-factor-per-chunk`` fault, :mod:`ropekv.faults.mixed_rotations`). Under
 ``"rotated"`` the cache would keep keys turned at stale frequencies, so the engine refuses that
 contract (see docs/contract.md). Re-rotating every cached key at each length change was rejected: it
 costs a pass over the whole cache per step and still leaves deeper layers' keys and values computed
@@ -141,9 +145,12 @@ class Engine:
             self._check_positions(self.cache.last_position(seq_id) + tokens.numel(), self._first(seq_id))
             self.cache.check_room(seq_id, tokens.numel())
             step = chunk_size or tokens.numel()
+            # Every chunk turns under the frequencies of the length the whole prefill reaches (see above).
+            seq_len = self.cache.last_position(seq_id) + 1 + tokens.numel()
             out = None
             for start in range(0, tokens.numel(), step):
-                out = self._step(seq_id, tokens[start : start + step], phase="prefill", probe=False, last_logits=True)
+                chunk = tokens[start : start + step]
+                out = self._step(seq_id, chunk, phase="prefill", probe=False, last_logits=True, seq_len=seq_len)
         except Exception:
             if created and self.cache.num_tokens(seq_id) == 0:
                 self.free(seq_id)
@@ -348,13 +355,21 @@ class Engine:
         return tokens.to(torch.int64)
 
     def _step(
-        self, seq_id: Hashable, tokens: torch.Tensor, *, phase: Phase, probe: bool, last_logits: bool = False
+        self,
+        seq_id: Hashable,
+        tokens: torch.Tensor,
+        *,
+        phase: Phase,
+        probe: bool,
+        last_logits: bool = False,
+        seq_len: int | None = None,
     ) -> StepOutput:
-        """One sequence's chunk (or decode token) as a step of one row."""
+        """One sequence's chunk (or decode token) as a step of one row; ``seq_len``: the length its
+        frequencies are for (a prefill chunk's: the whole prefill's; None: the step's last position + 1)."""
         start = self.cache.last_position(seq_id) + 1
         positions = torch.arange(start, start + tokens.numel(), dtype=torch.int64)
         self._check_positions(int(positions[-1]), self._first(seq_id) if self.cache.num_tokens(seq_id) else start)
-        row = self._row(seq_id, slice(0, tokens.numel()), positions, phase, probed=probe)
+        row = self._row(seq_id, slice(0, tokens.numel()), positions, phase, probed=probe, seq_len=seq_len)
         return self._run(
             tokens,
             positions,
@@ -374,12 +389,14 @@ class Engine:
         probed: bool,
         padding: int | None = None,
         streams: PositionStreams | None = None,
+        seq_len: int | None = None,
     ) -> StepRow:
         """``seq_id``'s share of a step: ``positions [n_r]`` at ``tokens`` of the step, its context and
         groups. ``padding`` (a row of a left-padded batch): the row's left padding, noted in its op
         facts. A batch row keeps its keys until the batch attends (no join buffer, no key scratch)
         and turns its one query and key without step tables. ``streams`` (the full forward's): mRoPE
-        streams; a cached sequence's are its own."""
+        streams; a cached sequence's are its own. ``seq_len``: the length the step's frequencies are
+        for (None: its last position + 1)."""
         padded = padding is not None
         c = self.contract
         if seq_id is not None:
@@ -388,7 +405,7 @@ class Engine:
         ops = self.op_facts(seq_id)
         ctx = StepContext(
             phase=phase,
-            seq_len=int(positions.max()) + 1,
+            seq_len=int(positions.max()) + 1 if seq_len is None else seq_len,
             fork_offset=self._fork_offset.get(seq_id, 0),
             block_size=c.block_size,
             layer_ropes=tuple(c.layer_rope(i) for i in range(c.num_layers)),

@@ -173,7 +173,8 @@ class StepContext:
     ``phase`` is ``"prefill"`` (a chunk of new tokens), ``"decode"`` (one new token), ``"verify"``
     (a speculative draft verified in one forward) or ``"full"`` (the engine's own cache-free forward,
     used for self-parity). ``seq_len`` is the length the
-    frequencies are computed for (length-dependent RoPE); ``fork_offset`` the prefix length the
+    frequencies are computed for (length-dependent RoPE): a decode's or a verify's last position + 1,
+    and for every chunk of a prefill the length the whole prefill reaches; ``fork_offset`` the prefix length the
     sequence was forked at (0 if it was not); ``block_size`` the cache's block size. ``tables``: the
     step's cos/sin tables (its query positions, each window group's key positions); ``key_scratch``:
     a buffer ``[N, KVH, D]`` (working dtype) a rotating read may write the layer's keys into, reused

@@ -15,6 +15,7 @@ import torch
 from ..contract import CacheContract
 from ..engine.rotation import RotationPolicy, rotate
 from ..models.config import Checkpoint
+from ..parity.cases import Case
 from ..rope import RopeScaling, RopeSpec, apply_rotation
 from .native import NativeFault
 
@@ -157,8 +158,11 @@ class StaleDynamicRotation(RotationPolicy):
 
 
 def dynamic_variant(ckpt: Checkpoint, original_max: int = 64, factor: float = 2.0) -> Checkpoint:
-    """The same weights with dynamic NTK RoPE whose original length is ``original_max``."""
-    rope = ckpt.config.rope.replace(scaling=RopeScaling("dynamic", factor=factor), max_position_embeddings=original_max)
+    """The same weights with dynamic NTK RoPE whose original length is ``original_max`` (attention factor
+    1, as transformers' dynamic NTK has, whatever scaling the model had)."""
+    rope = ckpt.config.rope.replace(
+        scaling=RopeScaling("dynamic", factor=factor), max_position_embeddings=original_max, attention_factor=1.0
+    )
     return ckpt.with_config(ckpt.config.replace(rope=rope))
 
 
@@ -373,8 +377,14 @@ CATALOGUE: tuple[NativeFault, ...] = (
         key_form="rotated",
         shows_when="decoding past the original length",
         rotation=StaleDynamicRotation,
-        model=lambda c: c if c.config.rope.length_dependent else dynamic_variant(c),
+        # dynamic NTK even on a LongRoPE model: rotated LongRoPE keys across its switch hold two rotations,
+        # which is mixed_rotations (ropekv.faults.mixed_rotations), not this class
+        model=lambda c: c if c.config.rope.scaling.rope_type == "dynamic" else dynamic_variant(c),
         fixed_key_form=True,
+        # a prompt inside the original length decoded past it: the cached keys keep the frequencies of
+        # length 64 while the queries move on (a prefill past it turns every chunk under the prefill's
+        # own length, so only the decode steps after it drift, too little for the final logits)
+        exposing=(Case(length=60, decode_steps=8, block_size=7),),
     ),
     NativeFault(
         name="partial-rotary-all-channels",

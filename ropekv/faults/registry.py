@@ -24,6 +24,7 @@ from . import (
     catalogue,
     handoff,
     magnitude,
+    mixed_rotations,
     mlx,
     mrope_axes,
     ops,
@@ -58,6 +59,7 @@ REGISTRY: Mapping[str, Fault] = _by_name(
     (
         *catalogue.CATALOGUE,
         *magnitude.CATALOGUE,
+        *mixed_rotations.CATALOGUE,
         *ops.CATALOGUE,
         *speculative.CATALOGUE,
         *position_width.CATALOGUE,

@@ -59,5 +59,8 @@ class BugClass(StrEnum):
     MROPE_AXES_COLLAPSED = "mrope_axes_collapsed"
     # rope magnitude (ropekv.parity.magnitude): angles right, the attention factor dropped or applied twice
     ROPE_MAGNITUDE = "rope_magnitude"  # query/keys at their positions but scaled: |c| / (A |r|) != 1
+    # mixed rotations (ropekv.parity.mixed_rotations): one cache holding keys rotated under two specs, each over
+    # its own range of rows (LongRoPE's short factors on the early chunks of a prefill, its long ones on the later)
+    MIXED_ROTATIONS = "mixed_rotations"
     # nothing above fits, or nothing is wrong at this layer (the evidence says which)
     UNKNOWN = "unknown"

@@ -11,7 +11,9 @@ order (first match wins):
 2. per-layer RoPE features (:func:`ropekv.parity.layer_forensics.diagnose_layer`: NoPE layers,
    partial rotary, local/global RoPE, latent attention), which one spec alone cannot name;
 3. a layer without position embedding whose query and keys are not turned -> ``unknown``;
-4. the general forensics (:func:`ropekv.parity.forensics.diagnose`) under the layer's own spec (for
+4. under LongRoPE, keys of one range of rows under its short factors and of another under its long
+   factors -> ``mixed_rotations`` (:func:`ropekv.parity.mixed_rotations.diagnose_mixed`);
+5. the general forensics (:func:`ropekv.parity.forensics.diagnose`) under the layer's own spec (for
    latent attention, its rope slice); a clean ``unknown`` on a deeper layer of length-dependent RoPE
    becomes ``stale_dynamic_scaling`` (its cached prefix was computed under an earlier length).
 
@@ -33,6 +35,7 @@ from .bug_class import BugClass
 from .cases import Case
 from .diagnosis import Diagnosis
 from .layer_forensics import diagnose_layer
+from .mixed_rotations import diagnose_mixed
 from .report import Divergence
 from .transfer_layout import diagnose_block_layout
 
@@ -163,7 +166,9 @@ def diagnose_divergence(
         seq_len=fd.query_position + 1,
         op_hypotheses=ops.hypotheses(case, key_form, fd.step),
     )
-    d = forensics.diagnose(inp)
+    # A LongRoPE cache holding rows under both factor sets comes first: the general forensics would read
+    # its short rows as keys of an earlier length (stale_dynamic_scaling) without naming the ranges.
+    d = diagnose_mixed(inp) or forensics.diagnose(inp)
     kind, evidence = d.kind, d.evidence
     if relabelled:
         renumbered = _kept_row_rotation(d, view.key_positions, case, fd.query_position)
