@@ -128,13 +128,27 @@ def attend(
     for start in range(0, n, rows):
         stop = min(n, start + rows)
         block_mask = None if mask is None else mask[start:stop]
-        keys = k.shape[0]
+        kb, vb = k, v
         if block_mask is not None:
-            seen = torch.nonzero(block_mask.any(dim=0))
-            keys = int(seen[-1]) + 1 if seen.numel() else 1
-            block_mask = block_mask[:, :keys]
-        out[start:stop] = _attend_block(q[start:stop], k[:keys], v[:keys], block_mask, scale, softcap, sinks)[0]
+            kb, vb, block_mask = _seen_keys(k, v, block_mask)
+        out[start:stop] = _attend_block(q[start:stop], kb, vb, block_mask, scale, softcap, sinks)[0]
     return out, None
+
+
+def _seen_keys(
+    k: torch.Tensor, v: torch.Tensor, block_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The keys ``k, v [N, KVH, D]`` some row of ``block_mask [rows, N]`` sees, and the mask over them:
+    a causal block skips the keys after its last row, a sliding or chunked one also those before its
+    band (a view when the seen keys are one range; the sinks and the band gathered otherwise), so a
+    sliding layer's cost grows with N x window, not N^2."""
+    seen = torch.nonzero(block_mask.any(dim=0)).flatten()  # [K] ascending
+    if not seen.numel():
+        return k[:1], v[:1], block_mask[:, :1]
+    lo, hi = int(seen[0]), int(seen[-1]) + 1
+    if hi - lo == seen.numel():
+        return k[lo:hi], v[lo:hi], block_mask[:, lo:hi]
+    return k[seen], v[seen], block_mask[:, seen]
 
 
 def attend_segments(

@@ -197,21 +197,25 @@ class ReferenceDecoder:
             kv_head = torch.arange(cfg.num_heads) // (cfg.num_heads // cfg.num_kv_heads)  # [H]
             k_heads, v_heads = k_rot[:, kv_head], v[:, kv_head]  # [T, H, D]: query head h reads KV head kv_head[h]
             sinks = self._w[p + "self_attn.sinks"] if cfg.attention_sinks else None  # [H] learned logits
-            block = self._query_block(T)
+            window, chunk = windows[layer], chunks[layer]
+            block = self._query_block(_band_width(T, window, chunk, sink_tokens))
             for start in range(0, T, block):
                 stop = min(T, start + block)  # causal: no query of the block sees a key at or past `stop`
+                # A sliding or chunked layer reads only its band of keys: its cost grows with T x window.
+                keys = band(start, stop, window, sink_tokens, chunk, positions)  # [K] ascending key indices
                 scores = self._attn_logits(
                     q_rot[start:stop],
                     index[start:stop],
-                    k_heads[:stop],
-                    windows[layer],
+                    _take_rows(k_heads, keys),
+                    window,
                     sink_tokens,
-                    chunks[layer],
+                    chunk,
                     positions,
+                    keys,
                 )
-                if key_mask is not None:  # [block, stop] extra visibility (evicted keys)
-                    scores = scores.masked_fill(~key_mask[start:stop, :stop][None], float("-inf"))
-                attn[start:stop] = self._attend(scores, v_heads[:stop], sinks)
+                if key_mask is not None:  # [block, K] extra visibility (evicted keys)
+                    scores = scores.masked_fill(~_take_cols(key_mask[start:stop], keys)[None], float("-inf"))
+                attn[start:stop] = self._attend(scores, _take_rows(v_heads, keys), sinks)
             attn_out = self._norm(self._linear(attn.reshape(T, -1), p + "self_attn.o_proj"), p, attn_out_norm)
             if cfg.parallel:  # attention and MLP both read the block input (through one norm, or each its own)
                 mlp_h = self._norm(hidden_in, p, mlp_in) if mlp_in is not None else h
@@ -459,15 +463,18 @@ class ReferenceDecoder:
         sinks: int,
         chunk: int | None = None,
         positions: torch.Tensor | None = None,
+        keys: Band | None = None,
     ) -> torch.Tensor:
-        """Scaled, masked scores ``[H, R, T]`` of queries ``q_rot [R, H, D]`` at ``rows`` against the
-        keys ``k_heads [T, H, D]`` (already repeated per query head); ``chunk``: a chunked layer, whose
-        chunks are cut by the tokens' ``positions``."""
+        """Scaled, masked scores ``[H, R, K]`` of queries ``q_rot [R, H, D]`` at ``rows`` against the
+        keys ``k_heads [K, H, D]`` (already repeated per query head), the keys at indices ``keys`` (None:
+        ``0..K-1``); ``chunk``: a chunked layer, whose chunks are cut by the tokens' ``positions``."""
         cfg = self.config
         scores = torch.einsum("rhd,thd->hrt", q_rot, k_heads) * cfg.attn_scale
         if cfg.attn_softcap is not None:  # gemma2: cap * tanh(scores / cap), before the mask
             scores = torch.tanh(scores / cfg.attn_softcap) * cfg.attn_softcap
-        mask = visible(rows, k_heads.shape[0], window, sinks, chunk, positions)
+        mask = visible(
+            rows, k_heads.shape[0], window, sinks, chunk, positions, None if keys is None else keys.indices()
+        )
         return scores.masked_fill(~mask, float("-inf"))
 
     def _attend(self, scores: torch.Tensor, v_heads: torch.Tensor, sinks: torch.Tensor | None) -> torch.Tensor:
@@ -567,20 +574,78 @@ def visible(
     sink_tokens: int = 0,
     chunk: int | None = None,
     positions: torch.Tensor | None = None,
+    key_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Boolean mask ``[R, num_keys]``: key ``j`` visible to the query at position ``i = rows[r]`` iff
     ``j <= i`` and (``window`` is None, or ``i - window < j``, or ``j < sink_tokens``), and on a
     chunked layer the key's position is in the query's chunk: ``pos(j) >= (pos(i) // chunk) * chunk``
-    (``positions [T]``: the tokens' positions; None: positions are the indices)."""
+    (``positions [T]``: the tokens' positions; None: positions are the indices). ``key_index
+    [num_keys]``: the keys' indices (a band); None: ``0..num_keys-1``."""
     i = rows[:, None]
-    j = torch.arange(num_keys)[None, :]
+    keys = torch.arange(num_keys) if key_index is None else key_index
+    j = keys[None, :]
     mask = j <= i
     if window is not None:
         mask &= (j > i - window) | (j < sink_tokens)
     if chunk is not None:
-        pos = (
-            torch.arange(max(num_keys, int(rows.max()) + 1 if rows.numel() else 0)) if positions is None else positions
-        )
-        qpos, kpos = pos[rows][:, None], pos[:num_keys][None, :]
+        top = max(int(keys.max()) + 1 if keys.numel() else 0, int(rows.max()) + 1 if rows.numel() else 0)
+        pos = torch.arange(top) if positions is None else positions
+        qpos, kpos = pos[rows][:, None], pos[keys][None, :]
         mask &= kpos >= (qpos // chunk) * chunk
     return mask
+
+
+@dataclass(frozen=True)
+class Band:
+    """The keys a block of queries can see, as two index ranges: ``head_lo..head_hi-1`` (a sliding
+    layer's sink tokens below its band; empty elsewhere) then ``lo..stop-1``."""
+
+    head_lo: int
+    head_hi: int
+    lo: int
+    stop: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.head_lo <= self.head_hi <= self.lo <= self.stop:
+            raise ValueError(f"band needs 0 <= head_lo <= head_hi <= lo <= stop, got {self}")
+
+    def indices(self) -> torch.Tensor:
+        return torch.cat([torch.arange(self.head_lo, self.head_hi), torch.arange(self.lo, self.stop)])  # [K]
+
+
+def band(
+    start: int, stop: int, window: int | None, sink_tokens: int, chunk: int | None, positions: torch.Tensor
+) -> Band:
+    """The keys the queries at indices ``start..stop-1`` may see: every key below ``stop`` on a global
+    layer; on a sliding layer ``start - window + 1 .. stop - 1`` and the sink tokens; on a chunked layer
+    the keys from the first query's chunk on (``positions [T]`` ascending with the index, as the
+    reference's tokens are). A superset of what :func:`visible` lets through, never a subset."""
+    chunk_lo = 0
+    if chunk is not None:
+        first = (int(positions[start]) // chunk) * chunk
+        chunk_lo = int(torch.searchsorted(positions[:stop].contiguous(), first))
+    lo = max(chunk_lo, start - window + 1) if window is not None else chunk_lo
+    head_hi = max(chunk_lo, min(sink_tokens, lo)) if window is not None else chunk_lo
+    return Band(chunk_lo, head_hi, lo, stop)
+
+
+def _band_width(T: int, window: int | None, chunk: int | None, sink_tokens: int) -> int:
+    """The most keys one query of a layer reads: what sizes its query blocks."""
+    width = T
+    if window is not None:
+        width = min(width, window + sink_tokens + _QUERY_BLOCK)
+    if chunk is not None:
+        width = min(width, chunk + _QUERY_BLOCK)
+    return width
+
+
+def _take_rows(x: torch.Tensor, keys: Band) -> torch.Tensor:
+    """Rows ``keys`` of ``x [T, ...]``: a view of the range, the sinks joined in front when there are any."""
+    body = x[keys.lo : keys.stop]
+    return body if keys.head_hi == keys.head_lo else torch.cat([x[keys.head_lo : keys.head_hi], body])
+
+
+def _take_cols(x: torch.Tensor, keys: Band) -> torch.Tensor:
+    """Columns ``keys`` of ``x [R, T]``."""
+    body = x[:, keys.lo : keys.stop]
+    return body if keys.head_hi == keys.head_lo else torch.cat([x[:, keys.head_lo : keys.head_hi], body], dim=1)
