@@ -48,6 +48,8 @@ DTYPES: dict[str, torch.dtype] = {  # compute and storage dtypes
 }
 FP8_DTYPE = "float8_e4m3fn"  # an 8-bit KV cache (vLLM's kv_cache_dtype=fp8): storage only, with scales
 STORAGE_DTYPES: dict[str, torch.dtype] = {**DTYPES, FP8_DTYPE: torch.float8_e4m3fn}
+KvDtype = Literal["fp8"]  # the cache dtypes an engine may store in besides its compute dtype
+KV_DTYPES: tuple[str, ...] = get_args(KvDtype)
 # How a quantized cache's scales are kept (:class:`KvQuant`): one per layer, or one per layer and KV head.
 KvScale = Literal["per_tensor", "per_head"]
 KV_SCALES: tuple[str, ...] = get_args(KvScale)

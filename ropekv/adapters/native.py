@@ -3,27 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal, get_args
 
 import torch
 
 from ..attention_kind import MODEL_WINDOWS
 from ..cache.policy import CacheOpPolicy
-from ..contract import DTYPES, FP8_DTYPE, KV_SCALES, CacheContract, KeyForm, KvScale
-from ..errors import UsageError
+from ..contract import DTYPES, FP8_DTYPE, KV_DTYPES, KV_SCALES, CacheContract, KeyForm, KvDtype, KvScale
 from ..engine import Engine
 from ..engine.attention import BackendName
 from ..engine.rotation import RotationPolicy
 from ..engine.transformer import DecoderWeights
+from ..errors import UsageError
 from ..models.config import Checkpoint
 from ..parity.cases import OP_KINDS, Case
 from ..parity.protocol import CaseRun, EngineDescription, FullRun, Ignored, Tier
 from .native_ops import run_op_case
 from .native_steps import decode_steps, prefill_case
-
-
-KvDtype = Literal["fp8"]  # the cache dtypes an engine may store in besides its compute dtype
-KV_DTYPES: tuple[str, ...] = get_args(KvDtype)
 
 
 class NativeAdapter:
@@ -47,7 +42,9 @@ class NativeAdapter:
         kv_scale: KvScale = "per_tensor",
     ):
         if kv_dtype not in (None, *KV_DTYPES):
-            raise UsageError(f"kv_dtype must be one of {', '.join(KV_DTYPES)} (or None: the compute dtype), got {kv_dtype!r}")
+            raise UsageError(
+                f"kv_dtype must be one of {', '.join(KV_DTYPES)} (or None: the compute dtype), got {kv_dtype!r}"
+            )
         if kv_scale not in KV_SCALES:
             raise UsageError(f"kv_scale must be one of {', '.join(KV_SCALES)}, got {kv_scale!r}")
         if kv_dtype is not None and dtype != "float32":

@@ -21,9 +21,9 @@ import torch
 
 from ..contract import key_form_consequence
 from ..errors import CacheError, CapacityError, ContractMismatch, UsageError
-from .quant import LayerScales
 from .layout import CacheGroup, Group, KVView, Reservation, SeqState, head_rows, pool_rows, put_rows
 from .ops import CacheOps
+from .quant import LayerScales
 from .reserve import Reservations
 from .store import check_seq_id
 
@@ -193,9 +193,17 @@ class PagedKVCache(CacheOps, Reservations):
                 held = copied & (g.positions.view(-1)[flat] >= 0)
             g.positions.view(-1)[flat] = pos if every else pos[rows_d]
             for layer in g.layers:
-                for which, pool, src in (("k", self.keys[layer], keys[layer]), ("v", self.values[layer], values[layer])):
+                for which, pool, src in (
+                    ("k", self.keys[layer], keys[layer]),
+                    ("v", self.values[layer], values[layer]),
+                ):
                     src = src.to(self.device)
-                    src = self.encode(layer, which, src if every else src[rows_d])  # [k, KVH, D] stored form
+                    src = src if every else src[rows_d]
+                    if which == "k" and self.quantized:  # the keys the quantizer is handed (its point: RoPE's)
+                        src = self.policy.quantized_keys(
+                            self.contract.layer_rope(layer), src, pos if every else pos[rows_d]
+                        )
+                    src = self.encode(layer, which, src)  # [k, KVH, D] stored form
                     if held is not None and bool(held.any()):
                         src = self.policy.copied_block_rows(src, pool_rows(pool).index_select(0, flat), held)
                     put_rows(pool, flat, src)
@@ -292,7 +300,11 @@ class PagedKVCache(CacheOps, Reservations):
         if self.quantized and self.scales[layer] is None:  # nothing written yet: no rows to dequantize
             keys, values = keys.to(torch.float32), values.to(torch.float32)
         elif self.quantized:  # float32 rows, dequantized with the scales the policy picks (the layer's own)
-            inherited = positions <= seq.history[seq.inherited - 1] if seq.inherited else torch.zeros_like(positions, dtype=torch.bool)
+            inherited = (
+                positions <= seq.history[seq.inherited - 1]
+                if seq.inherited
+                else torch.zeros_like(positions, dtype=torch.bool)
+            )
             k_scale, v_scale = self.policy.read_scales(layer, self.scales, inherited)
             keys, values = self.decode(layer, "k", keys, k_scale), self.decode(layer, "v", values, v_scale)
         if copy:

@@ -52,6 +52,12 @@ class CacheOpPolicy:
         assert s is not None, "a read of a written layer: its scales are set"
         return s.k, s.v
 
+    def quantized_keys(self, rope: RopeSpec | None, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The keys ``[k, KVH, D]`` an 8-bit cache quantizes for rows at ``positions [k]``: the keys it
+        was handed, in the contract's key form (rotated keys after RoPE, raw keys before it).
+        ``rope``: the layer's spec (None: a layer without position embedding)."""
+        return keys
+
     def shift_keys(self, rope: RopeSpec, keys: torch.Tensor, delta: int, key_form: str) -> torch.Tensor:
         """Stored keys ``[N, KVH, D]`` after their positions moved by ``delta``."""
         if key_form == "raw":

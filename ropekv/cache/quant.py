@@ -20,6 +20,7 @@ prefix-cache hit (docs/faults.md).
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
 from ..contract import KV_SCALES, KvScale

@@ -28,6 +28,7 @@ from . import (
     mrope_axes,
     ops,
     position_width,
+    quantized_kv,
     speculative,
     transfer_layout,
     vllm,
@@ -58,6 +59,7 @@ REGISTRY: Mapping[str, Fault] = _by_name(
     (
         *catalogue.CATALOGUE,
         *magnitude.CATALOGUE,
+        *quantized_kv.CATALOGUE,
         *ops.CATALOGUE,
         *speculative.CATALOGUE,
         *position_width.CATALOGUE,

@@ -59,5 +59,8 @@ class BugClass(StrEnum):
     MROPE_AXES_COLLAPSED = "mrope_axes_collapsed"
     # rope magnitude (ropekv.parity.magnitude): angles right, the attention factor dropped or applied twice
     ROPE_MAGNITUDE = "rope_magnitude"  # query/keys at their positions but scaled: |c| / (A |r|) != 1
+    # quantized KV (ropekv.parity.kv_quant_forensics): the query right, cached keys at their positions but
+    # scaled by one constant factor per row range (8-bit codes dequantized with another scale than theirs)
+    KV_SCALE_MISMATCH = "kv_scale_mismatch"
     # nothing above fits, or nothing is wrong at this layer (the evidence says which)
     UNKNOWN = "unknown"

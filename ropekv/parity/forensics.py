@@ -51,7 +51,7 @@ import torch
 
 from ..errors import UsageError
 from ..rope import RopeSpec, pair_channels
-from . import block_seam, magnitude, position_width
+from . import block_seam, kv_quant_forensics, magnitude, position_width
 from .bug_class import BugClass
 from .diagnosis import Diagnosis
 from .finding import Finding
@@ -499,6 +499,12 @@ def _diagnose_pattern(inp: ForensicInput, a: _Analysis, sel: torch.Tensor) -> Di
     if d_q == 0 and _most(ok, d == 0):
         seq_len = inp.seq_len if inp.seq_len is not None else t + 1
         k_raw, k_eff = inp.k_raw[sel], inp.k_eff[sel]
+        at = ok & (d == 0)
+        rows = kv_quant_forensics.scaled_rows(
+            inp.rope, inp.q_raw, inp.q_eff, k_raw, k_eff, t, j, seq_len, at, inp.fork_offset
+        )
+        if rows is not None:  # the query right, cached rows scaled: 8-bit codes read under another scale
+            return done(BugClass.KV_SCALE_MISMATCH, rows.text, rows.show, **rows.details)
         scaled = magnitude.scaled_rotation(inp.rope, inp.q_raw, inp.q_eff, k_raw, k_eff, t, j, seq_len, ok & (d == 0))
         if scaled is not None:  # the angles are right, the lengths are not (an attention factor lost or doubled)
             return done(BugClass.ROPE_MAGNITUDE, scaled.text, scaled.show, **scaled.details)

@@ -479,11 +479,15 @@ def _check_scales(h: Handoff) -> None:
             raise PayloadError(f"handoff scales come with an 8-bit contract only; this one stores {c.dtype}")
         return
     if not isinstance(h.scales, tuple) or len(h.scales) != c.num_layers:
-        raise PayloadError(f"handoff of an 8-bit cache needs one LayerScales per layer ({c.num_layers}): codes never travel without them")
+        raise PayloadError(
+            f"handoff of an 8-bit cache needs one LayerScales per layer ({c.num_layers}): codes never travel without them"
+        )
     size = scale_size(c)
     for i, sc in enumerate(h.scales):
         if not isinstance(sc, LayerScales) or sc.k.numel() != size or sc.v.numel() != size:
-            raise PayloadError(f"handoff scales of layer {i} must be LayerScales of {size} entries ({c.kv_quant.scale})")
+            raise PayloadError(
+                f"handoff scales of layer {i} must be LayerScales of {size} entries ({c.kv_quant.scale})"
+            )
 
 
 def _check_handoff(h: Handoff) -> None:
