@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..cache.policy import CacheOpPolicy
+from ..models.config import Checkpoint
 from ..parity.cases import Case
 from .native import NativeFault
 
@@ -66,6 +67,34 @@ class QuantizedBeforeRope(CacheOpPolicy):
         return keys if rope is None else rope.unrotate(keys.to(torch.float64), positions.cpu()).to(keys.dtype)
 
 
+APART = 4.0  # how much larger every odd layer's keys and values are in :func:`layers_apart`
+
+
+def layers_apart(ckpt: Checkpoint, factor: float = APART) -> Checkpoint:
+    """The same function with every odd layer's keys and values ``factor`` times larger: its key
+    projection (or key norm, where keys are normed) and value projection times ``factor``, its query
+    projection (or query norm) and output projection divided by it, so every attention score and
+    output is what it was. Adjacent layers' scales then differ ``factor`` times, as a trained model's do
+    while a random test model's layers are alike (two layers of one init: scales within 1.4x, where
+    reading the other layer's scale stays inside fp8's noise). A model whose attention weights have
+    other names (latent attention) is returned unchanged."""
+    w = dict(ckpt.weights)
+    for i in range(1, ckpt.config.num_layers, 2):
+        at = f"model.layers.{i}.self_attn."
+        normed = f"{at}k_norm.weight" in w
+        up = [f"{at}k_norm.weight"] if normed else [f"{at}k_proj.weight", f"{at}k_proj.bias"]
+        down = [f"{at}q_norm.weight"] if normed else [f"{at}q_proj.weight", f"{at}q_proj.bias"]
+        up += [f"{at}v_proj.weight", f"{at}v_proj.bias"]
+        down += [f"{at}o_proj.weight"]
+        if not all(n in w for n in (up[0], down[0], f"{at}v_proj.weight", f"{at}o_proj.weight")):
+            return ckpt
+        for names, by in ((up, factor), (down, 1.0 / factor)):
+            for n in names:
+                if n in w:
+                    w[n] = w[n] * by
+    return Checkpoint.from_tensors(ckpt.config, w, source=f"{ckpt.source} (odd layers' keys and values x{factor:g})")
+
+
 # A prefix-cache hit (the earlier request wrote the scales and the prefix), a prompt past it and two
 # decode steps; the prefix is not block-aligned, so the hit shares a partial block too.
 _PREFIX_HIT = (Case(length=12, prefix=9, block_size=4, decode_steps=2),)
@@ -86,11 +115,12 @@ CATALOGUE: tuple[NativeFault, ...] = (
     NativeFault(
         name="fp8-scales-of-another-layer",
         kind="kv_scale_mismatch",
-        description=f"{_WHERE}: layer i dequantizes with layer i + 1's scales",
+        description=f"{_WHERE}: layer i dequantizes with layer i + 1's scales (odd layers' KV 4x larger, same function)",
         key_form="rotated",
         shows_when="any read of cached rows (the first decode; a model of two layers or more)",
         cache_ops=ScalesOfAnotherLayer,
         kv_dtype="fp8",
+        model=layers_apart,
         exposing=_DECODE,
     ),
     NativeFault(
