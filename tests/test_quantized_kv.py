@@ -347,3 +347,31 @@ def test_yarn_faults_are_never_named_kv_scale_mismatch(llama, name):
     assert plain.diagnosis is not None and plain.diagnosis.kind == BugClass.ROPE_MAGNITUDE, plain.table()
     fp8 = check(fault.adapter(llama, kv_dtype="fp8"), cases=list(fault.exposing)[:1])
     assert fp8.diagnosis is not None and fp8.diagnosis.kind != BugClass.KV_SCALE_MISMATCH, fp8.table()
+
+
+# ---------------------------------------------------------------------- the command line
+
+
+def test_the_cli_checks_an_fp8_cache_and_names_a_dropped_scale(tiny_llama_dir, capsys):
+    from ropekv.cli.main import main
+
+    ok = main(
+        ["check", str(tiny_llama_dir), "--kv-dtype", "fp8", "--lengths", "17", "--block-sizes", "7", "--no-progress"]
+    )
+    out = capsys.readouterr().out
+    assert ok == 0, out
+    assert "fp8 KV cache (per_tensor scales)" in out and "tolerance 0.3" in out
+    code = main(
+        [
+            "check",
+            str(tiny_llama_dir),
+            "--inject",
+            "fp8-scales-dropped-on-prefix-hit",
+            "--no-progress",
+            "--lengths",
+            "12",
+        ]
+        + ["--prefix-offsets", "9", "--block-sizes", "4"]
+    )
+    out = capsys.readouterr().out
+    assert code == 1 and "kv_scale_mismatch" in out, out
