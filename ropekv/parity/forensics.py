@@ -32,7 +32,10 @@ rotation whatever the attention factor ``A``.
    ``query_position_offset``; query off and the newest keys off with it (the newest where the query is,
    later steps never further ahead, the older keys right: a step offset gone wrong, e.g. taken from a
    ring's fill count) -> ``query_position_offset`` with those keys named; query right, keys (all or some) off by one constant ->
-   ``key_position_offset``; all right but a residual phase growing with position (rank correlation
+   ``key_position_offset``; all at their positions with the query's length right and cached keys
+   scaled by one constant per row range (8-bit codes read under another scale) -> ``kv_scale_mismatch``
+   (:mod:`ropekv.parity.kv_quant_forensics`); lengths off by the attention factor -> ``rope_magnitude``
+   (:mod:`ropekv.parity.magnitude`); all right but a residual phase growing with position (rank correlation
    >= 0.5, or 0.3 when self-parity passed; >= :data:`RES_TOL` at the newest keys and 3x the oldest) ->
    ``low_precision_angles``; all right and no such trend -> ``unknown`` with fit ~1 (a clean row).
 
