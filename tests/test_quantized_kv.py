@@ -375,3 +375,12 @@ def test_the_cli_checks_an_fp8_cache_and_names_a_dropped_scale(tiny_llama_dir, c
     )
     out = capsys.readouterr().out
     assert code == 1 and "kv_scale_mismatch" in out, out
+
+
+@pytest.mark.parametrize("name", ["fp8-scales-dropped-on-prefix-hit", "fp8-scales-of-another-layer"])
+def test_per_head_scales_are_named_with_one_factor_per_head(llama, name):
+    fault = FAULTS[name]
+    report = check(fault.adapter(llama, kv_scale="per_head"), cases=list(fault.exposing), tolerance=kv_tolerance("fp8"))
+    d = report.diagnosis
+    assert d is not None and d.kind == BugClass.KV_SCALE_MISMATCH, report.table()
+    assert "per head x" in d.evidence and len(d.details["key_factors"][0]) == llama.config.num_kv_heads
