@@ -40,12 +40,22 @@ BLOCK_LAYOUTS: tuple[str, ...] = get_args(BlockLayout)
 DEFAULT_BLOCK_LAYOUT: BlockLayout = "blocks,2,block,heads,dim"
 KEY_FORMS: tuple[str, ...] = get_args(KeyForm)
 ROTATION_INDICES: tuple[str, ...] = get_args(RotationIndex)
-DTYPES: dict[str, torch.dtype] = {
+DTYPES: dict[str, torch.dtype] = {  # compute and storage dtypes
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
     "float64": torch.float64,
 }
+FP8_DTYPE = "float8_e4m3fn"  # an 8-bit KV cache (vLLM's kv_cache_dtype=fp8): storage only, with scales
+STORAGE_DTYPES: dict[str, torch.dtype] = {**DTYPES, FP8_DTYPE: torch.float8_e4m3fn}
+KvDtype = Literal["fp8"]  # the cache dtypes an engine may store in besides its compute dtype
+KV_DTYPES: tuple[str, ...] = get_args(KvDtype)
+# How a quantized cache's scales are kept (:class:`KvQuant`): one per layer, or one per layer and KV head.
+KvScale = Literal["per_tensor", "per_head"]
+KV_SCALES: tuple[str, ...] = get_args(KvScale)
+# Where keys are quantized: after RoPE (rotated keys, vLLM) or before it (raw keys, rotated on read).
+QuantPoint = Literal["after_rope", "before_rope"]
+QUANT_POINTS: tuple[str, ...] = get_args(QuantPoint)
 FORMAT = "ropekv.cache_contract"
 # 2: kernel_rotates is derived from key_form and no longer written; 1 is still read.
 # 3: chunk_size and chunk_layers (chunked attention). A contract without chunked layers is still
@@ -109,6 +119,18 @@ _CONSEQUENCES: dict[str, str] = {
     "mla.qk_rope_head_dim": "MLA's position-free and rope parts would be cut at other channels",
     "mla.v_head_dim": "values would be read with another size per head",
     "mla.kv_lora_rank": "the compressed latent would have another size: latent and rope part would be misread",
+    "kv_quant": (
+        "one side stores 8-bit keys and values with scales, the other does not: codes would be read as "
+        "numbers, or numbers as codes"
+    ),
+    "kv_quant.scale": (
+        "scales kept per tensor on one side and per KV head on the other: each head's codes would be "
+        "multiplied by another head's or the whole layer's scale (keys and values off by a constant factor)"
+    ),
+    "kv_quant.quantized": (
+        "keys quantized before RoPE on one side and after it on the other: the reader would rotate codes "
+        "of rotated keys again, or never rotate codes of raw keys"
+    ),
     "block_layout": (
         "each block's bytes would be read with heads and tokens swapped: a received (row, head) would hold "
         "another row's or another head's key and value, wrong from the first layer"
@@ -159,6 +181,38 @@ class MlaCache:
         names = {f.name for f in dataclasses.fields(cls)}
         if not isinstance(data, dict) or set(data) != names:
             raise ConfigError(f"cache contract JSON: mla must be an object with exactly {sorted(names)}")
+        return cls(**data)
+
+
+@dataclass(frozen=True)
+class KvQuant:
+    """How an 8-bit cache (``dtype="float8_e4m3fn"``) stores its keys and values.
+
+    - ``scale``: ``"per_tensor"`` (one float32 per layer for keys, one for values) or ``"per_head"``
+      (one per layer and KV head); :mod:`ropekv.cache.quant` computes them (static, at a layer's first
+      write) and the cache keeps them per layer.
+    - ``quantized``: ``"after_rope"`` (the rotated key is quantized, vLLM's fp8 cache) or
+      ``"before_rope"`` (the raw key is quantized and rotated after dequantizing on read). It follows
+      the key form (rotated keys are quantized after RoPE, raw keys before): the contract validates it
+      instead of deriving it, so a reader that assumes the other point is refused by name.
+    """
+
+    scale: KvScale
+    quantized: QuantPoint
+
+    def __post_init__(self) -> None:
+        if self.scale not in KV_SCALES:
+            raise ConfigError(f"contract kv_quant.scale must be one of {KV_SCALES}, got {self.scale!r}")
+        if self.quantized not in QUANT_POINTS:
+            raise ConfigError(f"contract kv_quant.quantized must be one of {QUANT_POINTS}, got {self.quantized!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"scale": self.scale, "quantized": self.quantized}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> KvQuant:
+        if not isinstance(data, dict) or set(data) != {"scale", "quantized"}:
+            raise ConfigError("cache contract JSON: kv_quant must be an object with exactly ['quantized', 'scale']")
         return cls(**data)
 
 
@@ -258,6 +312,9 @@ class CacheContract:
       ``"blocks,2,block,heads,dim"`` (the default) or ``"blocks,2,heads,block,dim"``; a payload lays its
       keys and values out so (``ropekv.transfer.payload``). Written only when not the default, so the
       fingerprint of every contract in the default layout is unchanged.
+    - ``kv_quant``: for an 8-bit cache (``dtype="float8_e4m3fn"``, vLLM's ``kv_cache_dtype=fp8``), the
+      scales' granularity and where keys are quantized (:class:`KvQuant`); None for every other dtype.
+      Written only when set, so every unquantized contract keeps its fingerprint.
 
     ``layers`` (derived, not a constructor argument and not serialized): one :class:`LayerContract` per
     layer, built once from ``window``/``window_layers``, ``chunk_size``/``chunk_layers`` and
@@ -286,6 +343,7 @@ class CacheContract:
     layer_ropes: tuple[RopeSpec | None, ...] | None = None
     mla: MlaCache | None = None
     block_layout: BlockLayout = DEFAULT_BLOCK_LAYOUT
+    kv_quant: KvQuant | None = None
 
     def __post_init__(self) -> None:
         if self.key_form not in KEY_FORMS:
@@ -325,8 +383,9 @@ class CacheContract:
             )
         if self.sink_tokens > 0 and self.window is None:
             raise ConfigError(f"contract sink_tokens={self.sink_tokens} needs a window (sinks are what a window keeps)")
-        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:
-            raise ConfigError(f"contract dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+        if not isinstance(self.dtype, str) or self.dtype not in STORAGE_DTYPES:
+            raise ConfigError(f"contract dtype must be one of {tuple(STORAGE_DTYPES)}, got {self.dtype!r}")
+        self._check_kv_quant()
         if not isinstance(self.model_fingerprint, str):
             raise ConfigError(f"contract model_fingerprint must be a string, got {self.model_fingerprint!r}")
         if isinstance(self.layer_ropes, list):  # normalize, do not reinterpret
@@ -364,6 +423,22 @@ class CacheContract:
                 attention = LayerAttention("full")
             records.append(LayerContract(attention, self.rope if self.layer_ropes is None else self.layer_ropes[i]))
         return tuple(records)
+
+    def _check_kv_quant(self) -> None:
+        """An fp8 dtype comes with its :class:`KvQuant` (scales and quantization point), and only it."""
+        q = self.kv_quant
+        if q is not None and not isinstance(q, KvQuant):
+            raise ConfigError(f"contract kv_quant must be a KvQuant or None, got {type(q).__name__}")
+        if (self.dtype == FP8_DTYPE) != (q is not None):
+            raise ConfigError(
+                f"contract dtype={self.dtype!r} with kv_quant={q!r}: an {FP8_DTYPE} cache needs its scale "
+                "granularity and quantization point (kv_quant), and only an 8-bit cache has them"
+            )
+        if q is not None and q.quantized != ("after_rope" if self.key_form == "rotated" else "before_rope"):
+            raise ConfigError(
+                f"contract kv_quant.quantized={q.quantized!r} with key_form={self.key_form!r}: rotated keys are "
+                "quantized after RoPE, raw keys before it (they are rotated after dequantizing)"
+            )
 
     def _check_mla(self) -> None:
         """The rows an MLA cache form implies: their size, head count and the rotated slice (the rope part)."""
@@ -434,12 +509,14 @@ class CacheContract:
         rotation_index: RotationIndex = "logical",
         model_fingerprint: str = "",
         mla_form: MlaForm = "expanded",
+        kv_scale: KvScale | None = None,
     ) -> CacheContract:
         """The contract for ``config``. ``window=MODEL_WINDOWS`` (``"model"``): the config's sliding and chunked layers with
         their window and chunk size; an int: that window on every layer (and no chunks); None: full
         attention on every layer. The kernel rotates iff keys are raw. ``mla_form`` (MLA models only):
         the rows the cache holds, :class:`MlaCache` (ropekv's engine caches ``"expanded"``;
-        ``"latent"`` describes transformers' and vLLM's caches)."""
+        ``"latent"`` describes transformers' and vLLM's caches). ``kv_scale`` (``dtype="float8_e4m3fn"``
+        only): the scales' granularity; the quantization point follows ``key_form`` (:class:`KvQuant`)."""
         chunks: tuple[int, ...] = ()
         if window == MODEL_WINDOWS:
             kinds = config.layer_attentions
@@ -487,14 +564,21 @@ class CacheContract:
             block_size=block_size,
             dtype=dtype,
             model_fingerprint=model_fingerprint,
+            kv_quant=None
+            if kv_scale is None
+            else KvQuant(kv_scale, "after_rope" if key_form == "rotated" else "before_rope"),
         )
 
     def replace(self, **changes: Any) -> CacheContract:
         return dataclasses.replace(self, **changes)
 
     def with_key_form(self, key_form: KeyForm) -> CacheContract:
-        """The same contract with ``key_form`` (``kernel_rotates`` follows it)."""
-        return dataclasses.replace(self, key_form=key_form)
+        """The same contract with ``key_form`` (``kernel_rotates`` and an 8-bit cache's quantization
+        point follow it)."""
+        q = self.kv_quant
+        if q is not None:
+            q = KvQuant(q.scale, "after_rope" if key_form == "rotated" else "before_rope")
+        return dataclasses.replace(self, key_form=key_form, kv_quant=q)
 
     @property
     def kernel_rotates(self) -> bool:
@@ -503,7 +587,14 @@ class CacheContract:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        """The dtype keys and values are stored in (the pools')."""
+        return STORAGE_DTYPES[self.dtype]
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype an engine under this contract computes in: the storage dtype, float32 for an 8-bit
+        cache (its rows are dequantized to float32 on read)."""
+        return torch.float32 if self.kv_quant is not None else STORAGE_DTYPES[self.dtype]
 
     def fingerprint(self) -> str:
         """A short stable hash of every field (RoPE included)."""
@@ -518,7 +609,7 @@ class CacheContract:
         diffs = [FieldDiff(k, ours.get(k), theirs.get(k)) for k in _union(ours, theirs) if ours.get(k) != theirs.get(k)]
         # A layer that is NoPE on one side differs as a whole ("layers.3.rope"), not field by field.
         whole = {d.field for d in diffs if d.field.startswith("layers.") and d.field.endswith(".rope")}
-        whole |= {d.field for d in diffs if d.field == "mla"}  # MLA on one side only: one difference
+        whole |= {d.field for d in diffs if d.field in ("mla", "kv_quant")}  # on one side only: one difference
         diffs = [d for d in diffs if not any(d.field.startswith(w + ".") for w in whole)]
         # Each layer whose attention kind differs, by name (the fields above say how the kinds are set).
         for i, (a, b) in enumerate(zip(self.layers, other.layers)):
@@ -557,6 +648,10 @@ class CacheContract:
             d["mla"] = self.mla.to_dict()
         if self.block_layout == DEFAULT_BLOCK_LAYOUT:
             del d["block_layout"]  # the default layout: the format (and fingerprints) of contracts before it
+        if self.kv_quant is None:
+            del d["kv_quant"]  # not quantized: the format (and fingerprints) of contracts before 8-bit caches
+        else:
+            d["kv_quant"] = self.kv_quant.to_dict()
         return d
 
     def to_json(self) -> str:
@@ -595,7 +690,7 @@ class CacheContract:
                     )
                 )
         expected = set(_FIELDS) | {"format", "version"}
-        optional = {"layer_ropes", "mla", "block_layout"}
+        optional = {"layer_ropes", "mla", "block_layout", "kv_quant"}
         if version != 3:  # chunked attention exists from version 3 on; a version 3 document always has it
             expected -= {"chunk_size", "chunk_layers"}
         missing, unexpected = sorted(expected - set(data) - optional), sorted(set(data) - expected)
@@ -630,6 +725,8 @@ class CacheContract:
                 kwargs["layer_ropes"] = tuple(None if r is None else RopeSpec.from_dict(r) for r in ropes)
             if kwargs.get("mla") is not None:
                 kwargs["mla"] = MlaCache.from_dict(kwargs["mla"])
+            if kwargs.get("kv_quant") is not None:
+                kwargs["kv_quant"] = KvQuant.from_dict(kwargs["kv_quant"])
             return cls(**kwargs)
         except (TypeError, ValueError, AttributeError, ArithmeticError) as exc:
             raise ConfigError(f"cache contract JSON has a value of the wrong type: {exc}") from None
@@ -661,6 +758,13 @@ def _flat(c: CacheContract, per_layer: bool = False) -> dict[str, Any]:
                     else:
                         out[f"layers.{i}.rope"] = "RoPE"
                         _flat_rope(out, f"layers.{i}.rope", spec)
+            continue
+        if name == "kv_quant":  # "kv_quant" = None for an unquantized cache, else its fields one by one
+            if value is None:
+                out["kv_quant"] = None
+            else:
+                out["kv_quant"] = "fp8"
+                out.update({f"kv_quant.{k}": v for k, v in value.to_dict().items()})
             continue
         if name == "mla":  # "mla" = None where the model has no MLA, else its fields one by one
             if value is None:

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ropekv.contract import CacheContract, FieldDiff, MlaCache, consequence
+from ropekv.contract import CacheContract, FieldDiff, KvQuant, MlaCache, consequence
 from ropekv.errors import ConfigError, ContractMismatch
 from ropekv.models.config import ModelConfig
 from ropekv.rope import RopeScaling, RopeSpec
@@ -216,6 +216,11 @@ VARIANTS = {
     "dtype": (make(dtype="bfloat16"), {"dtype"}, "another precision"),
     # the block tensor's memory order in a transfer (not RoPE's channel-pair layout)
     "block_layout": (make(block_layout="blocks,2,heads,block,dim"), {"block_layout"}, "heads and tokens swapped"),
+    "kv_quant": (
+        make(dtype="float8_e4m3fn", kv_quant=KvQuant("per_tensor", "after_rope")),
+        {"dtype", "kv_quant"},
+        "codes would be read as numbers",
+    ),
     "num_layers": (make(num_layers=4), {"num_layers"}, "wrong layer"),
     "num_kv_heads": (make(num_kv_heads=4), {"num_kv_heads"}, "head counts differ"),
     "head_dim": (make(rope=ROPE.replace(head_dim=16), head_dim=16), {"rope.head_dim", "head_dim"}, "head sizes differ"),

@@ -16,8 +16,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ropekv import check
+from ropekv.cache.quant import LayerScales
 from ropekv.cli.main import main
-from ropekv.contract import CacheContract, MlaCache
+from ropekv.contract import CacheContract, KvQuant, MlaCache
 from ropekv.engine import Engine
 from ropekv.errors import CacheError, CapacityError, ContractMismatch, PayloadError, RopeKVError, UsageError
 from ropekv.faults.registry import get_handoff_fault
@@ -130,6 +131,11 @@ def variants(base: CacheContract) -> dict[str, CacheContract]:
         "block_size": base.replace(block_size=8),
         "dtype": base.replace(dtype="bfloat16"),
         "block_layout": base.replace(block_layout="blocks,2,heads,block,dim"),
+        # a writer whose cache is 8-bit (float8_e4m3fn codes with per-layer scales)
+        "kv_quant": base.replace(
+            dtype="float8_e4m3fn",
+            kv_quant=KvQuant("per_tensor", "after_rope" if base.key_form == "rotated" else "before_rope"),
+        ),
         "num_layers": base.replace(num_layers=3),
         "num_kv_heads": base.replace(num_kv_heads=4),
         "model_fingerprint": base.replace(model_fingerprint="another-model"),
@@ -154,6 +160,7 @@ def synthetic(c: CacheContract, n: int = 9, seq_id="incoming") -> Handoff:
         rows = len(window_rows(n, c.window, c.sink_tokens)) if layer in c.window_layers else n
         for part in parts.values():
             part.append(torch.randn(rows, c.num_kv_heads, c.head_dim, generator=g).to(c.torch_dtype))
+    one = torch.ones(1 if c.kv_quant is None or c.kv_quant.scale == "per_tensor" else c.num_kv_heads)
     return Handoff(
         contract=c,
         seq_id=seq_id,
@@ -161,6 +168,7 @@ def synthetic(c: CacheContract, n: int = 9, seq_id="incoming") -> Handoff:
         positions=torch.arange(n),
         keys=tuple(parts["keys"]),
         values=tuple(parts["values"]),
+        scales=None if c.kv_quant is None else tuple(LayerScales(one, one) for _ in range(c.num_layers)),
     )
 
 

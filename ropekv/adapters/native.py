@@ -8,11 +8,12 @@ import torch
 
 from ..attention_kind import MODEL_WINDOWS
 from ..cache.policy import CacheOpPolicy
-from ..contract import DTYPES, CacheContract, KeyForm
+from ..contract import DTYPES, FP8_DTYPE, KV_DTYPES, KV_SCALES, CacheContract, KeyForm, KvDtype, KvScale
 from ..engine import Engine
 from ..engine.attention import BackendName
 from ..engine.rotation import RotationPolicy
 from ..engine.transformer import DecoderWeights
+from ..errors import UsageError
 from ..models.config import Checkpoint
 from ..parity.cases import OP_KINDS, Case
 from ..parity.protocol import CaseRun, EngineDescription, FullRun, Ignored, Tier
@@ -37,7 +38,20 @@ class NativeAdapter:
         name: str | None = None,
         cache_ops: CacheOpPolicy | None = None,
         contract_change: Callable[[CacheContract], CacheContract] | None = None,
+        kv_dtype: KvDtype | None = None,
+        kv_scale: KvScale = "per_tensor",
     ):
+        if kv_dtype not in (None, *KV_DTYPES):
+            raise UsageError(
+                f"kv_dtype must be one of {', '.join(KV_DTYPES)} (or None: the compute dtype), got {kv_dtype!r}"
+            )
+        if kv_scale not in KV_SCALES:
+            raise UsageError(f"kv_scale must be one of {', '.join(KV_SCALES)}, got {kv_scale!r}")
+        if kv_dtype is not None and dtype != "float32":
+            raise UsageError(f"an {kv_dtype} KV cache dequantizes to float32: it needs dtype='float32', got {dtype!r}")
+        # an 8-bit cache (vLLM's kv_cache_dtype=fp8): e4m3fn codes with per-layer scales, float32 compute
+        self.kv_dtype = kv_dtype
+        self.kv_scale: KvScale = kv_scale
         self.checkpoint = checkpoint
         self.key_form = key_form
         self.backend = backend
@@ -49,7 +63,8 @@ class NativeAdapter:
         # feature (chunked layers read as full); a correct adapter has none.
         self.contract_change = contract_change
         self.device = device
-        self.name = name or f"ropekv engine ({key_form} keys, {backend or 'default'} backend)"
+        kv = "" if kv_dtype is None else f", {kv_dtype} KV cache ({kv_scale} scales)"
+        self.name = name or f"ropekv engine ({key_form} keys, {backend or 'default'} backend{kv})"
         self._weights: DecoderWeights | None = None
         self._last_case: Case | None = None  # for describe(): the contract as the cases ran it
         self._block_sizes: set[int] = set()
@@ -61,10 +76,11 @@ class NativeAdapter:
             self.checkpoint.config,
             key_form=self.key_form,
             block_size=case.block_size,
-            dtype=self.dtype_name,
+            dtype=self.dtype_name if self.kv_dtype is None else FP8_DTYPE,
             window=MODEL_WINDOWS if case.window is None else case.window,
             sink_tokens=case.sink_tokens,
             model_fingerprint=self.checkpoint.fingerprint,
+            kv_scale=None if self.kv_dtype is None else self.kv_scale,
         )
         return c if self.contract_change is None else self.contract_change(c)
 
@@ -102,6 +118,7 @@ class NativeAdapter:
             ops=OP_KINDS,
             extra={
                 "dtype": self.dtype_name,
+                **({} if self.kv_dtype is None else {"kv_dtype": self.kv_dtype, "kv_scale": self.kv_scale}),
                 "rotation_policy": engine.rotation.name,
                 "contract": engine.contract.to_dict(),
                 "block_sizes": sorted(self._block_sizes),

@@ -121,6 +121,7 @@ class SeqState:
     tables: dict[CacheGroup, list[int]] = field(default_factory=dict)  # group name -> block ids
     history: list[int] = field(default_factory=list)  # logical position of every write index (holes included)
     journal: list[Overwrite] = field(default_factory=list)  # ring overwrites of the last rollback_depth tokens
+    inherited: int = 0  # tokens reused from a prefix-cache hit (the first ``inherited`` write indices)
 
 
 @dataclass(frozen=True, eq=False)
@@ -163,6 +164,17 @@ def pool_rows(pool: torch.Tensor) -> torch.Tensor:
     """A layer's pool as the rows ``[num_blocks * block_size, KVH, D]`` that
     :meth:`PagedKVCache.flat_rows` indexes (a strided view: row ``r`` of head ``h`` is ``[r, h]``)."""
     return pool.view(pool.shape[0] * pool.shape[1], *pool.shape[2:])
+
+
+def put_rows(pool: torch.Tensor, flat: torch.Tensor, src: torch.Tensor) -> None:
+    """Write ``src [k, KVH, D]`` (the pool's dtype) into ``pool``'s rows ``flat [k]``
+    (:func:`pool_rows`). An 8-bit pool is written through byte views: torch has no ``index_copy_``
+    for float8 on CPU, and the bytes are the codes."""
+    rows = pool_rows(pool)
+    if rows.dtype.itemsize == 1:
+        rows.view(torch.uint8).index_copy_(0, flat, src.contiguous().view(torch.uint8))
+    else:
+        rows.index_copy_(0, flat, src)
 
 
 def head_rows(pool: torch.Tensor) -> torch.Tensor:

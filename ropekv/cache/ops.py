@@ -18,7 +18,7 @@ import torch
 
 from ..errors import CacheError, CapacityError, ContractMismatch
 from ..rope import RopeSpec
-from .layout import CacheGroup, Group, Overwrite, SeqState, pool_rows
+from .layout import CacheGroup, Group, Overwrite, SeqState, pool_rows, put_rows
 from .store import CacheStore
 
 _NOT_SHIFT_INVARIANT = ("mrope", "multimodal", "dynamic", "longrope")
@@ -73,7 +73,7 @@ class CacheOps(CacheStore):
                         rows = pool_rows(pool)
                         now = rows[flat]  # [1, KVH, D]
                         back = self.policy.ring_restore(saved[j : j + 1].to(pool.device), now, age=age)  # [1, KVH, D]
-                        rows[flat] = back.to(pool.dtype)
+                        put_rows(pool, flat, back.to(pool.dtype))
         for name, grp in self._groups.items():
             table = seq.tables[name]
             for block in table[grp.blocks_needed(new_n) :]:
@@ -81,6 +81,7 @@ class CacheOps(CacheStore):
                     grp.positions[block] = -1
             del table[grp.blocks_needed(new_n) :]
         seq.num_tokens = new_n
+        seq.inherited = min(seq.inherited, new_n)
         del seq.history[new_n:]
         seq.last_position = seq.history[-1] if seq.history else -1
         seq.journal = [e for e in seq.journal if e.index < new_n]
@@ -188,10 +189,11 @@ class CacheOps(CacheStore):
                 layer_rope = layer_ropes[layer]
                 if layer_rope is None:
                     continue
-                rows = pool_rows(self.keys[layer])
-                k = rows.index_select(0, flat)  # [k, KVH, D]
+                k = self.decode(layer, "k", pool_rows(self.keys[layer]).index_select(0, flat))  # [k, KVH, D]
                 turned = self.policy.shift_keys(layer_rope, k, delta, c.key_form)
-                rows.index_copy_(0, flat, turned.to(rows.dtype))
+                # an 8-bit cache re-quantizes the turned keys under the layer's scale (its headroom
+                # holds them: a rotation keeps each pair's length)
+                put_rows(self.keys[layer], flat, self.encode(layer, "k", turned))
         seq.history = kept + [p + delta for p in moved]
         seq.last_position = seq.history[-1]
         seq.journal = []
@@ -224,8 +226,9 @@ class CacheOps(CacheStore):
             old = i - g.window  # the token whose slot this is until i is written
             if old >= start:
                 r = old - start
-                k = torch.stack([keys[layer][r] for layer in g.layers]).to(self.contract.torch_dtype)
-                v = torch.stack([values[layer][r] for layer in g.layers]).to(self.contract.torch_dtype)
+                # the stored form (8-bit codes under the layer's scale), as the pool holds it
+                k = torch.stack([self.encode(layer, "k", keys[layer][r : r + 1])[0] for layer in g.layers])
+                v = torch.stack([self.encode(layer, "v", values[layer][r : r + 1])[0] for layer in g.layers])
                 p = int(pos[r])
             else:
                 flat = self._flat(g, seq, torch.tensor([slot]))

@@ -20,9 +20,10 @@ from typing import Any
 import torch
 
 from ..contract import key_form_consequence
-from ..errors import CacheError, CapacityError, ContractMismatch
-from .layout import CacheGroup, Group, KVView, Reservation, SeqState, head_rows, pool_rows
+from ..errors import CacheError, CapacityError, ContractMismatch, UsageError
+from .layout import CacheGroup, Group, KVView, Reservation, SeqState, head_rows, pool_rows, put_rows
 from .ops import CacheOps
+from .quant import LayerScales
 from .reserve import Reservations
 from .store import check_seq_id
 
@@ -127,7 +128,7 @@ class PagedKVCache(CacheOps, Reservations):
                     f"(S={g.sinks}, W={g.window}) already overwrote the slot of token {oldest} (by token "
                     f"{oldest + g.window}), which a prefix of {prefix_len} still needs"
                 )
-        child = SeqState(num_tokens=prefix_len, history=parent.history[:prefix_len])
+        child = SeqState(num_tokens=prefix_len, history=parent.history[:prefix_len], inherited=prefix_len)
         for name, grp in self._groups.items():
             shared = parent.tables[name][: grp.blocks_needed(prefix_len)]
             for block in shared:
@@ -146,10 +147,13 @@ class PagedKVCache(CacheOps, Reservations):
         values: Sequence[torch.Tensor],
         *,
         key_form: str,
+        scales: Sequence[LayerScales] | None = None,
     ) -> None:
         """Append ``n`` tokens to every layer: ``positions [n]``, ``keys[layer]``/``values[layer]``
         ``[n, num_kv_heads, head_dim]``. Validates everything (sequence, key form, shapes, finite
-        values, increasing positions, capacity including copy-on-write) before changing anything."""
+        values, increasing positions, capacity including copy-on-write) before changing anything.
+        An 8-bit cache quantizes them under each layer's scales; a layer without any yet takes
+        ``scales[layer]`` (an import: the sender's) or, without them, this write's own (:mod:`~ropekv.cache.quant`)."""
         seq = self._seq(seq_id)
         if key_form != self.contract.key_form:
             raise ContractMismatch(
@@ -165,6 +169,9 @@ class PagedKVCache(CacheOps, Reservations):
         self._check_finite(keys, values)
 
         plans = self._check_room(seq_id, seq, n)
+        # an 8-bit cache's layers take their static scales from their first write (before the journal
+        # stores this chunk's rows in the stored form)
+        self.scales = self._scales_for(keys, values, scales)
         journal = self._journal_entries(seq, pos, keys, values, n)
 
         for name, (rows, slots, new, cow) in plans.items():
@@ -186,12 +193,20 @@ class PagedKVCache(CacheOps, Reservations):
                 held = copied & (g.positions.view(-1)[flat] >= 0)
             g.positions.view(-1)[flat] = pos if every else pos[rows_d]
             for layer in g.layers:
-                for pool, src in ((self.keys[layer], keys[layer]), (self.values[layer], values[layer])):
-                    src = src.to(device=self.device, dtype=pool.dtype)  # [n, KVH, D]
+                for which, pool, src in (
+                    ("k", self.keys[layer], keys[layer]),
+                    ("v", self.values[layer], values[layer]),
+                ):
+                    src = src.to(self.device)
                     src = src if every else src[rows_d]
+                    if which == "k" and self.quantized:  # the keys the quantizer is handed (its point: RoPE's)
+                        src = self.policy.quantized_keys(
+                            self.contract.layer_rope(layer), src, pos if every else pos[rows_d]
+                        )
+                    src = self.encode(layer, which, src)  # [k, KVH, D] stored form
                     if held is not None and bool(held.any()):
                         src = self.policy.copied_block_rows(src, pool_rows(pool).index_select(0, flat), held)
-                    pool_rows(pool).index_copy_(0, flat, src)
+                    put_rows(pool, flat, src)
         seq.num_tokens += n
         seq.last_position = int(pos[-1])
         seq.history.extend(pos.tolist())
@@ -270,7 +285,7 @@ class PagedKVCache(CacheOps, Reservations):
         twice per layer and step): when the live tokens fill one run of consecutive pool rows in
         position order (one sequence on a fresh pool, no ring wrap), keys and values are views of the
         pool itself, and positions and slots are the cache's own index tensors. Valid until the cache
-        next changes.
+        next changes. An 8-bit cache returns float32 rows dequantized with the layer's scales, copied.
         """
         seq = self._seq(seq_id)
         self._check_layer(layer)
@@ -282,9 +297,35 @@ class PagedKVCache(CacheOps, Reservations):
         else:  # contiguous [N, KVH, D] copies
             keys = pool_rows(self.keys[layer]).index_select(0, flat)
             values = pool_rows(self.values[layer]).index_select(0, flat)
+        if self.quantized and self.scales[layer] is None:  # nothing written yet: no rows to dequantize
+            keys, values = keys.to(torch.float32), values.to(torch.float32)
+        elif self.quantized:  # float32 rows, dequantized with the scales the policy picks (the layer's own)
+            inherited = (
+                positions <= seq.history[seq.inherited - 1]
+                if seq.inherited
+                else torch.zeros_like(positions, dtype=torch.bool)
+            )
+            k_scale, v_scale = self.policy.read_scales(layer, self.scales, inherited)
+            keys, values = self.decode(layer, "k", keys, k_scale), self.decode(layer, "v", values, v_scale)
         if copy:
             positions, slots = positions.clone(), slots.clone()
         return KVView(keys=keys, values=values, positions=positions, slots=slots)
+
+    def codes(self, seq_id: Hashable, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """An 8-bit cache's stored keys and values ``[N, KVH, D]`` of ``seq_id`` in ``layer``, as codes
+        (copies, position order, the rows :meth:`view` dequantizes); for an export with :meth:`layer_scales`."""
+        if not self.quantized:
+            raise UsageError("codes: this cache stores numbers, not 8-bit codes; read it with view")
+        seq = self._seq(seq_id)
+        self._check_layer(layer)
+        flat = self._index(seq_id, seq, self._groups[self._layer_group[layer]])[0]
+        return pool_rows(self.keys[layer]).index_select(0, flat), pool_rows(self.values[layer]).index_select(0, flat)
+
+    def layer_scales(self) -> tuple[LayerScales, ...]:
+        """An 8-bit cache's scales, one :class:`LayerScales` per layer (CacheError before every layer was written)."""
+        if any(s is None for s in self.scales):
+            raise CacheError("this 8-bit cache has layers without scales: nothing was written to them yet")
+        return tuple(s for s in self.scales if s is not None)
 
     def positions(self, seq_id: Hashable) -> torch.Tensor:
         """Logical positions ``[N]`` of the full group's tokens (the live sliding ones if every layer slides)."""
@@ -328,6 +369,9 @@ class PagedKVCache(CacheOps, Reservations):
                 for pool in (self.keys[layer], self.values[layer]):
                     h.update(pool.index_select(0, used.to(pool.device)).cpu().view(torch.uint8).numpy().tobytes())
             h.update(g.positions.cpu().view(torch.uint8).numpy().tobytes())
+        for scales in self.scales:  # an 8-bit cache's scales are state: every row reads through them
+            if scales is not None:
+                h.update(torch.cat((scales.k, scales.v)).cpu().numpy().tobytes())
         for name, g in self._groups.items():
             h.update(repr((name, g.allocator.refcounts())).encode())
         for seq_id in sorted(self._seqs, key=repr):
@@ -341,6 +385,7 @@ class PagedKVCache(CacheOps, Reservations):
                         sorted(s.tables.items()),
                         s.history,
                         [(e.index, e.slot, e.position) for e in s.journal],
+                        s.inherited,
                     )
                 ).encode()
             )

@@ -2,16 +2,20 @@
 
 :class:`CacheOpPolicy` decides the two places where an operation touches key *contents* (everything
 else an operation does is bookkeeping of positions and slots): what a rolled-back ring slot gets back,
-how a shift turns stored keys, and what the rows written into a block copied on write hold. Faults (``ropekv.faults.ops``) are small subclasses handed
+how a shift turns stored keys, what the rows written into a block copied on write hold, and (an
+8-bit cache) which scales dequantize the rows a read returns. Faults (``ropekv.faults.ops``) are small subclasses handed
 to the cache, the way rotation faults subclass :class:`~ropekv.engine.rotation.RotationPolicy`, so the cache
 itself has no fault switches.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ..rope import RopeSpec, apply_rotation
+from .quant import LayerScales
 
 
 class CacheOpPolicy:
@@ -37,6 +41,22 @@ class CacheOpPolicy:
         what the copy brought from the shared block at those rows; ``held [k]`` bool: rows where that
         block held a token (the earlier request's continuation past the hit)."""
         return written
+
+    def read_scales(
+        self, layer: int, scales: Sequence[LayerScales | None], inherited: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value scales (``[S]``, or ``[N, S]`` one per row) that dequantize the ``N`` rows
+        a read of ``layer`` in an 8-bit cache returns: that layer's own (``scales[layer]``).
+        ``inherited [N]`` bool: rows the sequence reused from a prefix-cache hit."""
+        s = scales[layer]
+        assert s is not None, "a read of a written layer: its scales are set"
+        return s.k, s.v
+
+    def quantized_keys(self, rope: RopeSpec | None, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The keys ``[k, KVH, D]`` an 8-bit cache quantizes for rows at ``positions [k]``: the keys it
+        was handed, in the contract's key form (rotated keys after RoPE, raw keys before it).
+        ``rope``: the layer's spec (None: a layer without position embedding)."""
+        return keys
 
     def shift_keys(self, rope: RopeSpec, keys: torch.Tensor, delta: int, key_form: str) -> torch.Tensor:
         """Stored keys ``[N, KVH, D]`` after their positions moved by ``delta``."""

@@ -9,7 +9,7 @@ streamed imports: one class, built from those parts.
 from __future__ import annotations
 
 import os
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -18,6 +18,7 @@ from ..contract import CacheContract
 from ..errors import CacheError, CapacityError, UsageError
 from .layout import CacheGroup, Group, Reservation, SeqState, group_of, head_major_pool
 from .policy import CORRECT, CacheOpPolicy
+from .quant import LayerScales, dequantize, quantize
 
 # (flat slot index [N], slots [N], positions [N], first row or -1); see CacheStore._index
 IndexEntry = tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]
@@ -28,7 +29,9 @@ class CacheStore:
     """Key/value storage for several sequences on one pool, under one :class:`CacheContract`.
 
     ``keys[layer]``/``values[layer]``: ``[num_blocks, block_size, num_kv_heads, head_dim]`` in the
-    contract dtype. Each group (full / sliding) has ``num_blocks`` blocks of its own.
+    contract dtype. Each group (full / sliding) has ``num_blocks`` blocks of its own. An 8-bit cache
+    (``contract.kv_quant``) stores e4m3fn codes and keeps ``scales[layer]`` (:class:`LayerScales`, set
+    at the layer's first write; :mod:`ropekv.cache.quant`); its rows are dequantized on read.
     """
 
     def __init__(
@@ -64,9 +67,65 @@ class CacheStore:
             )
         self.keys = [head_major_pool(num_blocks, c, self.device) for _ in range(c.num_layers)]
         self.values = [head_major_pool(num_blocks, c, self.device) for _ in range(c.num_layers)]
+        # per layer, an 8-bit cache's static scales (None until the layer's first write, and always
+        # None for an unquantized cache)
+        self.scales: list[LayerScales | None] = [None] * c.num_layers
         self._seqs: dict[Hashable, SeqState] = {}
         self._reserved: list[Reservation] = []
         self._index_cache: dict[tuple[Hashable, CacheGroup], IndexEntry] = {}
+
+    # ------------------------------------------------------------------ stored form
+
+    @property
+    def quantized(self) -> bool:
+        """The cache stores 8-bit codes with per-layer scales (``contract.kv_quant``)."""
+        return self.contract.kv_quant is not None
+
+    def _scales_for(
+        self,
+        keys: Sequence[torch.Tensor],
+        values: Sequence[torch.Tensor],
+        given: Sequence[LayerScales] | None = None,
+    ) -> list[LayerScales | None]:
+        """The scales every layer has after a write of ``keys``/``values[layer] [n, KVH, D]``: its own,
+        or (first write) ``given[layer]`` (an import's) or the ones this write's amax sets. Computes
+        and checks; assigns nothing."""
+        q = self.contract.kv_quant
+        if q is None:
+            return list(self.scales)
+        size = 1 if q.scale == "per_tensor" else self.contract.num_kv_heads
+        if given is not None and (
+            len(given) != self.contract.num_layers
+            or not all(isinstance(s, LayerScales) and s.k.numel() == s.v.numel() == size for s in given)
+        ):
+            raise CacheError(f"append: scales must be one LayerScales of {size} entries ({q.scale}) per layer")
+        return [
+            s if s is not None else given[i] if given is not None else LayerScales.of(keys[i], values[i], q.scale)
+            for i, s in enumerate(self.scales)
+        ]
+
+    def encode(self, layer: int, which: str, x: torch.Tensor) -> torch.Tensor:
+        """Rows ``x [k, KVH, D]`` of ``layer``'s keys (``which="k"``) or values (``"v"``) in the stored
+        form: e4m3fn codes under the layer's scale (set: see :meth:`_scales_for`), else the contract dtype."""
+        x = x.to(self.device)
+        if not self.quantized:
+            return x.to(self.contract.torch_dtype)
+        s = self.scales[layer]
+        if s is None:
+            raise CacheError(f"layer {layer} of an 8-bit cache has no scales yet: nothing was written to it")
+        return quantize(x, s.k if which == "k" else s.v)
+
+    def decode(self, layer: int, which: str, stored: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        """Stored rows ``[k, KVH, D]`` of ``layer`` as numbers: dequantized (with ``scale``, ``[S]`` or
+        ``[k, S]``, default the layer's own) in float32 for an 8-bit cache, else as stored."""
+        if not self.quantized:
+            return stored
+        if scale is None:
+            s = self.scales[layer]
+            if s is None:
+                raise CacheError(f"layer {layer} of an 8-bit cache has no scales yet: nothing was written to it")
+            scale = s.k if which == "k" else s.v
+        return dequantize(stored, scale)
 
     # ------------------------------------------------------------------ lookups
 
@@ -155,7 +214,8 @@ class CacheStore:
 
 def pool_bytes(contract: CacheContract, num_blocks: int) -> int:
     """Bytes of a cache's pools: per layer two ``[num_blocks, block_size, KVH, D]`` tensors (keys and
-    values), and per layer group (at most two) the int64 positions ``[num_blocks, block_size]``."""
+    values), and per layer group (at most two) the int64 positions ``[num_blocks, block_size]``
+    (an 8-bit cache's scales, a few float32 per layer, are not counted)."""
     c = contract
     element = torch.empty((), dtype=c.torch_dtype).element_size()
     slots = num_blocks * c.block_size

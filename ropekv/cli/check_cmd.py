@@ -11,7 +11,7 @@ import sys
 
 from ..adapters.registry import ENGINES, engine_module
 from ..argtypes import strict_int, suggest
-from ..contract import DTYPES
+from ..contract import DTYPES, KV_DTYPES, KV_SCALES
 from ..errors import UsageError
 from ..parity.cases import LONG_CONTEXT, ImageGrid
 from .custom_engine import CustomEngine, run_user_code
@@ -86,6 +86,18 @@ def add_parser(sub) -> None:
         default="float32",
         help="the engine's compute and cache dtype (sets the tolerance; default float32)",
     )
+    p.add_argument(
+        "--kv-dtype",
+        choices=KV_DTYPES,
+        help="store ropekv's KV cache in another dtype than it computes in: fp8 = float8_e4m3fn codes with "
+        "per-layer scales, dequantized to float32 on read (vLLM's kv_cache_dtype=fp8; needs --dtype float32; "
+        "sets the fp8 tolerance, docs/faults.md)",
+    )
+    p.add_argument(
+        "--kv-scale",
+        choices=KV_SCALES,
+        help="with --kv-dtype fp8: one scale per layer (per_tensor, the default) or per layer and KV head (per_head)",
+    )
     p.add_argument("--inject", metavar="FAULT", help="run a catalogued fault (see --list-faults)")
     p.add_argument("--list-faults", action="store_true", help="list the fault catalogue and exit")
     p.add_argument("--json", metavar="PATH", help="write the whole report as JSON")
@@ -118,7 +130,10 @@ def _engine(text: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..adapters.native import NativeAdapter
+    from ..faults.native import NativeFault
     from ..faults.registry import ARCH_FAULTS, FAULTS, get_fault, listing
+    from ..parity.compare import kv_tolerance
 
     if args.list_faults:
         for f in [*FAULTS.values(), *ARCH_FAULTS.values()]:
@@ -143,6 +158,18 @@ def run(args: argparse.Namespace) -> int:
             f"--engine {args.engine} checks the engine's own cache; --inject/--key-form/--backend "
             "apply to ropekv's engine"
         )
+    if args.kv_scale is not None and args.kv_dtype is None:
+        raise UsageError("--kv-scale sets the scales of an 8-bit cache: it needs --kv-dtype fp8")
+    if args.kv_dtype is not None and (args.engine != "ropekv" or args.dtype != "float32"):
+        raise UsageError(
+            f"--kv-dtype {args.kv_dtype} stores ropekv's own cache in 8 bits and dequantizes it to float32: it needs "
+            f"--engine ropekv and --dtype float32 (got --engine {args.engine}, --dtype {args.dtype})"
+        )
+    kv_native = isinstance(fault, NativeFault)  # ropekv's own engine, where a cache dtype can be chosen
+    if isinstance(fault, NativeFault) and fault.kv_dtype is not None and args.dtype != "float32":
+        raise UsageError(f"fault {fault.name!r} runs an 8-bit cache dequantized to float32: it needs --dtype float32")
+    if fault is not None and not kv_native and args.kv_dtype is not None:
+        raise UsageError(f"--kv-dtype applies to ropekv's own engine; fault {fault.name!r} runs another")
     if args.engine != "ropekv" and args.device != "cpu":
         raise UsageError(f"--device applies to ropekv's engine; --engine {args.engine} picks its own device")
     custom = CustomEngine.parse(args.engine)  # a malformed module:Class is refused here
@@ -211,16 +238,21 @@ def run(args: argparse.Namespace) -> int:
 
         adapter = HFEngine.load(args.model, dtype=args.dtype)
     elif fault is not None:
-        adapter = fault.adapter(load_checkpoint(args.model), dtype=args.dtype, key_form=args.key_form)
+        adapter = fault.adapter(
+            load_checkpoint(args.model),
+            dtype=args.dtype,
+            key_form=args.key_form,
+            **({"kv_dtype": args.kv_dtype, "kv_scale": args.kv_scale or "per_tensor"} if kv_native else {}),
+        )
     else:
-        from ..adapters.native import NativeAdapter
-
         adapter = NativeAdapter(
             load_checkpoint(args.model),
             key_form=args.key_form or "rotated",
             backend=args.backend,
             dtype=args.dtype,
             device=args.device,
+            kv_dtype=args.kv_dtype,
+            kv_scale=args.kv_scale or "per_tensor",
         )
     from ..models.default import display_name
     from ..parity.report import plural
@@ -235,6 +267,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"ropekv: warning: {warning}", file=sys.stderr)
     progress = "off" if args.no_progress else ("bar" if sys.stderr.isatty() else "lines")
     tolerance = module.engine_tolerance(adapter) if module is not None else None
+    if isinstance(adapter, NativeAdapter) and adapter.kv_dtype is not None:  # an 8-bit cache's noise floor
+        tolerance = kv_tolerance(adapter.kv_dtype)
 
     def judge():
         return check(

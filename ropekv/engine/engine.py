@@ -94,7 +94,7 @@ class Engine:
         )
         self.backend.check(contract)
         self.rotation.check_contract(contract)
-        self.dtype = contract.torch_dtype
+        self.dtype = contract.compute_dtype  # the storage dtype, float32 for an 8-bit cache
         if weights is not None and (weights.config != cfg or weights.embed.dtype != self.dtype):
             raise UsageError("shared weights were built for another config or dtype")
         self.weights = weights or DecoderWeights.from_checkpoint(checkpoint, self.dtype, self.device)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from ..adapters.native import NativeAdapter
 from ..cache.policy import CacheOpPolicy
-from ..contract import CacheContract, KeyForm
+from ..contract import CacheContract, KeyForm, KvDtype, KvScale
 from ..engine.rotation import RotationPolicy
 from ..errors import ConfigError, UsageError
 from ..models.config import Checkpoint, ModelConfig
@@ -34,6 +34,8 @@ class NativeFault(Fault):
       whether a model config has it; a model without it is refused.
     - ``exposing``: cases that expose the fault where the default matrix cannot (positions past
       2**15, a non-aligned prefix hit, ...); empty: any matrix with a decode past position 0 does.
+    - ``kv_dtype``: the cache dtype the fault needs besides the compute dtype (``"fp8"``: an 8-bit
+      cache, :mod:`ropekv.faults.quantized_kv`); None: the compute dtype, or what the caller asks for.
     """
 
     engine: FaultEngine = field(default="ropekv", init=False)
@@ -46,6 +48,7 @@ class NativeFault(Fault):
     needs: str = ""
     applies: Callable[[ModelConfig], bool] | None = None
     exposing: tuple[Case, ...] = ()
+    kv_dtype: KvDtype | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -55,9 +58,16 @@ class NativeFault(Fault):
             raise ConfigError(f"fault {self.name!r}: a needed model feature comes with the test for it (applies)")
 
     def adapter(
-        self, checkpoint: Checkpoint, *, dtype: str = "float32", key_form: KeyForm | None = None
+        self,
+        checkpoint: Checkpoint,
+        *,
+        dtype: str = "float32",
+        key_form: KeyForm | None = None,
+        kv_dtype: KvDtype | None = None,
+        kv_scale: KvScale = "per_tensor",
     ) -> NativeAdapter:
-        """ropekv's engine with this fault's policies handed in."""
+        """ropekv's engine with this fault's policies handed in (an 8-bit cache where the fault needs
+        one, or where ``kv_dtype`` asks for it; ``kv_scale``: its scales' granularity)."""
         if self.applies is not None and not self.applies(checkpoint.config):
             raise UsageError(
                 f"fault {self.name!r} needs a model with {self.needs}; {checkpoint.config.architecture} here has none"
@@ -73,4 +83,6 @@ class NativeFault(Fault):
             cache_ops=self.cache_ops() if self.cache_ops else None,
             name=f"ropekv engine with fault {self.name}",
             contract_change=self.contract_change,
+            kv_dtype=self.kv_dtype or kv_dtype,
+            kv_scale=kv_scale,
         )

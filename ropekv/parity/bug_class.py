@@ -62,5 +62,8 @@ class BugClass(StrEnum):
     # mixed rotations (ropekv.parity.mixed_rotations): one cache holding keys rotated under two specs, each over
     # its own range of rows (LongRoPE's short factors on the early chunks of a prefill, its long ones on the later)
     MIXED_ROTATIONS = "mixed_rotations"
+    # quantized KV (ropekv.parity.kv_quant_forensics): the query right, cached keys at their positions but
+    # scaled by one constant factor per row range (8-bit codes dequantized with another scale than theirs)
+    KV_SCALE_MISMATCH = "kv_scale_mismatch"
     # nothing above fits, or nothing is wrong at this layer (the evidence says which)
     UNKNOWN = "unknown"

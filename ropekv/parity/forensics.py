@@ -32,7 +32,10 @@ rotation whatever the attention factor ``A``.
    ``query_position_offset``; query off and the newest keys off with it (the newest where the query is,
    later steps never further ahead, the older keys right: a step offset gone wrong, e.g. taken from a
    ring's fill count) -> ``query_position_offset`` with those keys named; query right, keys (all or some) off by one constant ->
-   ``key_position_offset``; all right but a residual phase growing with position (rank correlation
+   ``key_position_offset``; all at their positions with the query's length right and cached keys
+   scaled by one constant per row range (8-bit codes read under another scale) -> ``kv_scale_mismatch``
+   (:mod:`ropekv.parity.kv_quant_forensics`); lengths off by the attention factor -> ``rope_magnitude``
+   (:mod:`ropekv.parity.magnitude`); all right but a residual phase growing with position (rank correlation
    >= 0.5, or 0.3 when self-parity passed; >= :data:`RES_TOL` at the newest keys and 3x the oldest) ->
    ``low_precision_angles``; all right and no such trend -> ``unknown`` with fit ~1 (a clean row).
 
@@ -51,7 +54,7 @@ import torch
 
 from ..errors import UsageError
 from ..rope import RopeSpec, pair_channels
-from . import block_seam, magnitude, position_width
+from . import block_seam, kv_quant_forensics, magnitude, position_width
 from .bug_class import BugClass
 from .diagnosis import Diagnosis
 from .finding import Finding
@@ -499,6 +502,12 @@ def _diagnose_pattern(inp: ForensicInput, a: _Analysis, sel: torch.Tensor) -> Di
     if d_q == 0 and _most(ok, d == 0):
         seq_len = inp.seq_len if inp.seq_len is not None else t + 1
         k_raw, k_eff = inp.k_raw[sel], inp.k_eff[sel]
+        at = ok & (d == 0)
+        rows = kv_quant_forensics.scaled_rows(
+            inp.rope, inp.q_raw, inp.q_eff, k_raw, k_eff, t, j, seq_len, at, inp.fork_offset
+        )
+        if rows is not None:  # the query right, cached rows scaled: 8-bit codes read under another scale
+            return done(BugClass.KV_SCALE_MISMATCH, rows.text, rows.show, **rows.details)
         scaled = magnitude.scaled_rotation(inp.rope, inp.q_raw, inp.q_eff, k_raw, k_eff, t, j, seq_len, ok & (d == 0))
         if scaled is not None:  # the angles are right, the lengths are not (an attention factor lost or doubled)
             return done(BugClass.ROPE_MAGNITUDE, scaled.text, scaled.show, **scaled.details)

@@ -21,6 +21,7 @@ import torch
 
 from ..cache.import_policy import ImportPolicy
 from ..cache.paged import PagedKVCache
+from ..cache.quant import dequantize
 from ..contract import CacheContract
 from ..errors import CacheError, ContractMismatch, PayloadError, UsageError
 from ..models.config import ModelConfig
@@ -118,14 +119,21 @@ def export_handoff(cache: PagedKVCache, seq_id: str | int, tokens: torch.Tensor)
         )
     if n == 0:
         raise CacheError(f"export of {seq_id!r}: the sequence is empty")
-    views = [cache.view(seq_id, layer) for layer in range(c.num_layers)]
+    if c.kv_quant is not None:  # an 8-bit cache: its codes and the scales that dequantize them
+        codes = [cache.codes(seq_id, layer) for layer in range(c.num_layers)]
+        keys, values = tuple(k.cpu() for k, _ in codes), tuple(v.cpu() for _, v in codes)
+        scales = cache.layer_scales()
+    else:
+        views = [cache.view(seq_id, layer) for layer in range(c.num_layers)]
+        keys, values, scales = tuple(v.keys.cpu() for v in views), tuple(v.values.cpu() for v in views), None
     return Handoff(
         contract=c,
         seq_id=seq_id,
         tokens=tokens.to(torch.int64).cpu().clone(),
         positions=all_positions(cache, seq_id).cpu().clone(),
-        keys=tuple(v.keys.cpu() for v in views),
-        values=tuple(v.values.cpu() for v in views),
+        keys=keys,
+        values=values,
+        scales=scales,
     )
 
 
@@ -180,7 +188,11 @@ def import_handoff(
     keys, values = _layer_tensors(ours, handoff, conversion, policy or ImportPolicy())
     cache.create(sid)
     try:
-        cache.append(sid, handoff.positions.to(cache.device), keys, values, key_form=ours.key_form)
+        # an 8-bit cache takes the sender's scales for layers it has none for yet (its codes then
+        # arrive unchanged); a layer with scales of its own re-quantizes the dequantized rows under them
+        cache.append(
+            sid, handoff.positions.to(cache.device), keys, values, key_form=ours.key_form, scales=handoff.scales
+        )
     except BaseException:
         cache.free(sid)
         raise
@@ -199,12 +211,15 @@ def _layer_tensors(
         rows = h.layer_rows(layer)  # [m]
         pos = h.positions[rows]
         k = policy.received_rows(h.contract, h.keys[layer])
+        v = policy.received_rows(h.contract, h.values[layer])
+        if h.scales is not None:  # 8-bit codes: numbers again, under the sender's scales
+            k, v = dequantize(k, h.scales[layer].k), dequantize(v, h.scales[layer].v)
         if conversion == "rotate":
             k = rope.rotate(k, pos)
         elif conversion == "unrotate":
             k = rope.unrotate(k, pos)
-        k = policy.imported_keys(rope, k, pos).to(c.torch_dtype)
-        v = policy.received_rows(h.contract, h.values[layer]).to(c.torch_dtype)
+        k = policy.imported_keys(rope, k, pos).to(c.compute_dtype)
+        v = v.to(c.compute_dtype)
         if rows.numel() < n:
             k = torch.zeros((n, *k.shape[1:]), dtype=k.dtype).index_copy_(0, rows, k)
             v = torch.zeros((n, *v.shape[1:]), dtype=v.dtype).index_copy_(0, rows, v)

@@ -12,6 +12,10 @@ A payload is a safetensors file (docs/handoff.md):
   sender's :class:`~ropekv.contract.CacheContract` JSON), ``sequence`` (JSON ``{"seq_id", "num_tokens"}``)
   and ``checksum``: ``sha256:`` over the canonical metadata and every tensor's name, dtype, shape and
   bytes, so a flipped bit anywhere in the payload is detected.
+- an 8-bit contract (``dtype`` ``float8_e4m3fn``, :class:`~ropekv.contract.KvQuant`): keys and values
+  are the e4m3fn codes (``F8_E4M3``) and per layer ``layers.{i}.k_scale`` / ``layers.{i}.v_scale``
+  (float32 ``[S]``, S = 1 per tensor or ``num_kv_heads`` per head) are the scales that dequantize them:
+  codes never travel without their scales.
 
 :func:`read_payload` checks the 8-byte header length and the JSON header itself (sizes bounded,
 offsets contiguous and covering the data exactly, names, dtypes and shapes consistent with the
@@ -32,6 +36,7 @@ import torch
 
 from ..cache.block_layout import from_wire, to_wire, wire_shape
 from ..cache.layout import window_rows
+from ..cache.quant import LayerScales
 from ..contract import CacheContract
 from ..errors import PayloadError, RopeKVError
 from ..numbers import is_int
@@ -45,9 +50,10 @@ MAX_TOKEN_ID = 1 << 31  # token ids are int32 in every engine
 MAX_RANK = 8
 _META_KEYS = ("checksum", "contract", "format", "sequence", "version")
 _ENTRY_KEYS = {"dtype", "shape", "data_offsets"}
-_ST_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64"}
-_ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "I64": 8}
+_ST_DTYPE = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "float8_e4m3fn": "F8_E4M3"}
+_ITEMSIZE = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8, "I64": 8, "F8_E4M3": 1}
 _TORCH_DTYPE = {
+    "F8_E4M3": torch.float8_e4m3fn,
     "F32": torch.float32,
     "BF16": torch.bfloat16,
     "F16": torch.float16,
@@ -64,6 +70,8 @@ class Handoff:
     ``keys[i]``/``values[i]``: ``[rows_i, num_kv_heads, head_dim]`` in the contract dtype, where
     ``rows_i = len(layer_rows(i))``: all ``n`` tokens for a full layer, the ring's live tokens for a
     windowed one. Keys are in the contract's key form (rotated at ``positions``, or raw).
+    ``scales`` (an 8-bit contract only, else None): per layer the :class:`LayerScales` that dequantize
+    that layer's codes.
     """
 
     contract: CacheContract
@@ -72,6 +80,7 @@ class Handoff:
     positions: torch.Tensor  # [n] int64 logical positions, strictly increasing
     keys: tuple[torch.Tensor, ...]
     values: tuple[torch.Tensor, ...]
+    scales: tuple[LayerScales, ...] | None = None
 
     def __post_init__(self) -> None:
         _check_handoff(self)
@@ -134,6 +143,8 @@ def _tensors(h: Handoff) -> dict[str, torch.Tensor]:
     for i, (k, v) in enumerate(zip(h.keys, h.values)):
         out[f"layers.{i}.keys"] = to_wire(k, c.block_layout, c.block_size)
         out[f"layers.{i}.values"] = to_wire(v, c.block_layout, c.block_size)
+    for i, sc in enumerate(h.scales or ()):
+        out[f"layers.{i}.k_scale"], out[f"layers.{i}.v_scale"] = sc.k, sc.v
     storages = set()
     for name, t in out.items():
         t = t.detach().cpu().contiguous()
@@ -146,6 +157,12 @@ def _tensors(h: Handoff) -> dict[str, torch.Tensor]:
 def _st_dtype(t: torch.Tensor) -> str:
     """safetensors' name for the dtype of ``t`` (int64 for tokens/positions, a contract float dtype)."""
     return "I64" if t.dtype == torch.int64 else _ST_DTYPE[str(t.dtype).removeprefix("torch.")]
+
+
+def scale_size(c: CacheContract) -> int:
+    """Entries of one layer's key (or value) scale under an 8-bit contract: 1 per tensor, KVH per head."""
+    assert c.kv_quant is not None
+    return 1 if c.kv_quant.scale == "per_tensor" else c.num_kv_heads
 
 
 def _checksum(meta: dict[str, str], entries: list[tuple[str, str, list[int], memoryview]]) -> str:
@@ -259,6 +276,14 @@ def assemble(header: PayloadHeader, tensors: dict[str, torch.Tensor]) -> Handoff
     def rows(name: str, layer: int) -> torch.Tensor:
         return from_wire(tensors[name], c.block_layout, c.block_size, len(held_rows(c, layer, n)))
 
+    scales = None
+    if c.kv_quant is not None:
+        try:
+            scales = tuple(
+                LayerScales(tensors[f"layers.{i}.k_scale"], tensors[f"layers.{i}.v_scale"]) for i in range(c.num_layers)
+            )
+        except RopeKVError as exc:
+            raise PayloadError(f"payload scales: {exc}") from None
     return Handoff(
         contract=c,
         seq_id=header.seq_id,
@@ -266,6 +291,7 @@ def assemble(header: PayloadHeader, tensors: dict[str, torch.Tensor]) -> Handoff
         positions=tensors["positions"],
         keys=tuple(rows(f"layers.{i}.keys", i) for i in range(c.num_layers)),
         values=tuple(rows(f"layers.{i}.values", i) for i in range(c.num_layers)),
+        scales=scales,
     )
 
 
@@ -399,6 +425,8 @@ def _check_layout(entries: dict, c: CacheContract, n: int) -> None:
                 dtype,
                 wire_shape(c.block_layout, rows, c.num_kv_heads, c.head_dim, c.block_size),
             )
+        if c.kv_quant is not None:
+            want[f"layers.{i}.k_scale"] = want[f"layers.{i}.v_scale"] = ("F32", [scale_size(c)])
     missing, extra = sorted(set(want) - set(entries)), sorted(set(entries) - set(want))
     if missing or extra:
         raise PayloadError(
@@ -429,6 +457,37 @@ def check_token_ids(tokens: torch.Tensor, what: str, vocab_size: int = MAX_TOKEN
             "any vocabulary (ids are below 2**31)" if vocab_size == MAX_TOKEN_ID else f"the vocabulary of {vocab_size}"
         )
         raise PayloadError(f"{what} token id {t} (token {i}) is beyond {bound}")
+
+
+def _finite_rows(t: torch.Tensor) -> int | None:
+    """The flat index of the first NaN or infinite entry of ``t``, None when there is none. e4m3fn
+    codes have no infinity; their NaN is the byte pattern ``s1111111``."""
+    if t.dtype == torch.float8_e4m3fn:
+        nan = (t.reshape(-1).view(torch.uint8) & 0x7F) == 0x7F
+        return int(torch.nonzero(nan)[0]) if bool(nan.any()) else None
+    lo, hi = torch.aminmax(t)  # NaN propagates
+    if bool(torch.isfinite(lo) & torch.isfinite(hi)):
+        return None
+    return int(torch.nonzero(~torch.isfinite(t).flatten())[0])
+
+
+def _check_scales(h: Handoff) -> None:
+    """An 8-bit contract's handoff carries one :class:`LayerScales` per layer, of the contract's size."""
+    c = h.contract
+    if c.kv_quant is None:
+        if h.scales is not None:
+            raise PayloadError(f"handoff scales come with an 8-bit contract only; this one stores {c.dtype}")
+        return
+    if not isinstance(h.scales, tuple) or len(h.scales) != c.num_layers:
+        raise PayloadError(
+            f"handoff of an 8-bit cache needs one LayerScales per layer ({c.num_layers}): codes never travel without them"
+        )
+    size = scale_size(c)
+    for i, sc in enumerate(h.scales):
+        if not isinstance(sc, LayerScales) or sc.k.numel() != size or sc.v.numel() != size:
+            raise PayloadError(
+                f"handoff scales of layer {i} must be LayerScales of {size} entries ({c.kv_quant.scale})"
+            )
 
 
 def _check_handoff(h: Handoff) -> None:
@@ -463,6 +522,7 @@ def _check_handoff(h: Handoff) -> None:
             f"handoff positions must strictly increase: token {i + 1} has position "
             f"{int(pos[i + 1])} after {int(pos[i])}"
         )
+    _check_scales(h)
     for part in ("keys", "values"):
         ts = getattr(h, part)
         if not isinstance(ts, tuple) or len(ts) != c.num_layers:
@@ -473,9 +533,9 @@ def _check_handoff(h: Handoff) -> None:
             if not isinstance(t, torch.Tensor) or t.dtype != c.torch_dtype or tuple(t.shape) != want:
                 got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
                 raise PayloadError(f"handoff {part} of layer {i}: {got}, contract calls for {c.dtype} {want}")
-            lo, hi = torch.aminmax(t)  # NaN propagates
-            if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
-                bad = int(torch.nonzero(~torch.isfinite(t).flatten())[0]) // (c.num_kv_heads * c.head_dim)
+            finite = _finite_rows(t)
+            if finite is not None:
+                bad = finite // (c.num_kv_heads * c.head_dim)
                 raise PayloadError(
                     f"handoff {part} of layer {i} hold NaN or infinite values "
                     f"(first at row {bad}, position {int(pos[h.layer_rows(i)[bad]])})"

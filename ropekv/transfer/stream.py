@@ -224,6 +224,11 @@ def send_sequence(
     cache is only read, and must not change until this returns."""
     t0 = time.perf_counter()
     c = cache.contract
+    if c.kv_quant is not None:  # refused before anything is sent: the stream's chunks are pool bytes only
+        raise UsageError(
+            f"stream of {seq_id!r}: an 8-bit cache's codes need their per-layer scales, which the stream format "
+            "does not carry; hand it off as a payload (export_handoff / write_payload) instead"
+        )
     n = cache.num_tokens(seq_id)
     tokens = torch.as_tensor(tokens)
     if tokens.dim() != 1 or tokens.numel() != n or tokens.is_floating_point() or n == 0:
