@@ -405,3 +405,19 @@ def test_a_check_reports_the_seconds_of_its_unavoidable_parts(tiny_llama_dir) ->
     assert set(parts) == {"float64_reference_forwards", "engine_full_forwards", "cached_runs"}
     assert all(v > 0 for v in parts.values()) and sum(parts.values()) < report.seconds
     assert report.to_dict()["phase_seconds"].keys() == parts.keys()
+
+
+def test_the_long_context_comparison_divides_the_two_models_seconds_per_context() -> None:
+    from ropekv.bench.long_context import format_against
+
+    def run(length: int, check: float, ref: float | None) -> dict:
+        return {"length": length, "check_seconds": check, "parts": {"float64_reference_forward": {"seconds": ref}}}
+
+    doc = {
+        "runs": [run(2048, 10.0, 2.0), run(32768, 40.0, None)],
+        "against": {"runs": [run(2048, 30.0, 8.0), run(32768, 100.0, 50.0), run(99, 1.0, 1.0)]},
+    }
+    lines = format_against(doc).splitlines()
+    assert len(lines) == 4  # header, rule, the two shared contexts (99 is only in the other model)
+    assert lines[2].split() == ["2048", "10.0", "30.0", "3.00x", "2.0", "8.0", "4.00x"]
+    assert lines[3].split() == ["32768", "40.0", "100.0", "2.50x", "-", "50.0", "-"]

@@ -9,7 +9,10 @@ and model load (paid once by the check, once by each part) are taken out of the 
 least any part paid for them, shown beside it.
 
 ``python -m ropekv.bench.long_context [MODEL] --lengths 2048,4096,8190 --json PATH --plot PATH``
-prints a table; ``--part NAME --length L`` is the per-part child (internal).
+prints a table; ``--against OTHER`` measures a second model (an all-global twin of a sliding one, say)
+at the same lengths and prints the two side by side: what a check costs where its layers attend a band
+of keys against where every layer attends them all. ``--part NAME --length L`` is the per-part child
+(internal).
 """
 
 from __future__ import annotations
@@ -204,6 +207,34 @@ def format_table(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_against(doc: dict[str, Any]) -> str:
+    """The check's and the float64 reference's seconds per context, the model beside ``doc["against"]``."""
+    other = {r["length"]: r for r in doc["against"]["runs"]}
+    header = ["context", "check s", "against: check s", "ratio", "float64 ref s", "against: float64 ref s", "ratio"]
+    rows = []
+    for r in doc["runs"]:
+        o = other.get(r["length"])
+        if o is None:
+            continue
+        ref = r["parts"]["float64_reference_forward"]["seconds"]
+        oref = o["parts"]["float64_reference_forward"]["seconds"]
+        rows.append(
+            [
+                str(r["length"]),
+                f"{r['check_seconds']:.1f}",
+                f"{o['check_seconds']:.1f}",
+                f"{o['check_seconds'] / r['check_seconds']:.2f}x",
+                "-" if ref is None else f"{ref:.1f}",
+                "-" if oref is None else f"{oref:.1f}",
+                "-" if not ref or oref is None else f"{oref / ref:.2f}x",
+            ]
+        )
+    widths = [max(len(x) for x in col) for col in zip(header, *rows)]
+    return "\n".join(
+        "  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in [header, ["-" * w for w in widths], *rows]
+    )
+
+
 def plot(doc: dict[str, Any], path: Path) -> None:
     import matplotlib
 
@@ -248,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None)
+    p.add_argument("--against", default=None, help="a second model measured at the same lengths, shown beside")
     p.add_argument("--part", choices=PARTS, default=None)
     p.add_argument("--length", type=int, default=None)
     args = p.parse_args(argv)
@@ -258,16 +290,28 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import tempfile
 
-    with tempfile.TemporaryDirectory(prefix="ropekv-long-") as tmp:
-        doc = measure(
-            args.model,
-            [int(x) for x in args.lengths.split(",")],
-            Path(tmp),
-            decode_steps=args.decode_steps,
-            threads=args.threads,
-            progress=lambda m: print(m, file=sys.stderr, flush=True),
-        )
+    lengths = [int(x) for x in args.lengths.split(",")]
+    docs = []
+    for model in [args.model] + ([args.against] if args.against else []):
+        print(f"model: {model or 'the default'}", file=sys.stderr, flush=True)
+        with tempfile.TemporaryDirectory(prefix="ropekv-long-") as tmp:
+            one = measure(
+                model,
+                lengths,
+                Path(tmp),
+                decode_steps=args.decode_steps,
+                threads=args.threads,
+                progress=lambda m: print(m, file=sys.stderr, flush=True),
+            )
+        docs.append({**one, "model": model})
+    doc = docs[0]
     print(format_table(doc))
+    if args.against:
+        doc["against"] = docs[1]
+        print(f"\n{args.against}:")
+        print(format_table(docs[1]))
+        print()
+        print(format_against(doc))
     if args.json:
         Path(args.json).write_text(json.dumps(doc, indent=1))
     if args.plot:
