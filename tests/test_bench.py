@@ -421,3 +421,34 @@ def test_the_long_context_comparison_divides_the_two_models_seconds_per_context(
     assert len(lines) == 4  # header, rule, the two shared contexts (99 is only in the other model)
     assert lines[2].split() == ["2048", "10.0", "30.0", "3.00x", "2.0", "8.0", "4.00x"]
     assert lines[3].split() == ["32768", "40.0", "100.0", "2.50x", "-", "50.0", "-"]
+
+
+def test_the_engine_checks_table_gives_each_engine_its_parts_and_the_worst_ratio() -> None:
+    from ropekv.bench.engine_checks import format_table
+
+    run = {
+        "engine": "vllm",
+        "check_seconds": 100.0,
+        "check_exit_code": 0,
+        "passed": True,
+        "cases": 8,
+        "judged": 8,
+        "interpreter_and_imports_seconds": 10.0,
+        "engine_start_seconds": 20.0,
+        "phase_seconds": {"float64_reference_forwards": 0.0, "cached_runs": 30.0, "engine_full_forwards": 25.0},
+        "harness_seconds": 5.0,
+        "reference_cache": {"hits": 8, "computed": 0, "recomputed": 0},
+        "check_over_parts": 1.2,
+    }
+    slow = {**run, "engine": "mlx", "passed": False, "check_over_parts": 1.8, "reference_cache": None}
+    lines = format_table([run, slow, {"engine": "llamacpp", "error": "not found"}]).splitlines()
+    assert lines[2].split() == ["vllm", "PASS", "(8/8)", "100.0", "10.0", "20.0", "0.0", "30.0", "25.0", "5.0"] + [
+        "1.20x",
+        "8",
+        "hit(s),",
+        "0",
+        "computed",
+    ]
+    assert lines[3].split()[:3] == ["mlx", "FAIL", "(8/8)"] and lines[3].split()[-2:] == ["1.80x", "-"]
+    assert lines[4].split() == ["llamacpp", "not", "found"]
+    assert lines[-1] == "check over its parts at worst 1.80x (target <= 1.5x): MISSED"
