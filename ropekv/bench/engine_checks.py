@@ -13,7 +13,7 @@ interpreter and the imports, which the check pays as well and which are taken ou
 first check computes the reference and the others read it back.
 
 ``python -m ropekv.bench.engine_checks [MODEL] [--engines ropekv,hf,vllm,mlx,llamacpp]
-[--reference-cache DIR] [--json PATH]``; ``--start-only ENGINE`` is the child that builds one engine.
+[--reference-cache DIR] [--check-args "--lengths 33,100 ..."] [--json PATH]``; ``--start-only ENGINE`` is the child that builds one engine.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -69,13 +70,16 @@ def _timed(argv: list[str], log: Path) -> tuple[float, int]:
     return time.perf_counter() - t0, code
 
 
-def measure_engine(engine: str, model: str | None, work: Path, store: str | None) -> dict[str, Any]:
+def measure_engine(
+    engine: str, model: str | None, work: Path, store: str | None, check_args: list[str] | None = None
+) -> dict[str, Any]:
     py = str(_python(engine))
     if not Path(py).exists():
         return {"engine": engine, "error": f"{py} not found (make setup-{engine})"}
     report = work / f"check-{engine}.json"
     argv = [py, "-m", "ropekv.cli.main", "check", "--engine", engine, *([model] if model else [])]
-    argv += ["--json", str(report), "--no-progress"] + (["--reference-cache", store] if store else [])
+    argv += [*(check_args or []), "--json", str(report), "--no-progress"]
+    argv += ["--reference-cache", store] if store else []
     wall, code = _timed(argv, work / f"check-{engine}.log")
     doc = json.loads(report.read_text()) if report.exists() else {}
     start_json = work / f"start-{engine}.json"
@@ -153,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("model", nargs="?", default=None)
     p.add_argument("--engines", default="ropekv,hf,vllm,mlx,llamacpp")
     p.add_argument("--reference-cache", default=None, help="one folder shared by every engine's check")
+    p.add_argument("--check-args", default="", help="case flags given to every engine's check (default: none)")
     p.add_argument("--json", default=None)
     p.add_argument("--start-only", choices=list(ENGINES), default=None)
     args = p.parse_args(argv)
@@ -168,12 +173,15 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ropekv-engines-") as tmp:
         for engine in engines:
             print(f"ropekv check --engine {engine}", file=sys.stderr, flush=True)
-            runs.append(measure_engine(engine, args.model, Path(tmp), args.reference_cache))
+            runs.append(
+                measure_engine(engine, args.model, Path(tmp), args.reference_cache, shlex.split(args.check_args))
+            )
             r = runs[-1]
             print(f"  {r.get('check_seconds', float('nan')):.1f} s, exit {r.get('check_exit_code')}", file=sys.stderr)
     print(format_table(runs))
     if args.json:
-        doc = {"format": "ropekv.engine-checks", "version": 1, "model": args.model, "runs": runs}
+        doc = {"format": "ropekv.engine-checks", "version": 1, "model": args.model, "check_args": args.check_args}
+        doc["runs"] = runs
         doc["target_over_parts"] = TARGET_OVER_PARTS
         Path(args.json).write_text(json.dumps(doc, indent=1))
     return 0
