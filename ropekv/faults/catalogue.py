@@ -17,6 +17,7 @@ from ..engine.rotation import RotationPolicy, rotate
 from ..models.config import Checkpoint
 from ..parity.cases import Case
 from ..rope import RopeScaling, RopeSpec, apply_rotation
+from .decode_side import DecodeSideSpec
 from .native import NativeFault
 
 
@@ -171,28 +172,7 @@ def dynamic_variant(ckpt: Checkpoint, original_max: int = 64, factor: float = 2.
 # (``NativeFault.needs``), so the registry lists them apart from those every model can run.
 
 
-class _DecodeLayerSpec(RotationPolicy):
-    """The decode side turns some layers' queries and new keys with a spec chosen per layer."""
-
-    def spec(self, rope: RopeSpec | None, ctx) -> RopeSpec | None:
-        raise NotImplementedError
-
-    def _pick(self, rope, ctx):
-        return self.spec(rope, ctx) if ctx.phase == "decode" else rope
-
-    def query(self, rope, q, positions, ctx):
-        return super().query(self._pick(rope, ctx), q, positions, ctx)
-
-    def write_key(self, rope, k, positions, slots, ctx):
-        return super().write_key(self._pick(rope, ctx), k, positions, slots, ctx)
-
-    def read_keys(self, rope, stored, rotation_index, slots, ctx, *, backend_rotates):
-        return super().read_keys(
-            self._pick(rope, ctx), stored, rotation_index, slots, ctx, backend_rotates=backend_rotates
-        )
-
-
-class PartialRotaryAllChannels(_DecodeLayerSpec):
+class PartialRotaryAllChannels(DecodeSideSpec):
     """Partial rotary applied to every channel: the pass-through channels turn too, at frequencies
     computed for the whole head."""
 
@@ -211,7 +191,7 @@ def _kind_specs(ctx) -> tuple[RopeSpec | None, RopeSpec | None]:
     return local, global_
 
 
-class LocalRopeOnGlobalLayers(_DecodeLayerSpec):
+class LocalRopeOnGlobalLayers(DecodeSideSpec):
     """Global (full-attention) layers turn with the local (sliding) layers' RoPE (gemma3: theta 1e4
     instead of 1e6 and no scaling)."""
 
@@ -221,7 +201,7 @@ class LocalRopeOnGlobalLayers(_DecodeLayerSpec):
         return _kind_specs(ctx)[0] if ctx.layer not in ctx.window_layers and rope is not None else rope
 
 
-class GlobalRopeOnLocalLayers(_DecodeLayerSpec):
+class GlobalRopeOnLocalLayers(DecodeSideSpec):
     """Local (sliding) layers turn with the global layers' RoPE."""
 
     name = "global-rope-on-local-layers"
@@ -230,7 +210,7 @@ class GlobalRopeOnLocalLayers(_DecodeLayerSpec):
         return _kind_specs(ctx)[1] if ctx.layer in ctx.window_layers and rope is not None else rope
 
 
-class NopeLayerRotated(_DecodeLayerSpec):
+class NopeLayerRotated(DecodeSideSpec):
     """A layer without position embedding (NoPE) turns its queries and keys with the model's RoPE."""
 
     name = "nope-layer-rotated"

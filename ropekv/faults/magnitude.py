@@ -11,36 +11,22 @@ forward) stay right. They need a model whose attention factor is not 1: :func:`y
 
 from __future__ import annotations
 
-from ..engine.rotation import RotationPolicy
 from ..models.config import Checkpoint
 from ..models.rope_config import attention_factor_of
 from ..parity.cases import Case
 from ..rope import RopeScaling, RopeSpec
+from .decode_side import DecodeSideSpec
 from .native import NativeFault
 
 
-class _DecodeSideFactor(RotationPolicy):
-    """The decode step turns its query, its new key and (rotating on read) the keys it reads with
-    the contract's angles but another attention factor."""
+class _DecodeSideFactor(DecodeSideSpec):
+    """The decode step turns with the contract's angles but another attention factor."""
 
     def factor(self, rope: RopeSpec) -> float:
         raise NotImplementedError
 
-    def _pick(self, rope: RopeSpec | None, ctx) -> RopeSpec | None:
-        if rope is None or ctx.phase != "decode":
-            return rope
-        return rope.replace(attention_factor=self.factor(rope))
-
-    def query(self, rope, q, positions, ctx):
-        return super().query(self._pick(rope, ctx), q, positions, ctx)
-
-    def write_key(self, rope, k, positions, slots, ctx):
-        return super().write_key(self._pick(rope, ctx), k, positions, slots, ctx)
-
-    def read_keys(self, rope, stored, rotation_index, slots, ctx, *, backend_rotates):
-        return super().read_keys(
-            self._pick(rope, ctx), stored, rotation_index, slots, ctx, backend_rotates=backend_rotates
-        )
+    def spec(self, rope: RopeSpec | None, ctx) -> RopeSpec | None:
+        return None if rope is None else rope.replace(attention_factor=self.factor(rope))
 
 
 class AttentionFactorDropped(_DecodeSideFactor):
