@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from ..adapters.registry import ENGINES
+from .table import grid
 
 TARGET_OVER_PARTS = 1.5
 ROOT = Path(__file__).resolve().parents[2]
@@ -142,8 +143,7 @@ def format_table(runs: list[dict[str, Any]]) -> str:
                 source,
             ]
         )
-    widths = [max(len(x) for x in col) for col in zip(header, *rows)]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in [header, ["-" * w for w in widths], *rows]]
+    lines = grid(header, rows, first_left=False)
     ratios = [r["check_over_parts"] for r in runs if "check_over_parts" in r]
     if ratios:
         worst = max(ratios)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from .machine import load_average, peak_rss_bytes
+from .table import grid
 
 PARTS = ("float64_reference_forward", "engine_full_forward", "cached_run")
 TARGET_OVER_FLOOR = 1.5
@@ -197,8 +198,7 @@ def format_table(doc: dict[str, Any]) -> str:
                 str(r["load_average_start"]),
             ]
         )
-    widths = [max(len(x) for x in col) for col in zip(header, *rows)]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in [header, ["-" * w for w in widths], *rows]]
+    lines = grid(header, rows, first_left=False)
     g, t = doc["goals"], doc["targets"]
     lines.append(
         f"check/floor at worst {g['check_over_floor']:.2f}x (target <= {t['check_over_floor']}x); "
@@ -229,10 +229,7 @@ def format_against(doc: dict[str, Any]) -> str:
                 "-" if not ref or oref is None else f"{oref / ref:.2f}x",
             ]
         )
-    widths = [max(len(x) for x in col) for col in zip(header, *rows)]
-    return "\n".join(
-        "  ".join(c.rjust(w) for c, w in zip(line, widths)) for line in [header, ["-" * w for w in widths], *rows]
-    )
+    return "\n".join(grid(header, rows, first_left=False))
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:

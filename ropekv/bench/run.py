@@ -46,6 +46,7 @@ from .decode import (
 from .handoff import measure_handoff
 from .machine import load_average, machine_facts
 from .memory import cache_bytes
+from .table import grid
 
 FORMAT, VERSION = "ropekv.bench", 1
 
@@ -522,7 +523,7 @@ def format_table(doc: dict[str, Any]) -> str:
                 f"{b['median_step_seconds'] / a['median_step_seconds']:.2f}x",
             ]
         )
-    lines += _grid(header, rows)
+    lines += grid(header, rows)
     lines += [
         "",
         "time per step above the matvec floor (ms: median step minus the floor's median step; "
@@ -541,7 +542,7 @@ def format_table(doc: dict[str, Any]) -> str:
                 f"{1000 * f:.1f}",
             ]
         )
-    lines += _grid(["context", "rotated", "rotate_on_read", "transformers", "floor step"], rows)
+    lines += grid(["context", "rotated", "rotate_on_read", "transformers", "floor step"], rows)
     s = doc["sweep"]
     lines += [
         "",
@@ -611,7 +612,7 @@ def format_table(doc: dict[str, Any]) -> str:
                 _goal_context(name, ctx, doc),
             ]
         )
-    lines += _grid(["goal", "ratio", "value", "target", "verdict", "taken at"], rows)
+    lines += grid(["goal", "ratio", "value", "target", "verdict", "taken at"], rows)
     lines += _ceiling_lines(doc)
     lines += ["", "seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in doc["seconds"].items())]
     return "\n".join(lines)
@@ -655,17 +656,6 @@ def _goal_context(name: str, context: int | None, doc: dict[str, Any]) -> str:
 
 def _phases(phases: dict[str, list[float]]) -> str:
     return ", ".join(f"{k} {statistics.median(v):.3f}" for k, v in phases.items())
-
-
-def _grid(header: list[str], rows: list[list[str]]) -> list[str]:
-    widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
-
-    def fmt(cells: list[str]) -> str:
-        return "  ".join(
-            str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(cells, widths))
-        ).rstrip()
-
-    return [fmt(header), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:
