@@ -43,23 +43,14 @@ def _python(engine: str) -> Path:
 
 def start_engine(engine: str, model: str | None) -> float:
     """Seconds to build ``engine``'s adapter as ``ropekv check --engine ENGINE [MODEL]`` builds it."""
+    from ..adapters.registry import engine_module
+    from ..cli.check_cmd import build_adapter
     from ..cli.main import build_parser
 
     args = build_parser().parse_args(["check", "--engine", engine, *([model] if model else [])])
+    module = engine_module(engine) if ENGINES[engine].venv is not None else None
     t0 = time.perf_counter()
-    if ENGINES[engine].venv is not None:
-        from ..adapters.registry import engine_module
-
-        engine_module(engine).from_args(args)
-    elif engine == "hf":
-        from ..adapters.hf import HFEngine
-
-        HFEngine.load(args.model, dtype=args.dtype)
-    else:
-        from ..adapters.native import NativeAdapter
-        from ..models import load_checkpoint
-
-        NativeAdapter(load_checkpoint(args.model))
+    build_adapter(args, module=module)
     return time.perf_counter() - t0
 
 

@@ -245,18 +245,17 @@ def plot(doc: dict[str, Any], path: Path) -> None:
     for part, style in zip(PARTS, ("s--", "^--", "v--")):
         a.plot(x, [r["parts"][part]["seconds"] for r in runs], style, label=part.replace("_", " "))
     a.plot(x, [TARGET_OVER_FLOOR * r["floor_seconds"] for r in runs], "k:", label="target: 1.5x the three parts")
-    if "against" in doc:  # the second model's whole check, at its own lengths
-        o = doc["against"]["runs"]
-        name = Path(str(doc["against"].get("model"))).name
+    against = doc.get("against")  # the second model's whole check, at its own lengths
+    o = against["runs"] if against else []
+    name = Path(str(against.get("model"))).name if against else ""
+    if against:
         a.plot([r["length"] for r in o], [r["check_seconds"] for r in o], "o-", color="0.55", label=f"{name}: check")
     a.set_xlabel("context (tokens)")
     a.set_ylabel("seconds")
     a.legend(fontsize=7)
     a.grid(alpha=0.3)
     b.plot(x, [r["check_peak_rss_bytes"] / 2**30 for r in runs], "o-", label="ropekv check peak RSS")
-    if "against" in doc:
-        o = doc["against"]["runs"]
-        name = Path(str(doc["against"].get("model"))).name
+    if against:
         b.plot(
             [r["length"] for r in o],
             [r["check_peak_rss_bytes"] / 2**30 for r in o],

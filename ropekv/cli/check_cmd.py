@@ -176,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     external = custom is None and ENGINES[args.engine].venv is not None
     module = engine_module(args.engine) if external else None  # EngineUnavailable before any heavy work
 
-    from ..models import load_checkpoint, load_config
+    from ..models import load_config
 
     # The config alone (config.json / GGUF metadata) decides whether the cases fit the model: refuse
     # them before any weight is read. An external engine without case flags lists its own default
@@ -229,31 +229,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(
             f"--window {args.window} is not smaller than the longest context ({longest} tokens): it would never wrap"
         )
-    if module is not None:
-        adapter = module.from_args(args)
-    elif custom is not None:
-        adapter = custom.load(args.model, args.dtype)
-    elif args.engine == "hf":
-        from ..adapters.hf import HFEngine
-
-        adapter = HFEngine.load(args.model, dtype=args.dtype)
-    elif fault is not None:
-        adapter = fault.adapter(
-            load_checkpoint(args.model),
-            dtype=args.dtype,
-            key_form=args.key_form,
-            **({"kv_dtype": args.kv_dtype, "kv_scale": args.kv_scale or "per_tensor"} if kv_native else {}),
-        )
-    else:
-        adapter = NativeAdapter(
-            load_checkpoint(args.model),
-            key_form=args.key_form or "rotated",
-            backend=args.backend,
-            dtype=args.dtype,
-            device=args.device,
-            kv_dtype=args.kv_dtype,
-            kv_scale=args.kv_scale or "per_tensor",
-        )
+    adapter = build_adapter(args, module=module, custom=custom, fault=fault)
     from ..models.default import display_name
     from ..parity.report import plural
 
@@ -288,6 +264,41 @@ def run(args: argparse.Namespace) -> int:
         plot_report(report, plot_path)
         print(f"plot written to {plot_path}", file=sys.stderr)
     return code
+
+
+def build_adapter(args: argparse.Namespace, *, module=None, custom: CustomEngine | None = None, fault=None):
+    """The adapter ``ropekv check`` judges for parsed ``args``: an external engine's (``module``, its
+    adapter module), a custom one, HF's, ropekv's engine with ``fault``, or ropekv's own engine. The
+    engine starts here (its model read, the engine built); the benchmarks time this call."""
+    from ..adapters.native import NativeAdapter
+    from ..faults.native import NativeFault
+    from ..models import load_checkpoint
+
+    if module is not None:
+        return module.from_args(args)
+    if custom is not None:
+        return custom.load(args.model, args.dtype)
+    if args.engine == "hf":
+        from ..adapters.hf import HFEngine
+
+        return HFEngine.load(args.model, dtype=args.dtype)
+    if fault is not None:
+        kv = {"kv_dtype": args.kv_dtype, "kv_scale": args.kv_scale or "per_tensor"}
+        return fault.adapter(
+            load_checkpoint(args.model),
+            dtype=args.dtype,
+            key_form=args.key_form,
+            **(kv if isinstance(fault, NativeFault) else {}),
+        )
+    return NativeAdapter(
+        load_checkpoint(args.model),
+        key_form=args.key_form or "rotated",
+        backend=args.backend,
+        dtype=args.dtype,
+        device=args.device,
+        kv_dtype=args.kv_dtype,
+        kv_scale=args.kv_scale or "per_tensor",
+    )
 
 
 def _image_grid(text: str) -> ImageGrid:
