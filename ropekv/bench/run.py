@@ -55,7 +55,7 @@ GOALS: dict[str, tuple[str, float | None, int | None]] = {
     "handoff_over_bare_sendrecv": (">=", 0.7, None),
     "rotate_on_read_over_rotated_4096": ("<=", 1.15, 4096),
     # a decode step against the least it must do: the step's weight matvecs (timed alone, same kernels)
-    # plus reading its KV bytes at the measured copy bandwidth
+    # plus reading its KV bytes at the measured bandwidth (bandwidth.bytes_per_s)
     "decode_step_over_floor_1024": ("<=", 1.15, 1024),
     "decode_step_over_floor_4096": ("<=", 1.15, 4096),
     "cache_bytes_over_ideal": ("<=", None, None),  # target: 5% over ideal plus one partly filled block
@@ -257,7 +257,7 @@ def run_bench(settings: BenchSettings, progress: Callable[[str], None] | None = 
     for entry in decode.values():
         for r, f in zip(entry["runs"], doc["weights_matvec_floor"]["runs"]):
             r["step_over_weights_matvec_floor"] = r["median_step_seconds"] / f["median_step_seconds"]
-            # the step's floor: its weight matvecs plus reading its KV bytes at the copy bandwidth
+            # the step's floor: its weight matvecs plus reading its KV bytes at the measured bandwidth
             r["floor_with_kv_seconds"] = f["median_step_seconds"] + r["step_bytes"]["kv_cache"] / bw["bytes_per_s"]
             r["step_over_floor_with_kv"] = r["median_step_seconds"] / r["floor_with_kv_seconds"]
     if hf is not None:
