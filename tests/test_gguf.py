@@ -19,6 +19,7 @@ import torch
 from gguf import GGMLQuantizationType, GGUFWriter, RopeScalingType
 
 from ropekv.errors import CheckpointError, ConfigError
+from ropekv.models.computed import computation_fingerprint
 from ropekv.models.gguf_file import hf_tensor_name, load_gguf, permute_qk, unpermute_qk
 from ropekv.models.reference import ReferenceDecoder
 from ropekv.rope import RopeSpec, layout_permutation
@@ -366,3 +367,11 @@ def test_default_gguf_fingerprint_equals_converted_cache(smollm_layouts) -> None
     cached = default_checkpoint()
     assert cached.fingerprint == neox.fingerprint
     assert cached.config == neox.config
+
+
+def test_both_layouts_have_one_computation_fingerprint(tiny_gguf) -> None:
+    """The reference cache's key: the gptj presentation's is the neox load's own fingerprint."""
+    path, _ = tiny_gguf("llama")
+    neox, gptj = load_gguf(path, layout="neox"), load_gguf(path, layout="gptj")
+    assert neox.fingerprint != gptj.fingerprint
+    assert computation_fingerprint(gptj) == computation_fingerprint(neox) == neox.fingerprint

@@ -7,6 +7,7 @@ reports are compared with those of a check without any cache, which computes eve
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 import threading
@@ -23,6 +24,7 @@ from ropekv.errors import UsageError
 from ropekv.faults.registry import FAULTS
 from ropekv.models import load_checkpoint
 from ropekv.models.config import Checkpoint
+from ropekv.models.gguf_file import permute_qk
 from ropekv.models.reference import ReferenceDecoder
 from ropekv.parity import reference_cache as rc
 from ropekv.parity.cases import Case, build_matrix, parse_ops
@@ -312,3 +314,44 @@ def test_concurrent_writers_leave_one_whole_entry(llama, tmp_path):
     for t in positions:
         assert torch.equal(got.rows[t].attn_logits[-1], winner[t].attn_logits[-1])
     assert [p.name for p in (tmp_path / "refs").iterdir()] == [store.path(rc.entry_key(fields)).name]
+
+
+def _gptj_presentation(ckpt: Checkpoint, nudge: float = 0.0) -> Checkpoint:
+    """The same weights as llama.cpp's converter stores them (Q/K rows permuted per head, RoPE pairs
+    interleaved); ``nudge`` changes one query weight, making another model."""
+    cfg = ckpt.config
+    gptj_cfg = dataclasses.replace(cfg, rope=dataclasses.replace(cfg.rope, layout="gptj"))
+    state = {}
+    for name, t in ckpt.weights.items():
+        if ".q_proj." in name or ".k_proj." in name:
+            heads = cfg.num_heads if ".q_proj." in name else cfg.num_kv_heads
+            t = torch.from_numpy(permute_qk(t.numpy().copy(), heads))
+        state[name] = t.clone()
+    if nudge:
+        state["model.layers.0.self_attn.q_proj.weight"][0, 0] += nudge
+    return Checkpoint.from_tensors(gptj_cfg, state)
+
+
+def test_the_gptj_presentation_of_the_same_weights_reads_the_neox_rows(llama, tmp_path, forwards):
+    """llama.cpp runs a llama GGUF with its Q/K rows as stored (gptj pairing): another fingerprint (the
+    contract tells the two apart) but the same reference rows, so it reads the entries a check of the
+    transformers presentation stored. Another model in the gptj presentation does not."""
+    refs = tmp_path / "refs"
+    gptj = _gptj_presentation(llama)
+    assert gptj.fingerprint != llama.fingerprint
+    own = check(gptj, cases=PLAIN)  # its own float64 reference, no cache
+    assert own.passed, own.table()
+    check(llama, cases=PLAIN, reference_cache=refs)
+    forwards.clear()
+    shared = check(gptj, cases=PLAIN, reference_cache=refs)
+    assert forwards == [], "the gptj presentation computed a reference of its own"
+    assert _sources(shared) == ["cache hit"] * len(PLAIN) and shared.passed, shared.table()
+    for a, b in zip(own.cases, shared.cases):  # the neox rows judge it as its own rows do
+        assert a.passed == b.passed
+        for key in ("max_abs_logit_diff", "max_attn_error"):
+            x, y = a.to_dict().get(key), b.to_dict().get(key)
+            assert (x is None) == (y is None), key
+            if x is not None:
+                assert y == pytest.approx(x, rel=1e-6, abs=1e-9), key
+    other = check(_gptj_presentation(llama, nudge=0.5), cases=PLAIN, reference_cache=refs)
+    assert _sources(other) == ["computed"] * len(PLAIN), "another model's gptj rows never read these"

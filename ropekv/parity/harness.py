@@ -20,6 +20,7 @@ import torch
 from ..attention_kind import MODEL_WINDOWS
 from ..contract import DTYPES
 from ..errors import NotApplicable, UsageError
+from ..models.computed import computation_fingerprint
 from ..models.config import Checkpoint, ModelConfig
 from ..models.reference import ReferenceDecoder, ReferenceOutput
 from ..probe import LayerProbe
@@ -398,6 +399,9 @@ class _References:
         self.cache_seconds = {"saved": 0.0, "spent": 0.0}
         self.per_position = self.cfg.rope.length_dependent
         self.bar: Progress | None = None
+        # the store's key: what the model computes, so a gptj presentation (llama.cpp's) of the same
+        # weights reads the rows a neox one stored (ropekv.models.computed)
+        self._model_key: str | None = None
         self.seconds = {"float64_reference_forwards": 0.0, "engine_full_forwards": 0.0, "cached_runs": 0.0}
         self._rows: dict[_Group, list[int]] = {}
         self._cases: dict[_Group, Case] = {}
@@ -429,7 +433,9 @@ class _References:
         cases of its window, as without a store) and stored; the source is recorded for the report."""
         if self.store is None or case in self.sources:
             return
-        fields = entry_fields(self.adapter.checkpoint.fingerprint, self.reference, case, self.tokens)
+        if self._model_key is None:
+            self._model_key = computation_fingerprint(self.adapter.checkpoint)
+        fields = entry_fields(self._model_key, self.reference, case, self.tokens)
         cfg = self.cfg
         positions = tuple(sorted(set(case.decode_positions)))
         shape = RowsShape(
