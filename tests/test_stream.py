@@ -19,7 +19,15 @@ import torch
 
 from ropekv.cache.paged import PagedKVCache
 from ropekv.contract import CacheContract
-from ropekv.errors import AdapterError, CacheError, CapacityError, ContractMismatch, PayloadError, TransportError
+from ropekv.errors import (
+    AdapterError,
+    CacheError,
+    CapacityError,
+    ContractMismatch,
+    PayloadError,
+    TransportError,
+    UsageError,
+)
 from ropekv.rope import RopeSpec
 from ropekv.transfer.importer import ModelLimits
 from ropekv.transfer.payload import window_rows
@@ -197,6 +205,57 @@ def test_chunks_land_straight_in_the_pool_rows_the_sequence_owns():
     assert got.in_place_chunks == got.chunks == 2 * c.num_layers * c.num_kv_heads  # one chunk per head
     assert target.block_table("s") == (0, 1, 2)
     assert torch.equal(target.keys[1][:3].reshape(12, 2, 8)[:10], source.view("s", 1).keys)
+
+
+class _CountingLoopback(Loopback):
+    """A receiving end that records how many receives were posted and not yet waited on."""
+
+    def __init__(self, end: Loopback):
+        super().__init__(end.inbox, end.outbox)
+        self.open, self.most = 0, 0
+
+    def post_recv(self, tensor, peer, what):
+        self.open += 1
+        self.most = max(self.most, self.open)
+        inner, outer = _Recv(self, tensor), self
+
+        class Counted:
+            def wait(self) -> None:
+                inner.wait()
+                outer.open -= 1
+
+        return Counted()
+
+
+@pytest.mark.parametrize("budget, most", [(None, 24), (448, 2), (1, 1)])
+def test_receives_are_posted_up_to_the_bytes_in_flight(monkeypatch, budget, most):
+    """Every chunk of a small stream is posted at once by default (gloo moves a message only once its
+    receive is posted); a budget of two chunks' bytes keeps two open, a budget under one chunk one."""
+    c = contract()
+    source, target = filled(c, 13), PagedKVCache(c, 8)
+    ends: list[_CountingLoopback] = []
+    real_pair = Loopback.pair
+
+    def pair(drop_after=None):
+        a, b = real_pair(drop_after)
+        ends.append(_CountingLoopback(b))
+        return a, ends[-1]
+
+    monkeypatch.setattr(Loopback, "pair", staticmethod(pair))
+    receive = {} if budget is None else {"in_flight_bytes": budget}
+    _, got = transfer(source, target, chunk_bytes=224, **receive)  # 7 rows: 224 + 192 bytes per head
+    assert not isinstance(got, Exception), got
+    assert got.chunks == 24 and ends[0].most == most
+    assert_same_sequence(source, target)
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True])
+def test_a_bad_in_flight_budget_is_refused_before_anything_is_received(bad):
+    c = contract()
+    target = PagedKVCache(c, 8)
+    with pytest.raises(UsageError, match="in_flight_bytes"):
+        receive_sequence(Loopback.pair()[1], 0, target, in_flight_bytes=bad)
+    assert target.seq_ids() == []
 
 
 def test_explicit_conversion_rotates_raw_keys_once():
