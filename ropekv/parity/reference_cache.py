@@ -11,8 +11,8 @@ checks read them back instead of running the float64 forward again. The engine s
 One entry is one safetensors file (never pickle), named by its key: the sha256 of a canonical JSON of
 everything the rows depend on (:func:`entry_fields`): the model's computation fingerprint (config
 semantics and every weight byte, in the neox presentation of the Q/K rows, so llama.cpp's gptj
-presentation of the same weights shares its entries: :mod:`ropekv.models.computed`), the reference dtype, the case's probed positions and attention (window, sinks,
-the model's own per-layer kinds, an image span, a cache operation), a sha256 of the tokens those rows
+presentation of the same weights shares its entries: :mod:`ropekv.models.computed`), the reference
+dtype, the case's probed positions and attention (window, sinks, the model's own per-layer kinds, an image span, a cache operation), a sha256 of the tokens those rows
 read, ropekv's version, a digest of the source of the code that computes the rows, and torch's
 version. The key fields are stored in the file's metadata too and compared on read, with a sha256 of
 the tensors' bytes. A missing entry is computed; an entry that fails any check (too large, truncated,

@@ -14,8 +14,8 @@ Wire protocol, per sequence, over a :class:`~ropekv.transfer.handshake.Channel` 
 The sender hashes every chunk before the header that carries the checksums goes out (xxh3: about
 28 GB/s here, 7 ms for 189 MB). The receiver receives straight into blocks it reserved
 (``PagedKVCache.reserve``) with every chunk's receive posted up front (up to 256 MB in flight), and
-checks each chunk (checksum, finite values) while the later ones arrive. Only when every chunk passed are keys converted (an explicit key
-form conversion, once) and the sequence committed; on any failure the blocks are released unread, so
+checks each chunk (checksum, finite values) while the later ones arrive. Only when every chunk
+passed are keys converted (an explicit key form conversion, once) and the sequence committed; on any failure the blocks are released unread, so
 nothing is imported. The sender only reads its pool: a receiver that dies mid-transfer leaves the
 sender's cache as it was.
 """
@@ -319,8 +319,8 @@ def receive_sequence(
     """Receive one streamed sequence from ``peer`` into ``cache`` as ``seq_id`` (default: the sender's).
 
     ``in_flight_bytes``: how many bytes of chunks may be posted and not yet checked (at least one
-    chunk). ``limits``: the receiving model's positions and vocabulary, checked on the header's tokens and
-    positions before anything is reserved. ``accept(header)`` may refuse it by raising a RopeKVError
+    chunk). ``limits``: the receiving model's positions and vocabulary, checked on the header's
+    tokens and positions before anything is reserved. ``accept(header)`` may refuse it by raising a RopeKVError
     (e.g. tokens other than planned);
     ``after_header`` is a test hook. All or nothing: on any refusal the sender is told, the reserved
     blocks are released and the error is raised; the cache is as before."""
@@ -383,8 +383,8 @@ def _receive_chunks(
     still received, so the stream stays in step), or None.
 
     Why so many at once: gloo moves a message's bytes only once its receive is posted, so with a few
-    posted the sender waits for the receiver's checks between chunks. Posted up front, 180 chunks
-    of 1 MB (a 4,096-token SmolLM2 cache) arrive back to back (docs/performance.md)."""
+    posted, a receiver slowed by its checks (or a loaded machine) stalls the sender between chunks
+    (docs/performance.md has the figures, loaded and quiet)."""
     c = cache.contract
     plan = header.plan()
     width = c.head_dim
