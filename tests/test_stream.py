@@ -31,7 +31,16 @@ from ropekv.errors import (
 from ropekv.rope import RopeSpec
 from ropekv.transfer.importer import ModelLimits
 from ropekv.transfer.payload import window_rows
-from ropekv.transfer.stream import StreamHeader, chunk_plan, rebuild_error, receive_sequence, send_sequence
+from ropekv.transfer.stream import (
+    KIND_TRAILER,
+    StreamHeader,
+    chunk_plan,
+    parse_trailer,
+    rebuild_error,
+    receive_sequence,
+    send_sequence,
+    trailer_bytes,
+)
 
 ROPE = RopeSpec(head_dim=8, rotary_dim=8, theta=10000.0)
 
@@ -386,14 +395,13 @@ def test_the_receiving_model_limits_are_checked_at_the_header(limits, shift, mat
 
 def _header(n=7) -> bytes:
     c = contract(window=3, window_layers=(1,))
-    plan = chunk_plan(c, n, 2)
-    return StreamHeader(c, "s", torch.arange(n) + 1, torch.arange(n) * 2, 2, tuple(range(len(plan)))).to_bytes()
+    return StreamHeader(c, "s", torch.arange(n) + 1, torch.arange(n) * 2, 2).to_bytes()
 
 
 def test_header_round_trips():
     h = StreamHeader.from_bytes(_header())
     assert h.num_tokens == 7 and h.seq_id == "s" and h.positions.tolist() == [0, 2, 4, 6, 8, 10, 12]
-    assert h.layer_positions(1).tolist() == [8, 10, 12] and h.checksums == tuple(range(len(h.plan())))
+    assert h.layer_positions(1).tolist() == [8, 10, 12] and len(h.plan()) == 3 * 2 * 2 * 4 - 2 * 2 * 2
     assert window_rows(7, 3, 0).tolist() == [4, 5, 6]
 
 
@@ -417,7 +425,6 @@ def test_every_bit_flip_and_truncation_of_the_header_is_refused():
         (dict(tokens=torch.tensor([0, -1, 2])), "negative"),
         (dict(tokens=torch.tensor([0, 2**40, 2])), r"token id 1099511627776 \(token 1\) is beyond any vocabulary"),
         (dict(positions=torch.tensor([0, 1, 2**62])), r"position 4611686018427387904 is beyond any model's positions"),
-        (dict(checksums=(1, 2)), "checksum"),
         (dict(chunk_rows=0), "chunk_rows"),
     ],
 )
@@ -429,10 +436,77 @@ def test_header_refuses_inconsistent_state(kwargs, match):
         tokens=torch.arange(3),
         positions=torch.arange(3),
         chunk_rows=2,
-        checksums=tuple(range(len(chunk_plan(c, 3, 2)))),
     )
     with pytest.raises(PayloadError, match=match):
         StreamHeader(**{**fields, **kwargs})
+
+
+# ---------------------------------------------------------------------- the trailer
+
+
+def test_trailer_round_trips_and_every_bit_flip_truncation_or_other_count_is_refused():
+    sums = [0, 1, 2**64 - 1, 0x0123456789ABCDEF]
+    data = bytearray(trailer_bytes(sums))
+    assert parse_trailer(bytes(data), 4) == tuple(sums) and len(data) == 8 + 4 * 8 + 32
+    for i in range(len(data)):
+        for bit in (0, 7):
+            data[i] ^= 1 << bit
+            with pytest.raises(PayloadError, match="trailer"):
+                parse_trailer(bytes(data), 4)
+            data[i] ^= 1 << bit
+    for cut in range(len(data)):
+        with pytest.raises(PayloadError, match="trailer"):
+            parse_trailer(bytes(data[:cut]), 4)
+    for chunks in (3, 5):  # well formed, for another number of chunks
+        with pytest.raises(PayloadError, match="trailer"):
+            parse_trailer(bytes(data), chunks)
+    with pytest.raises(PayloadError, match="counts 5 checksum"):  # a self-consistent lie about its count
+        parse_trailer(_recount(trailer_bytes(sums), 5), 4)
+
+
+def _recount(data: bytes, count: int) -> bytes:
+    """``data``'s checksums under another count, with a digest that matches (a sender that lies)."""
+    import hashlib
+
+    body = count.to_bytes(8, "little") + data[8:-32]
+    return body + hashlib.sha256(body).digest()
+
+
+class _LyingTrailer(Loopback):
+    """A sending end whose trailer says chunk ``index``'s checksum is one more than it is."""
+
+    def __init__(self, end: Loopback, index: int):
+        super().__init__(end.inbox, end.outbox, end.drop_after)
+        self.index = index
+
+    def send(self, peer, kind, data, what):
+        if kind == KIND_TRAILER:
+            body = bytearray(data[:-32])
+            at = 8 + 8 * self.index
+            value = (int.from_bytes(body[at : at + 8], "little") + 1) % 2**64
+            body[at : at + 8] = value.to_bytes(8, "little")
+            data = _recount(bytes(body) + bytes(32), len(body) // 8 - 1)
+        super().send(peer, kind, data, what)
+
+
+@pytest.mark.parametrize("index", [0, 7, 23])
+def test_a_trailer_that_disagrees_with_a_chunk_imports_nothing(monkeypatch, index):
+    """The chunks arrive intact and the trailer is well formed, but its checksum for one chunk is not
+    that chunk's: the receiver names the chunk and imports nothing."""
+    c = contract()
+    source, target = filled(c, 13), filled(c, 4, seq_id="resident")
+    before = target.state_digest()
+    real_pair = Loopback.pair
+
+    def pair(drop_after=None):
+        sender, receiver = real_pair(drop_after)
+        return _LyingTrailer(sender, index), receiver
+
+    monkeypatch.setattr(Loopback, "pair", staticmethod(pair))
+    sent, got = transfer(source, target, chunk_bytes=224)
+    assert isinstance(got, PayloadError) and f"chunk {index} " in str(got) and "checksum" in str(got), got
+    assert isinstance(sent, PayloadError) and "checksum" in str(sent)
+    assert target.state_digest() == before and target.seq_ids() == ["resident"]
 
 
 def test_an_adapter_error_another_process_reported_is_rebuilt_with_its_message():

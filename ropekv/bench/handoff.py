@@ -6,9 +6,10 @@ starts two ranks (``python -m ropekv.bench.handoff``), one thread each, each hol
 payload into its cache (setup, untimed); then, ``repeats`` times, after a barrier:
 
 - ``handoff``: what ``ropekv handoff`` does per sequence, the streamed handoff
-  (``ropekv.transfer.stream``): rank 0 hashes its pool chunk by chunk and sends the header, then the
-  chunks as views of its pool; rank 1 checks the header, reserves blocks, receives every chunk
-  straight into them (checksum and finiteness checked while the next chunk arrives), commits, acks.
+  (``ropekv.transfer.stream``): rank 0 sends the header, then the chunks as views of its pool,
+  hashing each one just before it posts it, then the trailer of checksums; rank 1 checks the
+  header, reserves blocks, receives every chunk straight into them (hashed and checked finite while
+  the next chunk arrives), checks the trailer, commits, acks.
 - ``bare_chunks``: the same chunks sent and received with nothing else (no header, no hashing, no
   checks, no reservation): what the chunking alone costs against one message.
 - ``bare``: one ``dist.send``/``dist.recv`` of a preallocated uint8 tensor of the same byte count.

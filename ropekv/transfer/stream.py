@@ -4,20 +4,24 @@ Wire protocol, per sequence, over a :class:`~ropekv.transfer.handshake.Channel` 
 
 1. sender -> receiver, one frame of kind ``KIND_STREAM``: the *header*, ``JSON || tokens int64 [n] ||
    positions int64 [n] || sha256`` where the JSON holds ``format``, ``version``, the sender's
-   contract, ``seq_id``, ``num_tokens``, ``json_bytes``, ``chunk_rows``, ``hash`` and one ``xxh3_64``
-   checksum per chunk, and the sha256 (32 bytes) covers everything before it.
-2. receiver -> sender: ``{"step": "go"}``, or a refusal (the same message as 4.) having reserved nothing.
+   contract, ``seq_id``, ``num_tokens``, ``chunk_rows`` and ``hash``, and the sha256 (32 bytes)
+   covers everything before it.
+2. receiver -> sender: ``{"step": "go"}``, or a refusal (the same message as 5.) having reserved nothing.
 3. sender -> receiver: the chunks, each a ``[rows, D]`` run of one KV head of one layer's keys or
    values (:func:`chunk_plan`), sent as views of the (head-major) pool wherever its rows are consecutive.
-4. receiver -> sender: ``{"step": "ack", "ok": true}`` or ``{"ok": false, "error_class", "message", "fields"}``.
+4. sender -> receiver, one frame of kind ``KIND_TRAILER``: the *trailer*, ``le64 count || le64
+   [count] || sha256``: one ``xxh3_64`` checksum per chunk, seeded with its index.
+5. receiver -> sender: ``{"step": "ack", "ok": true}`` or ``{"ok": false, "error_class", "message", "fields"}``.
 
-The sender hashes every chunk before the header that carries the checksums goes out (xxh3: about
-28 GB/s here, 7 ms for 189 MB). The receiver receives straight into blocks it reserved
-(``PagedKVCache.reserve``) with every chunk's receive posted up front (up to 256 MB in flight), and
-checks each chunk (checksum, finite values) while the later ones arrive. Only when every chunk
-passed are keys converted (an explicit key form conversion, once) and the sequence committed; on any failure the blocks are released unread, so
-nothing is imported. The sender only reads its pool: a receiver that dies mid-transfer leaves the
-sender's cache as it was.
+The checksums come after the chunks so that the sender hashes each chunk just before it posts it,
+while the earlier ones are on the wire (version 2 hashed them all before the header: 16 ms of 82
+for 189 MB, docs/performance.md), and the send then reads bytes the hash has just brought into
+cache. The receiver receives straight into blocks it reserved (``PagedKVCache.reserve``) with every
+chunk's receive posted up front (up to 256 MB in flight), and hashes each chunk and checks its
+values are finite while the later ones arrive. Only when the trailer's checksums match every
+chunk and every value is finite are keys converted (an explicit key form conversion, once) and the
+sequence committed; on any failure the blocks are released unread, so nothing is imported. The
+sender only reads its pool: a receiver that dies mid-transfer leaves the sender's cache as it was.
 """
 
 from __future__ import annotations
@@ -43,8 +47,11 @@ from .importer import ModelLimits, all_positions, plan_import
 from .payload import MAX_TOKENS, check_token_ids, contract_of_metadata, held_rows
 
 FORMAT = "ropekv.stream"
-VERSION = 2  # 2: a chunk is a run of one KV head's rows (the pool is head-major); 1 sent [rows, KVH * D]
-KIND_STREAM = 3  # a frame kind of its own (handshake.py: 1 JSON, 2 payload)
+# 3: the checksums travel in a trailer after the chunks; 2: in the header; 2 and 3: a chunk is a run of
+# one KV head's rows (the pool is head-major); 1 sent [rows, KVH * D]
+VERSION = 3
+KIND_STREAM = 3  # frame kinds of their own (handshake.py: 1 JSON, 2 payload)
+KIND_TRAILER = 4
 HASH = "xxh3_64"
 DEFAULT_CHUNK_BYTES = 4 << 20
 DEFAULT_IN_FLIGHT_BYTES = 256 << 20  # receives posted at once (staging copies included) bound the memory they hold
@@ -97,7 +104,6 @@ class StreamHeader:
     tokens: torch.Tensor  # [n] int64
     positions: torch.Tensor  # [n] int64, strictly increasing, >= 0
     chunk_rows: int
-    checksums: tuple[int, ...]  # one per chunk of chunk_plan
 
     def __post_init__(self) -> None:
         n = self.tokens.numel()
@@ -115,9 +121,6 @@ class StreamHeader:
             )
         if not is_int(self.chunk_rows) or self.chunk_rows < 1:
             raise PayloadError(f"stream header: chunk_rows {self.chunk_rows!r} is not a positive integer")
-        want = len(self.plan())
-        if len(self.checksums) != want:
-            raise PayloadError(f"stream header: {len(self.checksums)} checksum(s) for {want} chunk(s)")
 
     @property
     def num_tokens(self) -> int:
@@ -141,7 +144,6 @@ class StreamHeader:
             "num_tokens": self.num_tokens,
             "chunk_rows": self.chunk_rows,
             "hash": HASH,
-            "checksums": [f"{x:016x}" for x in self.checksums],
         }
         text = json.dumps(meta, sort_keys=True, separators=(",", ":")).encode()
         body = len(text).to_bytes(8, "little") + text + self.tokens.numpy().tobytes() + self.positions.numpy().tobytes()
@@ -162,7 +164,7 @@ class StreamHeader:
             meta = json.loads(body[8 : 8 + json_len])
         except (ValueError, RecursionError) as exc:
             raise PayloadError(f"stream header JSON: {exc}") from None
-        keys = {"format", "version", "contract", "seq_id", "num_tokens", "chunk_rows", "hash", "checksums"}
+        keys = {"format", "version", "contract", "seq_id", "num_tokens", "chunk_rows", "hash"}
         if not isinstance(meta, dict) or set(meta) != keys:
             raise PayloadError(f"stream header must hold exactly {', '.join(sorted(keys))}")
         if meta["format"] != FORMAT or meta["version"] != VERSION or meta["hash"] != HASH:
@@ -170,17 +172,11 @@ class StreamHeader:
                 f"stream header: {meta['format']!r} version {meta['version']!r} hash {meta['hash']!r} "
                 f"is not {FORMAT!r} version {VERSION} hash {HASH!r}"
             )
-        n, seq_id, sums = meta["num_tokens"], meta["seq_id"], meta["checksums"]
+        n, seq_id = meta["num_tokens"], meta["seq_id"]
         if not is_int(n) or not 1 <= n <= MAX_TOKENS or len(body) != 8 + json_len + 16 * n:
             raise PayloadError(f"stream header: num_tokens {str(n)[:40]} does not match its {len(body)} bytes")
         if not ((isinstance(seq_id, str) and len(seq_id) <= 256) or is_int(seq_id)):
             raise PayloadError("stream header: seq_id must be a string (<= 256 chars) or an integer")
-        if not isinstance(sums, list) or not all(isinstance(x, str) and len(x) == 16 for x in sums):
-            raise PayloadError("stream header: checksums must be 16-digit hex strings")
-        try:
-            checksums = tuple(int(x, 16) for x in sums)
-        except ValueError:
-            raise PayloadError("stream header: a checksum is not hexadecimal") from None
         ints = torch.frombuffer(bytearray(body[8 + json_len :]), dtype=torch.int64)
         return cls(
             contract_of_metadata(str(meta["contract"])),
@@ -188,8 +184,34 @@ class StreamHeader:
             ints[:n].clone(),
             ints[n:].clone(),
             meta["chunk_rows"],
-            checksums,
         )
+
+
+def trailer_bytes(checksums: list[int]) -> bytes:
+    """The trailer: ``le64 count || le64 [count] || sha256`` (the digest over everything before it)."""
+    body = len(checksums).to_bytes(8, "little") + b"".join(x.to_bytes(8, "little") for x in checksums)
+    return body + hashlib.sha256(body).digest()
+
+
+def trailer_bound(chunks: int) -> int:
+    """The trailer's size for ``chunks`` chunks: the receiver takes no more."""
+    return 8 + 8 * chunks + _DIGEST
+
+
+def parse_trailer(data: bytes, chunks: int) -> tuple[int, ...]:
+    """The checksums of a trailer that must carry ``chunks`` of them; raises only :class:`PayloadError`."""
+    if len(data) != trailer_bound(chunks):
+        raise PayloadError(
+            f"stream trailer: {len(data)} byte(s), not the {trailer_bound(chunks)} of {chunks} checksum(s)"
+        )
+    body, digest = data[:-_DIGEST], data[-_DIGEST:]
+    if hashlib.sha256(body).digest() != digest:
+        raise PayloadError("stream trailer digest mismatch: the checksums were changed in transit")
+    if int.from_bytes(body[:8], "little") != chunks:
+        raise PayloadError(
+            f"stream trailer: it counts {int.from_bytes(body[:8], 'little')} checksum(s) for {chunks} chunk(s)"
+        )
+    return tuple(int.from_bytes(body[8 + 8 * i : 16 + 8 * i], "little") for i in range(chunks))
 
 
 # ---------------------------------------------------------------------- sending
@@ -202,7 +224,7 @@ class SendFacts:
     tensor_bytes: int
     header_bytes: int
     chunks: int
-    seconds: dict[str, float] = field(default_factory=dict)  # hash, header (incl. go), send, ack
+    seconds: dict[str, float] = field(default_factory=dict)  # header (incl. go), send (incl. hashing), trailer, ack
 
     def to_dict(self) -> dict[str, Any]:
         return dict(vars(self), seq_id=str(self.seq_id))
@@ -244,27 +266,27 @@ def send_sequence(
         tokens.to(torch.int64).cpu().clone(),
         all_positions(cache, seq_id).cpu(),
         chunk_rows,
-        tuple(checksum(d, i) for i, d in enumerate(data)),
     )
     blob = header.to_bytes()
     facts = SendFacts(seq_id, n, sum(d.numel() * d.element_size() for d in data), len(blob), len(plan))
-    t1 = time.perf_counter()
     what = f"stream of {seq_id!r} to rank {peer}"
     channel.send(peer, KIND_STREAM, blob, f"{what} (header)")
     verdict = channel.recv_json(peer, f"{what}: go or refusal")
-    t2 = time.perf_counter()
+    t1 = time.perf_counter()
     if verdict.get("step") != "go":
         raise refusal(verdict, f"{what}: rank {peer} refused the header")
-    posted = [
-        channel.post_send(d if wire is None else wire(i, d), peer, f"{what}, chunk {i} ({ch.label()})")
-        for i, (d, ch) in enumerate(zip(data, plan))
-    ]
+    sums, posted = [], []
+    for i, (d, ch) in enumerate(zip(data, plan)):
+        sums.append(checksum(d, i))  # while the chunks before it are on the wire
+        posted.append(channel.post_send(d if wire is None else wire(i, d), peer, f"{what}, chunk {i} ({ch.label()})"))
     for p in posted:
         p.wait()
+    t2 = time.perf_counter()
+    channel.send(peer, KIND_TRAILER, trailer_bytes(sums), f"{what} (trailer)")
     t3 = time.perf_counter()
     ack = channel.recv_json(peer, f"ack of {what}")
     t4 = time.perf_counter()
-    facts.seconds = {"hash": t1 - t0, "header": t2 - t1, "send": t3 - t2, "ack": t4 - t3, "total": t4 - t0}
+    facts.seconds = {"header": t1 - t0, "send": t2 - t1, "trailer": t3 - t2, "ack": t4 - t3, "total": t4 - t0}
     if not ack.get("ok"):
         raise refusal(ack, f"{what}: rank {peer} refused it")
     return facts
@@ -347,7 +369,7 @@ def receive_sequence(
         after_header(header)
     t1 = time.perf_counter()
     try:
-        facts = ReceiveFacts(res.seq_id, header.num_tokens, conversion, 0, len(header.checksums))
+        facts = ReceiveFacts(res.seq_id, header.num_tokens, conversion, 0, len(header.plan()))
         failure: RopeKVError | None = _receive_chunks(channel, peer, cache, res, header, facts, in_flight_bytes, what)
         t2 = time.perf_counter()
         if failure is None:
@@ -379,7 +401,8 @@ def _receive_chunks(
     what: str,
 ) -> PayloadError | None:
     """Receive every chunk, as many posted at once as ``in_flight_bytes`` allows (at least one),
-    checking each one in order while the later ones arrive. Returns the first failure (the rest is
+    hashing each one and checking its values in order while the later ones arrive, then the trailer.
+    Returns the first failure in chunk order (a chunk's checksum before its values; every chunk is
     still received, so the stream stays in step), or None.
 
     Why so many at once: gloo moves a message's bytes only once its receive is posted, so with a few
@@ -389,7 +412,8 @@ def _receive_chunks(
     plan = header.plan()
     width = c.head_dim
     pending: deque[tuple[int, Posted, torch.Tensor, torch.Tensor | None]] = deque()
-    failure: PayloadError | None = None
+    sums: list[int] = []  # each chunk's checksum, as received
+    bad_values: dict[int, PayloadError] = {}  # chunks holding NaN or infinite values
 
     def post(i: int) -> None:
         ch = plan[i]
@@ -417,19 +441,29 @@ def _receive_chunks(
     while pending:
         i, posted, dest, scatter = pending.popleft()
         posted.wait()
-        if failure is None:
-            failure = _check_chunk(i, plan[i], dest, header)
-        if failure is None and scatter is not None:
+        sums.append(checksum(dest, i))
+        if not bad_values:
+            found = _nonfinite(plan[i], dest, header)
+            if found is not None:
+                bad_values[i] = found
+        if scatter is not None:  # into reserved rows: released unread on any failure
             pool = head_rows((cache.keys, cache.values)[plan[i].part][plan[i].layer])[plan[i].head]
             pool.index_copy_(0, scatter, dest.to(pool.device))
         posted_bytes -= chunk_bytes[i]
         post_more()
-    return failure
+    expected = parse_trailer(channel.recv(peer, KIND_TRAILER, trailer_bound(len(plan)), f"{what} (trailer)"), len(plan))
+    for i, (got, want) in enumerate(zip(sums, expected)):
+        if got != want:
+            return PayloadError(
+                f"stream chunk {i} ({plan[i].label()}) checksum mismatch: bytes were changed or lost in transit"
+            )
+        if i in bad_values:
+            return bad_values[i]
+    return None
 
 
-def _check_chunk(i: int, ch: Chunk, data: torch.Tensor, header: StreamHeader) -> PayloadError | None:
-    if checksum(data, i) != header.checksums[i]:
-        return PayloadError(f"stream chunk {i} ({ch.label()}) checksum mismatch: bytes were changed or lost in transit")
+def _nonfinite(ch: Chunk, data: torch.Tensor, header: StreamHeader) -> PayloadError | None:
+    """The refusal of a chunk holding NaN or infinite values, naming the first one's position; else None."""
     lo, hi = torch.aminmax(data)  # NaN propagates
     if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
         row = ch.start + int(torch.nonzero(~torch.isfinite(data).all(dim=1))[0])
