@@ -259,7 +259,6 @@ def send_sequence(
     row_bytes = c.head_dim * c.torch_dtype.itemsize  # one row of one KV head
     chunk_rows = max(1, chunk_bytes // row_bytes)
     plan = chunk_plan(c, n, chunk_rows)
-    data = [_sender_rows(cache, seq_id, ch) for ch in plan]  # views of the pool where rows are consecutive
     header = StreamHeader(
         c,
         seq_id if isinstance(seq_id, (str, int)) else str(seq_id),
@@ -268,9 +267,10 @@ def send_sequence(
         chunk_rows,
     )
     blob = header.to_bytes()
-    facts = SendFacts(seq_id, n, sum(d.numel() * d.element_size() for d in data), len(blob), len(plan))
     what = f"stream of {seq_id!r} to rank {peer}"
     channel.send(peer, KIND_STREAM, blob, f"{what} (header)")
+    data = _sender_chunks(cache, seq_id, plan)  # while the receiver checks the header and reserves
+    facts = SendFacts(seq_id, n, sum(d.numel() * d.element_size() for d in data), len(blob), len(plan))
     verdict = channel.recv_json(peer, f"{what}: go or refusal")
     t1 = time.perf_counter()
     if verdict.get("step") != "go":
@@ -292,10 +292,19 @@ def send_sequence(
     return facts
 
 
-def _sender_rows(cache: PagedKVCache, seq_id: Hashable, ch: Chunk) -> torch.Tensor:
-    """The chunk's rows ``[rows, D]``: a view of the pool when they are consecutive, else a copy."""
-    pool = head_rows((cache.keys, cache.values)[ch.part][ch.layer])[ch.head]  # [pool rows, D], contiguous
-    return _rows(pool, cache.flat_rows(seq_id, ch.layer)[ch.start : ch.stop]).cpu()
+def _sender_chunks(cache: PagedKVCache, seq_id: Hashable, plan: list[Chunk]) -> list[torch.Tensor]:
+    """Each chunk's rows ``[rows, D]``: a view of the pool where they are consecutive, else a copy."""
+    flat = {layer: cache.flat_rows(seq_id, layer) for layer in {ch.layer for ch in plan}}  # [rows] per layer
+    # a layer whose rows are one run (an unfragmented pool) has every chunk a view: checked once per layer
+    first = {layer: int(rows[0]) for layer, rows in flat.items() if _consecutive(rows)}
+    out = []
+    for ch in plan:
+        pool = head_rows((cache.keys, cache.values)[ch.part][ch.layer])[ch.head]  # [pool rows, D], contiguous
+        if ch.layer in first and pool.device.type == "cpu":
+            out.append(pool[first[ch.layer] + ch.start : first[ch.layer] + ch.stop])
+        else:
+            out.append(_rows(pool, flat[ch.layer][ch.start : ch.stop]).cpu())
+    return out
 
 
 def _rows(pool: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
