@@ -283,3 +283,18 @@ def test_a_prefill_hands_the_cache_rows_that_hold_no_more_than_themselves(llama,
     assert len(seen) == 2 * llama.config.num_layers  # keys and values of each layer
     for t in seen:
         assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), tuple(t.shape)
+
+
+@pytest.mark.parametrize("key_form", KEY_FORMS)
+def test_a_probed_full_forward_keeps_tensors_that_hold_no_more_than_themselves(llama, key_form):
+    """A check keeps a full forward's probes until its last case reads them: a probe's values (or raw
+    keys) as views of the layer's fused qkv projection would keep every layer's whole projection
+    alive (3 GB at 32,766 tokens of Gemma 3 270M)."""
+    engine = make_engine(llama, key_form)
+    out = engine.forward_full(tokens_for(llama, 33), probe_rows=[30, 32], logits_rows=[30, 32])
+    assert len(out.layers) == llama.config.num_layers
+    for probe in out.layers:
+        for name in ("q", "k", "v", "q_raw", "k_raw", "hidden_in", "key_positions", "key_slots"):
+            t = getattr(probe, name)
+            if t is not None:
+                assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), (name, tuple(t.shape))

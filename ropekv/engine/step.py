@@ -56,17 +56,25 @@ def layer_probe(
 ) -> LayerProbe:
     """The layer as its kernel saw it at ``rows``. One row (a decode step, or a per-position full
     forward): exactly the keys the kernel attended to, by the engine's own mask. Several rows (a probed
-    full forward): every key, and the reader masks by position."""
+    full forward): every key, and the reader masks by position.
+
+    The probe's tensors are its own: ``values`` (and raw keys) are views of the layer's fused qkv
+    projection, and a probe holding such a view would keep the whole projection alive for as long as
+    the check keeps the forward (at 32,766 tokens of Gemma 3 270M, 201 MB a layer for 34 MB of values)."""
     r = torch.as_tensor(rows)
-    keep = mask[r[0]] if len(rows) == 1 else slice(None)
+    if len(rows) == 1:
+        keep = mask[r[0]]  # a boolean index: copies
+        k, v, kpos, kslots = k_eff[keep], values[keep], key_pos[keep], key_slots[keep]
+    else:
+        k, v, kpos, kslots = k_eff.contiguous(), values.contiguous(), key_pos, key_slots
     return LayerProbe(
         q=q_eff[r],
-        k=k_eff[keep],
-        key_positions=key_pos[keep],
-        key_slots=key_slots[keep],
+        k=k,
+        key_positions=kpos,
+        key_slots=kslots,
         hidden_in=h[r].detach(),
         q_raw=q[r],
-        v=values[keep],
+        v=v,
     )
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections import Counter
 from typing import Any
 
 import torch
@@ -159,12 +160,14 @@ def check(
             except NotApplicable as exc:  # the adapter's own word that the case does not apply
                 results.append(CaseResult.skipped(case, str(exc), noted, time.perf_counter() - t0))
                 bar.case_done(f"case {n + 1}/{len(cases)} {case.label()}: n/a ({exc})")
+                refs.done(case)
                 continue
             refs.seconds["cached_runs"] += time.perf_counter() - r0
             run = check_case_run(adapter, tier, cfg, case, raw_run)
             bar.advance(case.total)
             refs.prepare(case)
             ref_rows = [refs.reference_row(case, s.position) for s in run.steps]
+            refs.done_with_reference(case)  # its probes go before the engine's full forward, if no case reads them
             self_rows = [refs.self_row(case, s.position) for s in run.steps]
             of = LogitsOf(cfg, case.window, case.sink_tokens)
             err_ref = [compare_step(s.layers, _next(s), s.position, r, of) for s, r in zip(run.steps, ref_rows)]
@@ -207,6 +210,8 @@ def check(
             )
             if not result.passed and len(failed) < _MAX_FORENSIC_CASES:
                 failed.append((result, run))
+                refs.keep_rows(case, {s.position: r for s, r in zip(run.steps, ref_rows)})
+            refs.done(case)
         # Logits clean, recorded attention not: the adapter's record is wrong, whatever the tier.
         diagnosis = None
         if tier >= Tier.ATTENTION:
@@ -415,6 +420,13 @@ class _References:
         self._ref: dict[_Key, ReferenceOutput] = {}
         self._op_ref: dict[Case, ReferenceOutput] = {}  # an evict or shift case's own reference
         self._self: dict[_Key, FullRun] = {}
+        # How many cases still to be judged read each forward. One is dropped after its last reader:
+        # their probes hold every position's keys and values per layer (at 32,766 tokens of Gemma 3
+        # 270M, 3.6 GB in float64 and 1.8 GB from the engine). Forensics reads a dropped reference
+        # again by recomputing it (the same float64 forward, the same values), once per case it reads.
+        self._readers: Counter[_Use] = Counter(use for c in cases for use in self._uses(c))
+        self._kept: dict[Case, dict[int, RefRow]] = {}  # a failed case's reference rows, for the diagnoses
+        self._reference_done: set[Case] = set()  # cases whose reference forwards are released
         if self.per_position:
             self.work = 2 * sum(t + 1 for rows in self._rows.values() for t in set(rows))
         else:
@@ -535,10 +547,52 @@ class _References:
         return out, _index(out.rows, t)
 
     def reference_row(self, case: Case, t: int) -> RefRow:
-        stored = self._stored.get(case)
-        if stored is not None:
+        stored = self._stored.get(case) or self._kept.get(case)
+        if stored is not None and t in stored:
             return stored[t]
         return self._computed_row(case, t)
+
+    def keep_rows(self, case: Case, rows: dict[int, RefRow]) -> None:
+        """Keep a failed case's reference rows (by position) for the diagnoses after the last case."""
+        self._kept[case] = rows
+
+    def done_with_reference(self, case: Case) -> None:
+        """``case``'s reference rows are taken: drop the reference forwards no case still to be judged reads
+        (not when its self rows are reference rows too)."""
+        if not ops.self_from_reference(case):
+            self._release(self._reference_uses(case))
+            self._reference_done.add(case)
+
+    def done(self, case: Case) -> None:
+        """``case`` is judged: drop every forward no case still to be judged reads."""
+        uses = self._uses(case)
+        if case in self._reference_done:
+            uses -= self._reference_uses(case)
+        self._release(uses)
+
+    def _release(self, uses: set[_Use]) -> None:
+        for use in uses:
+            self._readers[use] -= 1
+            if self._readers[use] <= 0:
+                what, key = use
+                if isinstance(key, Case):
+                    self._op_ref.pop(key, None)
+                elif what == "reference":
+                    self._ref.pop(key, None)
+                else:
+                    self._self.pop(key, None)
+
+    def _uses(self, case: Case) -> set[_Use]:
+        """The forwards judging ``case`` reads (as :meth:`reference_row` and :meth:`self_row` find them)."""
+        ref = self._reference_uses(case)
+        if ops.self_from_reference(case):
+            return ref
+        return ref | {("engine", self._key(case, t - case.shift)) for t in case.decode_positions}
+
+    def _reference_uses(self, case: Case) -> set[_Use]:
+        if ops.needs_own_reference(case):
+            return {("op", case)}
+        return {("reference", self._key(case, t)) for t in case.decode_positions}
 
     def _computed_row(self, case: Case, t: int) -> RefRow:
         out, i = self.reference_output(case, t)
@@ -580,6 +634,7 @@ class _References:
 
 _Group = tuple[int | None, int, ImageGrid | None]  # (window, sink_tokens, image): cases sharing full forwards
 _Key = tuple[_Group, int | None]  # a group and, for length-dependent RoPE, the one position t forwarded
+_Use = tuple[str, "_Key | Case"]  # ("reference" | "engine", key) or ("op", case): a forward a case reads
 
 
 def _index(rows: torch.Tensor | None, t: int) -> int:
