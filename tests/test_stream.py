@@ -9,6 +9,7 @@ as gloo's do). The same code over real torch.distributed ranks is covered by tes
 
 from __future__ import annotations
 
+import hashlib
 import json
 import queue
 import re
@@ -464,12 +465,14 @@ def test_trailer_round_trips_and_every_bit_flip_truncation_or_other_count_is_ref
         parse_trailer(_recount(trailer_bytes(sums), 5), 4)
 
 
-def _recount(data: bytes, count: int) -> bytes:
-    """``data``'s checksums under another count, with a digest that matches (a sender that lies)."""
-    import hashlib
-
-    body = count.to_bytes(8, "little") + data[8:-32]
+def _sealed(body: bytes) -> bytes:
+    """A trailer body with the digest that matches it (a sender that lies consistently)."""
     return body + hashlib.sha256(body).digest()
+
+
+def _recount(data: bytes, count: int) -> bytes:
+    """The trailer ``data``'s checksums under another count."""
+    return _sealed(count.to_bytes(8, "little") + data[8:-32])
 
 
 class _LyingTrailer(Loopback):
@@ -485,7 +488,7 @@ class _LyingTrailer(Loopback):
             at = 8 + 8 * self.index
             value = (int.from_bytes(body[at : at + 8], "little") + 1) % 2**64
             body[at : at + 8] = value.to_bytes(8, "little")
-            data = _recount(bytes(body) + bytes(32), len(body) // 8 - 1)
+            data = _sealed(bytes(body))
         super().send(peer, kind, data, what)
 
 
