@@ -330,6 +330,28 @@ def test_non_finite_values_are_refused_with_their_position():
     assert isinstance(sent, PayloadError) and target.state_digest() == before
 
 
+@pytest.mark.parametrize("value", [float("inf"), float("-inf")])
+def test_infinite_values_are_refused_with_their_position(value):
+    c = contract()
+    source, target = filled(c, 6), PagedKVCache(c, 8)
+    source.keys[0][0, 2, 1, 5] = value  # token 2 (block 0, offset 2), KV head 1, at position 2
+    before = target.state_digest()
+    sent, got = transfer(source, target)
+    assert isinstance(got, PayloadError) and "layer 0 keys" in str(got) and "position 2" in str(got), got
+    assert isinstance(sent, PayloadError) and target.state_digest() == before
+
+
+def test_finite_values_whose_sum_overflows_are_imported():
+    # float32's largest values: any two of them sum to infinity, yet every value is finite
+    c = contract()
+    source, target = filled(c, 6), PagedKVCache(c, 8)
+    source.values[2].fill_(3.0e38)
+    source.keys[1].fill_(-3.0e38)
+    sent, got = transfer(source, target)
+    assert not isinstance(got, Exception) and not isinstance(sent, Exception), got
+    assert_same_sequence(source, target)
+
+
 @pytest.mark.parametrize(
     "theirs, error, match",
     [

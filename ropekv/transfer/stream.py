@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Hashable
@@ -472,9 +473,15 @@ def _receive_chunks(
 
 
 def _nonfinite(ch: Chunk, data: torch.Tensor, header: StreamHeader) -> PayloadError | None:
-    """The refusal of a chunk holding NaN or infinite values, naming the first one's position; else None."""
-    lo, hi = torch.aminmax(data)  # NaN propagates
-    if not bool(torch.isfinite(lo) & torch.isfinite(hi)):
+    """The refusal of a chunk holding NaN or infinite values, naming the first one's position; else None.
+
+    One pass in the common case: a sum is finite only if every term is (a NaN or an infinity carries
+    through any order of additions), and ``sum`` is one reduction where ``aminmax`` is two (about 25
+    against 10 microseconds for a 1 MiB chunk here). A sum that is not finite may still be an
+    overflow of finite values, so only then are the values looked at one by one."""
+    if math.isfinite(data.sum().item()):
+        return None
+    if not bool(torch.isfinite(data).all()):
         row = ch.start + int(torch.nonzero(~torch.isfinite(data).all(dim=1))[0])
         position = int(header.layer_positions(ch.layer)[row])
         return PayloadError(f"stream {ch.label()}: NaN or infinite values (first at row {row}, position {position})")
