@@ -472,3 +472,70 @@ def test_the_engine_checks_table_gives_each_engine_its_parts_and_the_worst_ratio
     assert lines[3].split()[:3] == ["mlx", "FAIL", "(8/8)"] and lines[3].split()[-2:] == ["1.80x", "-"]
     assert lines[4].split() == ["llamacpp", "not", "found"]
     assert lines[-1] == "check over its parts at worst 1.80x (target <= 1.5x): MISSED"
+
+
+def test_the_kernels_floor_runs_each_layers_attention_over_the_keys_a_step_reads(tiny_llama_dir) -> None:
+    """The kernels floor: per layer its projections, and two attention matmuls over exactly the keys a
+    decode step at that position reads (every key; a sliding layer its window plus sinks), then the
+    LM head. Recorded from the aten calls it makes."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ropekv.bench.decode import kernels_floor_driver, step_bytes
+    from ropekv.engine.transformer import DecoderWeights
+    from ropekv.models import load_checkpoint
+
+    ckpt = load_checkpoint(tiny_llama_dir)
+    cfg = ckpt.config
+    contract = CacheContract.for_model(
+        ckpt.config, key_form="rotated", block_size=4, dtype="float32", model_fingerprint=ckpt.fingerprint
+    ).replace(window=5, window_layers=(1,), sink_tokens=2)
+    weights = DecoderWeights.from_checkpoint(ckpt, torch.float32)
+    driver = kernels_floor_driver(weights, contract, 40)
+
+    class Record(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__
+            if name in ("bmm", "mm", "addmm", "linear"):
+                self.calls.append((name, tuple(args[0].shape), tuple(args[1].shape)))
+            return func(*args, **(kwargs or {}))
+
+    for position in (3, 20):
+        with Record() as rec:
+            driver.decode(position)
+        bmms = [c for c in rec.calls if c[0] == "bmm"]
+        assert len(bmms) == 2 * cfg.num_layers
+        for layer in range(cfg.num_layers):
+            scores, out = bmms[2 * layer], bmms[2 * layer + 1]
+            seen = min(position + 1, 5 + 2) if layer == 1 else position + 1
+            assert scores[2] == (contract.num_kv_heads, contract.head_dim, seen), (layer, scores)
+            assert out[2] == (contract.num_kv_heads, seen, contract.head_dim), (layer, out)
+        # its KV bytes are the ones the bench charges a step with (step_bytes)
+        kv = sum(2 * b[2][0] * b[2][1] * b[2][2] * 4 for b in bmms[0::2])
+        assert kv == step_bytes(ckpt, contract, weights, position + 1)["kv_cache"]
+        assert len(rec.calls) - len(bmms) == driver.keep["matrices"] == 4 * cfg.num_layers + 1
+    with pytest.raises(ValueError, match="outside its 40 cached rows"):
+        driver.decode(40)
+
+
+def test_quick_bench_splits_the_step_into_its_kernels(bench_run) -> None:
+    """The kernels floor's figures, recomputed from the raw step times: the attention matmuls' share
+    (kernels floor minus matvec floor), the rate they read the KV at, and each step over its kernels."""
+    proc, doc, _ = bench_run
+    for i, ctx in enumerate(doc["contexts"]):
+        k = doc["kernels_floor"]["runs"][i]
+        f = doc["weights_matvec_floor"]["runs"][i]
+        r = doc["decode"]["ropekv"]["rotated"]["runs"][i]
+        assert k["context"] == ctx and len(k["step_seconds"]) == 2
+        attention = statistics.median(k["step_seconds"]) - statistics.median(f["step_seconds"])
+        assert k["attention_seconds"] == pytest.approx(attention)
+        if attention > 0:
+            assert k["kv_read_bytes_per_s"] == pytest.approx(r["step_bytes"]["kv_cache"] / attention)
+        assert r["step_over_kernels_floor"] == pytest.approx(
+            statistics.median(r["step_seconds"]) / statistics.median(k["step_seconds"])
+        )
+    assert "the step's kernels alone at context" in proc.stdout
+    assert "attention matmuls alone" in proc.stdout

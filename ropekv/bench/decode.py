@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from ..contract import CacheContract, KeyForm
 from ..engine import Engine
-from ..engine.transformer import DecoderWeights
+from ..engine.transformer import DecoderWeights, LayerWeights
 from ..models.config import Checkpoint
 
 PREFILL_CHUNK = 512
@@ -196,16 +196,71 @@ def transformers_driver(model, tokens: torch.Tensor) -> Driver:
     return Driver(prefill=prefill, decode=decode, keep=model)
 
 
+def kernels_floor_driver(weights: DecoderWeights, contract: CacheContract, max_tokens: int, *, seed: int = 0) -> Driver:
+    """The step's kernels as a pseudo-engine: the matvec floor's matrices in step order, and after
+    each layer's attention projections that layer's two attention matmuls over its own cached keys
+    and values (scores ``[KVH, G, N]`` of zero queries, then those scores times the values), nothing
+    else. ``N`` is what a step at that position reads: every key, a sliding layer its window. The
+    keys and values are random (written, so every page is real memory, not the zero page) and laid
+    out head-major like the pool, ``[KVH, max_tokens, D]`` per layer, so each layer's bytes are read
+    cold after the rest of the step, as a real step reads them. What this takes above the matvec
+    floor is what the attention kernels take to read the KV bytes."""
+    layers = [_layer_matrices(lw) for lw in weights.layers]
+    kvh, d = contract.num_kv_heads, contract.head_dim
+    group = max(1, weights.config.num_heads // kvh)
+    g = torch.Generator().manual_seed(seed)
+    dtype = weights.lm_head.dtype
+    keys = [torch.randn(kvh, max_tokens, d, generator=g).to(dtype) for _ in layers]
+    values = [torch.randn(kvh, max_tokens, d, generator=g).to(dtype) for _ in layers]
+    queries = torch.zeros(kvh, group, d, dtype=dtype)
+    mats = [m for attn, rest in layers for m in (*attn, *rest)] + [weights.lm_head]
+    inputs = {m.shape[1]: torch.zeros(1, m.shape[1], dtype=m.dtype) for m in mats}
+    windows = [
+        contract.window + contract.sink_tokens
+        if layer in contract.window_layers and contract.window is not None
+        else None
+        for layer in range(len(layers))
+    ]
+
+    def step(position: int) -> None:
+        if not 0 <= position < max_tokens:
+            raise ValueError(f"kernels floor: position {position} outside its {max_tokens} cached rows")
+        for layer, (attn, rest) in enumerate(layers):
+            for m in attn:
+                F.linear(inputs[m.shape[1]], m)
+            window = windows[layer]
+            live = position + 1 if window is None else min(position + 1, window)
+            k = keys[layer][:, position + 1 - live : position + 1]  # [KVH, N, D]
+            v = values[layer][:, position + 1 - live : position + 1]
+            torch.bmm(torch.bmm(queries, k.transpose(1, 2)), v)  # [KVH, G, N] scores, then [KVH, G, D]
+            for m in rest:
+                F.linear(inputs[m.shape[1]], m)
+        F.linear(inputs[weights.lm_head.shape[1]], weights.lm_head)
+
+    info = {
+        "matrices": len(mats),
+        "attention_matmuls": 2 * len(layers),
+        "kv_bytes_allocated": sum(t.numel() * t.element_size() for t in keys + values),
+    }
+    return Driver(prefill=lambda start, end: None, decode=step, keep=info)
+
+
+def _layer_matrices(lw: LayerWeights) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """A layer's weight matrices in step order: its attention projections (the fused q/k/v, or MLA's
+    latent path), then o, gate/up and down."""
+    if lw.mla is None:
+        assert lw.qkv is not None  # every layer but MLA's has a fused qkv
+        attn: tuple[torch.Tensor, ...] = (lw.qkv,)
+    else:
+        m = lw.mla
+        attn = tuple(t for t in (m.q, m.q_a, m.q_b, m.kv_a, m.kv_b) if t is not None)
+    rest = tuple(t for t in (lw.o, lw.gate_up, lw.down) if t is not None)
+    return attn, rest
+
+
 def floor_driver(weights: DecoderWeights) -> Driver:
     """The matvec floor as a pseudo-engine: a "step" is every weight matrix times a zero row."""
-
-    def attention(lw) -> tuple:  # MLA has no fused qkv: its latent path's matrices instead
-        if lw.mla is None:
-            return (lw.qkv,)
-        m = lw.mla
-        return tuple(t for t in (m.q, m.q_a, m.q_b, m.kv_a, m.kv_b) if t is not None)
-
-    mats = [m for lw in weights.layers for m in (*attention(lw), lw.o, lw.gate_up, lw.down)] + [weights.lm_head]
+    mats = [m for lw in weights.layers for part in _layer_matrices(lw) for m in part] + [weights.lm_head]
     inputs = {m.shape[1]: torch.zeros(1, m.shape[1], dtype=m.dtype) for m in mats}
 
     def step(position: int) -> None:

@@ -37,6 +37,7 @@ from .decode import (
     DecodeRun,
     Driver,
     floor_driver,
+    kernels_floor_driver,
     load_transformers_model,
     ropekv_driver,
     step_bytes,
@@ -220,6 +221,8 @@ def run_bench(settings: BenchSettings, progress: Callable[[str], None] | None = 
         say(f"transformers decode skipped: {why_not}")
     floor = floor_driver(drivers["rotated"].keep[0].weights)
     drivers["matvec_floor"] = floor
+    kernels = kernels_floor_driver(drivers["rotated"].keep[0].weights, drivers["rotated"].keep[0].contract, max_tokens)
+    drivers["kernels_floor"] = kernels
     say(f"decode, interleaved: {', '.join(drivers)}")
     runs = time_interleaved(drivers, contexts, warmup=settings.warmup, steps=settings.steps, progress=say)
     seconds["decode"] = time.perf_counter() - t0
@@ -229,6 +232,7 @@ def run_bench(settings: BenchSettings, progress: Callable[[str], None] | None = 
         for backend in BACKENDS.values()
     }
     doc["weights_matvec_floor"] = dict(floor.keep, runs=[r.to_dict() for r in runs["matvec_floor"]])
+    doc["kernels_floor"] = dict(kernels.keep, runs=[r.to_dict() for r in runs["kernels_floor"]])
     hf: dict[str, Any] | None = None
     if hf_dir is not None:
         model = drivers["transformers"].keep
@@ -247,7 +251,7 @@ def run_bench(settings: BenchSettings, progress: Callable[[str], None] | None = 
     n = min(settings.handoff_tokens, engine.num_tokens(seq))
     engine.fork("handoff", seq, n)  # shares the blocks: exactly n cached tokens, no copy
     payload = write_payload(export_handoff(engine.cache, "handoff", tokens[:n]))
-    del drivers, engine, floor  # free both caches and transformers' model before the other processes start
+    del drivers, engine, floor, kernels  # free both caches and transformers' model before the other processes start
 
     # ---------------------------------------------------------------- derived decode figures
     doc["rotate_on_read"] = [
@@ -260,6 +264,15 @@ def run_bench(settings: BenchSettings, progress: Callable[[str], None] | None = 
             # the step's floor: its weight matvecs plus reading its KV bytes at the measured bandwidth
             r["floor_with_kv_seconds"] = f["median_step_seconds"] + r["step_bytes"]["kv_cache"] / bw["bytes_per_s"]
             r["step_over_floor_with_kv"] = r["median_step_seconds"] / r["floor_with_kv_seconds"]
+    for f, k, r in zip(doc["weights_matvec_floor"]["runs"], doc["kernels_floor"]["runs"], decode["rotated"]["runs"]):
+        # what the attention matmuls take above the matvecs, and the rate they read the KV bytes at
+        k["attention_seconds"] = k["median_step_seconds"] - f["median_step_seconds"]
+        k["kv_read_bytes_per_s"] = (
+            r["step_bytes"]["kv_cache"] / k["attention_seconds"] if k["attention_seconds"] > 0 else None
+        )
+    for entry in decode.values():
+        for r, k in zip(entry["runs"], doc["kernels_floor"]["runs"]):
+            r["step_over_kernels_floor"] = r["median_step_seconds"] / k["median_step_seconds"]
     if hf is not None:
         for entry in decode.values():
             for r, h in zip(entry["runs"], hf["runs"]):
@@ -539,10 +552,13 @@ def format_table(doc: dict[str, Any]) -> str:
                 f"{1000 * (a['median_step_seconds'] - f):.1f}",
                 f"{1000 * (b['median_step_seconds'] - f):.1f}",
                 f"{1000 * (h['median_step_seconds'] - f):.1f}" if h else "-",
+                f"{1000 * doc['kernels_floor']['runs'][i]['attention_seconds']:.1f}",
                 f"{1000 * f:.1f}",
             ]
         )
-    lines += grid(["context", "rotated", "rotate_on_read", "transformers", "floor step"], rows)
+    lines += grid(
+        ["context", "rotated", "rotate_on_read", "transformers", "attention matmuls alone", "floor step"], rows
+    )
     s = doc["sweep"]
     lines += [
         "",
@@ -613,9 +629,34 @@ def format_table(doc: dict[str, Any]) -> str:
             ]
         )
     lines += grid(["goal", "ratio", "value", "target", "verdict", "taken at"], rows)
+    lines += _kernels_lines(doc)
     lines += _ceiling_lines(doc)
     lines += ["", "seconds: " + ", ".join(f"{k} {v:.0f}" for k, v in doc["seconds"].items())]
     return "\n".join(lines)
+
+
+def _kernels_lines(doc: dict[str, Any]) -> list[str]:
+    """Under the goals: what stands in the way of the decode floor goals, from the kernels floor (the
+    step's matvecs and attention matmuls alone): the rate those matmuls read the KV bytes at, and the
+    rotated step over all its kernels."""
+    floor = doc.get("kernels_floor")
+    if not floor:
+        return []
+    rot = doc["decode"]["ropekv"]["rotated"]["runs"]
+    out = []
+    for ctx in (1024, 4096):
+        r = _nearest(rot, ctx)
+        k = floor["runs"][rot.index(r)]
+        rate = k["kv_read_bytes_per_s"]
+        out.append(
+            f"the step's kernels alone at context {r['context']} (its matvecs and its attention matmuls, nothing "
+            f"else): {1000 * k['median_step_seconds']:.1f} ms; the attention matmuls read the "
+            f"{r['step_bytes']['kv_cache'] / 1e6:.0f} MB of KV "
+            + (f"at {rate / 1e9:.1f} GB/s" if rate else "in no measurable time")
+            + f" (the goal's floor charges {doc['bandwidth']['bytes_per_s'] / 1e9:.1f}); rotated step / its "
+            f"kernels {r['step_over_kernels_floor']:.3f}"
+        )
+    return [""] + out
 
 
 def _ceiling_lines(doc: dict[str, Any]) -> list[str]:
