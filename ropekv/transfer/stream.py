@@ -276,10 +276,14 @@ def send_sequence(
     t1 = time.perf_counter()
     if verdict.get("step") != "go":
         raise refusal(verdict, f"{what}: rank {peer} refused the header")
-    sums, posted = [], []
-    for i, (d, ch) in enumerate(zip(data, plan)):
-        sums.append(checksum(d, i))  # while the chunks before it are on the wire
-        posted.append(channel.post_send(d if wire is None else wire(i, d), peer, f"{what}, chunk {i} ({ch.label()})"))
+    # Every chunk is posted first, then hashed while it is on the wire: the pool does not change
+    # until this returns, so the bytes hashed are the bytes sent, and hashing before each post held
+    # every chunk back by the hashing of the ones before it.
+    posted = [
+        channel.post_send(d if wire is None else wire(i, d), peer, f"{what}, chunk {i} ({ch.label()})")
+        for i, (d, ch) in enumerate(zip(data, plan))
+    ]
+    sums = [checksum(d, i) for i, d in enumerate(data)]
     for p in posted:
         p.wait()
     t2 = time.perf_counter()
@@ -425,12 +429,18 @@ def _receive_chunks(
     sums: list[int] = []  # each chunk's checksum, as received
     bad_values: dict[int, PayloadError] = {}  # chunks holding NaN or infinite values
 
+    reserved = {layer: cache.reserved_rows(res, layer) for layer in {ch.layer for ch in plan}}  # [rows] per layer
+    # a layer whose reserved rows are one run (a pool with room in one piece) has every chunk in place:
+    # checked once per layer, not once per chunk
+    run_start = {layer: int(rows[0]) for layer, rows in reserved.items() if _consecutive(rows)}
+
     def post(i: int) -> None:
         ch = plan[i]
         pool = head_rows((cache.keys, cache.values)[ch.part][ch.layer])[ch.head]  # [pool rows, D]
-        flat = cache.reserved_rows(res, ch.layer)[ch.start : ch.stop]
-        first, count = int(flat[0]), flat.numel()
-        if pool.device.type == "cpu" and _consecutive(flat):
+        flat = reserved[ch.layer][ch.start : ch.stop]
+        count = flat.numel()
+        first = run_start[ch.layer] + ch.start if ch.layer in run_start else int(flat[0])
+        if pool.device.type == "cpu" and (ch.layer in run_start or _consecutive(flat)):
             dest, scatter = pool[first : first + count], None
             facts.in_place_chunks += 1
         else:
