@@ -6,8 +6,8 @@ starts two ranks (``python -m ropekv.bench.handoff``), one thread each, each hol
 payload into its cache (setup, untimed); then, ``repeats`` times, after a barrier:
 
 - ``handoff``: what ``ropekv handoff`` does per sequence, the streamed handoff
-  (``ropekv.transfer.stream``): rank 0 sends the header, then the chunks as views of its pool,
-  hashing each one just before it posts it, then the trailer of checksums; rank 1 checks the
+  (``ropekv.transfer.stream``): rank 0 sends the header, then posts the chunks as views of its pool,
+  hashes them while they are on the wire, then sends the trailer of checksums; rank 1 checks the
   header, reserves blocks, receives every chunk straight into them (hashed and checked finite while
   the next chunk arrives), checks the trailer, commits, acks.
 - ``bare_chunks``: the same chunks sent and received with nothing else (no header, no hashing, no
@@ -172,9 +172,10 @@ def _rank_main(args: argparse.Namespace) -> int:
                 phases.setdefault(name, []).append(value)
             sizes = _exchange_sizes(rank, facts)  # chunk byte counts and stream bytes, from rank 0
 
+            # written before the clock starts, as the pools are: fresh pages would be faulted in mid-transfer
+            buffers = [torch.zeros(n, dtype=torch.uint8) for n in sizes["chunk_sizes"]]
             dist.barrier()
             t0 = time.perf_counter()
-            buffers = [torch.empty(n, dtype=torch.uint8) for n in sizes["chunk_sizes"]]
             if rank == 0:
                 works = [dist.isend(b, 1) for b in buffers]
             else:

@@ -13,12 +13,12 @@ Wire protocol, per sequence, over a :class:`~ropekv.transfer.handshake.Channel` 
    [count] || sha256``: one ``xxh3_64`` checksum per chunk, seeded with its index.
 5. receiver -> sender: ``{"step": "ack", "ok": true}`` or ``{"ok": false, "error_class", "message", "fields"}``.
 
-The checksums come after the chunks so that the sender hashes each chunk just before it posts it,
-while the earlier ones are on the wire (version 2 hashed them all before the header: 16 ms of 82
-for 189 MB, docs/performance.md), and the send then reads bytes the hash has just brought into
-cache. The receiver receives straight into blocks it reserved (``PagedKVCache.reserve``) with every
-chunk's receive posted up front (up to 256 MB in flight), and hashes each chunk and checks its
-values are finite while the later ones arrive. Only when the trailer's checksums match every
+The checksums come after the chunks so that the sender can hash the chunks while they are on the
+wire: it posts every chunk, then hashes them in order, then waits for the sends (version 2 hashed
+them all before the header: 16 ms of 82 for 189 MB, docs/performance.md). The receiver receives
+straight into blocks it reserved (``PagedKVCache.reserve``) with every chunk's receive posted up
+front (up to 256 MB in flight), and hashes each chunk and checks its values are finite (one sum;
+value by value only when the sum is not finite) while the later ones arrive. Only when the trailer's checksums match every
 chunk and every value is finite are keys converted (an explicit key form conversion, once) and the
 sequence committed; on any failure the blocks are released unread, so nothing is imported. The
 sender only reads its pool: a receiver that dies mid-transfer leaves the sender's cache as it was.
