@@ -443,6 +443,50 @@ def test_the_long_context_comparison_divides_the_two_models_seconds_per_context(
     assert lines[3].split() == ["32768", "40.0", "100.0", "2.50x", "-", "50.0", "-"]
 
 
+def test_the_long_context_table_states_the_run_s_own_memory_target() -> None:
+    from ropekv.bench.long_context import PARTS, format_table
+
+    part = {"seconds": 1.0, "peak_rss_bytes": 1 << 30}
+    run = {
+        "length": 32766,
+        "check_seconds": 5.0,
+        "startup_seconds": 1.0,
+        "check_peak_rss_bytes": int(9.99 * 2**30),
+        "parts": dict.fromkeys(PARTS, part),
+        "floor_seconds": 3.0,
+        "check_over_floor": 4.0 / 3.0,
+        "load_average_start": [0.0, 0.0, 0.0],
+    }
+    doc = {
+        "runs": [run],
+        "goals": {"check_over_floor": 4.0 / 3.0, "peak_rss_bytes_at_longest": run["check_peak_rss_bytes"]},
+        "targets": {"check_over_floor": 1.5, "peak_rss_bytes_at_longest": 12 << 30},
+    }
+    assert format_table(doc).splitlines()[-1] == (
+        "check/floor at worst 1.33x (target <= 1.5x); peak RSS at the longest 9.99 GiB (target < 12 GiB)"
+    )
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--lengths", "0"],
+        ["--lengths", "2048,x"],
+        ["--lengths", str((1 << 20) + 1)],
+        ["--decode-steps", "0"],
+        ["--threads", "1000"],
+        ["--peak-rss-gib", "nan"],
+        ["--peak-rss-gib", "0"],
+    ],
+)
+def test_the_long_context_bench_refuses_unbounded_settings_before_running_anything(args, capsys) -> None:
+    from ropekv.bench.long_context import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(args)
+    assert exc.value.code == 2 and "must" in capsys.readouterr().err
+
+
 def test_the_engine_checks_table_gives_each_engine_its_parts_and_the_worst_ratio() -> None:
     from ropekv.bench.engine_checks import format_table
 
