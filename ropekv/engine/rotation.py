@@ -44,6 +44,8 @@ class RopeTable:
     heads: int = 0  # the KV heads a key table serves (0: a query table)
     cos_wide: torch.Tensor | None = None  # [1, T, 2n] (key tables of the eager path)
     sin_heads: torch.Tensor | None = None  # [1, T, n]
+    cos_both: torch.Tensor | None = None  # [T, 1, 2n]: cos for both halves (query tables)
+    sin_signed: torch.Tensor | None = None  # [T, 1, 2n]: -sin for the first half, sin for the second
 
     def serves(self, rope: RopeSpec, positions: torch.Tensor, x: torch.Tensor) -> bool:
         """Whether this table is ``rope.cos_sin(positions)`` for ``x [T, heads, D]`` (the engine hands
@@ -81,6 +83,12 @@ class RopeTable:
             oh[..., :n].addcmul_(xh[..., n:], self.sin_heads, value=-1.0)  # a * cos - b * sin
             oh[..., n:].addcmul_(xh[..., :n], self.sin_heads)  # b * cos + a * sin
             return out
+        if self.cos_both is not None and self.sin_signed is not None:  # a query table: three calls
+            # [a, b] * [cos, cos] + [b, a] * [-sin, sin]: the products and sums of the four-call form
+            # below, rounded alike (the negation is exact), with a third of the dispatches; a decode
+            # step turns a query and a key this way in every layer
+            turned = torch.addcmul(x * self.cos_both, x.roll(n, -1), self.sin_signed)
+            return turned if out is None else out.copy_(turned)
         if out is None:
             out = torch.empty(x.shape, dtype=work, device=x.device)
         a, b = x[..., :n], x[..., n:]
@@ -126,7 +134,8 @@ class RopeTables:
         index = positions.to(self.device)
         cos, sin = self._cos.index_select(0, index)[:, None], self._sin.index_select(0, index)[:, None]
         if heads <= 1:
-            return RopeTable(self.rope, positions, cos, sin)
+            both, signed = torch.cat((cos, cos), dim=-1), torch.cat((-sin, sin), dim=-1)  # [T, 1, 2n]
+            return RopeTable(self.rope, positions, cos, sin, cos_both=both, sin_signed=signed)
         if self._kernel is not None:
             return RopeTable(self.rope, positions, cos, sin, self._kernel, heads)
         cos_wide = torch.cat((cos, cos), dim=-1).transpose(0, 1)  # [1, T, 2n], broadcast over the heads
