@@ -722,6 +722,14 @@ def plot(doc: dict[str, Any], path: Path) -> None:
         "k:",
         label="matvec floor (the step's weight matrices alone)",
     )
+    kernels = (doc.get("kernels_floor") or {}).get("runs")
+    if kernels:
+        ax.plot(
+            [r["context"] for r in kernels],
+            [r["tokens_per_s"] for r in kernels],
+            "k-.",
+            label="kernels floor (the matvecs and the attention matmuls alone)",
+        )
     rot = doc["decode"]["ropekv"]["rotated"]["runs"]
     ax.plot(
         [r["context"] for r in rot],
