@@ -583,3 +583,33 @@ def test_quick_bench_splits_the_step_into_its_kernels(bench_run) -> None:
         )
     assert "the step's kernels alone at context" in proc.stdout
     assert "attention matmuls alone" in proc.stdout
+
+
+@pytest.mark.parametrize("arch, handed_off", [("llama", 8), ("mistral", 20)])
+def test_the_handoff_payload_is_a_forked_prefix_or_the_whole_sliding_sequence(
+    tiny_llama_dir, tiny_mistral_dir, arch, handed_off
+) -> None:
+    """The handoff bench forks the first ``handoff_tokens`` of its decode sequence. Where sliding
+    layers keep only their window (tiny mistral: 5 tokens), a shorter prefix's rows are overwritten,
+    so the whole sequence goes instead (the fork used to refuse it and end the bench)."""
+    from ropekv.bench.run import handoff_payload
+    from ropekv.engine import Engine
+    from ropekv.models import load_checkpoint
+    from ropekv.transfer.payload import read_payload
+
+    ckpt = load_checkpoint(tiny_llama_dir if arch == "llama" else tiny_mistral_dir)
+    contract = CacheContract.for_model(
+        ckpt.config, key_form="rotated", block_size=4, dtype="float32", model_fingerprint=ckpt.fingerprint
+    )
+    assert bool(contract.window_layers) == (arch == "mistral")
+    engine = Engine(ckpt, contract, 16)
+    tokens = torch.randint(0, ckpt.config.vocab_size, (20,), generator=torch.Generator().manual_seed(3))
+    engine.prefill("bench", tokens)
+    said: list[str] = []
+    payload, n = handoff_payload(engine, "bench", tokens, 8, said.append)
+    handoff = read_payload(payload)
+    assert n == handoff.num_tokens == handed_off
+    assert torch.equal(handoff.tokens, tokens[:handed_off])
+    assert torch.equal(handoff.positions, torch.arange(handed_off))
+    assert engine.cache.seq_ids() == ["bench"]  # the fork is given back
+    assert bool(said) == (arch == "mistral") and (not said or "whole sequence" in said[0])

@@ -30,8 +30,11 @@ from typing import Any
 import torch
 
 from ..contract import KeyForm
+from ..engine import Engine
 from ..errors import UsageError
 from ..models import resolve_model_dir
+from ..transfer import write_payload
+from ..transfer.importer import export_handoff
 from .bandwidth import measure_bandwidth
 from .decode import (
     DecodeRun,
@@ -148,8 +151,6 @@ def measured_contexts(asked: list[int], positions: int, room: int) -> list[int]:
 def run_bench(settings: BenchSettings, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     from ..models import load_checkpoint
     from ..parity.cases import token_stream
-    from ..transfer import write_payload
-    from ..transfer.importer import export_handoff
 
     say = progress or (lambda msg: None)
     started = time.perf_counter()
@@ -248,9 +249,7 @@ def run_bench(settings: BenchSettings, progress: Callable[[str], None] | None = 
 
     engine, seq = drivers["rotated"].keep
     doc["memory"] = {"cache": cache_bytes(engine, seq)}
-    n = min(settings.handoff_tokens, engine.num_tokens(seq))
-    engine.fork("handoff", seq, n)  # shares the blocks: exactly n cached tokens, no copy
-    payload = write_payload(export_handoff(engine.cache, "handoff", tokens[:n]))
+    payload, n = handoff_payload(engine, seq, tokens, settings.handoff_tokens, say)
     del drivers, engine, floor, kernels  # free both caches and transformers' model before the other processes start
 
     # ---------------------------------------------------------------- derived decode figures
@@ -406,6 +405,27 @@ def _sweep(settings: BenchSettings, tmp: Path) -> dict[str, Any]:
 
 def _nearest(runs: list[dict[str, Any]], context: int) -> dict[str, Any]:
     return min(runs, key=lambda r: (abs(math.log(r["context"] / context)), -r["context"]))
+
+
+def handoff_payload(
+    engine: Engine, seq: str, tokens: torch.Tensor, wanted: int, say: Callable[[str], None]
+) -> tuple[bytes, int]:
+    """The handoff bench's payload and its token count: the first ``wanted`` tokens of the decode sequence ``seq``
+    (``tokens``: the ids it consumed, in order), as a fork sharing its blocks, or the whole sequence
+    where a prefix cannot be forked: a sliding layer's ring holds only its window, so once the
+    sequence is longer than the prefix plus the window, the prefix's rows there are overwritten."""
+    total = engine.num_tokens(seq)
+    n = min(wanted, total)
+    if n < total and engine.contract.window_layers:
+        say(f"handoff: sliding layers keep only their window, so the whole sequence goes ({total} tokens, not {n})")
+        n = total
+    if n == total:
+        return write_payload(export_handoff(engine.cache, seq, tokens[:n])), n
+    engine.fork("handoff", seq, n)  # shares the blocks: exactly n cached tokens, no copy
+    try:
+        return write_payload(export_handoff(engine.cache, "handoff", tokens[:n])), n
+    finally:
+        engine.free("handoff")
 
 
 def _goals(doc: dict[str, Any], decode: dict[str, Any], hf: dict[str, Any] | None):
@@ -644,8 +664,8 @@ def _kernels_lines(doc: dict[str, Any]) -> list[str]:
         return []
     rot = doc["decode"]["ropekv"]["rotated"]["runs"]
     out = []
-    for ctx in (1024, 4096):
-        r = _nearest(rot, ctx)
+    nearest = [_nearest(rot, ctx) for ctx in (1024, 4096)]
+    for r in [r for i, r in enumerate(nearest) if r not in nearest[:i]]:  # each measured context once
         k = floor["runs"][rot.index(r)]
         rate = k["kv_read_bytes_per_s"]
         out.append(
@@ -653,7 +673,7 @@ def _kernels_lines(doc: dict[str, Any]) -> list[str]:
             f"else): {1000 * k['median_step_seconds']:.1f} ms; the attention matmuls read the "
             f"{r['step_bytes']['kv_cache'] / 1e6:.0f} MB of KV "
             + (f"at {rate / 1e9:.1f} GB/s" if rate else "in no measurable time")
-            + f" (the goal's floor charges {doc['bandwidth']['bytes_per_s'] / 1e9:.1f}); rotated step / its "
+            + f" (the goal's floor charges {doc['bandwidth']['bytes_per_s'] / 1e9:.1f} GB/s); rotated step / its "
             f"kernels {r['step_over_kernels_floor']:.3f}"
         )
     return [""] + out
