@@ -330,9 +330,10 @@ def test_non_finite_values_are_refused_with_their_position():
     assert isinstance(sent, PayloadError) and target.state_digest() == before
 
 
-@pytest.mark.parametrize("value", [float("inf"), float("-inf")])
-def test_infinite_values_are_refused_with_their_position(value):
-    c = contract()
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_infinite_and_nan_values_are_refused_with_their_position_in_each_dtype(value, dtype):
+    c = contract(dtype=dtype)
     source, target = filled(c, 6), PagedKVCache(c, 8)
     source.keys[0][0, 2, 1, 5] = value  # token 2 (block 0, offset 2), KV head 1, at position 2
     before = target.state_digest()
@@ -341,9 +342,10 @@ def test_infinite_values_are_refused_with_their_position(value):
     assert isinstance(sent, PayloadError) and target.state_digest() == before
 
 
-def test_finite_values_whose_sum_overflows_are_imported():
-    # float32's largest values: any two of them sum to infinity, yet every value is finite
-    c = contract()
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_finite_values_whose_sum_overflows_are_imported(dtype):
+    # float32's largest values (bfloat16 holds them too): any two sum to infinity, yet each is finite
+    c = contract(dtype=dtype)
     source, target = filled(c, 6), PagedKVCache(c, 8)
     source.values[2].fill_(3.0e38)
     source.keys[1].fill_(-3.0e38)
