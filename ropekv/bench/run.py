@@ -410,9 +410,9 @@ def _nearest(runs: list[dict[str, Any]], context: int) -> dict[str, Any]:
 def handoff_payload(
     engine: Engine, seq: str, tokens: torch.Tensor, wanted: int, say: Callable[[str], None]
 ) -> tuple[bytes, int]:
-    """The handoff bench's payload and its token count: the first ``wanted`` tokens of the decode sequence ``seq``
-    (``tokens``: the ids it consumed, in order), as a fork sharing its blocks, or the whole sequence
-    where a prefix cannot be forked: a sliding layer's ring holds only its window, so once the
+    """The handoff bench's payload and its token count: the first ``wanted`` tokens of the decode
+    sequence ``seq`` (``tokens``: the ids it consumed, in order), as a fork sharing its blocks, or the
+    whole sequence where a prefix cannot be forked: a sliding layer's ring holds only its window, so once the
     sequence is longer than the prefix plus the window, the prefix's rows there are overwritten."""
     total = engine.num_tokens(seq)
     n = min(wanted, total)
@@ -562,6 +562,7 @@ def format_table(doc: dict[str, Any]) -> str:
         "time per step above the matvec floor (ms: median step minus the floor's median step; "
         "norms, rotations, attention, the MLP's elementwise ops, dispatch)",
     ]
+    kernels = (doc.get("kernels_floor") or {}).get("runs")  # absent from a run before the kernels floor
     rows = []
     for i, (a, b) in enumerate(zip(rot, ror)):
         f = floor[i]["median_step_seconds"]
@@ -572,7 +573,7 @@ def format_table(doc: dict[str, Any]) -> str:
                 f"{1000 * (a['median_step_seconds'] - f):.1f}",
                 f"{1000 * (b['median_step_seconds'] - f):.1f}",
                 f"{1000 * (h['median_step_seconds'] - f):.1f}" if h else "-",
-                f"{1000 * doc['kernels_floor']['runs'][i]['attention_seconds']:.1f}",
+                f"{1000 * kernels[i]['attention_seconds']:.1f}" if kernels else "-",
                 f"{1000 * f:.1f}",
             ]
         )
