@@ -300,22 +300,32 @@ def send_sequence(
 def _sender_chunks(cache: PagedKVCache, seq_id: Hashable, plan: list[Chunk]) -> list[torch.Tensor]:
     """Each chunk's rows ``[rows, D]``: a view of the pool where they are consecutive, else a copy."""
     flat = {layer: cache.flat_rows(seq_id, layer) for layer in {ch.layer for ch in plan}}  # [rows] per layer
-    # a layer whose rows are one run (an unfragmented pool) has every chunk a view: checked once per layer
-    first = {layer: int(rows[0]) for layer, rows in flat.items() if _consecutive(rows)}
+    starts = _run_starts(flat)
     out = []
     for ch in plan:
         pool = head_rows((cache.keys, cache.values)[ch.part][ch.layer])[ch.head]  # [pool rows, D], contiguous
-        if ch.layer in first and pool.device.type == "cpu":
-            out.append(pool[first[ch.layer] + ch.start : first[ch.layer] + ch.stop])
-        else:
-            out.append(_rows(pool, flat[ch.layer][ch.start : ch.stop]).cpu())
+        first = _chunk_start(ch, flat, starts)
+        rows = (
+            pool[first : first + ch.stop - ch.start]
+            if first is not None
+            else pool.index_select(0, flat[ch.layer][ch.start : ch.stop])
+        )
+        out.append(rows.cpu())  # a view of a CPU pool where the rows are one run
     return out
 
 
-def _rows(pool: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-    if _consecutive(flat):
-        return pool[int(flat[0]) : int(flat[0]) + flat.numel()]
-    return pool.index_select(0, flat)
+def _run_starts(rows: dict[int, torch.Tensor]) -> dict[int, int]:
+    """The first pool row of each layer whose rows ``[k]`` are one ascending run (an unfragmented
+    pool): every chunk of such a layer is a slice of the pool, found once per layer, not per chunk."""
+    return {layer: int(r[0]) for layer, r in rows.items() if _consecutive(r)}
+
+
+def _chunk_start(ch: Chunk, rows: dict[int, torch.Tensor], starts: dict[int, int]) -> int | None:
+    """The first pool row of chunk ``ch`` where its rows (of ``rows[ch.layer]``) are one run, else None."""
+    if ch.layer in starts:
+        return starts[ch.layer] + ch.start
+    flat = rows[ch.layer][ch.start : ch.stop]
+    return int(flat[0]) if _consecutive(flat) else None
 
 
 def _consecutive(flat: torch.Tensor) -> bool:
@@ -430,21 +440,18 @@ def _receive_chunks(
     bad_values: dict[int, PayloadError] = {}  # chunks holding NaN or infinite values
 
     reserved = {layer: cache.reserved_rows(res, layer) for layer in {ch.layer for ch in plan}}  # [rows] per layer
-    # a layer whose reserved rows are one run (a pool with room in one piece) has every chunk in place:
-    # checked once per layer, not once per chunk
-    run_start = {layer: int(rows[0]) for layer, rows in reserved.items() if _consecutive(rows)}
+    starts = _run_starts(reserved)
 
     def post(i: int) -> None:
         ch = plan[i]
         pool = head_rows((cache.keys, cache.values)[ch.part][ch.layer])[ch.head]  # [pool rows, D]
-        flat = reserved[ch.layer][ch.start : ch.stop]
-        count = flat.numel()
-        first = run_start[ch.layer] + ch.start if ch.layer in run_start else int(flat[0])
-        if pool.device.type == "cpu" and (ch.layer in run_start or _consecutive(flat)):
+        count = ch.stop - ch.start
+        first = _chunk_start(ch, reserved, starts)
+        if pool.device.type == "cpu" and first is not None:
             dest, scatter = pool[first : first + count], None
             facts.in_place_chunks += 1
         else:
-            dest, scatter = torch.empty((count, width), dtype=pool.dtype), flat
+            dest, scatter = torch.empty((count, width), dtype=pool.dtype), reserved[ch.layer][ch.start : ch.stop]
         pending.append((i, channel.post_recv(dest, peer, f"{what}, chunk {i} ({ch.label()})"), dest, scatter))
 
     chunk_bytes = [(ch.stop - ch.start) * width * c.torch_dtype.itemsize for ch in plan]
