@@ -24,19 +24,24 @@ test-core: lint
 bench: setup
 	.venv/bin/ropekv bench
 
-setup-engines: setup-vllm setup-mlx setup-llamacpp
+setup-engines: setup-vllm setup-mlx setup-llamacpp setup-ort setup-ct2
 # The engines' suites run in two lanes side by side, after their venvs are set up one by one (each
-# set-up installs ropekv editable from this tree): vLLM, and mlx-lm then llama.cpp. Much of each vLLM
-# start is single-threaded, so on two cores the lanes overlap; -O prints each lane's output together.
+# set-up installs ropekv editable from this tree): vLLM then ONNX Runtime GenAI and CTranslate2; and
+# mlx-lm, llama.cpp, then the replay corpus (each of its releases in a venv of its own, cached outside
+# the tree: scripts/test-replay.sh). Much of each vLLM start is single-threaded, so on two cores the
+# lanes overlap; -O prints each lane's output together.
 test-engines: setup-engines
 	@$(MAKE) --no-print-directory -O -j2 lane-vllm lane-mlx-llamacpp
 
 .PHONY: lane-vllm lane-mlx-llamacpp
 lane-vllm:
 	@bash scripts/test-vllm.sh
+	@bash scripts/test-ort.sh
+	@bash scripts/test-ct2.sh
 lane-mlx-llamacpp:
 	@bash scripts/test-mlx.sh
 	@bash scripts/test-llamacpp.sh
+	@bash scripts/test-replay.sh
 
 .PHONY: setup-vllm test-vllm
 setup-vllm:
@@ -58,3 +63,23 @@ setup-llamacpp:
 
 test-llamacpp: setup-llamacpp
 	@bash scripts/test-llamacpp.sh
+
+.PHONY: setup-ort test-ort
+setup-ort:
+	@bash scripts/setup-ort.sh
+
+test-ort: setup-ort
+	@bash scripts/test-ort.sh
+
+.PHONY: setup-ct2 test-ct2
+setup-ct2:
+	@bash scripts/setup-ct2.sh
+
+test-ct2: setup-ct2
+	@bash scripts/test-ct2.sh
+
+# Replays the corpus of shipped engine bugs (ropekv/replay/corpus.toml): each buggy release must fail with
+# its bug class, each fixed one pass. Its mlx-lm releases need setup-mlx's OpenBLAS.
+.PHONY: test-replay
+test-replay: setup setup-mlx
+	@bash scripts/test-replay.sh

@@ -10,14 +10,14 @@ float64 reference decoder), :class:`~ropekv.engine.Engine` (the paged engine),
 from .errors import RopeKVError
 
 __version__ = "0.1.0"
-__all__ = ["check", "RopeKVError", "__version__"]
+__all__ = ["check", "diagnose_row", "RopeKVError", "__version__"]
 
 
 def __getattr__(name: str):
     # ``ropekv.check`` is the harness function itself (its real signature), imported on first use so
     # that ``import ropekv`` (and ``ropekv --help``) stays light.
-    if name == "check":
-        from .api import check
+    if name in ("check", "diagnose_row"):
+        from . import api
 
-        return check
+        return getattr(api, name)
     raise AttributeError(f"module 'ropekv' has no attribute {name!r}")

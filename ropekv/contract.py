@@ -29,6 +29,15 @@ if TYPE_CHECKING:  # only attributes are read; avoids importing the model loader
 
 KeyForm = Literal["raw", "rotated"]  # closed sets are types; the tuples follow from them
 RotationIndex = Literal["logical", "cache"]
+# Where a layer's keys are turned (:attr:`CacheContract.rotation_sites`): by a separate RoPE op before the
+# cache write (vLLM, llama.cpp, mlx-lm, transformers, ropekv's rotated backend), inside the fused attention
+# kernel before it writes the cache (ONNX Runtime's GroupQueryAttention with do_rotary=1), or inside the
+# kernel as it reads raw cached keys (FlashInfer's ROPE_LLAMA decode, ropekv's raw backend).
+RotationSite = Literal["op", "kernel_write", "kernel_read"]
+ROTATION_SITES: tuple[str, ...] = get_args(RotationSite)
+# The key form each site stores: "op" and "kernel_write" both leave R(j) k_j in the cache.
+SITE_KEY_FORM: dict[str, str] = {"op": "rotated", "kernel_write": "rotated", "kernel_read": "raw"}
+DEFAULT_SITE: dict[str, RotationSite] = {"rotated": "op", "raw": "kernel_read"}
 MlaForm = Literal["expanded", "latent"]
 MLA_FORMS: tuple[str, ...] = get_args(MlaForm)
 # How a layer's KV block tensor lies in memory, as the transfer carries it (not RoPE's channel-pair
@@ -60,8 +69,11 @@ FORMAT = "ropekv.cache_contract"
 # 2: kernel_rotates is derived from key_form and no longer written; 1 is still read.
 # 3: chunk_size and chunk_layers (chunked attention). A contract without chunked layers is still
 # written as version 2, byte for byte, so its fingerprint (and every handshake built on it) is unchanged.
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+# 4: rotation_sites (where each layer's keys are turned), written only where a layer's site is not its key
+# form's default; chunk_size/chunk_layers are then present exactly when there are chunked layers. Every
+# contract with default sites keeps its version 2 or 3 document and its fingerprint.
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 
 _FREQUENCIES = "keys and queries would turn at different frequencies: the error grows with position"
 _WINDOW = "the reader would see keys the writer dropped, or miss keys"
@@ -71,6 +83,10 @@ _CONSEQUENCES: dict[str, str] = {
     "rotation_index": (
         "one side rotates by logical position, the other by index among cached tokens: once tokens are "
         "evicted or a prefix offset exists, keys would turn by the wrong angle (slot used as position)"
+    ),
+    "rotation_sites": (
+        "a kernel that turns keys on read would turn keys another site already turned (keys at twice their "
+        "position), or nothing would turn raw keys (every key at position 0)"
     ),
     "rope.head_dim": "keys would have another size per head: nothing would be read right",
     "rope.rotary_dim": (
@@ -274,6 +290,7 @@ class LayerContract:
 
     attention: LayerAttention
     rope: RopeSpec | None
+    rotation: RotationSite = "op"  # where this layer's keys are turned (CacheContract.rotation_sites)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -287,9 +304,16 @@ class CacheContract:
       ``"cache"`` needs raw keys: the index of a rotated key is baked in when it is written, and it
       changes every time the window evicts a token, so rotated keys would all have to be rotated
       again on every eviction -- the "rotate all cached keys" change the contract exists to stop.
-    - ``kernel_rotates`` (a property, derived): the attention kernel applies RoPE to keys on read. It
-      is ``key_form == "raw"`` by construction: raw keys need something to rotate them, and rotated
-      keys must not be rotated again, so the two can never disagree.
+    - ``rotation_sites``: per layer, where its keys are turned (:data:`ROTATION_SITES`): ``"op"`` (a
+      separate RoPE op before the cache write), ``"kernel_write"`` (inside the fused attention kernel,
+      before it writes the cache: ONNX Runtime's GroupQueryAttention) or ``"kernel_read"`` (inside the
+      kernel, on read of raw cached keys). None (the default) means the key form's default on every
+      layer: ``"op"`` for rotated keys, ``"kernel_read"`` for raw ones. Each site must store the
+      contract's key form (``"kernel_read"`` exactly when keys are raw). Two contracts whose sites differ
+      but store the same form are compatible: the stored keys mean the same (``R(j) k_j``), whoever turned
+      them; a site that stores another form is a ``key_form`` difference, refused as such.
+    - ``kernel_rotates`` (a property, derived): the attention kernel applies RoPE to keys on read
+      (``"kernel_read"``): exactly when keys are stored raw.
     - ``window``/``window_layers``: sliding window size (HF semantics, W keys including the query's)
       and the layers it applies to; ``sink_tokens``: first tokens kept forever (needs a window).
     - ``chunk_size``/``chunk_layers``: chunked attention (llama4's ``attention_chunk_size``) and the
@@ -344,6 +368,7 @@ class CacheContract:
     mla: MlaCache | None = None
     block_layout: BlockLayout = DEFAULT_BLOCK_LAYOUT
     kv_quant: KvQuant | None = None
+    rotation_sites: tuple[RotationSite, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.key_form not in KEY_FORMS:
@@ -405,6 +430,7 @@ class CacheContract:
                     raise ConfigError(f"contract layer_ropes[{i}].head_dim {spec.head_dim} != head_dim {self.head_dim}")
             if all(spec == self.rope for spec in self.layer_ropes):
                 object.__setattr__(self, "layer_ropes", None)  # one RoPE for every layer
+        self._check_rotation_sites()
         _ = self.layers  # the per-layer records, built once here from the fields just validated
         if self.mla is not None:
             self._check_mla()
@@ -421,8 +447,37 @@ class CacheContract:
                 attention = LayerAttention("chunked", self.chunk_size)
             else:
                 attention = LayerAttention("full")
-            records.append(LayerContract(attention, self.rope if self.layer_ropes is None else self.layer_ropes[i]))
+            rope = self.rope if self.layer_ropes is None else self.layer_ropes[i]
+            site = DEFAULT_SITE[self.key_form] if self.rotation_sites is None else self.rotation_sites[i]
+            records.append(LayerContract(attention, rope, site))
         return tuple(records)
+
+    def _check_rotation_sites(self) -> None:
+        """One site per layer, each storing the contract's key form; all-default sites become None."""
+        sites = self.rotation_sites
+        if sites is None:
+            return
+        if isinstance(sites, list):  # normalize, do not reinterpret
+            sites = tuple(sites)
+            object.__setattr__(self, "rotation_sites", sites)
+        if not isinstance(sites, tuple) or len(sites) != self.num_layers:
+            raise ConfigError(
+                f"contract rotation_sites must hold one site per layer ({self.num_layers}), got {sites!r}"
+            )
+        for i, site in enumerate(sites):
+            if site not in ROTATION_SITES:
+                raise ConfigError(f"contract rotation_sites[{i}] must be one of {ROTATION_SITES}, got {site!r}")
+            if SITE_KEY_FORM[site] != self.key_form:
+                raise ConfigError(
+                    f"contract rotation_sites[{i}]={site!r} with key_form={self.key_form!r}: "
+                    + (
+                        "a kernel that turns keys on read would turn rotated keys again (keys at twice their position)"
+                        if site == "kernel_read"
+                        else "nothing would turn raw keys on read (every key at position 0)"
+                    )
+                )
+        if all(site == DEFAULT_SITE[self.key_form] for site in sites):
+            object.__setattr__(self, "rotation_sites", None)  # the key form's default on every layer
 
     def _check_kv_quant(self) -> None:
         """An fp8 dtype comes with its :class:`KvQuant` (scales and quantization point), and only it."""
@@ -488,6 +543,10 @@ class CacheContract:
     def layer_rope(self, layer: int) -> RopeSpec | None:
         """The spec layer ``layer``'s keys turn with, or None for a NoPE layer (``layer(i).rope``)."""
         return self.layers[layer].rope
+
+    def layer_rotation(self, layer: int) -> RotationSite:
+        """Where layer ``layer``'s keys are turned (``layer(i).rotation``, :attr:`rotation_sites`)."""
+        return self.layers[layer].rotation
 
     def layer_attention(self, layer: int) -> LayerAttention:
         """Which keys layer ``layer``'s queries see: full, sliding (``window``) or chunked (``chunk_size``)
@@ -573,16 +632,19 @@ class CacheContract:
         return dataclasses.replace(self, **changes)
 
     def with_key_form(self, key_form: KeyForm) -> CacheContract:
-        """The same contract with ``key_form`` (``kernel_rotates`` and an 8-bit cache's quantization
-        point follow it)."""
+        """The same contract with ``key_form`` (``kernel_rotates``, the rotation sites and an 8-bit cache's
+        quantization point follow it: another form resets every layer to that form's default site)."""
         q = self.kv_quant
         if q is not None:
             q = KvQuant(q.scale, "after_rope" if key_form == "rotated" else "before_rope")
-        return dataclasses.replace(self, key_form=key_form, kv_quant=q)
+        sites = self.rotation_sites if key_form == self.key_form else None
+        return dataclasses.replace(self, key_form=key_form, kv_quant=q, rotation_sites=sites)
 
     @property
     def kernel_rotates(self) -> bool:
-        """The attention kernel applies RoPE to keys on read: exactly when keys are stored raw."""
+        """The attention kernel applies RoPE to keys on read (``"kernel_read"``): exactly when keys are
+        stored raw. A kernel that turns keys before it writes them (``"kernel_write"``) stores rotated
+        keys and does not rotate on read: :meth:`layer_rotation` says which."""
         return self.key_form == "raw"
 
     @property
@@ -629,7 +691,8 @@ class CacheContract:
     # ------------------------------------------------------------------ serialization
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"format": FORMAT, "version": FORMAT_VERSION if self.chunk_layers else 2}
+        version = 4 if self.rotation_sites is not None else 3 if self.chunk_layers else 2
+        d: dict[str, Any] = {"format": FORMAT, "version": version}
         for name in _FIELDS:
             d[name] = getattr(self, name)
         d["rope"] = self.rope.to_dict()
@@ -638,6 +701,10 @@ class CacheContract:
             d["chunk_layers"] = list(self.chunk_layers)
         else:  # no chunked layer: the format (and fingerprints) of version 2
             del d["chunk_size"], d["chunk_layers"]
+        if self.rotation_sites is None:
+            del d["rotation_sites"]  # default sites: the format (and fingerprints) of versions 2 and 3
+        else:
+            d["rotation_sites"] = list(self.rotation_sites)
         if self.layer_ropes is None:
             del d["layer_ropes"]  # one RoPE for all layers: the format (and fingerprints) of version 1
         else:
@@ -691,8 +758,12 @@ class CacheContract:
                 )
         expected = set(_FIELDS) | {"format", "version"}
         optional = {"layer_ropes", "mla", "block_layout", "kv_quant"}
-        if version != 3:  # chunked attention exists from version 3 on; a version 3 document always has it
+        if version in (1, 2):  # chunked attention exists from version 3 on; a version 3 document always has it
             expected -= {"chunk_size", "chunk_layers"}
+        if version == 4:  # version 4 always has rotation_sites; chunks only where there are chunked layers
+            optional |= {"chunk_size", "chunk_layers"}
+        else:
+            expected -= {"rotation_sites"}
         missing, unexpected = sorted(expected - set(data) - optional), sorted(set(data) - expected)
         if missing or unexpected:
             raise ConfigError(f"cache contract JSON: missing field(s) {missing}, unexpected field(s) {unexpected}")
@@ -707,6 +778,17 @@ class CacheContract:
                     f"{kwargs['chunk_layers']!r} (a contract without chunks is written as version 2)"
                 )
             kwargs["chunk_layers"] = tuple(kwargs["chunk_layers"])
+        if "rotation_sites" in kwargs:
+            sites = kwargs["rotation_sites"]
+            form = kwargs["key_form"]
+            default = DEFAULT_SITE.get(form) if isinstance(form, str) else None
+            if not isinstance(sites, list) or all(site == default for site in sites):
+                raise ConfigError(
+                    f"cache contract JSON (version 4): rotation_sites must be a list with a layer whose site is "
+                    f"not the default of key form {form!r}, got {sites!r} (default sites are written as "
+                    "version 2 or 3)"
+                )
+            kwargs["rotation_sites"] = tuple(sites)
         rope = kwargs["rope"]
         if not isinstance(rope, dict) or not isinstance(rope.get("scaling"), dict):
             raise ConfigError("cache contract JSON: rope must be an object with a 'scaling' object")
@@ -747,6 +829,11 @@ def _flat(c: CacheContract, per_layer: bool = False) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name in _FIELDS:
         value = getattr(c, name)
+        if name == "rotation_sites":
+            # Not compared: "op" and "kernel_write" both store R(j) k_j, so keys read the same whoever
+            # turned them; a site that stores another form ("kernel_read") comes with another key_form,
+            # and that difference is named (and converted, where asked) as key_form.
+            continue
         if name == "layer_ropes":
             if per_layer:
                 # The summary (each layer's spec fingerprint, None for NoPE), then every differing detail.

@@ -385,6 +385,24 @@ def apply_rotation(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout
     return torch.cat((out.to(x.dtype), rest), dim=-1) if rest.shape[-1] else out.to(x.dtype)
 
 
+def inv_freq_for_theta(spec: RopeSpec, theta: float, seq_len: int | None = None) -> torch.Tensor:
+    """``spec.replace(theta=theta).inv_freq(seq_len)`` without validating a new spec (``theta`` must be
+    finite and positive): its scaling recomputed for the other base (YaRN's bands, llama3's smoothing),
+    cheaply enough for the forensics to sweep thousands of bases."""
+    if not isinstance(theta, (int, float)) or not math.isfinite(theta) or theta <= 0:
+        raise ConfigError(f"RoPE theta must be a finite positive number, got {theta!r}")
+    other = _with_theta(spec, float(theta))
+    return _INV_FREQ[spec.scaling.rope_type](other, seq_len)
+
+
+def _with_theta(spec: RopeSpec, theta: float) -> RopeSpec:
+    other = object.__new__(RopeSpec)
+    for f in dataclasses.fields(RopeSpec):
+        object.__setattr__(other, f.name, getattr(spec, f.name))
+    object.__setattr__(other, "theta", theta)
+    return other
+
+
 def pair_channels(rotary_dim: int, layout: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Indices ``(first, second)`` of the two channels of each rotating pair, ``[rotary_dim // 2]`` each."""
     n = rotary_dim // 2

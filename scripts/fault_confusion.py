@@ -18,8 +18,8 @@ import sys
 import time
 
 from ropekv import check
-from ropekv.faults.ops import OpFault
-from ropekv.faults.registry import ARCH_FAULTS, FAULTS
+from ropekv.bugs.registry import ARCH_FAULTS, FAULTS
+from ropekv.faults.native import OpFault
 from ropekv.models.default import default_checkpoint
 from ropekv.parity.cases import Case
 from ropekv.parity.protocol import Tier

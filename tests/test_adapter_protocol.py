@@ -10,8 +10,8 @@ import torch
 
 from ropekv import check
 from ropekv.adapters.native import NativeAdapter
+from ropekv.bugs.registry import FAULTS
 from ropekv.errors import AdapterError, UsageError
-from ropekv.faults.registry import FAULTS
 from ropekv.models import load_checkpoint
 from ropekv.parity.cases import Case
 from ropekv.parity.protocol import CaseRun, EngineDescription, FullRun, Tier

@@ -7,11 +7,13 @@ import pytest
 import torch
 
 from ropekv import check
+from ropekv.bugs.registry import ARCH_FAULTS, FAULTS, get_fault
 from ropekv.errors import UsageError
-from ropekv.faults.registry import ARCH_FAULTS, FAULTS, get_fault
 from ropekv.models import ReferenceDecoder, load_checkpoint
 from ropekv.parity.cases import Case, token_stream
-from ropekv.parity.layer_forensics import diagnose_layer
+from ropekv.parity.diagnose import layer_keymap
+from ropekv.parity.explain.pattern import describe
+from ropekv.parity.keymap.record import NOISE
 
 CASES = [Case(length=17, block_size=7, decode_steps=3), Case(length=12, chunk=5, block_size=3, decode_steps=2)]
 LLAMA4 = {
@@ -62,71 +64,41 @@ RUNS = [
 ]
 
 
-def _name_from_records(adapter, report):
-    """Re-run the first failing case and hand its diverging layer's records to layer forensics."""
-    ckpt = adapter.checkpoint
-    tokens = token_stream(ckpt.config.vocab_size, max(c.total for c in CASES), report.seed)
-    result = next(c for c in report.cases if not c.passed)
-    fd = result.first_divergence
-    view = adapter.run_case(result.case, tokens).steps[fd.step].layers[fd.layer]
-    t = fd.query_position
-    probe = ReferenceDecoder(ckpt).forward(tokens[: t + 1], probe_rows=[t]).layers[fd.layer]
-    return fd, diagnose_layer(
-        ckpt.config,
-        fd.layer,
-        q_raw=probe.q_raw[0],
-        q_eff=view.q[0],
-        k_raw=probe.k_raw[view.key_positions],
-        k_eff=view.k,
-        key_positions=view.key_positions,
-        query_position=t,
-        seq_len=t + 1,
-    )
-
-
 @pytest.mark.parametrize("fault,arch,overrides,layer", RUNS, ids=[f"{r[0]}-{r[1]}" for r in RUNS])
 def test_arch_fault_is_caught_at_its_layer_and_named(fault, arch, overrides, layer, make_arch_checkpoint):
     ckpt = load_checkpoint(make_arch_checkpoint(arch, **overrides))
     adapter = ARCH_FAULTS[fault].adapter(ckpt)
     report = check(adapter, cases=CASES)
     assert not report.passed
-    fd, diagnosis = _name_from_records(adapter, report)
+    fd = next(c for c in report.cases if not c.passed).first_divergence
     assert fd.layer == layer
-    assert diagnosis is not None and diagnosis.kind == ARCH_FAULTS[fault].kind, diagnosis
-    assert f"layer {layer}" in diagnosis.evidence
-    # The harness names it itself, from the same records.
-    assert report.diagnosis.kind == ARCH_FAULTS[fault].kind, report.table()
+    d = report.diagnosis
+    assert d.kind == ARCH_FAULTS[fault].kind, report.table()
+    assert f"layer {layer}" in d.evidence
 
 
-def _assert_clean_records_name_nothing(ckpt) -> None:
-    """The forensics name nothing on the records of a clean run of ropekv's engine on ``ckpt``."""
+def _assert_clean_records_are_exact(ckpt) -> None:
+    """Every layer's key map of a clean run of ropekv's engine on ``ckpt``: every query head and key
+    exactly where the contract puts it (nothing for a bug class to read)."""
     tokens = token_stream(ckpt.config.vocab_size, 20, 0)
     from ropekv.adapters.native import NativeAdapter
 
-    run = NativeAdapter(ckpt).run_case(CASES[0], tokens)
+    case = CASES[0]
+    run = NativeAdapter(ckpt).run_case(case, tokens)
     for step in run.steps:
         probe_layers = ReferenceDecoder(ckpt).forward(tokens[: step.position + 1], probe_rows=[step.position]).layers
         for layer, (view, probe) in enumerate(zip(step.layers, probe_layers)):
-            assert (
-                diagnose_layer(
-                    ckpt.config,
-                    layer,
-                    q_raw=probe.q_raw[0],
-                    q_eff=view.q[0],
-                    k_raw=probe.k_raw[view.key_positions],
-                    k_eff=view.k,
-                    key_positions=view.key_positions,
-                    query_position=step.position,
-                    seq_len=step.position + 1,
-                )
-                is None
-            )
+            visible = torch.zeros(step.position + 1, dtype=torch.bool)
+            visible[view.key_positions] = True
+            km = layer_keymap(ckpt.config, case, layer, view, probe, 0, visible, step.position, NOISE["float32"])
+            assert km is not None
+            assert not bool(km.wrong_keys().any()) and not bool(km.wrong_query().any()), (layer, describe(km))
 
 
 @pytest.mark.parametrize("arch,overrides", [("stablelm", {}), ("gemma3_text", GEMMA3), ("cohere2", SW)])
 def test_clean_records_name_nothing(arch, overrides, make_arch_checkpoint):
     ckpt = load_checkpoint(make_arch_checkpoint(arch, **overrides))
-    _assert_clean_records_name_nothing(ckpt)
+    _assert_clean_records_are_exact(ckpt)
 
 
 @pytest.mark.parametrize("arch,overrides", [("cohere", {}), ("glm", {}), ("gptj", {"rotary_dim": 8})])
@@ -202,7 +174,7 @@ def test_double_rotation_on_an_mla_model_is_the_mla_kind(make_arch_checkpoint):
 def test_mla_kind_names_no_clean_run_and_no_fault_elsewhere(make_arch_checkpoint):
     """Clean MLA records name nothing; on models without MLA the kind cannot come up at all."""
     ckpt = load_checkpoint(make_arch_checkpoint("deepseek_v3", **V3))
-    _assert_clean_records_name_nothing(ckpt)
+    _assert_clean_records_are_exact(ckpt)
     assert all(
         f.kind != "mla_rope_rotated_twice"
         for f in [*FAULTS.values(), *ARCH_FAULTS.values()]

@@ -410,9 +410,9 @@ def test_logits_of_the_rows_a_check_reads_are_those_rows_of_all_logits(tiny_llam
 
 
 def test_a_check_reports_the_seconds_of_its_unavoidable_parts(tiny_llama_dir) -> None:
+    from ropekv import check
     from ropekv.adapters.native import NativeAdapter
     from ropekv.models import load_checkpoint
-    from ropekv.parity.harness import check
 
     report = check(
         NativeAdapter(load_checkpoint(str(tiny_llama_dir))),

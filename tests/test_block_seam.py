@@ -8,14 +8,15 @@ the numbers below are derived from that by hand, and the float64 reference judge
 
 from __future__ import annotations
 
+import forensic_rows
 import pytest
 import torch
 
 from ropekv import check
 from ropekv.adapters.native import NativeAdapter
+from ropekv.bugs.block_seam import SEAM_CASES, SeamRowsFromStore
+from ropekv.bugs.registry import FAULTS
 from ropekv.cache.policy import CORRECT
-from ropekv.faults.block_seam import SEAM_CASES, SeamRowsFromStore
-from ropekv.faults.registry import FAULTS
 from ropekv.models import load_checkpoint
 from ropekv.parity.cases import Case
 from ropekv.parity.protocol import Tier
@@ -65,12 +66,14 @@ def test_seam_named_row_by_row(llama, key_form, b):
     report = check(FAULTS["seam-rows-from-store"].adapter(llama, key_form=key_form), cases=[case])
     d = report.diagnosis
     assert d is not None and d.kind == "block_seam", report.table()
-    keys = f"{wrong[0]}..{wrong[-1]}" if len(wrong) > 1 else f"{wrong[0]}"
+    keys = (
+        ", ".join(map(str, wrong)) if len(wrong) == 2 else (f"{wrong[0]}..{wrong[-1]}" if wrong[1:] else f"{wrong[0]}")
+    )
     assert f"block {P // b} (positions {start}..{end - 1}) mixes the stored prefix" in d.evidence
     assert f"key(s) {keys} are wrong" in d.evidence, d.evidence
     assert d.details["seam_block"] == P // b and d.details["seam_wrong_keys"] == len(wrong)
     # every other key sits at its own position, the stale ones fit none
-    eff = dict(zip(range(len(d.key_effective)), d.key_effective))
+    eff = dict(zip(range(len(forensic_rows.key_positions(d))), forensic_rows.key_positions(d)))
     assert [i for i, p in eff.items() if p is None] == wrong
     assert all(p == i for i, p in eff.items() if i not in wrong)
 

@@ -13,10 +13,10 @@ import torch
 from ropekv import check
 from ropekv.adapters.native import NativeAdapter
 from ropekv.attention_kind import LayerAttention
+from ropekv.bugs.registry import FAULTS
 from ropekv.cache.paged import PagedKVCache
 from ropekv.contract import CacheContract
 from ropekv.errors import CapacityError, NotApplicable, UsageError
-from ropekv.faults.registry import FAULTS
 from ropekv.models import load_checkpoint
 from ropekv.parity.cases import CacheOp, Case, build_matrix
 from ropekv.parity.protocol import CaseRun, EngineDescription, FullRun, Ignored

@@ -12,11 +12,11 @@ import torch
 from ropekv import check
 from ropekv.adapters.native import NativeAdapter
 from ropekv.attention_kind import LayerAttention
+from ropekv.bugs.registry import ARCH_FAULTS
 from ropekv.contract import CacheContract
 from ropekv.engine import Engine
 from ropekv.engine.attention import visibility
 from ropekv.errors import ConfigError, ContractMismatch
-from ropekv.faults.registry import ARCH_FAULTS
 from ropekv.models import ReferenceDecoder, load_checkpoint
 from ropekv.parity.cases import Case
 from ropekv.parity.recorder import visible_keys
@@ -204,7 +204,7 @@ def test_llama4_contract_has_its_chunked_layers(llama4):
     ],
 )
 def test_llama4_faults_are_named(llama4, fault, kind, layer):
-    from ropekv.faults.registry import get_fault
+    from ropekv.bugs.registry import get_fault
 
     report = check(get_fault(fault).adapter(llama4), cases=CASES)
     assert not report.passed and report.diagnosis.kind == kind, report.table()

@@ -7,8 +7,8 @@ import torch
 
 from ropekv import check
 from ropekv.adapters.native import NativeAdapter
+from ropekv.bugs.registry import FAULTS
 from ropekv.engine.rotation import RotationPolicy
-from ropekv.faults.registry import FAULTS
 from ropekv.models import load_checkpoint
 from ropekv.parity.cases import Case
 
@@ -43,7 +43,10 @@ def test_low_precision_angles_past_bf16_integers_on_head_dim_16(make_tiny_checkp
     report = check(FAULTS["low-precision-angles"].adapter(ckpt), cases=[Case(length=513, chunk=64, decode_steps=1)])
     d = report.diagnosis
     assert not report.passed and d.kind == "low_precision_angles", d
-    assert "513 -> 512" in d.evidence and d.details["query_effective"] == 512
+    # the query and keys sit at their positions under angles computed in bfloat16 (the rotation the fit
+    # names), which turn position 513 as 512
+    assert "513 -> 512" in d.evidence and "angles computed in bfloat16" in d.evidence
+    assert d.details["query_effective"] == 513 and d.details["angle_dtype"] == "bfloat16"
 
 
 def test_low_precision_angles_default_cases_name_no_block_bug(tiny_llama_dir):

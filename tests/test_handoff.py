@@ -16,12 +16,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ropekv import check
+from ropekv.bugs.registry import get_handoff_fault
 from ropekv.cache.quant import LayerScales
 from ropekv.cli.main import main
 from ropekv.contract import CacheContract, KvQuant, MlaCache
 from ropekv.engine import Engine
 from ropekv.errors import CacheError, CapacityError, ContractMismatch, PayloadError, RopeKVError, UsageError
-from ropekv.faults.registry import get_handoff_fault
 from ropekv.handoff.adapter import HandoffAdapter
 from ropekv.handoff.workers import launch
 from ropekv.models import load_checkpoint

@@ -39,8 +39,9 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("parity",),
     ("adapters",),
     ("faults",),
+    ("bugs",),
     ("handoff",),
-    ("api", "testing", "bench", "cli", "__main__"),
+    ("api", "testing", "bench", "replay", "cli", "__main__"),
 )
 
 # What the parity harness must not know (it drives any engine through the adapter protocol).

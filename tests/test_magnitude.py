@@ -10,19 +10,19 @@ from __future__ import annotations
 
 import math
 
+import forensic_rows
 import pytest
 import torch
 
 from ropekv import check
 from ropekv.adapters.native import NativeAdapter
+from ropekv.bugs.registry import FAULTS
+from ropekv.bugs.rope_magnitude import yarn_variant
 from ropekv.contract import CacheContract
 from ropekv.errors import ContractMismatch
-from ropekv.faults.magnitude import yarn_variant
-from ropekv.faults.registry import FAULTS
 from ropekv.models import load_checkpoint
 from ropekv.parity.bug_class import BugClass
 from ropekv.parity.cases import Case
-from ropekv.parity.forensics import ForensicInput, diagnose
 from ropekv.parity.protocol import Tier
 from ropekv.rope import RopeScaling, RopeSpec
 from ropekv.testing.tiers import at_tier
@@ -117,7 +117,7 @@ def test_each_fault_is_named_rope_magnitude_with_the_factor(llama, yarn, name, k
         d = report.diagnosis
         assert not report.passed and d is not None and d.kind == BugClass.ROPE_MAGNITUDE, report.table()
         assert "1.1386" in d.evidence and f"applied {TIMES[name]} times instead of once" in d.evidence
-        assert d.query_effective == 17
+        assert forensic_rows.query_position(d) == 17
         expected = A ** (TIMES[name] - 1)  # relative to the contract's A: 1 / A or A
         assert d.details["query_scale"] == pytest.approx(expected, rel=1e-4)
         if key_form == "raw":  # every key is rotated (and scaled) on read at decode
@@ -171,7 +171,21 @@ def _row(spec: RopeSpec, t: int, *, query: float, new_keys: float, old_keys: flo
 def _inp(spec, q, q_eff, k, k_eff, pos, t, bf16=False):
     if bf16:
         q_eff, k_eff = q_eff.to(torch.bfloat16).double(), k_eff.to(torch.bfloat16).double()
-    return ForensicInput(spec, q, q_eff, k, k_eff, t, pos, pos.clone())
+    return dict(
+        spec=spec,
+        q=q,
+        q_eff=q_eff,
+        k=k,
+        k_eff=k_eff,
+        t=t,
+        positions=pos,
+        slots=pos.clone(),
+        dtype="bfloat16" if bf16 else "float32",
+    )
+
+
+def diagnose(inp: dict):
+    return forensic_rows.diagnose(**inp)
 
 
 @pytest.mark.parametrize("spec", [SPEC, PARTIAL], ids=["yarn-neox", "partial-gptj"])
@@ -181,7 +195,7 @@ def test_a_dropped_factor_on_the_decode_side_is_named_with_its_figures(spec, bf1
     row = _row(spec, t, query=1 / A, new_keys=1 / A)  # the decode step built cos/sin without A
     d = diagnose(_inp(spec, *row, t, bf16=bf16))
     assert d.kind == BugClass.ROPE_MAGNITUDE, d.evidence
-    assert d.query_effective == t and d.key_effective == tuple(range(t + 1))
+    assert forensic_rows.query_position(d) == t and forensic_rows.key_positions(d) == tuple(range(t + 1))
     # hand-computed: 1 / 1.1386 = 0.8783; scores 0.8783 against the old keys, 0.8783^2 = 0.7713 the new one
     assert d.details["query_scale"] == pytest.approx(0.87826, abs=2e-3)
     assert d.details["key_scales"] == [1.0, pytest.approx(0.87826, abs=2e-3)]
@@ -213,7 +227,7 @@ def test_a_scaling_without_a_yarn_factor_is_named_with_its_size():
 def test_a_correct_yarn_row_is_not_a_magnitude_error(spec, bf16):
     t = 40
     d = diagnose(_inp(spec, *_row(spec, t, query=1.0, new_keys=1.0), t, bf16=bf16))
-    assert d.kind == BugClass.UNKNOWN and "logical positions" in d.evidence, d.evidence
+    assert d.kind == BugClass.UNKNOWN and "sit exactly where the contract puts them" in d.evidence, d.evidence
 
 
 def test_drifted_hidden_states_are_not_a_magnitude_error():
@@ -229,7 +243,7 @@ def test_drifted_hidden_states_are_not_a_magnitude_error():
         k_eff.shape, generator=g, dtype=torch.float64
     )
     d = diagnose(_inp(SPEC, q, q_eff, k, k_eff, pos, t))
-    assert d.kind == BugClass.UNKNOWN and d.fit > 0.99, d.evidence  # the angles fit: the lengths were examined
+    assert d.kind == BugClass.UNKNOWN and "sit right with a residual" in d.evidence, d.evidence  # lengths examined
 
 
 def test_an_angle_error_with_the_right_lengths_is_a_frequency_mismatch():

@@ -10,11 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ropekv import check
-from ropekv.faults.registry import OP_FAULTS
+from ropekv import check, diagnose_row
+from ropekv.bugs.registry import OP_FAULTS
 from ropekv.models import load_checkpoint
 from ropekv.parity.cases import CacheOp, Case
-from ropekv.parity.forensics import ForensicInput, diagnose
 from ropekv.rope import RopeSpec
 
 
@@ -32,7 +31,9 @@ def test_one_unrestored_ring_slot_names_stale_keys_at_the_newest_overwritten_pos
     assert not report.passed
     d = report.diagnosis
     assert d.kind == "rollback_stale_keys", report.table()
-    assert "at positions [29]" in d.evidence and "1 of the 2 such positions in view" in d.evidence
+    assert (
+        "1 key(s) at positions 29 are no rotation" in d.evidence and "1 of the 2 such positions in view" in d.evidence
+    )
 
 
 def test_a_stale_key_without_an_operation_to_explain_it_is_still_shown():
@@ -45,9 +46,11 @@ def test_a_stale_key_without_an_operation_to_explain_it_is_still_shown():
     k_eff = spec.rotate(k, pos)
     k_eff[17] = spec.rotate(torch.randn(1, 2, 16, generator=g, dtype=torch.float64), pos[17:18])[0]
     q_eff = spec.rotate(q[None], torch.tensor([29]))[0]
-    d = diagnose(ForensicInput(spec, q, q_eff, k, k_eff, 29, pos, pos.clone(), block_size=16))
+    d = diagnose_row(
+        spec, q_raw=q, q_eff=q_eff, k_raw=k, k_eff=k_eff, query_position=29, key_positions=pos, key_slots=pos.clone()
+    )
     assert d.kind == "unknown"
-    assert "except 1 of 30 key(s), at positions [17], that are no rotation of their own tokens' keys" in d.evidence
+    assert "key 17 are no rotation of any reference row" in d.evidence and "the other 29 keys are right" in d.evidence
 
 
 @pytest.mark.parametrize("block_size", [7, 16])

@@ -11,24 +11,23 @@ from __future__ import annotations
 
 import math
 
+import forensic_rows
 import pytest
 import torch
 
 from ropekv import check
 from ropekv.adapters.native import NativeAdapter
+from ropekv.bugs.mixed_rotations import LongRopeFactorPerChunk, longrope_variant
+from ropekv.bugs.registry import FAULTS
+from ropekv.bugs.stale_dynamic_scaling import StaleDynamicRotation
 from ropekv.contract import CacheContract
 from ropekv.engine import Engine
 from ropekv.errors import ContractMismatch
-from ropekv.faults.catalogue import StaleDynamicRotation
-from ropekv.faults.mixed_rotations import LongRopeFactorPerChunk, longrope_variant
-from ropekv.faults.ops import OpFault
-from ropekv.faults.registry import FAULTS
+from ropekv.faults.native import OpFault
 from ropekv.models import load_checkpoint
 from ropekv.models.reference import ReferenceDecoder
 from ropekv.parity.bug_class import BugClass
 from ropekv.parity.cases import Case
-from ropekv.parity.forensics import ForensicInput, diagnose
-from ropekv.parity.mixed_rotations import diagnose_mixed
 from ropekv.parity.protocol import Tier
 from ropekv.rope import RopeScaling, RopeSpec
 from ropekv.testing.tiers import at_tier
@@ -250,7 +249,15 @@ def _row(spec: RopeSpec, t: int, short_rows: range | list[int], *, query_len: in
 def _inp(spec, q, q_eff, k, k_eff, pos, t, bf16=False):
     if bf16:
         q_eff, k_eff = q_eff.to(torch.bfloat16).double(), k_eff.to(torch.bfloat16).double()
-    return ForensicInput(spec, q, q_eff, k, k_eff, t, pos, pos.clone())
+    return dict(
+        spec=spec, q=q, q_eff=q_eff, k=k, k_eff=k_eff, t=t, positions=pos, dtype="bfloat16" if bf16 else "float32"
+    )
+
+
+def diagnose_mixed(inp: dict):
+    """The diagnosis of the row where it names mixed rotations, else None."""
+    d = forensic_rows.diagnose(**inp)
+    return d if d.kind == BugClass.MIXED_ROTATIONS else None
 
 
 @pytest.mark.parametrize("name", sorted(SPECS))
@@ -265,7 +272,7 @@ def test_two_ranges_under_the_two_factor_sets_are_named_with_their_rows(name, bf
         "keys at positions 0..39 rotated under LongRoPE's short factors, 40..100 under its long factors" in d.evidence
     )
     assert "the contract says long for all" in d.evidence and "the query at 100 under the long factors" in d.evidence
-    assert d.query_effective == t and d.key_effective == tuple(range(t + 1)) and d.fit > 0.999
+    assert forensic_rows.query_position(d) == t and forensic_rows.key_positions(d) == tuple(range(t + 1))
 
 
 def test_ranges_flipping_back_and_forth_under_concurrency_are_each_named():
@@ -317,6 +324,6 @@ def test_a_dynamic_ntk_cache_is_stale_not_mixed():
         + [spec.rotate(k[j : j + 1], pos[j : j + 1], seq_len=j + 1) for j in range(prompt, t + 1)]
     )
     q_eff = spec.rotate(q[None], torch.tensor([t]), seq_len=t + 1)[0]
-    inp = ForensicInput(spec, q, q_eff, k, k_eff, t, pos, pos.clone())
+    inp = dict(spec=spec, q=q, q_eff=q_eff, k=k, k_eff=k_eff, t=t, positions=pos)
     assert diagnose_mixed(inp) is None
-    assert diagnose(inp).kind == BugClass.STALE_DYNAMIC_SCALING
+    assert forensic_rows.diagnose(**inp).kind == BugClass.STALE_DYNAMIC_SCALING

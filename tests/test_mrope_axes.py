@@ -12,11 +12,11 @@ import torch
 
 from ropekv import check
 from ropekv.adapters.native import NativeAdapter
+from ropekv.bugs.mrope_axes_collapsed import EXPOSING
+from ropekv.bugs.registry import ARCH_FAULTS
 from ropekv.contract import CacheContract
 from ropekv.engine import Engine
 from ropekv.errors import ContractMismatch, UsageError
-from ropekv.faults.mrope_axes import EXPOSING
-from ropekv.faults.registry import ARCH_FAULTS
 from ropekv.models import load_checkpoint
 from ropekv.parity.applicable import applicability
 from ropekv.parity.cases import CacheOp, Case, ImageGrid
@@ -109,7 +109,8 @@ def test_clean_engine_is_named_nothing_by_the_axes_fit(qwen2_vl):
     """The per-stream fit on a clean engine's keys puts every key at its own streams."""
     from ropekv.models import ReferenceDecoder
     from ropekv.parity.cases import token_stream
-    from ropekv.parity.mrope_forensics import fit_streams
+    from ropekv.parity.diagnose import layer_keymap
+    from ropekv.parity.keymap.record import NOISE
 
     case = EXPOSING[0]
     tokens = token_stream(qwen2_vl.config.vocab_size, case.total, 0)
@@ -117,8 +118,11 @@ def test_clean_engine_is_named_nothing_by_the_axes_fit(qwen2_vl):
     t = step.position
     ref = ReferenceDecoder(qwen2_vl).forward(tokens[: t + 1], probe_rows=[t], streams=case.position_streams())
     view = step.layers[0]
-    fitted = fit_streams(qwen2_vl.config.rope, ref.layers[0].k_raw[view.key_positions], view.k, 64)
-    assert torch.equal(fitted, case.position_streams().at(view.key_positions))
+    visible = torch.ones(t + 1, dtype=torch.bool)
+    km = layer_keymap(qwen2_vl.config, case, 0, view, ref.layers[0], 0, visible, t, NOISE["float32"])
+    want = case.position_streams().at(view.key_positions).T  # [N, 3]
+    assert torch.equal(km.keys.effective[:, 0, :], want) and torch.equal(km.keys.effective[:, 1, :], want)
+    assert not bool(km.wrong_keys().any())
 
 
 def test_shift_of_mrope_is_refused_loudly(qwen2_vl):
@@ -169,9 +173,9 @@ def test_cli_image_grid_runs_and_names_the_fault(make_arch_checkpoint, capsys):
 
 @pytest.mark.parametrize("name", ["double-rotation", "missing-rotation"])
 def test_other_rotation_faults_on_image_cases_are_not_named_collapsed(qwen2_vl, name):
-    """Keys off their streams in every section are not M-RoPE axes collapsed: the evidence says where they sit."""
-    from ropekv.faults.registry import FAULTS
+    """Keys off their streams in every section are not M-RoPE axes collapsed: the class is the fault's own
+    (each section of an image key at twice its own stream, or all at 0)."""
+    from ropekv.bugs.registry import FAULTS
 
     report = check(FAULTS[name].adapter(qwen2_vl), cases=list(EXPOSING[:1]))
-    assert not report.passed and report.diagnosis.kind == "unknown", report.table()
-    assert "keys off their streams, not as h/w collapsed to t" in report.diagnosis.evidence
+    assert not report.passed and report.diagnosis.kind == FAULTS[name].kind, report.table()

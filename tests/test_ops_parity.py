@@ -12,8 +12,8 @@ import pytest
 
 from ropekv import check
 from ropekv.adapters.native import NativeAdapter
+from ropekv.bugs.registry import OP_FAULTS
 from ropekv.errors import NotApplicable
-from ropekv.faults.registry import OP_FAULTS
 from ropekv.models import load_checkpoint
 from ropekv.parity.cases import CacheOp, Case
 

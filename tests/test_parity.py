@@ -12,10 +12,10 @@ import pytest
 
 from ropekv import check
 from ropekv.adapters.native import NativeAdapter
-from ropekv.faults.catalogue import dynamic_variant
-from ropekv.faults.registry import FAULTS
+from ropekv.bugs.registry import FAULTS
+from ropekv.bugs.stale_dynamic_scaling import dynamic_variant
 from ropekv.models import load_checkpoint
-from ropekv.parity import harness
+from ropekv.parity import references
 from ropekv.parity.cases import Case, build_matrix, default_matrix
 
 # A small matrix that exercises every bug class on the tiny models (256 positions).
@@ -97,13 +97,13 @@ def test_dynamic_ntk_raw_keys_exact_at_layer_0_and_stale_rotation_is_named(llama
 
 def test_one_reference_forward_serves_every_case_of_a_window(llama, monkeypatch):
     calls = []
-    original = harness.ReferenceDecoder.forward
+    original = references.ReferenceDecoder.forward
 
     def counting(self, tokens, **kw):
         calls.append((tokens.numel(), kw.get("window")))
         return original(self, tokens, **kw)
 
-    monkeypatch.setattr(harness.ReferenceDecoder, "forward", counting)
+    monkeypatch.setattr(references.ReferenceDecoder, "forward", counting)
     check(llama, cases=TINY_CASES)
     # Two window settings in TINY_CASES (the model's own and W=13): one forward each, over the longest.
     assert sorted(calls, key=str) == sorted([(202, "model"), (43, 13)], key=str)

@@ -6,19 +6,19 @@ Expectations come from the float64 reference decoder and from hand arithmetic on
 
 from __future__ import annotations
 
+import forensic_rows
 import pytest
 import torch
 
-from ropekv import check
+from ropekv import check, diagnose_row
 from ropekv.adapters.native import NativeAdapter
+from ropekv.bugs.position_wrapped import INT16_CASES, PositionsInt32, wrap_positions
+from ropekv.bugs.registry import FAULTS
 from ropekv.errors import UsageError
-from ropekv.faults.position_width import INT16_CASES, PositionsInt32, wrap_positions
-from ropekv.faults.registry import FAULTS
 from ropekv.models import load_checkpoint
 from ropekv.models.reference import ReferenceDecoder
-from ropekv.parity import forensics
 from ropekv.parity.cases import CacheOp, Case, parse_ops, token_stream, too_long
-from ropekv.parity.position_width import wrap
+from ropekv.parity.keymap.fit import wrap
 from ropekv.parity.protocol import Tier
 from ropekv.testing.tiers import at_tier
 
@@ -78,7 +78,7 @@ def test_int16_positions_named_with_the_wrapped_query(llama):
     assert d is not None and d.kind == "position_wrapped", report.table()
     assert "query logical 40020, effective -25516 = 40020 - 2**16" in d.evidence
     assert "1 key(s) (40020) wrapped with it, 20 at their logical positions (40000..40019)" in d.evidence
-    assert d.query_effective == -25516 and d.details["index_bits"] == 16
+    assert forensic_rows.query_position(d) == -25516 and d.details["index_bits"] == 16
 
 
 def test_int16_positions_named_in_raw_form_where_the_sequence_straddles_2_15(llama):
@@ -130,18 +130,16 @@ def test_int32_positions_wrap_past_2_31_and_are_named(llama, key_form):
     assert min(errors) > 0.1, errors  # caught on the logits
     t = 2**31 + 10
     view, rp = outs[0].layers[0], ref.layers[0]
-    d = forensics.diagnose(
-        forensics.ForensicInput(
-            rope=llama.config.layer_rope(0),
-            q_raw=rp.q_raw[0],
-            q_eff=view.q[0],
-            k_raw=rp.k_raw[view.key_positions - delta],
-            k_eff=view.k,
-            query_position=int(outs[0].positions[0]),
-            key_positions=view.key_positions,
-            key_slots=view.key_slots,
-            block_size=7,
-        )
+    d = diagnose_row(
+        llama.config.layer_rope(0),
+        q_raw=rp.q_raw[0],
+        q_eff=view.q[0],
+        k_raw=rp.k_raw[view.key_positions - delta],
+        k_eff=view.k,
+        query_position=int(outs[0].positions[0]),
+        key_positions=view.key_positions,
+        key_slots=view.key_slots,
+        key_form=key_form,
     )
     assert d.kind == "position_wrapped", d.evidence
     assert f"query logical {t}, effective {t - 2**32} = {t} - 2**32" in d.evidence

@@ -12,17 +12,16 @@ import torch
 
 from ropekv import check
 from ropekv.adapters.native import NativeAdapter
+from ropekv.bugs.kv_scale_mismatch import APART, layers_apart
+from ropekv.bugs.registry import FAULTS
 from ropekv.cache.paged import PagedKVCache
 from ropekv.cache.quant import FP8_MAX, LayerScales, compute_scale, dequantize, quantize
 from ropekv.contract import CacheContract, KvQuant
 from ropekv.errors import CacheError, ConfigError, ContractMismatch, UsageError
-from ropekv.faults.quantized_kv import APART, layers_apart
-from ropekv.faults.registry import FAULTS
 from ropekv.models import load_checkpoint
 from ropekv.parity.bug_class import BugClass
-from ropekv.parity.cases import Case
+from ropekv.parity.cases import Case, token_stream
 from ropekv.parity.compare import kv_tolerance
-from ropekv.parity.harness import token_stream
 from ropekv.parity.protocol import Tier
 from ropekv.rope import RopeSpec
 from ropekv.testing.tiers import at_tier

@@ -20,8 +20,8 @@ import transformers
 from ropekv import check
 from ropekv.adapters.hf import HFEngine
 from ropekv.adapters.native import NativeAdapter
+from ropekv.bugs.registry import FAULTS
 from ropekv.errors import UsageError
-from ropekv.faults.registry import FAULTS
 from ropekv.models import load_checkpoint
 from ropekv.models.config import Checkpoint
 from ropekv.models.gguf_file import permute_qk

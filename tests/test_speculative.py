@@ -14,8 +14,8 @@ import pytest
 
 from ropekv import check
 from ropekv.adapters.native import NativeAdapter
+from ropekv.bugs.registry import OP_FAULTS
 from ropekv.errors import UsageError
-from ropekv.faults.registry import OP_FAULTS
 from ropekv.models import load_checkpoint
 from ropekv.parity.cases import MAX_SPEC_DRAFT, CacheOp, Case, parse_ops
 from ropekv.parity.protocol import Tier

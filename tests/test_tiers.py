@@ -6,8 +6,8 @@ import pytest
 
 from ropekv import check
 from ropekv.adapters.native import NativeAdapter
+from ropekv.bugs.registry import FAULTS
 from ropekv.errors import UsageError
-from ropekv.faults.registry import FAULTS
 from ropekv.models import load_checkpoint
 from ropekv.parity.cases import Case
 from ropekv.parity.protocol import Tier

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from ropekv import check
+from ropekv.bugs.registry import HANDOFF_FAULTS, get_handoff_fault
 from ropekv.cache.block_layout import HEADS_OUTER, TOKENS_OUTER, misread_rows, misread_source
 from ropekv.cli.main import main
 from ropekv.contract import BLOCK_LAYOUTS, CacheContract
 from ropekv.engine import Engine
 from ropekv.errors import ConfigError, ContractMismatch
-from ropekv.faults.registry import HANDOFF_FAULTS, get_handoff_fault
 from ropekv.handoff.adapter import HandoffAdapter
 from ropekv.models import load_checkpoint
 from ropekv.parity.cases import Case

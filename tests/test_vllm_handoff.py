@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from ropekv.bugs.registry import VLLM_TRANSFER_FAULTS, get_transfer_fault
 from ropekv.cli.main import main
 from ropekv.contract import CacheContract
 from ropekv.errors import ContractMismatch, EngineUnavailable, TransportError, UsageError
-from ropekv.faults.registry import VLLM_TRANSFER_FAULTS, get_transfer_fault
 from ropekv.handoff import vllm_driver
 from ropekv.handoff.refusals import REFUSALS_FILE, read_refusals, refusal_error
 from ropekv.rope import RopeSpec

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ropekv import check
 from ropekv.adapters.llamacpp import LlamaCppEngine, add_arguments, default_cases
 from ropekv.adapters.llamacpp.f32_gguf import default_f32_gguf
 from ropekv.adapters.llamacpp.judge import judge
@@ -18,7 +19,6 @@ from ropekv.adapters.llamacpp.tolerance import tolerance_for_run
 from ropekv.models.default import default_gguf_path
 from ropekv.parity.cases import Case, token_stream, window_matrix
 from ropekv.parity.compare import Tolerance
-from ropekv.parity.harness import check
 
 SLIDING, GLOBAL = 0, 5  # layer 0 slides over 512 keys; layer 5 is the first global one
 

@@ -7,9 +7,9 @@ import argparse
 
 import pytest
 
+from ropekv import check
 from ropekv.adapters.llamacpp import LlamaCppEngine, add_arguments, default_cases, llamacpp_cases
 from ropekv.parity.cases import Case
-from ropekv.parity.harness import check
 
 
 def test_default_cases_are_the_default_matrix_without_windows():

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from ropekv import check
 from ropekv.adapters.llamacpp.judge import judge
 from ropekv.parity.cases import Case
 from ropekv.parity.compare import LogitsOf, scaled_error
-from ropekv.parity.forensics import ForensicInput, diagnose
-from ropekv.parity.harness import check
+from ropekv.parity.keymap.fit import fit_row
 
 
 def test_q4_1_noise_is_large_in_logits_and_absent_from_rope(q4_engine, q4_reference, tokens):
@@ -35,20 +35,18 @@ def test_q4_1_noise_is_large_in_logits_and_absent_from_rope(q4_engine, q4_refere
     ref = q4_reference.forward(tokens[: L + 1], probe_rows=[L])
     probe, r = step.layers[0], ref.layers[0]
     order = torch.argsort(probe.key_positions)
-    d = diagnose(
-        ForensicInput(
-            rope=q4_engine.config.rope,
-            q_raw=r.q_raw[0],
-            q_eff=probe.q[0].double(),
-            k_raw=r.k_raw,
-            k_eff=probe.k[order].double(),
-            query_position=L,
-            key_positions=probe.key_positions[order],
-            key_slots=probe.key_slots[order],
-        )
+    km = fit_row(
+        q4_engine.config.rope,
+        q_raw=r.q_raw[0],
+        q_eff=probe.q[0].double(),
+        k_raw=r.k_raw,
+        k_eff=probe.k[order].double(),
+        query_position=L,
+        key_positions=probe.key_positions[order],
+        key_slots=probe.key_slots[order],
     )
-    assert d.query_effective == L
-    assert list(d.key_effective[1:]) == list(range(1, L + 1))
+    assert km.query.agreed() == [L]
+    assert km.keys.agreed()[1:] == list(range(1, L + 1))
 
 
 def test_q4_1_passes_under_its_own_tolerance_not_under_float32s(q4_engine):

@@ -46,13 +46,11 @@ def test_shift_faults_are_caught_and_named(shift_engine, shift_reference, tokens
     assert c.verdict == name
     assert c.layer0_scores_vs_reference > 0.5  # from layer 0: the keys sit elsewhere
     assert c.logits_vs_explicit > 0.5 and c.explicit_vs_reference < 2e-3
-    eff = [p for p in c.diagnosis.key_effective[1:N] if p is not None]
+    eff = [p for p in c.key_effective[1:N] if p is not None]
     assert eff and all(
-        p - j == key_offset * delta
-        for p, j in zip(c.diagnosis.key_effective[1:N], range(delta + 1, delta + N))
-        if p is not None
+        p - j == key_offset * delta for p, j in zip(c.key_effective[1:N], range(delta + 1, delta + N)) if p is not None
     )
-    assert c.diagnosis.query_effective == N + delta  # the query is right: only the cached keys moved wrongly
+    assert c.query_effective == N + delta  # the query is right: only the cached keys moved wrongly
 
 
 def test_q4_1_shift_noise_is_quantization_not_the_shift(tokens):

@@ -3,9 +3,9 @@ and only where its bug class can show."""
 
 from __future__ import annotations
 
+from ropekv import check
 from ropekv.faults.mlx import decode_keys_rotated_again, offset_counts_kept_rows
 from ropekv.parity.cases import Case
-from ropekv.parity.harness import check
 
 
 def test_decode_keys_rotated_again_is_caught_and_named(engine):

@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from ropekv import check
 from ropekv.adapters.mlx import MLXEngine, default_cases
 from ropekv.errors import ConfigError
 from ropekv.faults.mlx import layer_rope_base, window_ignored
 from ropekv.models.default import default_checkpoint_dir
 from ropekv.models.reference import ReferenceDecoder
 from ropekv.parity.cases import Case, token_stream, window_matrix
-from ropekv.parity.harness import check
 
 WINDOW = 512
 SLIDING, GLOBAL = 0, 5  # layer 0 slides (base 1e4), layer 5 is the first global one (base 1e6)

@@ -7,10 +7,10 @@ import mlx.core as mx
 import numpy as np
 import torch
 
+from ropekv import check
 from ropekv.adapters.mlx import MLXEngine
 from ropekv.adapters.mlx.probes import ForwardProbe
 from ropekv.parity.cases import Case
-from ropekv.parity.harness import check
 
 
 def _decode_logits(engine, case, tokens, probed: bool):

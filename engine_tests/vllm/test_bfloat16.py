@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 from conftest import BLOCK, BUDGET
 
+from ropekv import check
 from ropekv.adapters.vllm import vllm_cases
 from ropekv.faults.vllm import injected
 from ropekv.parity.cases import Case
-from ropekv.parity.harness import check
 
 CASES = [
     c

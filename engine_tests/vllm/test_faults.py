@@ -7,10 +7,10 @@ import pytest
 from conftest import BLOCK
 from replay import Replay
 
-from ropekv.faults.registry import VLLM_FAULTS as FAULTS
+from ropekv import check
+from ropekv.bugs.registry import VLLM_FAULTS as FAULTS
 from ropekv.faults.vllm import injected
 from ropekv.parity.cases import Case
-from ropekv.parity.harness import check
 from ropekv.parity.protocol import Tier
 
 CASE = Case(length=40, prefix=BLOCK, block_size=BLOCK, decode_steps=2)  # a prefix hit, decode past block 2

@@ -11,11 +11,11 @@ import torch
 from conftest import BLOCK, BUDGET
 from parity_tools import run_and_compare
 
+from ropekv import check
 from ropekv.adapters.vllm import vllm_cases
 from ropekv.adapters.vllm.topk import topk_error, topk_error_vs_logits
 from ropekv.parity.cases import Case, token_stream
 from ropekv.parity.compare import scaled_error
-from ropekv.parity.harness import check
 
 LONG = 400  # the long case: chunked into 64-token forwards (CI time bounds it; docs/engines/vllm.md has 1,500)
 CASES = vllm_cases(BLOCK, max_num_batched_tokens=BUDGET, long_context=LONG, decode_steps=2) + [

@@ -13,10 +13,10 @@ import pytest
 import torch
 from parity_tools import reference
 
+from ropekv import check
 from ropekv.models.default import default_checkpoint_dir
 from ropekv.parity.cases import Case, token_stream, window_matrix
 from ropekv.parity.compare import scaled_error
-from ropekv.parity.harness import check
 
 WINDOW = 512
 SLIDING, GLOBAL = 0, 5  # layer_types: five sliding layers, then a global one

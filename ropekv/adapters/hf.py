@@ -57,25 +57,37 @@ from ..models.hf_config import read_model_config
 from ..parity.cases import Case
 from ..parity.protocol import CaseRun, EngineDescription, FullRun, Ignored, StepRecord, Tier
 from ..parity.recorder import AttentionRecorder
+from .hf_generate import generate_ignored, run_generate_case
+from .hf_legacy import LegacyLayerSeen, LegacyProbes, install_legacy, legacy_key_positions
+from .hf_versions import HFVersion, require_supported
 
 try:
     import transformers
     from transformers import DynamicCache, StaticCache
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
     _HAS_TRANSFORMERS = True
 except ImportError:  # pragma: no cover - exercised only without the extra
     _HAS_TRANSFORMERS = False
 
 CACHE_KINDS = ("dynamic", "static")
+DRIVES = ("forward", "generate")
 _PARENT_EXTRA = 3  # tokens of another continuation the parent request cached beyond the prefix
 _serial = itertools.count()
 
 
-def _need_transformers() -> None:
+def _need_transformers() -> HFVersion:
+    """The installed release, if the adapter drives it (else one line naming the supported range)."""
     if not _HAS_TRANSFORMERS:
         raise UsageError("the HF engine needs transformers: pip install 'ropekv[hf]'")
+    return require_supported(transformers.__version__)
+
+
+def _interfaces() -> tuple[Any, Any, Any, Any]:
+    """transformers' attention and mask registries (4.53 and later only)."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
+
+    return ALL_ATTENTION_FUNCTIONS, AttentionInterface, ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
 
 @dataclass
@@ -102,8 +114,22 @@ class HFEngine:
     key_form = "rotated"  # transformers rotates keys before cache.update
     tier = Tier.FORENSICS
 
-    def __init__(self, model: torch.nn.Module, *, cache: str | None = None, name: str | None = None):
-        _need_transformers()
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        cache: str | None = None,
+        name: str | None = None,
+        drive: str = "forward",
+        cache_implementation: str | None = None,
+    ):
+        self.version = _need_transformers()
+        if drive not in DRIVES:
+            raise UsageError(f"drive must be one of {', '.join(DRIVES)}, got {drive!r}")
+        if cache_implementation is not None and drive != "generate":
+            raise UsageError("cache_implementation is generate()'s option: it needs drive='generate'")
+        self.drive = drive
+        self.cache_implementation = cache_implementation
         if not isinstance(model, transformers.PreTrainedModel):
             raise UsageError(f"HFEngine needs a transformers PreTrainedModel, got {type(model).__name__}")
         self.model = model
@@ -123,7 +149,10 @@ class HFEngine:
         if self.dtype not in names:
             raise UsageError(f"unsupported model dtype {self.dtype}")
         self.dtype_name = names[self.dtype]
-        self.name = name or f"transformers {type(model).__name__} ({impl} attention, {self.cache_kind} cache)"
+        cache_text = f"{self.cache_kind} cache"
+        if drive == "generate":
+            cache_text = f"generate() with {cache_implementation or 'its default'} cache"
+        self.name = name or f"transformers {self.version.text} {type(model).__name__} ({impl} attention, {cache_text})"
         self._probe_name = f"ropekv_probe_{next(_serial)}"
         self._depth = 0
         self._call: _Call | None = None
@@ -141,12 +170,15 @@ class HFEngine:
         *,
         cache: str | None = None,
         attn_implementation: str | None = None,
+        drive: str = "forward",
+        cache_implementation: str | None = None,
     ) -> HFEngine:
         """Load a transformers directory from disk (None: the embedded default, SmolLM2-135M).
 
         Local files only, safetensors only, never checkpoint code (``trust_remote_code=False``).
+        ``drive`` and ``cache_implementation``: as for the constructor.
         """
-        _need_transformers()
+        version = _need_transformers()
         dtype = dtype or "float32"
         if dtype not in DTYPES:
             raise UsageError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
@@ -165,7 +197,7 @@ class HFEngine:
         try:
             model = auto.from_pretrained(
                 folder,
-                dtype=DTYPES[dtype],
+                **{version.dtype_keyword: DTYPES[dtype]},
                 local_files_only=True,
                 trust_remote_code=False,
                 use_safetensors=True,
@@ -173,7 +205,7 @@ class HFEngine:
             )
         except (OSError, ValueError, KeyError) as exc:
             raise CheckpointError(f"{folder}: transformers could not load it: {exc}") from None
-        return cls(model.eval(), cache=cache)
+        return cls(model.eval(), cache=cache, drive=drive, cache_implementation=cache_implementation)
 
     @property
     def checkpoint(self) -> Checkpoint:
@@ -202,7 +234,13 @@ class HFEngine:
                 "transformers_version": transformers.__version__,
                 "model_class": type(self.model).__name__,
                 "attn_implementation": self.attn_implementation,
-                "cache": {"dynamic": "DynamicCache", "static": "StaticCache"}[self.cache_kind],
+                "cache": {"dynamic": "DynamicCache", "static": "StaticCache"}[self.cache_kind]
+                if self.drive == "forward"
+                else f"generate()'s {self.cache_implementation or 'default'}",
+                "drive": self.drive,
+                "probes": "AttentionInterface"
+                if self.version.attention_interface
+                else "apply_rotary_pos_emb, Cache.update and the attention module's mask (a release before 4.53)",
                 "dtype": self.dtype_name,
                 "rope_parameters": rope,
                 "windows": "the model's own when case.window is None; a case window (and sinks) as a custom 4D "
@@ -214,6 +252,8 @@ class HFEngine:
     def ignored(self, case: Case) -> tuple[Ignored, ...]:
         """``block_size`` never applies; a case window overrides a static cache (see the module doc)."""
         out = [Ignored("block_size")]
+        if self.drive == "generate":
+            return (*out, *generate_ignored(case))
         if case.window is not None and self.cache_kind == "static":
             out.append(Ignored("cache", "cache=static (a case window runs on a full DynamicCache)"))
         if case.op is not None and not (case.op.kind == "rollback" and self._croppable(case)):
@@ -227,6 +267,8 @@ class HFEngine:
 
     @torch.no_grad()
     def run_case(self, case: Case, tokens: torch.Tensor) -> CaseRun:
+        if self.drive == "generate":
+            return run_generate_case(self, case, tokens)
         with self._session():
             self._reset_rope()
             cache = self._new_cache(case)
@@ -308,7 +350,10 @@ class HFEngine:
             was_training = model.training
             undo.append(lambda: model.train(was_training))
             model.eval()
-            if self._attention_method is None:
+            if not self.version.attention_interface:
+                install_legacy(model, self.attentions, LegacyProbes(self._legacy_record), undo)
+            elif self._attention_method is None:
+                _, AttentionInterface, ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface = _interfaces()
                 AttentionInterface.register(name, self._probe)
                 undo.append(lambda: AttentionInterface._global_mapping.pop(name, None))
                 if impl in ALL_MASK_ATTENTION_FUNCTIONS._global_mapping:
@@ -325,7 +370,8 @@ class HFEngine:
                 if getattr(attn, "k_layernorm", None) is not None:  # a k norm whose output layout varies
                     k_mod = None
                 undo.append(layer.register_forward_pre_hook(self._hidden_hook(i), with_kwargs=True).remove)
-                undo.append(attn.register_forward_pre_hook(self._offset_hook(i), with_kwargs=True).remove)
+                if self.version.attention_interface:
+                    undo.append(attn.register_forward_pre_hook(self._offset_hook(i), with_kwargs=True).remove)
                 if hasattr(attn, "kv_a_proj_with_mqa"):  # MLA: raw key = [k_nope from kv_b_proj, shared k_pe]
                     undo += [h.remove for h in self._mla_raw_key_hooks(i, attn)]
                 elif k_mod is not None:  # fused qkv_proj (phi3, gpt_neox) has no separate raw-key module
@@ -365,7 +411,7 @@ class HFEngine:
             cache = kwargs.get("past_key_values", kwargs.get("layer_past"))  # gpt_neox: layer_past
             if call is not None and cache is not None:
                 hidden = args[0] if args else kwargs["hidden_states"]
-                call.kv_offset[layer] = int(cache.get_mask_sizes(hidden.shape[1], layer)[1])
+                call.kv_offset[layer] = _kv_offset(cache, call.positions, hidden.shape[1], layer)
 
         return hook
 
@@ -416,7 +462,7 @@ class HFEngine:
         if impl == "eager":  # each model file has its own eager function (softcapping, sinks, ...)
             home = sys.modules[type(module).__module__]
             return home.eager_attention_forward
-        return ALL_ATTENTION_FUNCTIONS[impl]
+        return _interfaces()[0][impl]
 
     def _probe(self, module, query, key, value, attention_mask, **kwargs):
         """Registered attention function: record what the kernel gets, then run the real one."""
@@ -425,10 +471,28 @@ class HFEngine:
             self._record(call, module, query, key, attention_mask, kwargs)
         return self._delegate(module)(module, query, key, value, attention_mask, **kwargs)
 
-    def _record(self, call: _Call, module, query, key, mask, kwargs) -> None:
+    def _new_call(self, positions: torch.Tensor, rows: torch.Tensor | None) -> _Call:
+        """A call recording ``rows`` (None: nothing) of a forward over tokens at ``positions [q]``."""
+        return _Call(positions, rows, AttentionRecorder(len(self.layers)))
+
+    def _legacy_record(self, layer: int, module: torch.nn.Module, seen: LegacyLayerSeen) -> None:
+        """A release before 4.53 (:mod:`.hf_legacy`): the rotated query, the keys the cache returned (or,
+        without a cache, this call's rotated keys) and the mask the attention module was called with."""
+        call = self._call
+        if call is None or call.rows is None:
+            return
+        if seen.q is None:
+            raise RopeKVError(f"layer {layer}: transformers did not call apply_rotary_pos_emb in this attention")
+        key = seen.k_cache if seen.k_cache is not None else seen.k_rope
+        assert key is not None  # set together with q
+        kpos = legacy_key_positions(key.shape[2], int(call.positions.max()))
+        self._record(call, module, seen.q, key, seen.mask, {}, kpos=kpos)
+
+    def _record(self, call: _Call, module, query, key, mask, kwargs, kpos: torch.Tensor | None = None) -> None:
         """Hand the shared recorder the query rows and the keys exactly as the kernel gets them. For
         one row (a decode step) only the keys HF's mask lets it see; for several rows every written key
-        (the harness masks by position). Unwritten static-cache slots must be masked, and are dropped."""
+        (the harness masks by position). Unwritten static-cache slots must be masked, and are dropped.
+        ``kpos [N]``: the keys' positions where the caller knows them (else from the cache's mask offset)."""
         layer = module.layer_idx
         q = query[0].transpose(0, 1)  # [q, H, D]
         k = key[0].transpose(0, 1)  # [N, KVH, D]
@@ -436,7 +500,8 @@ class HFEngine:
         rows = call.rows
         assert rows is not None  # only a call with rows is recorded
         qpos = call.positions[rows]  # [R]
-        kpos = call.kv_offset.get(layer, 0) + torch.arange(num_keys)  # [N]
+        if kpos is None:
+            kpos = call.kv_offset.get(layer, 0) + torch.arange(num_keys)  # [N]
         visible = _visibility(mask, rows, qpos, kpos, kwargs.get("sliding_window"))  # [R, N]
         written = kpos <= int(call.positions.max())
         if bool(visible[:, ~written].any()):
@@ -470,13 +535,15 @@ class HFEngine:
         )
         self._call = call
         try:
+            keep = self.version.logits_keyword
             out = self.model(
                 input_ids=ids[None],
                 position_ids=positions[None],
+                cache_position=positions,
                 attention_mask=mask,
                 past_key_values=cache,
                 use_cache=cache is not None,
-                logits_to_keep=0 if rows is not None else 1,
+                **({keep: 0 if rows is not None else 1} if keep else {}),
             )
         finally:
             self._call = None
@@ -497,8 +564,9 @@ class HFEngine:
         if case.window is not None:
             return DynamicCache()  # full layers: the case's window comes from the mask
         if self.cache_kind == "static":
-            return StaticCache(config=self.model.config, max_cache_len=case.total)
-        return DynamicCache(config=self.model.config)
+            batch: dict[str, Any] = {"max_batch_size": 1} if self.version.static_cache_batch_keyword else {}
+            return StaticCache(config=self.model.config, max_cache_len=case.total, **batch)
+        return DynamicCache(config=self.model.config) if self.version.cache_takes_config else DynamicCache()
 
     def _croppable(self, case: Case) -> bool:
         """Dynamic caches whose layers all keep every token can be cropped back to the prefix (transformers
@@ -584,9 +652,10 @@ def _visibility(
         return causal
     if mask.dim() == 2:
         return causal & mask[0, -n:].bool()[None, :]
-    if mask.dim() != 4 or mask.shape[-1] < n or mask.shape[1] != 1:
+    if mask.dim() != 4 or not (mask.shape[-1] >= n or mask.shape[-1] == 1) or mask.shape[1] != 1:
         raise RopeKVError(f"unexpected attention mask of shape {tuple(mask.shape)} for {n} keys")
-    m = mask[0, 0][rows, :n]  # [R, N] (eager slices the same way)
+    # eager slices the key columns and broadcasts a mask of one row or one column, as the kernel does
+    m = mask[0, 0][:, :n].expand(max(int(rows.max()) + 1, mask.shape[-2]), n)[rows]  # [R, N]
     if m.dtype == torch.bool:
         return m
     visible = m > torch.finfo(m.dtype).min / 2
@@ -636,3 +705,13 @@ def _apply_rope(states: list[tuple[torch.nn.Module, dict]]) -> None:
             if state.get("original_len") and a.endswith("max_seq_len_cached") and hasattr(m, "original_max_seq_len"):
                 v = m.original_max_seq_len
             setattr(m, a, copy.copy(v))
+
+
+def _kv_offset(cache: Any, positions: torch.Tensor, query_length: int, layer: int) -> int:
+    """The position of the first key the cache hands layer ``layer``'s kernel, as the cache tells HF's mask
+    builder (``get_mask_sizes``: it takes the call's ``cache_position`` before 5.0, its length after)."""
+    import inspect
+
+    first = next(iter(inspect.signature(cache.get_mask_sizes).parameters))
+    arg = positions if first == "cache_position" else query_length
+    return int(cache.get_mask_sizes(arg, layer)[1])

@@ -15,7 +15,7 @@ from ..engine.rotation import RotationPolicy
 from ..engine.transformer import DecoderWeights
 from ..errors import UsageError
 from ..models.config import Checkpoint
-from ..parity.cases import OP_KINDS, Case
+from ..parity.cases import OP_KINDS, Case, OpKind
 from ..parity.protocol import CaseRun, EngineDescription, FullRun, Ignored, Tier
 from .native_ops import run_op_case
 from .native_steps import decode_steps, prefill_case
@@ -88,8 +88,8 @@ class NativeAdapter:
         if num_blocks is None:
             # Room for the parent and the child sequence (every row of a batch), plus copy-on-write copies.
             rows = len(case.batch_lengths) if case.op is not None else 1
-            rows += 1 if case.op is not None and case.op.kind == "spec" else 0  # the drafter's sequence
-            draft = case.op.amount if case.op is not None and case.op.kind in ("rollback", "spec") else 0
+            rows += 1 if case.op is not None and case.op.kind == OpKind.SPEC else 0  # the drafter's sequence
+            draft = case.op.amount if case.op is not None and case.op.kind in (OpKind.ROLLBACK, OpKind.SPEC) else 0
             # Spare blocks for copy-on-write copies: about 64 slots' worth, 2 to 8 blocks (8 blocks of
             # a large block size are gigabytes for a case of a few tokens).
             spare = min(8, max(2, -(-64 // case.block_size)))

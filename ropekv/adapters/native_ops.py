@@ -14,7 +14,7 @@ import torch
 
 from ..engine import Engine, StepOutput
 from ..errors import UsageError
-from ..parity.cases import Case
+from ..parity.cases import Case, OpKind
 from ..parity.protocol import CaseRun, StepRecord
 from ..transfer.saved import load_sequence, save_sequence
 from .native_steps import prefill_case
@@ -26,24 +26,24 @@ def run_op_case(make_engine: Callable[[Case], Engine], engine: Engine, case: Cas
     if case.op is None:
         raise UsageError(f"case {case.label()} has no cache operation to run")
     kind, amount = case.op.kind, case.op.amount
-    if kind == "batch":
+    if kind == OpKind.BATCH:
         return _batch(engine, case, tokens)
-    if kind == "spec":
+    if kind == OpKind.SPEC:
         return _spec(engine, case, tokens)
     prefill_case(engine, case, tokens, "prompt")
     notes: tuple[str, ...] = ()
-    if kind == "rollback":
+    if kind == OpKind.ROLLBACK:
         draft = case.draft_tokens(tokens, engine.config.vocab_size)
         engine.prefill("prompt", draft)  # a speculative verify step over the draft, then all of it rejected
         engine.rollback("prompt", amount)
         notes = (f"a {amount}-token draft was prefilled after the prompt and rolled back",)
-    elif kind == "evict":
+    elif kind == OpKind.EVICT:
         engine.evict("prompt", case.evicted_positions)
         notes = (f"evicted positions {case.evicted_positions} after prefill",)
-    elif kind == "shift":
+    elif kind == OpKind.SHIFT:
         engine.shift("prompt", amount, 0)
         notes = (f"the whole cached sequence was shifted by {amount:+d} positions",)
-    elif kind == "restore":
+    elif kind == OpKind.RESTORE:
         n = case.prefix + case.length
         with tempfile.TemporaryDirectory(prefix="ropekv-restore-") as tmp:
             path = Path(tmp) / "prompt.safetensors"
@@ -81,7 +81,7 @@ def _spec(engine: Engine, case: Case, tokens: torch.Tensor) -> CaseRun:
     own in the same engine, so its own block table and ring) decodes the draft one token at a time;
     the target verifies all ``K`` in one forward; ``M`` are accepted, both caches give the rest back;
     the drafter drafts the next token and the target decodes on."""
-    if case.op is None or case.op.kind != "spec":
+    if case.op is None or case.op.kind != OpKind.SPEC:
         raise UsageError(f"case {case.label()} runs no speculative step")
     k, m, n = case.op.amount, case.spec_accepted, case.prefix + case.length
     draft = case.spec_draft(tokens, engine.config.vocab_size)

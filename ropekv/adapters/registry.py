@@ -34,6 +34,10 @@ ENGINES: dict[str, EngineEntry] = {
         EngineEntry("vllm", "ropekv.adapters.vllm", ".venv-vllm", "vLLM (CPU build), in process"),
         EngineEntry("mlx", "ropekv.adapters.mlx", ".venv-mlx", "mlx-lm on MLX's CPU backend"),
         EngineEntry("llamacpp", "ropekv.adapters.llamacpp", ".venv-llamacpp", "llama.cpp through llama-cpp-python"),
+        EngineEntry(
+            "ort", "ropekv.adapters.ort", ".venv-ort", "ONNX Runtime GenAI (CPU): RoPE inside the attention kernel"
+        ),
+        EngineEntry("ct2", "ropekv.adapters.ct2", ".venv-ct2", "CTranslate2 (CPU), logits tier"),
     )
 }
 

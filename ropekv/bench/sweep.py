@@ -38,11 +38,11 @@ def measure_sweep(
     model: str | None, *, dtype: str = "float32", naive: bool = True, max_tokens: int | None = None
 ) -> dict[str, Any]:
     from ..adapters.native import NativeAdapter
+    from ..api import check
     from ..attention_kind import MODEL_WINDOWS
     from ..models import load_checkpoint
     from ..models.reference import ReferenceDecoder
     from ..parity.cases import default_matrix, token_stream
-    from ..parity.harness import check
 
     t0 = time.perf_counter()
     checkpoint = load_checkpoint(model)

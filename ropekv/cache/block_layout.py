@@ -10,7 +10,7 @@ keys and values are the two halves of the ``2`` axis, carried as separate tensor
   rows are zero-padded to ``blocks * block_size``.
 
 :func:`misread_rows` is what a reader that reads one layout's bytes as the other's gets (the fault of
-``ropekv.faults.transfer_layout``), and :func:`misread_source` where each row and head it reads came from,
+``ropekv.bugs.block_layout_mismatch``), and :func:`misread_source` where each row and head it reads came from,
 derived from the shapes alone (what the forensics compare against).
 """
 

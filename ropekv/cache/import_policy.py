@@ -21,7 +21,7 @@ class ImportPolicy:
     """What the decode side does to imported keys beyond the explicit conversion: nothing.
 
     Faults override :meth:`imported_keys` (``ropekv.faults.handoff.RotateOnTransfer``) or
-    :meth:`received_rows` (``ropekv.faults.transfer_layout``).
+    :meth:`received_rows` (``ropekv.bugs.block_layout_mismatch``).
     """
 
     name = "correct"

@@ -3,7 +3,7 @@
 :class:`CacheOpPolicy` decides the two places where an operation touches key *contents* (everything
 else an operation does is bookkeeping of positions and slots): what a rolled-back ring slot gets back,
 how a shift turns stored keys, what the rows written into a block copied on write hold, and (an
-8-bit cache) which scales dequantize the rows a read returns. Faults (``ropekv.faults.ops``) are small subclasses handed
+8-bit cache) which scales dequantize the rows a read returns. Faults (``ropekv.bugs``: each bug class's module) are small subclasses handed
 to the cache, the way rotation faults subclass :class:`~ropekv.engine.rotation.RotationPolicy`, so the cache
 itself has no fault switches.
 """

@@ -131,8 +131,8 @@ def _engine(text: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     from ..adapters.native import NativeAdapter
+    from ..bugs.registry import ARCH_FAULTS, FAULTS, get_fault, listing
     from ..faults.native import NativeFault
-    from ..faults.registry import ARCH_FAULTS, FAULTS, get_fault, listing
     from ..parity.compare import kv_tolerance
 
     if args.list_faults:
@@ -176,6 +176,7 @@ def run(args: argparse.Namespace) -> int:
     external = custom is None and ENGINES[args.engine].venv is not None
     module = engine_module(args.engine) if external else None  # EngineUnavailable before any heavy work
 
+    from ..api import check
     from ..models import load_config
 
     # The config alone (config.json / GGUF metadata) decides whether the cases fit the model: refuse
@@ -183,7 +184,6 @@ def run(args: argparse.Namespace) -> int:
     # matrix; what it cannot honour (case windows on llama.cpp, cache operations) the harness reports
     # n/a in its row, with the reason.
     from ..parity.cases import build_matrix, model_window, parse_ops
-    from ..parity.harness import check
 
     ops = parse_ops(args.ops) if args.ops is not None else None
     no_case_flags = (

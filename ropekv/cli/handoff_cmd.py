@@ -50,7 +50,7 @@ def add_parser(subparsers) -> None:
         "torch.distributed (after a contract handshake), decode there, and compare with full "
         "forwards layer by layer. See docs/handoff.md.",
     )
-    from ..faults.registry import HANDOFF_FAULTS, VLLM_TRANSFER_FAULTS
+    from ..bugs.registry import HANDOFF_FAULTS, VLLM_TRANSFER_FAULTS
 
     add_arguments(p, cli=True, inject_choices=(*HANDOFF_FAULTS, *VLLM_TRANSFER_FAULTS))
     p.set_defaults(lengths=None, decode_steps=None, timeout=None)
@@ -119,12 +119,12 @@ def run(args: argparse.Namespace) -> int:
         return _run_adapter(args)
     _fill_defaults(args, ROPEKV_DEFAULTS)
     if args.list_faults:
-        from ..faults.registry import HANDOFF_FAULTS, listing
+        from ..bugs.registry import HANDOFF_FAULTS, listing
 
         for f in HANDOFF_FAULTS.values():
             print(listing(f))
         return 0
-    from ..faults.registry import HANDOFF_FAULTS
+    from ..bugs.registry import HANDOFF_FAULTS
 
     if args.inject is not None and args.inject not in HANDOFF_FAULTS:
         raise UsageError(f"--inject {args.inject} is a vLLM transfer fault: use it with --engine vllm")
@@ -151,7 +151,7 @@ _ROPEKV_ONLY = {
 
 
 def _run_vllm(args: argparse.Namespace) -> int:
-    from ..faults.registry import VLLM_TRANSFER_FAULTS, listing
+    from ..bugs.registry import VLLM_TRANSFER_FAULTS, listing
     from ..handoff import vllm_driver
 
     if args.list_faults:

@@ -16,7 +16,7 @@ import traceback
 from ..argtypes import RaisingParser
 from ..errors import RopeKVError
 
-SUBCOMMANDS = ("check", "run", "handoff", "bench", "models")
+SUBCOMMANDS = ("check", "run", "handoff", "bench", "models", "replay")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -11,7 +11,7 @@ the frequencies of the current length, as a full forward over the same tokens do
 chunk of one prefill turns under the frequencies of the length the whole prefill reaches, as one
 unchunked forward over it does: a chunked prefill computes what an unchunked one computes (choosing
 per chunk, from the chunk's end, gives LongRoPE's early chunks the short factors and later ones the
-long factors: the ``longrope-factor-per-chunk`` fault, :mod:`ropekv.faults.mixed_rotations`). Under
+long factors: the ``longrope-factor-per-chunk`` fault, :mod:`ropekv.bugs.mixed_rotations`). Under
 ``"rotated"`` the cache would keep keys turned at stale frequencies, so the engine refuses that
 contract (see docs/contract.md). Re-rotating every cached key at each length change was rejected: it
 costs a pass over the whole cache per step and still leaves deeper layers' keys and values computed

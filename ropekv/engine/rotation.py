@@ -1,7 +1,7 @@
 """Where positions become rotations: the one place the engine turns positions into RoPE.
 
 :class:`RotationPolicy` is the correct behaviour. Every catalogued bug class is a small subclass
-that overrides one method (see ``ropekv.faults.catalogue``), so a fault is a named, reviewable variant
+that overrides one method (see the bug classes' modules, ``ropekv.bugs``), so a fault is a named, reviewable variant
 and the engine itself has no fault switches. Stored positions are always the logical truth; a policy
 only decides how they turn queries and keys.
 
@@ -157,7 +157,7 @@ class OpFacts:
 
     The correct policy ignores them: stored positions are the truth after every operation. They exist
     so that a fault policy can model an engine whose rotation offset an operation put out of step with
-    the logical positions (``ropekv.faults.ops``). ``padding`` is the row's left padding in a
+    the logical positions (``ropekv.bugs.rollback_offset`` and its kin). ``padding`` is the row's left padding in a
     merged batch (``Engine.decode_batch``).
     """
 

@@ -19,6 +19,7 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..parity.bug_class import BugClass
 from .record import Fault, FaultEngine
 
 
@@ -95,14 +96,14 @@ class MlxFault(Fault):
 CATALOGUE: tuple[MlxFault, ...] = (
     MlxFault(
         name="decode-keys-rotated-again",
-        kind="key_position_offset",
+        kind=BugClass.KEY_POSITION_OFFSET,
         description="decoded keys rotated once more before they are cached (at 2t)",
         shows_when="any decode past position 0",
         patch=decode_keys_rotated_again,
     ),
     MlxFault(
         name="offset-counts-kept-rows",
-        kind="query_position_offset",
+        kind=BugClass.QUERY_POSITION_OFFSET,
         description="decode rotates at the cache's kept-row count instead of its logical offset",
         shows_when="a rotating cache that has wrapped",
         patch=offset_counts_kept_rows,

@@ -17,7 +17,7 @@ from ..contract import CacheContract, KeyForm, KvDtype, KvScale
 from ..engine.rotation import RotationPolicy
 from ..errors import ConfigError, UsageError
 from ..models.config import Checkpoint, ModelConfig
-from ..parity.cases import Case
+from ..parity.cases import CacheOp, Case
 from .record import Fault, FaultEngine
 
 
@@ -35,7 +35,7 @@ class NativeFault(Fault):
     - ``exposing``: cases that expose the fault where the default matrix cannot (positions past
       2**15, a non-aligned prefix hit, ...); empty: any matrix with a decode past position 0 does.
     - ``kv_dtype``: the cache dtype the fault needs besides the compute dtype (``"fp8"``: an 8-bit
-      cache, :mod:`ropekv.faults.quantized_kv`); None: the compute dtype, or what the caller asks for.
+      cache, :mod:`ropekv.bugs.kv_scale_mismatch`); None: the compute dtype, or what the caller asks for.
     """
 
     engine: FaultEngine = field(default="ropekv", init=False)
@@ -86,3 +86,12 @@ class NativeFault(Fault):
             kv_dtype=self.kv_dtype or kv_dtype,
             kv_scale=kv_scale,
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class OpFault(NativeFault):
+    """A :class:`NativeFault` that shows only in a case running ``op``; ``needs_window``: only where the
+    ring has wrapped, too."""
+
+    op: CacheOp
+    needs_window: bool = False

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 from ..errors import ConfigError
+from ..parity.bug_class import BugClass
 
-FaultEngine = Literal["ropekv", "handoff", "vllm", "mlx"]
+FaultEngine = Literal["ropekv", "handoff", "vllm", "mlx", "ort"]
 FAULT_ENGINES: tuple[str, ...] = get_args(FaultEngine)
 
 
@@ -24,21 +25,25 @@ class Fault:
     - ``name``: what ``--inject`` takes (unique across every engine's catalogue).
     - ``engine``: what it runs on: ropekv's engine, the handoff's import boundary, vLLM or mlx-lm
       patched in the running process. Each subclass fixes it.
-    - ``kind``: the diagnosis kind forensics must name (:data:`ropekv.parity.forensics.KINDS`).
+    - ``kind``: the :class:`~ropekv.parity.bug_class.BugClass` the check must name (its module under
+      :mod:`ropekv.bugs` holds the explanation; a string that spells one is taken as it).
     - ``description``: one line, for listings.
     - ``shows_when``: what a case needs for the fault to show ("" where the catalogue does not say).
     """
 
     name: str
     engine: FaultEngine
-    kind: str
+    kind: BugClass
     description: str
     shows_when: str = ""
 
     def __post_init__(self) -> None:
         if self.engine not in FAULT_ENGINES:
             raise ConfigError(f"fault {self.name!r}: engine must be one of {FAULT_ENGINES}, got {self.engine!r}")
-        for name in ("name", "kind", "description"):
+        if not isinstance(self.kind, str) or self.kind not in {k.value for k in BugClass}:
+            raise ConfigError(f"fault {self.name!r}: kind must be a BugClass, got {self.kind!r}")
+        object.__setattr__(self, "kind", BugClass(self.kind))
+        for name in ("name", "description"):
             value = getattr(self, name)
             if not isinstance(value, str) or not value:
                 raise ConfigError(f"fault {self.name!r}: {name} must be a non-empty string, got {value!r}")

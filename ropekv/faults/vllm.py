@@ -25,6 +25,7 @@ import torch
 
 from ..adapters.vllm import kv_layout
 from ..errors import UsageError
+from ..parity.bug_class import BugClass
 from ..rope import apply_rotation
 from .record import Fault, FaultEngine
 
@@ -146,25 +147,25 @@ def _turned_copy(kv_cache: torch.Tensor, md, rope: Any, isa: str, turn):
 CATALOGUE: tuple[VLLMFault, ...] = (
     VLLMFault(
         name="double_rotation",
-        kind="double_rotation",
+        kind=BugClass.DOUBLE_ROTATION,
         description="decode reads every cached key rotated a second time (R(2j) k_j)",
         install=lambda e: _install_reader(e, lambda positions, slots: positions),
     ),
     VLLMFault(
         name="query_position_offset",
-        kind="query_position_offset",
+        kind=BugClass.QUERY_POSITION_OFFSET,
         description="decode rotates the query at t + 1",
         install=lambda e: _patch_rotary(e, _query_off_by_one),
     ),
     VLLMFault(
         name="slot_as_position",
-        kind="slot_as_position",
+        kind=BugClass.SLOT_AS_POSITION,
         description="decode re-indexes cached keys by their physical slot (R(slot) k_j)",
         install=lambda e: _install_reader(e, lambda positions, slots: slots - positions),
     ),
     VLLMFault(
         name="frequency_mismatch",
-        kind="frequency_mismatch",
+        kind=BugClass.FREQUENCY_MISMATCH,
         description="decode rotates with another RoPE base (10,000)",
         install=lambda e: _patch_rotary(e, _decode_base),
     ),

@@ -40,9 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..bugs.registry import get_transfer_fault
 from ..contract import CacheContract, FieldDiff, consequence
 from ..errors import EngineUnavailable, RopeKVError, TransportError, UsageError
-from ..faults.registry import get_transfer_fault
 from ..faults.vllm_transfer import TransferFault, forge_entry
 from ..models import resolve_model_dir
 from . import vllm_role

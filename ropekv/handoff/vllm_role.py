@@ -109,7 +109,7 @@ def _producer(s: dict[str, Any], out_dir: Path) -> dict[str, Any]:
 
 def _consumer(s: dict[str, Any]) -> dict[str, Any]:
     from ..adapters.vllm.disagg import ConnectorConsumer, SideFacts
-    from ..faults.registry import get_transfer_fault
+    from ..bugs.registry import EXPLANATIONS, get_transfer_fault
     from ..parity.cases import Case
     from ..parity.harness import check
 
@@ -130,7 +130,7 @@ def _consumer(s: dict[str, Any]) -> dict[str, Any]:
     side = SideFacts.of("consumer", engine, cache_contract=_contract(engine))
     undo = fault.install(engine) if fault is not None else (lambda: None)
     try:
-        report = check(engine, cases=cases, seed=seed)
+        report = check(engine, cases=cases, seed=seed, explanations=EXPLANATIONS)
     except Exception as exc:  # the side's facts go back with the error: the parent names what differs
         doc = _error_doc(exc)
         doc["side"] = side.to_dict()

@@ -52,11 +52,11 @@ from ..argtypes import (
     thread_count,
     timeout_seconds,
 )
+from ..bugs.registry import HANDOFF_FAULTS, get_handoff_fault
 from ..cache.import_policy import ImportPolicy
 from ..contract import DTYPES, CacheContract
 from ..engine import Engine
 from ..errors import PayloadError, RopeKVError, TransportError, UsageError
-from ..faults.registry import HANDOFF_FAULTS, get_handoff_fault
 from ..models import Checkpoint, load_checkpoint
 from ..models.embedded import fold_model_name
 from ..parity.cases import Case, token_stream
@@ -408,6 +408,7 @@ def _run_decode(
     out: dict[str, Any],
     hooks: TransferHooks,
 ) -> int:
+    from ..bugs.registry import EXPLANATIONS
     from ..parity.harness import check
 
     mine = [p for p in planned if p.rank == rank]
@@ -446,7 +447,7 @@ def _run_decode(
     adapter = ServedHandoffAdapter(
         decode, serving, sequences, prefill_contract=prefill_contract, convert=args.convert, policy=policy
     )
-    report = check(adapter, cases=[p.case for p in mine], seed=args.seed)
+    report = check(adapter, cases=[p.case for p in mine], seed=args.seed, explanations=EXPLANATIONS)
     out["report"], out["table"] = report.to_dict(), report.table()
     if not args.quiet:
         print(report.table(), flush=True)

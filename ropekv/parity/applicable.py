@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from ..cache.ops import shift_invariant
 from ..models.config import ModelConfig
-from .cases import Case, too_long
+from .cases import Case, OpKind, too_long
 from .protocol import EngineDescription, Ignored
 
 CHANGES_OUTPUT = frozenset({"window", "sink_tokens", "op", "length", "decode_steps"})
@@ -65,7 +65,7 @@ def _op_reason(case: Case, cfg: ModelConfig, engine: EngineDescription) -> str |
     if op.kind not in engine.ops:
         declared = ", ".join(engine.ops) or "no cache operations"
         return f"engine {engine.name or 'adapter'!r} does not run {op.kind} (it declares {declared})"
-    if op.kind == "shift" and not shift_invariant(cfg.rope):
+    if op.kind == OpKind.SHIFT and not shift_invariant(cfg.rope):
         return (
             f"shift: {'M-RoPE' if cfg.rope.mrope_section else cfg.rope.scaling.rope_type} RoPE is not shift-invariant (frequencies that depend on the "
             "length, or positions per section): no cache can be shifted exactly"

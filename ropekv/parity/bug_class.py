@@ -65,5 +65,9 @@ class BugClass(StrEnum):
     # quantized KV (ropekv.parity.kv_quant_forensics): the query right, cached keys at their positions but
     # scaled by one constant factor per row range (8-bit codes dequantized with another scale than theirs)
     KV_SCALE_MISMATCH = "kv_scale_mismatch"
+    # contents, not rotations: a layer's values off while its attention is right; the rows a prefill
+    # wrote holding other contents from a layer on (a prefill-only bug below it)
+    VALUE_MISMATCH = "value_mismatch"
+    PREFILL_ROWS_DIVERGED = "prefill_rows_diverged"
     # nothing above fits, or nothing is wrong at this layer (the evidence says which)
     UNKNOWN = "unknown"

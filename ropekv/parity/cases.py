@@ -16,7 +16,8 @@ import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, cast, get_args
+from enum import StrEnum
+from typing import Any, Literal
 
 import torch
 
@@ -25,8 +26,20 @@ from ..attention_kind import LayerAttention
 from ..errors import ConfigError, UsageError
 from ..rope import PositionStreams, image_streams
 
-OpKind = Literal["rollback", "evict", "shift", "batch", "restore", "spec"]
-OP_KINDS: tuple[str, ...] = get_args(OpKind)
+
+class OpKind(StrEnum):
+    """The cache operations a case can run between prefill and decode (docs/ops.md); each member is
+    the string it is spelled as on the command line (``--ops rollback:3``) and in the report."""
+
+    ROLLBACK = "rollback"
+    EVICT = "evict"
+    SHIFT = "shift"
+    BATCH = "batch"
+    RESTORE = "restore"
+    SPEC = "spec"
+
+
+OP_KINDS: tuple[str, ...] = tuple(k.value for k in OpKind)
 _DRAFT_SHIFT = 7  # draft token ids: the real ones shifted, so a key left behind is a different token's
 MAX_SPEC_DRAFT = 16  # draft tokens of one speculative step (real drafters propose 1 to about 10)
 SpecRole = Literal["draft", "verify", "redraft", "decode"]
@@ -54,17 +67,25 @@ class CacheOp:
     amount: int = 0
 
     def __post_init__(self) -> None:
-        if self.kind not in OP_KINDS:
+        if not isinstance(self.kind, str) or self.kind not in OP_KINDS:
             raise UsageError(f"unknown cache operation {self.kind!r}; choose one of {', '.join(OP_KINDS)}")
+        object.__setattr__(self, "kind", OpKind(self.kind))
         if not isinstance(self.amount, int) or isinstance(self.amount, bool):
             raise UsageError(f"{self.kind}: amount must be an integer, got {self.amount!r}")
-        low = {"rollback": 1, "evict": 1, "shift": 1, "batch": 2, "restore": 0, "spec": 2}[self.kind]
-        if self.amount < low or (self.kind == "restore" and self.amount != 0):
-            want = "no amount" if self.kind == "restore" else f"an amount >= {low}"
-            if self.kind == "spec":
+        low = {
+            OpKind.ROLLBACK: 1,
+            OpKind.EVICT: 1,
+            OpKind.SHIFT: 1,
+            OpKind.BATCH: 2,
+            OpKind.RESTORE: 0,
+            OpKind.SPEC: 2,
+        }[self.kind]
+        if self.amount < low or (self.kind == OpKind.RESTORE and self.amount != 0):
+            want = "no amount" if self.kind == OpKind.RESTORE else f"an amount >= {low}"
+            if self.kind == OpKind.SPEC:
                 want = f"a draft of {low}..{MAX_SPEC_DRAFT} tokens (one accepted, one rejected at least)"
             raise UsageError(f"{self.kind} needs {want}, got {self.amount}")
-        if self.kind == "spec" and self.amount > MAX_SPEC_DRAFT:
+        if self.kind == OpKind.SPEC and self.amount > MAX_SPEC_DRAFT:
             raise UsageError(
                 f"spec needs a draft of {low}..{MAX_SPEC_DRAFT} tokens, got {self.amount} (a longer draft is "
                 "no longer one speculative step)"
@@ -75,7 +96,7 @@ class CacheOp:
             raise UsageError(f"{self.kind}: the amount must be at most {MAX_TOKENS}, got {self.amount}")
 
     def label(self) -> str:
-        return self.kind if self.kind == "restore" else f"{self.kind}:{self.amount}"
+        return self.kind.value if self.kind == OpKind.RESTORE else f"{self.kind.value}:{self.amount}"
 
 
 def parse_ops(text: str) -> list[CacheOp]:
@@ -93,9 +114,9 @@ def parse_ops(text: str) -> list[CacheOp]:
         value = strict_int(amount) if sep else 0
         if value is None or abs(value) > MAX_TOKENS:
             raise UsageError(f"--ops: {item!r}: the amount must be an integer of at most {MAX_TOKENS}")
-        if kind != "restore" and not sep:
+        if kind != OpKind.RESTORE and not sep:
             raise UsageError(f"--ops: {kind} needs an amount, e.g. {kind}:3")
-        ops.append(CacheOp(cast(OpKind, kind), value))
+        ops.append(CacheOp(OpKind(kind), value))
     return ops
 
 
@@ -237,11 +258,11 @@ class Case:
         op = self.op
         if not isinstance(op, CacheOp):
             raise UsageError(f"case op must be a CacheOp, got {type(op).__name__}")
-        if op.kind == "batch" and (self.prefix or self.length < op.amount):
+        if op.kind == OpKind.BATCH and (self.prefix or self.length < op.amount):
             raise UsageError(f"batch:{op.amount} needs prefix 0 and length >= {op.amount} (rows of different lengths)")
         # The case's own window is checked here; the model's (``live_window``) where the case meets
         # the model (ropekv.parity.applicable), so that a model window too small for it is n/a.
-        if op.kind == "evict" and len(self._evict_candidates(self.window)) < op.amount:
+        if op.kind == OpKind.EVICT and len(self._evict_candidates(self.window)) < op.amount:
             raise UsageError(self.evict_shortfall(self.window))
 
     # ------------------------------------------------------------------ operations
@@ -253,7 +274,7 @@ class Case:
 
     def evict_shortfall(self, window: int | None) -> str | None:
         """Why an ``evict`` case cannot evict its amount under ``window`` (None: it can)."""
-        if self.op is None or self.op.kind != "evict":
+        if self.op is None or self.op.kind != OpKind.EVICT:
             return None
         have = len(self._evict_candidates(window))
         if have >= self.op.amount:
@@ -271,7 +292,7 @@ class Case:
     @property
     def evicted_positions(self) -> list[int]:
         """Positions an ``evict`` case drops after prefill: evenly spread over the interior live tokens."""
-        if self.op is None or self.op.kind != "evict":
+        if self.op is None or self.op.kind != OpKind.EVICT:
             return []
         cand, k = self._evict_candidates(self.live_window), self.op.amount
         if len(cand) < k:
@@ -283,12 +304,12 @@ class Case:
     @property
     def shift(self) -> int:
         """Positions the cached sequence moved by (``shift`` cases), else 0."""
-        return self.op.amount if self.op is not None and self.op.kind == "shift" else 0
+        return self.op.amount if self.op is not None and self.op.kind == OpKind.SHIFT else 0
 
     @property
     def batch_lengths(self) -> list[int]:
         """Prompt lengths of the rows of a ``batch`` case (row 0 is the longest), else ``[length]``."""
-        if self.op is None or self.op.kind != "batch":
+        if self.op is None or self.op.kind != OpKind.BATCH:
             return [self.length]
         rows = self.op.amount
         gap = max(1, (self.length - 1) // rows)
@@ -309,13 +330,13 @@ class Case:
         """Draft tokens a ``spec`` case accepts: ``M = K // 2`` (at least one accepted, one rejected),
         fixed by the case so that the run is reproducible (a greedy agreement would depend on the
         model and on rounding ties); 0 for any other case."""
-        return self.op.amount // 2 if self.op is not None and self.op.kind == "spec" else 0
+        return self.op.amount // 2 if self.op is not None and self.op.kind == OpKind.SPEC else 0
 
     def spec_draft(self, tokens: torch.Tensor, vocab_size: int) -> torch.Tensor:
         """The ``K`` tokens a ``spec`` case's drafter proposes: the stream's next ``M`` tokens (the
         drafter guessed them; they are accepted and become part of the stream) then ``K - M`` others
         (shifted ids, so a rejected key left behind is a different token's)."""
-        if self.op is None or self.op.kind != "spec":
+        if self.op is None or self.op.kind != OpKind.SPEC:
             raise UsageError(f"case {self.label()} runs no speculative step: it has no draft")
         n, k, m = self.prefix + self.length, self.op.amount, self.spec_accepted
         rejected = tokens[n + m : n + k]
@@ -330,7 +351,7 @@ class Case:
         ``n..n+M-1``), the target's verify rows of the accepted tokens (``verify``, ``n..n+M-1``;
         the rejected rows read other tokens than the stream), the drafter's first step after its
         rollback (``redraft``, ``n+M``), then the target's decode steps (``decode``, from ``n+M``)."""
-        if self.op is None or self.op.kind != "spec":
+        if self.op is None or self.op.kind != OpKind.SPEC:
             return []
         n, m = self.prefix + self.length, self.spec_accepted
         accepted = range(n, n + m)
@@ -345,7 +366,7 @@ class Case:
     def positions_needed(self) -> int:
         """Positions the case reaches (its highest position + 1), draft and shift included."""
         need = self.total + self.shift
-        if self.op is not None and self.op.kind in ("rollback", "spec"):  # the draft's positions
+        if self.op is not None and self.op.kind in (OpKind.ROLLBACK, OpKind.SPEC):  # the draft's positions
             need = max(need, self.prefix + self.length + self.op.amount)
         return need
 
@@ -358,9 +379,9 @@ class Case:
     def decode_positions(self) -> list[int]:
         """Position of every decode step in order: ``P + L + s``, plus the shift of a ``shift`` case;
         a ``batch`` case lists step ``s`` of every row before step ``s + 1`` (rows in order)."""
-        if self.op is not None and self.op.kind == "batch":
+        if self.op is not None and self.op.kind == OpKind.BATCH:
             return [L + s for s in range(self.decode_steps) for L in self.batch_lengths]
-        if self.op is not None and self.op.kind == "spec":
+        if self.op is not None and self.op.kind == OpKind.SPEC:
             return [t for _, t in self.spec_records]
         start = self.prefix + self.length + self.shift
         return list(range(start, start + self.decode_steps))
@@ -509,11 +530,11 @@ def default_op_cases() -> list[Case]:
     # Two decode steps each: the second reads the key the first wrote after the operation; a third
     # adds comparison time (about a tenth of the default matrix per op case) and no new evidence.
     return [
-        Case(length=48, block_size=7, window=37, decode_steps=2, op=CacheOp("rollback", 3)),
-        Case(length=30, prefix=13, block_size=7, decode_steps=2, op=CacheOp("evict", 5)),
-        Case(length=20, block_size=7, decode_steps=2, op=CacheOp("shift", 1000)),
-        Case(length=20, block_size=7, decode_steps=2, op=CacheOp("batch", 3)),
-        Case(length=40, block_size=5, window=13, sink_tokens=2, chunk=9, decode_steps=2, op=CacheOp("restore")),
+        Case(length=48, block_size=7, window=37, decode_steps=2, op=CacheOp(OpKind.ROLLBACK, 3)),
+        Case(length=30, prefix=13, block_size=7, decode_steps=2, op=CacheOp(OpKind.EVICT, 5)),
+        Case(length=20, block_size=7, decode_steps=2, op=CacheOp(OpKind.SHIFT, 1000)),
+        Case(length=20, block_size=7, decode_steps=2, op=CacheOp(OpKind.BATCH, 3)),
+        Case(length=40, block_size=5, window=13, sink_tokens=2, chunk=9, decode_steps=2, op=CacheOp(OpKind.RESTORE)),
     ]
 
 
@@ -521,7 +542,7 @@ def default_spec_case() -> Case:
     """The case ``--ops spec:K`` runs without other flags (not in the default matrix: a speculative
     step is asked for): an odd-size window that has wrapped, so the verify pass overwrites ring slots
     and the rejected tokens' rollback must restore them."""
-    return Case(length=48, block_size=7, window=37, decode_steps=2, op=CacheOp("spec", 3))
+    return Case(length=48, block_size=7, window=37, decode_steps=2, op=CacheOp(OpKind.SPEC, 3))
 
 
 def op_matrix(ops: list[CacheOp], base: list[Case] | None) -> list[Case]:

@@ -1,9 +1,8 @@
-"""The diagnosis record: a bug class, the sentence that shows it, and its numbers.
+"""The diagnosis record: a bug class, the sentence that shows it, its numbers, and the key map it read.
 
-Every producer returns one :class:`Diagnosis`: the general forensics
-(:func:`ropekv.parity.forensics.diagnose`), the per-layer RoPE features
-(:func:`ropekv.parity.layer_forensics.diagnose_layer`) and the assembly at a case's first divergent
-layer (:mod:`ropekv.parity.layer_diagnosis`), whose result the report prints and writes.
+One :class:`Diagnosis` per check, assembled across every failing case by
+:func:`ropekv.parity.explain.combine.diagnose_cases` from the plug-in explanations; the report prints
+its sentence and, where the forensics tier fitted one, the key map of the case it was named from.
 """
 
 from __future__ import annotations
@@ -13,35 +12,30 @@ from typing import Any
 
 from ..errors import UsageError
 from .bug_class import BugClass
+from .keymap.record import KeyMap
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Diagnosis:
     """The bug class and what shows it.
 
-    ``evidence`` is the sentence the report prints ("logical 37, slot 5, effective 74; ...; query
-    logical 40, effective 40"); ``details`` holds json-able numbers and names. Where the general
-    forensics estimated positions, ``query_effective`` is the query's effective position (None where
-    no integer fits), ``key_effective`` one entry per key (the effective position under the winning
-    explanation, None where nothing fits) and ``fit`` the |r||c|-weighted mean fit in [0, 1]; the other
-    producers (masks, per-layer features) estimate none and leave them empty. Only ``kind``,
-    ``evidence`` and ``details`` are written to the report (:meth:`to_dict`).
+    ``evidence`` is the sentence the report prints; ``details`` holds json-able numbers and names
+    (the case it was named from, the layer, the query position, the cases that support it and those
+    that named another class); ``keymap`` the fit of that case's first divergent layer (None below
+    the forensics tier). Only ``kind``, ``evidence`` and ``details`` go into the report's JSON
+    (:meth:`to_dict`), with the key map's summary lines under ``details["keymap"]``.
     """
 
     kind: BugClass
     evidence: str
     details: dict[str, Any] = field(default_factory=dict)
-    query_effective: int | None = None
-    key_effective: tuple[int | None, ...] = ()  # [N]
-    fit: float | None = None  # in [0, 1]
+    keymap: KeyMap | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.kind, BugClass):
             raise UsageError(f"Diagnosis.kind must be a BugClass, got {self.kind!r}")
         if not isinstance(self.evidence, str):
             raise UsageError(f"Diagnosis.evidence must be a string, got {self.evidence!r}")
-        if self.fit is not None and not 0.0 <= self.fit <= 1.0:
-            raise UsageError(f"Diagnosis.fit must be in [0, 1], got {self.fit!r}")
 
     def to_dict(self) -> dict[str, Any]:
         """The report's JSON ``"diagnosis"`` object."""

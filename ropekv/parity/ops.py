@@ -29,13 +29,10 @@ import torch
 from ..attention_kind import MODEL_WINDOWS
 from ..errors import UsageError
 from ..models.reference import ReferenceDecoder, ReferenceOutput
-from .bug_class import BugClass
-from .cases import Case
+from .cases import Case, OpKind
 from .compare import RefRow
-from .forensics import OpHypothesis
-from .speculative import spec_hypotheses
 
-OWN_REFERENCE = ("evict", "shift")
+OWN_REFERENCE = (OpKind.EVICT, OpKind.SHIFT)
 
 
 def needs_own_reference(case: Case) -> bool:
@@ -50,7 +47,7 @@ def own_reference(decoder: ReferenceDecoder, case: Case, tokens: torch.Tensor) -
     rows = [t - d for t in case.decode_positions]  # token indices
     T = max(rows) + 1
     window = MODEL_WINDOWS if case.window is None else case.window
-    if case.op.kind == "shift":
+    if case.op.kind == OpKind.SHIFT:
         return decoder.forward(
             tokens[:T], probe_rows=rows, window=window, sink_tokens=case.sink_tokens, positions=torch.arange(T) + d
         )
@@ -62,7 +59,7 @@ def own_reference(decoder: ReferenceDecoder, case: Case, tokens: torch.Tensor) -
 def hide_evicted(case: Case, row: RefRow) -> RefRow:
     """A decode row of an ``evict`` case with the evicted keys' attention logits at -inf: the forward
     hid them (``key_mask``), and the comparison must not expect the engine to read them."""
-    if case.op is None or case.op.kind != "evict":
+    if case.op is None or case.op.kind != OpKind.EVICT:
         return row
     gone = torch.tensor(case.evicted_positions)
     attn = []
@@ -75,14 +72,14 @@ def hide_evicted(case: Case, row: RefRow) -> RefRow:
 
 def self_rows(case: Case) -> list[int]:
     """Rows of the engine's own plain full forward that self-parity of ``case`` reads (none for evict)."""
-    if case.op is not None and case.op.kind == "evict":
+    if case.op is not None and case.op.kind == OpKind.EVICT:
         return []
     return [t - case.shift for t in case.decode_positions]
 
 
 def self_from_reference(case: Case) -> bool:
     """Whether self-parity of ``case`` can only use the float64 reference (no engine path for it)."""
-    return case.op is not None and case.op.kind == "evict"
+    return case.op is not None and case.op.kind == OpKind.EVICT
 
 
 def notes(case: Case) -> tuple[str, ...]:
@@ -94,95 +91,3 @@ def notes(case: Case) -> tuple[str, ...]:
     if case.shift:
         return (f"self-parity: the engine's unshifted full forward, relabelled by {case.shift:+d} positions",)
     return ()
-
-
-def hypotheses(case: Case, key_form: str | None, step: int | None = None) -> tuple[OpHypothesis, ...]:
-    """What each catalogued bug of the case's operation would look like at a decode row (``step``:
-    the index of the record that diverged, which a ``spec`` case's hypotheses depend on)."""
-    if case.op is None:
-        return ()
-    kind, n = case.op.kind, case.op.amount
-    if kind == "spec":
-        return spec_hypotheses(case, step)
-    end = case.prefix + case.length  # tokens cached before the operation
-    if kind == "rollback":
-        out = [
-            OpHypothesis(
-                BugClass.ROLLBACK_OFFSET,
-                "query",
-                f"the offset kept the rejected {n}-token draft (advanced by the draft length, not the accepted count)",
-                offsets=(n,),
-            )
-        ]
-        window = case.live_window  # the case's window, or the model's when every layer slides
-        if window is not None:
-            ring = window + case.sink_tokens
-            overwritten = tuple(i - window for i in range(end, end + n) if i >= ring)
-            if overwritten:
-                out.append(
-                    OpHypothesis(
-                        BugClass.ROLLBACK_STALE_KEYS,
-                        "misfit",
-                        f"they are the ring slots the rolled-back "
-                        f"{n}-token draft overwrote, left holding the rejected tokens' keys",
-                        positions=overwritten,
-                    )
-                )
-        return tuple(out)
-    if kind == "evict":
-        return (
-            OpHypothesis(
-                BugClass.EVICT_OFFSET,
-                "query",
-                f"the offset counts kept rows ({n} evicted tokens subtracted from every later position)",
-                offsets=(-n,),
-            ),
-        )
-    if kind == "shift":
-        moved = tuple(range(n, n + end))
-        if key_form == "raw":
-            return (
-                OpHypothesis(
-                    BugClass.SHIFT_ROTATED_RAW,
-                    "keys",
-                    f"raw keys were turned by R({n}) although the reader rotates them at their new positions",
-                    offsets=(n,),
-                    positions=moved,
-                ),
-            )
-        return (
-            OpHypothesis(
-                BugClass.SHIFT_NOT_ROTATED,
-                "keys",
-                f"rotated keys were relabelled by {n:+d} but not turned by R({n})",
-                offsets=(-n,),
-                positions=moved,
-            ),
-            OpHypothesis(
-                BugClass.SHIFT_APPLIED_TWICE,
-                "keys",
-                f"rotated keys were turned by R({n}) twice for one relabelling",
-                offsets=(n,),
-                positions=moved,
-            ),
-        )
-    if kind == "batch":
-        lengths = case.batch_lengths
-        pads = tuple(sorted({max(lengths) - L for L in lengths} - {0}))
-        return (
-            OpHypothesis(
-                BugClass.PADDING_OFFSET,
-                "query",
-                "a shared cursor over the left-padded batch: the row's "
-                f"query is off by its padding (paddings {list(pads)})",
-                offsets=pads,
-            ),
-        )
-    return (
-        OpHypothesis(
-            BugClass.RESTORE_OFFSET_LOST,
-            "query",
-            f"the restored sequence's offset restarted at 0 (its {end} positions were not restored with the keys)",
-            offsets=(-end,),
-        ),
-    )

@@ -76,7 +76,7 @@ _CODE_FILES = (
     "parity/compare.py",
     "parity/recorder.py",
     "parity/ops.py",
-    "parity/harness.py",
+    "parity/references.py",
     "parity/reference_cache.py",
 )
 

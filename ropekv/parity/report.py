@@ -55,6 +55,9 @@ class Divergence:
     input_error: float | None  # scale-aware error of the layer's input hidden state
     input_matched: bool | None
     logits_error: float = 0.0  # scale-aware error of the step's next-token logits
+    # why the named key diverges where it is not a value difference: a key the query should see that
+    # the kernel never read, or one it read that the reference's mask hides
+    reason: str | None = None
 
     def describe(self) -> str:
         if self.layer is None:
@@ -63,10 +66,12 @@ class Divergence:
                 f"logits error {self.logits_error:.3g} (logits tier: no layer information)"
             )
         where = "input matched" if self.input_matched else "input already differed"
+        cached = "not read" if self.cached_logit == -math.inf else f"{self.cached_logit:.4g}"
+        ref = "hidden" if self.reference_logit == -math.inf else f"{self.reference_logit:.4g}"
         return (
             f"vs {self.against}: decode step {self.step} (query position {self.query_position}), layer "
             f"{self.layer} ({where}), head {self.head}, key position {self.key_position} (slot {self.key_slot}): "
-            f"reference {self.reference_logit:.4g}, cached {self.cached_logit:.4g}"
+            f"reference {ref}, cached {cached}" + (f" ({self.reason})" if self.reason else "")
         )
 
     def short(self) -> str:

@@ -11,10 +11,10 @@ Run from .venv-mlx:  .venv-mlx/bin/python scripts/findings/mlx_max_kv_size_ignor
 
 from __future__ import annotations
 
+from ropekv import check
 from ropekv.adapters.mlx import MLXEngine
 from ropekv.errors import AdapterError
 from ropekv.parity.cases import Case, token_stream
-from ropekv.parity.harness import check
 
 
 def show(engine, case) -> None:

@@ -12,11 +12,11 @@ Run from .venv-mlx:  .venv-mlx/bin/python scripts/findings/mlx_rotating_keep_sem
 
 from __future__ import annotations
 
+from ropekv import check
 from ropekv.adapters.mlx import MLXEngine
 from ropekv.errors import AdapterError
 from ropekv.models.reference import ReferenceDecoder
 from ropekv.parity.cases import Case, token_stream
-from ropekv.parity.harness import check
 
 
 def show(engine, case) -> None:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from ropekv.faults.registry import FAULTS, OP_FAULTS
+from ropekv import check
+from ropekv.bugs.registry import FAULTS, OP_FAULTS
 from ropekv.models import load_checkpoint
 from ropekv.models.config import Checkpoint
 from ropekv.parity.cases import Case
-from ropekv.parity.harness import check
 from ropekv.parity.protocol import Tier
 from ropekv.testing.tiny import tiny_checkpoint
 

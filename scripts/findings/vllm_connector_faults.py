@@ -4,7 +4,7 @@ names each fault on the bare connector, and what ropekv's ContractConnector refu
 Per connector (``--connector example``, ``ropekv`` or ``both``, the default): one producer of that
 connector (float32, block 32) prefills a 70-token prompt and a donor prompt (the next seed's stream)
 into a store; then, for the correct handoff and each fault of
-``ropekv.faults.registry.VLLM_TRANSFER_FAULTS``, a fresh copy of that store is read by a consumer of
+``ropekv.bugs.registry.VLLM_TRANSFER_FAULTS``, a fresh copy of that store is read by a consumer of
 the same connector (its own process) that decodes 2 steps under the parity harness. Printed per row,
 as it runs: the first-token log-probability change (consumer minus producer: the token computed over
 the injected KV), the worst logit error against the float64 reference, the consumer's verdict, the
@@ -85,7 +85,7 @@ def column(connector: str, names: list[str | None]) -> dict[str | None, tuple[in
 
 
 if __name__ == "__main__":
-    from ropekv.faults.registry import VLLM_TRANSFER_FAULTS
+    from ropekv.bugs.registry import VLLM_TRANSFER_FAULTS
     from ropekv.handoff import vllm_driver as d
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -1,6 +1,6 @@
 """Finding: each RoPE bug patched into vLLM's decode path is caught at every tier and named.
 
-For every fault in ``ropekv.faults.registry.VLLM_FAULTS`` the running engine is patched, one case with
+For every fault in ``ropekv.bugs.registry.VLLM_FAULTS`` the running engine is patched, one case with
 a prefix-cache hit is run (length 40 after a 32-token prefix, 2 decode steps), and ropekv's verdict
 is printed: logits error (top-k log-probabilities against the float64 reference), first divergent
 layer, and the bug class forensics names.
@@ -14,11 +14,11 @@ from __future__ import annotations
 import sys
 
 if __name__ == "__main__":
+    from ropekv import check
     from ropekv.adapters.vllm import VLLMEngine
-    from ropekv.faults.registry import VLLM_FAULTS as FAULTS
+    from ropekv.bugs.registry import VLLM_FAULTS as FAULTS
     from ropekv.faults.vllm import injected
     from ropekv.parity.cases import Case
-    from ropekv.parity.harness import check
 
     dtype = sys.argv[1] if len(sys.argv) > 1 else "float32"
     engine = VLLMEngine(None, dtype=dtype, block_size=32, num_gpu_blocks_override=96, max_model_len=2048)

@@ -23,8 +23,8 @@ if __name__ == "__main__":  # vLLM may spawn: keep start-up under the guard
     parser.add_argument("--json", help="write the reports as JSON")
     args = parser.parse_args()
 
+    from ropekv import check
     from ropekv.adapters.vllm import VLLMEngine, vllm_cases
-    from ropekv.parity.harness import check
 
     out = {}
     for dtype in args.dtypes:

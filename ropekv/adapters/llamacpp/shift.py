@@ -24,8 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from ...models.reference import ReferenceDecoder
-from ...parity.diagnosis import Diagnosis
-from ...parity.forensics import ForensicInput, diagnose
+from ...parity.explain.pattern import describe
+from ...parity.keymap.fit import fit_row
+from ...parity.keymap.record import KeyMap
 from ...parity.protocol import StepRecord
 from ...parity.recorder import attention_logits
 from .engine import LlamaCppEngine
@@ -47,11 +48,20 @@ class ShiftCheck:
     scores_vs_reference: tuple[float, ...]  # per layer, shifted run vs reference (max |d score|)
     shifts_seen: int  # K-shift graphs llama.cpp ran (1 for one applied seq_add)
     verdict: str  # one of SHIFT_NAMES' values, from the effective key positions
-    diagnosis: Diagnosis
+    keymap: KeyMap  # the fit of the first divergent layer's query and keys (ropekv.parity.keymap)
+
+    @property
+    def key_effective(self) -> list[int | None]:
+        """Each key's effective position (every head agreeing), None where it fits none."""
+        return self.keymap.keys.agreed()
+
+    @property
+    def query_effective(self) -> int | None:
+        return self.keymap.query.agreed()[0]
 
     def to_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "diagnosis"}
-        d["diagnosis"] = {"kind": self.diagnosis.kind, "evidence": self.diagnosis.evidence, "fit": self.diagnosis.fit}
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "keymap"}
+        d["keymap"] = describe(self.keymap)
         return d
 
 
@@ -118,17 +128,19 @@ def check_shift(
     probe = ref.layers[first]
     assert probe.q_raw is not None and probe.k_raw is not None  # the reference probes its raw q/k
     assert lay.key_slots is not None  # the tap records every key's cell
-    inp = ForensicInput(
-        rope=cfg.rope,
+    order = torch.argsort(lay.key_positions)
+    # the reference's rows are by token index 0..n; the shifted keys sit at delta + index
+    km = fit_row(
+        cfg.rope,
         q_raw=probe.q_raw[0],
         q_eff=lay.q[0].double(),
         k_raw=probe.k_raw,
-        k_eff=lay.k[torch.argsort(lay.key_positions)].double(),
+        k_eff=lay.k[order].double(),
         query_position=n + delta,
-        key_positions=torch.sort(lay.key_positions).values,
-        key_slots=torch.sort(lay.key_slots).values,
+        key_positions=lay.key_positions[order],
+        key_slots=lay.key_slots[order],
+        shift=delta,
     )
-    diag = diagnose(inp)
     return ShiftCheck(
         delta=delta,
         n=n,
@@ -140,8 +152,8 @@ def check_shift(
         explicit_layer0_vs_reference=float((scores(explicit, 0) - ref_scores(0)).abs().max()),
         scores_vs_reference=per_layer,
         shifts_seen=seen,
-        verdict=_verdict(diag, inp, delta),
-        diagnosis=diag,
+        verdict=_verdict(km, delta),
+        keymap=km,
     )
 
 
@@ -155,15 +167,13 @@ def _first_bad_layer(per_layer: tuple[float, ...], tol: float = 1e-2) -> int:
     return next((i for i, e in enumerate(per_layer) if e > tol), 0)
 
 
-def _verdict(diag: Diagnosis, inp: ForensicInput, delta: int) -> str:
+def _verdict(km: KeyMap, delta: int) -> str:
     """Which hypothesis the keys' effective positions fit: logical, logical - delta, logical + delta."""
-    eff = [p for p in diag.key_effective if p is not None]
+    effective = km.keys.agreed()
+    eff = [p for p in effective if p is not None]
     if not eff:
         return "unknown"
-    logical = inp.key_positions.tolist()
-    votes = {
-        k: sum(1 for e, p in zip(diag.key_effective, logical) if e is not None and e == p + k * delta)
-        for k in SHIFT_NAMES
-    }
+    logical = km.keys.positions.tolist()
+    votes = {k: sum(1 for e, p in zip(effective, logical) if e is not None and e == p + k * delta) for k in SHIFT_NAMES}
     best = max(votes, key=lambda k: votes[k])
     return SHIFT_NAMES[best] if votes[best] >= 0.9 * len(eff) else "unknown"

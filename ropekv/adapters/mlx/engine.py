@@ -9,6 +9,7 @@ and ``trim_prompt_cache`` for rollback. Probes (:mod:`.probes`) only observe. Se
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import tempfile
 from collections.abc import Mapping
@@ -21,14 +22,16 @@ import torch
 from ...contract import DTYPES
 from ...errors import CheckpointError, ConfigError, UsageError
 from ...models.config import Checkpoint, ModelConfig, fingerprint_of
+from ...models.families import canonical_weights
 from ...models.hf_config import read_model_config
 from ...models.safetensors_dir import read_dir_config, weights_digest
 from ...parity.cases import Case, model_window
 from ...parity.protocol import CaseRun, EngineDescription, FullRun, Ignored, StepRecord, Tier
 from ...parity.recorder import visible_keys
-from .model_reading import check_built, embedding_scale, mlx_spelling
+from .model_reading import check_built, embedding_scale, longrope_reading, mlx_spelling
 from .probes import ForwardProbe, installed
 from .runtime import BlasChoice, import_mlx
+from .versions import caches_make_masks, concatenate_masks_windows, load_keywords
 
 DType = Literal["float32", "bfloat16", "float16"]
 _DTYPE_NAMES: tuple[str, ...] = get_args(DType)  # the names in ropekv.contract.DTYPES mlx-lm runs in
@@ -84,7 +87,7 @@ class MLXEngine:
         self.spelling = mlx_spelling(self.config, _model_type(self.path, self.overrides))
         try:
             self.model, self.mlx_config = self.rt.utils.load_model(
-                self.path, trust_remote_code=False, model_config={**self.spelling, **self.overrides} or None
+                self.path, model_config={**self.spelling, **self.overrides}, **load_keywords(self.rt.utils)
             )
         except (ValueError, FileNotFoundError, KeyError, OSError) as exc:
             raise CheckpointError(f"{self.path}: mlx-lm cannot load it: {str(exc).splitlines()[0]}") from None
@@ -97,6 +100,7 @@ class MLXEngine:
         self.config = _with_engine_embedding_scale(
             self.config, embedding_scale(self.model, self.rt.mx, self.rt.nn, self.config.hidden_size)
         )
+        self.config = _with_engine_longrope(self.config, longrope_reading(self.model, self.rt.mx, self.config))
         if dtype != "float32":
             self.model.set_dtype(getattr(self.rt.mx, dtype))
         self._checkpoint: Checkpoint | None = None
@@ -124,11 +128,10 @@ class MLXEngine:
             params = dict(tree_flatten(self.model.parameters()))
             expected = self.config.expected_shapes()
             mx = self.rt.mx
-            weights = {
-                k: torch.from_numpy(np.array(v.astype(mx.float32), copy=True))
-                for k, v in params.items()
-                if k in expected
-            }
+            # mlx-lm keeps a family's fused tensors fused (Phi-3's qkv_proj): split as ropekv reads them
+            every = {k: torch.from_numpy(np.array(v.astype(mx.float32), copy=True)) for k, v in params.items()}
+            canonical = canonical_weights(self.config, every, f"mlx-lm {self.path}")
+            weights = {k: v for k, v in canonical.items() if k in expected}
             self._checkpoint = Checkpoint(
                 self.config, weights, f"mlx-lm {self.path}", fingerprint_of(self.file_config, weights_digest(weights))
             )
@@ -159,7 +162,15 @@ class MLXEngine:
 
     def ignored(self, case: Case) -> tuple[Ignored, ...]:
         out = [Ignored("block_size")]
-        if self.max_kv_size is not None and (case.window is not None or case.sink_tokens):
+        if case.window is not None and not caches_make_masks(self.rt.cache):
+            out.append(
+                Ignored(
+                    "window",
+                    f"window={case.window} (mlx-lm {self.rt.versions['mlx-lm']} builds its masks in "
+                    "create_attention_mask from the caches alone: a full forward cannot be given a window mask)",
+                )
+            )
+        elif self.max_kv_size is not None and (case.window is not None or case.sink_tokens):
             out.append(Ignored("window", f"window/sink_tokens (the engine's caches are fixed: {self._cache_text()})"))
         elif case.window is not None and model_window(self.config.layer_attentions) is not None:
             out.append(
@@ -207,7 +218,17 @@ class MLXEngine:
             visible = visible_keys(positions, positions, case.window, case.sink_tokens)  # [T, T]
             mask = self.rt.mx.array(visible.numpy())
         probe = ForwardProbe(self.config.num_layers, self.name)
-        caches = [self.rt.cache.ConcatenateKVCache() for _ in range(self.config.num_layers)]
+        has_concatenate = hasattr(self.rt.cache, "ConcatenateKVCache")  # from 0.24 on
+        if has_concatenate and (
+            concatenate_masks_windows(self.rt.cache) or model_window(self.config.layer_attentions) is None
+        ):
+            caches = [self.rt.cache.ConcatenateKVCache() for _ in range(self.config.num_layers)]
+        else:
+            # Before 0.30.7 a ConcatenateKVCache ignores a sliding layer's window in a multi-token call
+            # (before 0.28 the model read the window from its cache's max_size, which it lacks): it would
+            # attend every key; releases without one have only the model's own caches. One prefill into
+            # the model's own fresh caches is the release's windowed forward.
+            caches = self.rt.cache.make_prompt_cache(self.model)
         logits = self.forward(tokens, caches, probe, mask=mask)
         return FullRun(rows=torch.as_tensor(rows, dtype=torch.int64), logits=logits[rows], layers=probe.layers(rows))
 
@@ -329,6 +350,23 @@ def _with_engine_embedding_scale(config: ModelConfig, measured: float | None) ->
         f"(x{measured / config.embedding_scale:.6f}); the reference uses mlx-lm's factor"
     )
     return config.replace(embedding_scale=measured, warnings=(*config.warnings, note))
+
+
+def _with_engine_longrope(config: ModelConfig, reading: str | None) -> ModelConfig:
+    """``config`` with the LongRoPE reading mlx-lm really computes, when it is not transformers': a
+    ``SuScaledRoPE`` that turns every length with the long factors (mlx-lm 0.30.2 and later, and before
+    0.29) is a reading of the config, not a cache bug, so the reference runs it and the report says so
+    (a warning the CLI prints), as for the embedding scale."""
+    if reading != "long":
+        return config
+    spec = config.rope
+    scaling = dataclasses.replace(spec.scaling, short_factor=spec.scaling.long_factor)
+    note = (
+        "mlx-lm turns LongRoPE with its long factors at every length; transformers uses the short factors up to "
+        f"original_max_position_embeddings ({spec.scaling.original_max_position_embeddings}): the reference uses "
+        "mlx-lm's reading"
+    )
+    return config.replace(rope=dataclasses.replace(spec, scaling=scaling), warnings=(*config.warnings, note))
 
 
 def _read_config(path: Path, overrides: dict[str, Any]) -> ModelConfig:

@@ -118,3 +118,34 @@ def embedding_scale(model: Any, mx: Any, nn: Any, hidden_size: int) -> float | N
     if max(row) != min(row):
         return None
     return float(row[0])
+
+
+def longrope_reading(model: Any, mx: Any, config: ModelConfig) -> str | None:
+    """How mlx-lm's LongRoPE module turns a short sequence, measured: ``"per-length"`` (short factors up
+    to ``original_max_position_embeddings``, long past it: transformers' reading) or ``"long"`` (the long
+    factors at every length: mlx-lm's ``SuScaledRoPE`` from 0.30.2, and before 0.29). None where the
+    model's RoPE is not LongRoPE or the measurement fits neither (then nothing is claimed).
+
+    Layer 0's rope turns a one-token query at offset 1 (a 2-token sequence, below any original length)
+    whose first half of channels is 1 and second half 0: pair ``m`` comes back as ``a (cos w_m, sin w_m)``,
+    and ``w_m`` is compared with ropekv's short- and long-factor frequencies for the same config."""
+    import torch
+
+    spec = config.layer_rope(0)
+    if spec is None or spec.scaling.rope_type != "longrope":
+        return None
+    half = spec.rotary_dim // 2
+    heads = int(model.layers[0].self_attn.n_heads) if hasattr(model.layers[0].self_attn, "n_heads") else 1
+    x = mx.concatenate([mx.ones((1, heads, 1, half)), mx.zeros((1, heads, 1, config.head_dim - half))], axis=-1)
+    out = model.layers[0].self_attn.rope(x.astype(mx.float32), offset=1)
+    row = torch.tensor(out.astype(mx.float32).reshape(-1, config.head_dim)[0].tolist(), dtype=torch.float64)
+    measured = torch.atan2(row[half : 2 * half], row[:half])  # [half] angles at position 1
+    original = spec.scaling.original_max_position_embeddings or spec.max_position_embeddings
+    short, long = spec.inv_freq(seq_len=2), spec.inv_freq(seq_len=int(original) + 1)
+
+    def error(freqs: torch.Tensor) -> float:
+        return float((torch.remainder(measured - freqs + torch.pi, 2 * torch.pi) - torch.pi).abs().max())
+
+    errors = {"per-length": error(short), "long": error(long)}
+    best = min(errors, key=lambda k: errors[k])
+    return best if errors[best] < 1e-4 else None

@@ -24,6 +24,7 @@ from types import ModuleType
 from typing import Literal
 
 from ...errors import EngineUnavailable
+from .versions import require_supported
 
 BlasChoice = Literal["openblas", "bundled"]
 
@@ -111,5 +112,6 @@ def import_mlx(blas: BlasChoice = "openblas") -> MLXRuntime:
     import importlib.metadata as md
 
     versions = {name: md.version(name) for name in ("mlx", "mlx-lm")}
+    require_supported(versions["mlx-lm"])
     _RUNTIME = MLXRuntime(mx=mx, nn=nn, mlx_lm=mlx_lm, cache=cache, utils=utils, blas=path, versions=versions)
     return _RUNTIME

@@ -4,7 +4,7 @@ The store carries no positions and no RoPE: a consumer injects whatever is there
 compares each layer's stored key of token ``t`` with the reference's post-RoPE key of token ``t`` at
 position ``t`` (``reference_keys``: the float64 reference model's, :func:`reference_kv`), and where they
 differ recovers what the stored keys are, with the forensics' spectral method
-(:func:`ropekv.parity.forensics.effective_positions`: each channel pair is a complex number, and
+(:func:`ropekv.parity.keymap.spectral.effective_positions`: each channel pair is a complex number, and
 a key rotated at ``p`` has the phase ``p * inv_freq`` against the raw key):
 
 - every pair keeps its magnitude but not the reference's: keys of other tokens, or of another model
@@ -33,7 +33,7 @@ from ...errors import PayloadError, UsageError
 from ...models.config import Checkpoint
 from ...models.reference import ReferenceDecoder
 from ...parity.bug_class import BugClass
-from ...parity.forensics import effective_positions
+from ...parity.keymap.spectral import effective_positions
 from ...rope import RopeScaling, RopeSpec, pair_channels
 from .store import StoredKV
 
