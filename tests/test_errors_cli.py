@@ -288,7 +288,7 @@ def test_each_bad_value_of_a_flag_gets_the_same_message(tiny_llama_dir, capsys, 
         (["handoff", "--decode-wrkers", "2"], "did you mean '--decode-workers'?"),
         (
             ["chek"],
-            "invalid choice: 'chek' (choose from 'check', 'run', 'handoff', 'bench', 'models'); did you mean 'check'?",
+            "invalid choice: 'chek' (choose from 'check', 'run', 'handoff', 'bench', 'models', 'replay'); did you mean 'check'?",
         ),
         (["check", "--dtype", "f16"], "did you mean 'float16'?"),
     ],

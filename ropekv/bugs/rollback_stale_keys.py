@@ -15,7 +15,7 @@ from ..cache.policy import CacheOpPolicy
 from ..faults.native import OpFault
 from ..parity.bug_class import BugClass
 from ..parity.cases import CacheOp, Case, OpKind
-from ..parity.explain.cells import Cells, rows_of, share
+from ..parity.explain.cells import Cells, rows_of, share, span_text
 from ..parity.explain.evidence import CaseEvidence, Explanation, Match
 
 KIND = BugClass.ROLLBACK_STALE_KEYS
@@ -65,7 +65,7 @@ def explain(ev: CaseEvidence) -> Match | None:
         else f" ({len(bad)} of the {named} such positions in view; the other {named - len(bad)} fit)"
     )
     text = (
-        f"{len(bad)} key(s) at positions {bad} are no rotation of those tokens' keys (fit "
+        f"{len(bad)} key(s) at positions {span_text(bad)} are no rotation of those tokens' keys (fit "
         f"{float(k.fit[other].max()):.2f} at best): they are {why}{some}"
     )
     cells = Cells(other[:, None].expand_as(k.fit).clone(), torch.zeros(km.query.heads, dtype=torch.bool))

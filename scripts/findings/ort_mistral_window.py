@@ -57,7 +57,7 @@ def transformers_vs_graph(folder: Path, engine, length: int, steps: int) -> list
     """max |dlogit| of each decode step: the graph's Generator against transformers' own cached decode."""
     import transformers
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, use_safetensors=True).eval()
     ids = [int(t) for t in torch.arange(100, 100 + length + steps) % 49152]
     out = []
     with torch.no_grad():
