@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import ropekv.api
 import ropekv.models
-import ropekv.parity.harness
 from ropekv.cli.main import main
 from ropekv.errors import ContractMismatch, PayloadError, TransportError, UsageError
 
@@ -30,7 +30,7 @@ def _forbidden(what: str):
 def no_weights(monkeypatch):
     """Neither the weights nor the harness may be touched; the config may be read."""
     monkeypatch.setattr(ropekv.models, "load_checkpoint", _forbidden("load_checkpoint"))
-    monkeypatch.setattr(ropekv.parity.harness, "check", _forbidden("the parity harness"))
+    monkeypatch.setattr(ropekv.api, "_check", _forbidden("the parity harness"))
 
 
 @pytest.fixture
@@ -229,7 +229,7 @@ def test_errors_raised_inside_a_command(error, code, tiny_llama_dir, capsys, mon
     def raising(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(ropekv.parity.harness, "check", raising)
+    monkeypatch.setattr(ropekv.api, "_check", raising)
     got, out, err = run_cli(capsys, ["check", str(tiny_llama_dir), "--lengths", "3", "--no-progress"])
     # the loading summary line comes first; the error is the last line, alone
     assert got == code

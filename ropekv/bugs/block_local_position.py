@@ -48,7 +48,10 @@ def explain(ev: CaseEvidence) -> Match | None:
         ),
         details={"form": "block start"},
     )
-    return max((m for m in (local, start) if m is not None), key=lambda m: m.score, default=None)
+    # The keys are written at the same wrong index as the query: a query alone at its block's start is
+    # a constant query offset that happens to land there (query_position_offset says it), not this class.
+    found = [m for m in (local, start) if m is not None and m.shown]
+    return max(found, key=lambda m: m.score, default=None)
 
 
 def shows(case: Case) -> bool:

@@ -3,8 +3,9 @@
 ``position x inv_freq`` in a 16-bit format loses ``p w 2^-9`` rad (bf16), and past 256 (bf16) or 2048
 (fp16) the position itself rounds (513 turns as 512): an error that grows with position. Both paths of
 one engine share the table, so the engine agrees with itself and only the float64 reference sees it.
-The fit tries angles computed exactly that way; the evidence names the format and the tokens that
-match it, with an example of a rounded position where one is in view.
+The fit tries the three forms engines use: angles computed that way in the 16-bit format, exact
+angles rounded to it, and cos/sin tables stored in it; the evidence names the form, the format and the
+tokens that match it, with an example of a rounded position where one is in view.
 """
 
 from __future__ import annotations
@@ -31,9 +32,17 @@ def explain(ev: CaseEvidence) -> Match | None:
         rounded = int(torch.tensor([t]).to(dt).long()[0])
         example = f" ({t} -> {rounded})" if rounded != t else ""
         limit = 256 if fmt == "bfloat16" else 2048
+        if names[0].startswith("angles rounded"):
+            how = f"angles position x inv_freq rounded to {fmt}, an error that grows with position"
+        elif names[0].startswith("cos/sin"):
+            how = f"cos/sin tables stored in {fmt}: each turn off by {fmt}'s rounding of cos and sin"
+        else:
+            how = (
+                f"angles computed as position x inv_freq in {fmt}{example} (which holds integers exactly only "
+                f"up to {limit}), an error that grows with position"
+            )
         return (
-            f"{who} match {names[0]}{example}: angles computed as position x inv_freq in {fmt} (which holds "
-            f"integers exactly only up to {limit}), an error that grows with position"
+            f"{who} match {names[0]}: {how}"
             + (" (the engine agrees with itself: both of its paths share the table)" if ev.facts.self_passed else "")
         )
 

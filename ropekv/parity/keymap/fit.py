@@ -351,10 +351,11 @@ def _estimate(inp: FitInput, groups: list[_Fitter], rotations: list[Rotation]) -
             estimate_fit=est.fit,
         )
     )
-    for g, x in zip(groups, lost):
-        mask = torch.zeros(g.cells.raw.shape[0], dtype=torch.bool)
-        mask[x] = True
-        g.offer(len(rotations) - 1, g.exp_c, mask)
+    # Offered to every cell the contract does not fit exactly, not only the lost ones: at small
+    # positions a wrong spec turns a key barely off its contract rotation (a fit above the threshold,
+    # not exact), and the estimate takes such a cell only where it is clearly better (CLEAR).
+    for g in groups:
+        g.offer(len(rotations) - 1, g.exp_c)
 
 
 def _channels(rope: RopeSpec | None, d: int) -> tuple[torch.Tensor, torch.Tensor]:

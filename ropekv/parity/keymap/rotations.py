@@ -80,17 +80,31 @@ def frequency_rotation(spec: RopeSpec, w: torch.Tensor, name: str, kind: Rotatio
     )
 
 
-def precision_rotation(spec: RopeSpec, seq_len: int, dtype: torch.dtype) -> Rotation:
-    """Angles computed as ``position x inv_freq`` in ``dtype`` (bfloat16, float16): the position itself
-    rounds once it passes the format's integers (256 in bfloat16, 2048 in float16)."""
+def precision_rotations(spec: RopeSpec, seq_len: int, dtype: torch.dtype) -> tuple[Rotation, ...]:
+    """The three ways an engine turns with ``dtype`` (bfloat16, float16) tables: angles computed as
+    ``position x inv_freq`` in ``dtype`` (the position itself rounds past the format's integers: 256 in
+    bfloat16, 2048 in float16), exact angles rounded to ``dtype``, and cos/sin tables stored in ``dtype``."""
     w = spec.inv_freq(seq_len)
     name = str(dtype).replace("torch.", "")
 
-    def angles(p: torch.Tensor, _raw: torch.Tensor) -> torch.Tensor:
-        pp = pair_positions(spec, p)
-        return (pp.to(dtype) * w.to(dtype)[None, :]).to(torch.float64)
+    def computed(p: torch.Tensor, _raw: torch.Tensor) -> torch.Tensor:
+        return (pair_positions(spec, p).to(dtype) * w.to(dtype)[None, :]).to(torch.float64)
 
-    return angle_rotation(spec, f"angles computed in {name}", "precision", angles, angle_dtype=name)
+    def rounded(p: torch.Tensor, _raw: torch.Tensor) -> torch.Tensor:
+        return (pair_positions(spec, p).to(torch.float64) * w[None, :]).to(dtype).to(torch.float64)
+
+    def tables(raw: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        ang = pair_positions(spec, positions).to(torch.float64) * w[None, :]
+        a = spec.attention_factor
+        cos = (torch.cos(ang) * a).to(dtype).to(torch.float64)
+        sin = (torch.sin(ang) * a).to(dtype).to(torch.float64)
+        return apply_rotation(raw[:, None, :], cos, sin, spec.layout, spec.rotary_offset)[:, 0, :]
+
+    return (
+        angle_rotation(spec, f"angles computed in {name}", "precision", computed, angle_dtype=name, form="computed"),
+        angle_rotation(spec, f"angles rounded to {name}", "precision", rounded, angle_dtype=name, form="rounded"),
+        Rotation(f"cos/sin tables in {name}", "precision", tables, {"angle_dtype": name, "form": "tables"}, spec),
+    )
 
 
 def alternatives(
@@ -133,5 +147,5 @@ def alternatives(
                 label = f"LongRoPE's {'short' if n <= orig else 'long'} factors"
             out.append(frequency_rotation(rope, w, label, "length", seq_len=n))
     for dtype in (torch.bfloat16, torch.float16):
-        out.append(precision_rotation(rope, seq_len, dtype))
+        out.extend(precision_rotations(rope, seq_len, dtype))
     return tuple(out)
