@@ -1,5 +1,5 @@
 """Faults of per-layer RoPE features: each is caught by ``ropekv.check`` at the layer it breaks and
-named by ``ropekv.parity.layer_forensics`` from the records of that run; clean runs name nothing."""
+named by the explanations in ``ropekv.bugs`` from the records of that run; clean runs name nothing."""
 
 from __future__ import annotations
 

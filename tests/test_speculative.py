@@ -112,7 +112,7 @@ def test_rollback_faults_on_a_spec_step_are_named_at_the_drafters_rollback(llama
     wrapped5 = Case(length=40, block_size=5, window=13, sink_tokens=2, op=CacheOp("spec", 5))
     for name, kind, text in (
         ("rollback-offset", "rollback_offset", "logical 42, effective 44: the drafter's offset kept"),
-        ("rollback-stale-ring", "rollback_stale_keys", "positions [30] are no rotation"),
+        ("rollback-stale-ring", "rollback_stale_keys", "positions 30 are no rotation"),
     ):
         report = check(OP_FAULTS[name].adapter(llama), cases=[wrapped5])
         assert not report.passed and report.diagnosis is not None, report.table()

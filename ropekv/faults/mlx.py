@@ -9,7 +9,7 @@ itself is untouched: the patch hands it a view of its cache that behaves like a 
   keys sit at ``t + delta`` (or ``2t``) while prefill keys are right.
 - :func:`offset_counts_kept_rows`: the offset the attention rotates with is the number of rows the cache
   keeps (``cache.size()``, ``min(offset, max_size)`` for a ``RotatingKVCache``) instead of the tokens
-  seen: the eviction-offset bug (faults/ops.py: evict-offset). Invisible until a rotating cache has wrapped.
+  seen: the eviction-offset bug (ropekv/bugs/evict_offset.py: evict-offset). Invisible until a rotating cache has wrapped.
 """
 
 from __future__ import annotations

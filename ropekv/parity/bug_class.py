@@ -12,7 +12,7 @@ from enum import StrEnum
 
 
 class BugClass(StrEnum):
-    # the general forensics (ropekv.parity.forensics): where the query and keys really sit
+    # the general forensics: where the query and keys really sit
     DOUBLE_ROTATION = "double_rotation"  # keys rotated when written and again when read: they sit at 2j
     MISSING_ROTATION = "missing_rotation"  # keys stored raw and read as if rotated: they sit at 0
     SLOT_AS_POSITION = "slot_as_position"  # keys rotated by their physical slot, not their logical position
@@ -36,15 +36,15 @@ class BugClass(StrEnum):
     SHIFT_APPLIED_TWICE = "shift_applied_twice"  # rotated keys turned twice for one relabelling
     PADDING_OFFSET = "padding_offset"  # a shared cursor over a left-padded batch: a row's query off by its padding
     RESTORE_OFFSET_LOST = "restore_offset_lost"  # a restored sequence's offset restarted at 0
-    # per-layer RoPE features (ropekv.parity.layer_forensics)
+    # per-layer RoPE features
     NOPE_ROTATED = "nope_rotated"  # a layer without position embedding had its query or keys turned
     PARTIAL_ROTARY_MISMATCH = "partial_rotary_mismatch"  # partial rotary: pass-through channels turned too
     LAYER_ROPE_MISMATCH = "layer_rope_mismatch"  # a layer turned under another layer's RoPE (local/global)
     MLA_ROPE_ROTATED_TWICE = "mla_rope_rotated_twice"  # latent attention: the rope part rotated twice
-    # masks (ropekv.parity.layer_diagnosis): not a rotation at all
+    # masks: not a rotation at all
     WINDOW_MISMATCH = "window_mismatch"  # the kernel read keys the window hides, or missed visible ones
     CHUNK_MISMATCH = "chunk_mismatch"  # chunked attention: keys of an earlier chunk read, or of its own missed
-    # the adapter, not the engine (ropekv.parity.adapter_diagnosis): the final logits agree, the recorded
+    # the adapter, not the engine: the final logits agree, the recorded
     # attention does not, so the record is wrong (most often the positions the adapter labels its keys with)
     MISLABELLED_KEYS = "mislabelled_keys"
     # speculative decoding (ropekv.parity.speculative): a spec:K case's verify pass
@@ -55,14 +55,14 @@ class BugClass(StrEnum):
     BLOCK_SEAM = "block_seam"  # a non-aligned prefix hit: the seam block's recomputed rows hold other contents
     # transfer_layout (ropekv.parity.transfer_layout): the receiver read the sender's block bytes in another order
     BLOCK_LAYOUT_MISMATCH = "block_layout_mismatch"  # received (row, head) holds another sent (row, head)
-    # mRoPE axes (ropekv.parity.mrope_forensics): image-like keys whose h/w sections turned at their t position
+    # mRoPE axes: image-like keys whose h/w sections turned at their t position
     MROPE_AXES_COLLAPSED = "mrope_axes_collapsed"
     # rope magnitude (ropekv.parity.magnitude): angles right, the attention factor dropped or applied twice
     ROPE_MAGNITUDE = "rope_magnitude"  # query/keys at their positions but scaled: |c| / (A |r|) != 1
     # mixed rotations (ropekv.parity.mixed_rotations): one cache holding keys rotated under two specs, each over
     # its own range of rows (LongRoPE's short factors on the early chunks of a prefill, its long ones on the later)
     MIXED_ROTATIONS = "mixed_rotations"
-    # quantized KV (ropekv.parity.kv_quant_forensics): the query right, cached keys at their positions but
+    # quantized KV: the query right, cached keys at their positions but
     # scaled by one constant factor per row range (8-bit codes dequantized with another scale than theirs)
     KV_SCALE_MISMATCH = "kv_scale_mismatch"
     # contents, not rotations: a layer's values off while its attention is right; the rows a prefill

@@ -23,7 +23,7 @@ class Diagnosis:
     (the case it was named from, the layer, the query position, the cases that support it and those
     that named another class); ``keymap`` the fit of that case's first divergent layer (None below
     the forensics tier). Only ``kind``, ``evidence`` and ``details`` go into the report's JSON
-    (:meth:`to_dict`), with the key map's summary lines under ``details["keymap"]``.
+    (:meth:`to_dict`), with the key map under ``details["keymap"]`` (:meth:`KeyMap.to_dict`: a row per key).
     """
 
     kind: BugClass
@@ -39,4 +39,7 @@ class Diagnosis:
 
     def to_dict(self) -> dict[str, Any]:
         """The report's JSON ``"diagnosis"`` object."""
-        return {"kind": self.kind.value, "evidence": self.evidence, "details": self.details}
+        details = dict(self.details)
+        if self.keymap is not None:
+            details["keymap"] = self.keymap.to_dict()
+        return {"kind": self.kind.value, "evidence": self.evidence, "details": details}

@@ -5,7 +5,7 @@ A *cell* is one token at one head (``[N, K]``: the ``N`` keys at the ``K`` KV he
 positions it sits at per M-RoPE section, the rotation it was turned under (an index into
 :attr:`KeyMap.rotations`, 0 being the contract's), the reference row its content is (its own token's
 normally), its length relative to what the contract gives that row there, and what is left over.
-Every bug-class explanation reads this record; the report prints it (:mod:`.describe`).
+Every bug-class explanation reads this record; the report prints it (:mod:`ropekv.parity.explain.pattern` describes what no class explains).
 """
 
 from __future__ import annotations
@@ -18,6 +18,9 @@ from ...rope import RopeSpec
 from .rotations import Rotation
 
 FIT_OK = 0.995  # a cell fits an explanation at this cosine (bf16 storage costs ~1e-5; one position off, ~0.05)
+
+
+MAX_JSON_KEYS = 64  # key rows a report's JSON holds per key map
 
 
 def fit_ok(noise: float) -> float:
@@ -152,3 +155,36 @@ class KeyMap:
 
     def rotation_name(self, index: int) -> str:
         return self.rotations[index].name
+
+    def to_dict(self, max_keys: int = MAX_JSON_KEYS) -> dict[str, object]:
+        """The key map as the report's JSON holds it: the layer, the query, and one row per key
+        (the first ``max_keys`` wrong ones, then right ones up to ``max_keys``), each with its
+        logical position, slot, effective position per KV head, fit, scale, source row and rotation."""
+        wrong = self.wrong_keys().any(1)
+        order = torch.cat((torch.nonzero(wrong).flatten(), torch.nonzero(~wrong).flatten()))[:max_keys]
+        k = self.keys
+
+        def cell_rows(t: TokenFits, i: int) -> dict[str, object]:
+            return {
+                "effective": t.effective[i, :, 0].tolist(),
+                "fit": [round(float(x), 4) for x in t.fit[i]],
+                "scale": [round(float(x), 4) for x in t.scale[i]],
+                "source": t.source[i].tolist(),
+                "rotation": [self.rotation_name(int(r)) for r in t.rotation[i]],
+            }
+
+        return {
+            "layer": self.layer,
+            "keys_total": k.num,
+            "keys_wrong": int(wrong.sum()),
+            "query": {"position": self.query_position, **cell_rows(self.query, 0)},
+            "keys": [
+                {
+                    "position": int(k.positions[i]),
+                    "slot": int(self.slots[i]),
+                    "wrong": bool(wrong[i]),
+                    **cell_rows(k, i),
+                }
+                for i in order.tolist()
+            ],
+        }
