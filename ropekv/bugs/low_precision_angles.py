@@ -41,9 +41,8 @@ def explain(ev: CaseEvidence) -> Match | None:
                 f"angles computed as position x inv_freq in {fmt}{example} (which holds integers exactly only "
                 f"up to {limit}), an error that grows with position"
             )
-        return (
-            f"{who} match {names[0]}: {how}"
-            + (" (the engine agrees with itself: both of its paths share the table)" if ev.facts.self_passed else "")
+        return f"{who} match {names[0]}: {how}" + (
+            " (the engine agrees with itself: both of its paths share the table)" if ev.facts.self_passed else ""
         )
 
     return rotation_match(ev, KIND, ("precision",), text)
