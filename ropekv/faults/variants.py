@@ -11,8 +11,9 @@ at all, angles in a narrower dtype). :class:`Variant` pairs such a fault with ca
 check must name, or with ``expect=None``: a control, a case where the fault's trigger never happens,
 which must pass.
 
-The variants themselves live beside their class (``VARIANTS`` in each :mod:`ropekv.bugs` module) and
-``tests/test_variants.py`` holds the record: each named right, each control passing.
+:func:`generated` lists them by class; ``scripts/forensics_confusion.py`` runs them all and prints the
+record (docs/forensics.md), and ``tests/test_variants.py`` asserts a sample: each named right, each
+control passing.
 """
 
 from __future__ import annotations

@@ -164,7 +164,12 @@ class _Choice:
         (the misfit ``1 - fit`` cut to a quarter: the residual halved), so that noise in a row's content
         never trades its own explanation for a neighbouring one."""
         gain = (self.fit < self.ok) | (1 - fit < CLEAR * (1 - self.fit))
-        better = mask & (fit > self.fit + 1e-12) & gain
+        self.take(mask & (fit > self.fit + 1e-12) & gain, fit, pos, rot, src, head)
+
+    def take(
+        self, better: torch.Tensor, fit: torch.Tensor, pos: torch.Tensor, rot: int, src: torch.Tensor, head: torch.Tensor
+    ) -> None:
+        """Take the explanation where ``better`` [cells] holds, whatever the current choice."""
         self.fit[better] = fit[better]
         self.pos[better] = pos[better]
         self.rot[better] = rot
@@ -354,8 +359,15 @@ def _estimate(inp: FitInput, groups: list[_Fitter], rotations: list[Rotation]) -
     # Offered to every cell the contract does not fit exactly, not only the lost ones: at small
     # positions a wrong spec turns a key barely off its contract rotation (a fit above the threshold,
     # not exact), and the estimate takes such a cell only where it is clearly better (CLEAR).
+    # A cell the integer search placed away from its expected position, which the estimated spec also
+    # explains at that position, takes the estimate: one spec for every cell, not a position of its own
+    # per cell (a linear factor of 2 turns the key at 2j exactly as the contract turns it at j).
+    index = len(rotations) - 1
     for g in groups:
-        g.offer(len(rotations) - 1, g.exp_c)
+        fit = g.offer(index, g.exp_c)
+        moved = (g.choice.pos != g.exp_c).any(dim=1)
+        prefer = g.free & g.searched & moved & (fit >= g.ok) & (g.choice.rot != index)
+        g.choice.take(prefer, fit, g.exp_c, index, g.own, g.heads)
 
 
 def _channels(rope: RopeSpec | None, d: int) -> tuple[torch.Tensor, torch.Tensor]:

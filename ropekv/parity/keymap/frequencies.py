@@ -27,6 +27,7 @@ from .spectral import Spectra
 
 Family = Literal["theta", "scale"]
 MAX_CELLS = 64  # cells the estimate reads (spread over positions; the highest kept)
+GRID_CELLS = 16  # of those, the cells the grid is scored on (the peaks are refined on all of them)
 MAX_GRID = 1 << 17  # grid points per family
 MAX_EXACT_GRID = 1 << 12  # grid points of the spec's own theta family (each a call of its frequency function)
 PEAKS = 4  # local maxima of a grid refined
@@ -62,7 +63,18 @@ def _score(sp: Spectra, cells: torch.Tensor, pos: torch.Tensor, ws: torch.Tensor
     return out
 
 
-def _golden(f: Callable[[float], float], lo: float, hi: float, steps: int = 60) -> float:
+def _spread(cells: torch.Tensor, positions: torch.Tensor, most: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """At most about ``most`` of ``cells [M]``: spread evenly over their positions, the highest quarter kept
+    (the highest positions separate nearby frequency sets best)."""
+    if cells.numel() <= most:
+        return cells, positions
+    order = positions.argsort()
+    keep = torch.cat((order[-(most // 4) :], order[torch.linspace(0, order.numel() - 1, most).long()]))
+    keep = torch.unique(keep)
+    return cells[keep], positions[keep]
+
+
+def _golden(f: Callable[[float], float], lo: float, hi: float, steps: int = 45) -> float:
     """The argmax of ``f`` on ``[lo, hi]`` by golden-section search."""
     g = (5**0.5 - 1) / 2
     for _ in range(steps):
@@ -88,11 +100,10 @@ def estimate(
     without scaling)."""
     if cells.numel() == 0 or sp.num_sections != 1:
         return None
-    if cells.numel() > MAX_CELLS:
-        order = positions.argsort()
-        keep = torch.cat((order[-MAX_CELLS // 4 :], order[torch.linspace(0, order.numel() - 1, MAX_CELLS).long()]))
-        keep = torch.unique(keep)
-        cells, positions = cells[keep], positions[keep]
+    cells, positions = _spread(cells, positions, MAX_CELLS)
+    # The grid costs grid points x cells x pairs: it is scored on fewer cells. A true frequency set fits
+    # every cell, so its peak is among the best of any subset's; each peak is then refined on all cells.
+    grid_cells, grid_positions = _spread(cells, positions, GRID_CELLS)
     w = sp.w
     p_max = float(positions.abs().max().clamp_min(1))
     span = 2 * math.log(RANGE)
@@ -115,10 +126,12 @@ def estimate(
                 return _family_w(w, rotary_dim, family, x)
             return torch.stack([exact(float(v)) for v in x.tolist()])
 
-        fits = _score(sp, cells, positions, family_w(logs.exp()))
+        fits = _score(sp, grid_cells, grid_positions, family_w(logs.exp()))
         # the best local maxima, each refined between its neighbours
-        peaks = [i for i in range(n) if fits[i] >= fits[max(0, i - 1)] and fits[i] >= fits[min(n - 1, i + 1)]]
-        peaks = sorted(peaks, key=lambda i: -float(fits[i]))[:PEAKS]
+        left = torch.cat((fits[:1], fits[:-1]))
+        right = torch.cat((fits[1:], fits[-1:]))
+        peaks = torch.nonzero((fits >= left) & (fits >= right)).flatten()
+        peaks = peaks[fits[peaks].argsort(descending=True)[:PEAKS]].tolist()
         for i in peaks:
             lo, hi = float(logs[max(0, i - 1)]), float(logs[min(n - 1, i + 1)])
             v = _golden(lambda u: float(_score(sp, cells, positions, family_w(torch.tensor([u]).exp()))[0]), lo, hi)
