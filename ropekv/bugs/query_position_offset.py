@@ -57,8 +57,14 @@ def explain(ev: CaseEvidence) -> Match | None:
                 note = f" and the {n_off} newest keys are off too, at j {', '.join(f'{x:+d}' for x in ds[:6])} (the newest where the query is)"
     cells = Cells(k_cells, q_cells)
     right = int((km.key_exact().all(1) & ~k_cells.any(1)).sum())
+    q_off = km.query.offsets()[0, :, 0]
+    who = (
+        "the query"
+        if bool((q_off == c).all())
+        else "query head " + span_text(torch.nonzero(q_off == c).flatten().tolist())
+    )
     text = (
-        f"keys are right but the query sits at t {c:+d}"
+        f"keys are right but {who} sits at t {c:+d}"
         if not note
         else f"the query sits at t {c:+d} (effective {t + c}){note}"
     )

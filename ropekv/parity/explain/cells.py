@@ -152,13 +152,17 @@ def moved(km: KeyMap) -> torch.Tensor:
 
 
 def query_offset(km: KeyMap) -> int | None:
-    """The offset of the query heads from their position, where every head fits and they agree on it
-    (section 0), else None."""
+    """The offset of the query heads from their position (section 0), where every head fits and the
+    heads off their position agree on it (a subset of heads may be off: a per-head table or a
+    head-parallel rank's own offset), else None; 0 when every head is at its position."""
     q = km.query
     if not bool(q.ok.all()) or not bool((q.rotation == 0).all()):
         return None
     d = q.offsets()[0, :, 0]
-    return int(d[0]) if bool((d == d[0]).all()) else None
+    off = d[d != 0]
+    if off.numel() == 0:
+        return 0
+    return int(off[0]) if bool((off == off[0]).all()) else None
 
 
 def right_elsewhere(km: KeyMap, cells: torch.Tensor) -> str:
