@@ -15,6 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from test_default_model import _tiny_convert
 from tokenizers import Tokenizer as Backend
 from tokenizers import models
 
@@ -24,8 +25,6 @@ from ropekv.models import default, load_checkpoint
 from ropekv.models.default import default_checkpoint
 from ropekv.models.gguf_file import MAX_ARRAY_ELEMENTS, open_gguf
 from ropekv.models.tokenizer import Tokenizer
-
-from test_default_model import _tiny_convert
 
 
 @contextmanager
