@@ -27,12 +27,16 @@ from ropekv.models.gguf_file import MAX_ARRAY_ELEMENTS, open_gguf
 from ropekv.models.tokenizer import Tokenizer
 
 
+class Hung(BaseException):
+    """Raised by :func:`within`; not an OSError (TimeoutError is one), so no ``except OSError`` hides it."""
+
+
 @contextmanager
 def within(seconds: float) -> Iterator[None]:
     """Fail (instead of hanging the suite) if the block runs longer than ``seconds``."""
 
     def alarm(signum, frame):
-        raise TimeoutError(f"still running after {seconds} s")
+        raise Hung(f"still running after {seconds} s")
 
     previous = signal.signal(signal.SIGALRM, alarm)
     signal.setitimer(signal.ITIMER_REAL, seconds)
