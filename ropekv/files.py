@@ -133,7 +133,9 @@ def read_json(
     raw = read_bounded(path, what, error, max_bytes=max_bytes)
     depth = json_depth(raw)
     if depth > max_depth:
-        raise error(f"{os.fspath(path)}: JSON nested {depth} deep, more than the {max_depth} a {what} may nest")
+        raise error(
+            f"{os.fspath(path)}: not valid JSON: nested {depth} deep, more than the {max_depth} a {what} may nest"
+        )
     try:
         return json.loads(raw.decode("utf-8"))
     except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, an int over Python's digit limit
