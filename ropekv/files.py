@@ -6,14 +6,22 @@ a single header byte is checked. Every reader of a user's file (saved caches, ha
 checkpoints) opens it here, then reads and validates its header, then reads only what the header
 declared and the size allows.
 
+Small JSON files (configs, records) are read whole with :func:`read_json`: a regular file, at most
+``max_bytes``, nested at most ``max_depth`` deep (checked before parsing: a document nested 100,000 deep
+is a RecursionError inside ``json``), every OS error (a file of another user's, mode 0600) one typed error.
+
 At the bottom of the package (it imports only ``errors``), so readers in every layer can use it.
 """
 
 from __future__ import annotations
 
 import io
+import itertools
+import json
 import os
+import re
 import stat
+from typing import Any
 
 from .errors import RopeKVError, UsageError
 
@@ -81,3 +89,54 @@ def read_exactly(f: io.RawIOBase, buffer: memoryview, where: str, error: type[Ro
         if not got:
             raise error(f"{where}: the file ended after {done} of {len(buffer)} byte(s) (changed while reading?)")
         done += got
+
+
+MAX_JSON_BYTES = 64 << 20  # 64 MiB: far above any config or record ropekv reads (a tokenizer.json is ~2-10 MB)
+MAX_JSON_DEPTH = 100  # a transformers config nests 4 or 5 deep; json's C parser recurses per level
+
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_DEPTH_STEP = {ord("["): 1, ord("{"): 1, ord("]"): -1, ord("}"): -1}
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in _DEPTH_STEP)
+
+
+def read_bounded(path: str | os.PathLike, what: str, error: type[RopeKVError] = UsageError, *, max_bytes: int) -> bytes:
+    """The whole of ``path``, a regular file of at most ``max_bytes`` (else ``error``, one line)."""
+    f, size = open_regular(path, what, error)
+    with f:
+        where = f"cannot read the {what} {os.fspath(path)}"
+        if size > max_bytes:
+            raise error(f"{os.fspath(path)}: implausibly large for a {what} ({size} bytes; at most {max_bytes})")
+        buffer = bytearray(size)
+        try:
+            read_exactly(f, memoryview(buffer), where, error)
+        except OSError as exc:
+            raise error(f"{where}: {exc.strerror or exc}") from None
+        return bytes(buffer)
+
+
+def json_depth(raw: bytes) -> int:
+    """How deep the arrays and objects of the JSON text ``raw`` nest (brackets inside strings ignored)."""
+    brackets = _JSON_STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    return max(itertools.accumulate(_DEPTH_STEP[b] for b in brackets), default=0)
+
+
+def read_json(
+    path: str | os.PathLike,
+    what: str,
+    error: type[RopeKVError] = UsageError,
+    *,
+    max_bytes: int = MAX_JSON_BYTES,
+    max_depth: int = MAX_JSON_DEPTH,
+) -> Any:
+    """The JSON document in ``path``, read by :func:`read_bounded` and nested at most ``max_depth`` deep;
+    anything else (not a regular file, unreadable, too large, too deep, not UTF-8 JSON) is ``error``."""
+    raw = read_bounded(path, what, error, max_bytes=max_bytes)
+    depth = json_depth(raw)
+    if depth > max_depth:
+        raise error(
+            f"{os.fspath(path)}: not valid JSON: nested {depth} deep, more than the {max_depth} a {what} may nest"
+        )
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, an int over Python's digit limit
+        raise error(f"{os.fspath(path)}: not valid JSON: {' '.join(str(exc).splitlines())[:200]}") from None

@@ -103,7 +103,7 @@ def test_a_module_adapter_is_loaded_by_its_load_classmethod(tiny_llama_dir, caps
         ("{file}:Missing", "has no attribute 'Missing'"),
         ("{file}:NotAnAdapter", "protocol: expected the members name, tier"),
         ("{file}:LoadFails", "load(model, dtype): expected no exception, got ZeroDivisionError: the user's load"),
-        ("{file}:RunFails", "run: expected no exception, got KeyError: 'cache slot'"),
+        ("{file}:RunFails", "run_case(L=1 P=0 B=16 S=3): expected no exception, got KeyError: 'cache slot'"),
         ("{folder}/nope.py:Cls", "nope.py: no such file"),
         ("{folder}:Cls", "is not a file"),
         ("{file}:not-an-identifier", "expected module:Class or path/to/file.py:Class"),

@@ -14,7 +14,8 @@ from ..argtypes import strict_int, suggest
 from ..contract import DTYPES, KV_DTYPES, KV_SCALES
 from ..errors import UsageError
 from ..parity.cases import LONG_CONTEXT, ImageGrid
-from .custom_engine import CustomEngine, run_user_code
+from .adapter_guard import DEFAULT_TIMEOUT_S, AdapterGuard
+from .custom_engine import CustomEngine
 from .options import (
     add_model_argument,
     block_size_list,
@@ -23,6 +24,7 @@ from .options import (
     positive_int,
     positive_int_list,
     seed,
+    timeout_seconds,
     writable_path,
 )
 
@@ -46,6 +48,14 @@ def add_parser(sub) -> None:
         + "; ".join(f"{e.name}: {e.summary}" + (f" (from {e.venv})" if e.venv else "") for e in ENGINES.values())
         + "; or your own adapter, module:Class or path/to/file.py:Class, built by Class.load(MODEL, "
         "dtype=DTYPE) (runs that code, as pytest does; docs/adapters.md)",
+    )
+    p.add_argument(
+        "--adapter-timeout",
+        type=timeout_seconds,
+        default=DEFAULT_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"with --engine module:Class: the longest one call into the adapter (load, run_case, ...) may take "
+        f"before the check stops with an error naming the call (default {DEFAULT_TIMEOUT_S:g})",
     )
     p.add_argument("--key-form", choices=("raw", "rotated"), default=None, help="cache key form (default rotated)")
     p.add_argument(
@@ -91,7 +101,8 @@ def add_parser(sub) -> None:
         choices=KV_DTYPES,
         help="store ropekv's KV cache in another dtype than it computes in: fp8 = float8_e4m3fn codes with "
         "per-layer scales, dequantized to float32 on read (vLLM's kv_cache_dtype=fp8; needs --dtype float32; "
-        "sets the fp8 tolerance, docs/faults.md)",
+        "sets the fp8 tolerance, docs/faults.md); with --engine module:Class it is passed to Class.load(..., "
+        "kv_dtype='fp8') and sets the fp8 tolerance",
     )
     p.add_argument(
         "--kv-scale",
@@ -160,10 +171,14 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.kv_scale is not None and args.kv_dtype is None:
         raise UsageError("--kv-scale sets the scales of an 8-bit cache: it needs --kv-dtype fp8")
-    if args.kv_dtype is not None and (args.engine != "ropekv" or args.dtype != "float32"):
+    custom = CustomEngine.parse(args.engine)  # a malformed module:Class is refused here
+    if args.kv_dtype is not None and custom is not None and args.kv_scale is not None:
+        raise UsageError("--kv-scale sets the scales of ropekv's own 8-bit cache; your adapter chooses its own")
+    if args.kv_dtype is not None and custom is None and (args.engine != "ropekv" or args.dtype != "float32"):
         raise UsageError(
             f"--kv-dtype {args.kv_dtype} stores ropekv's own cache in 8 bits and dequantizes it to float32: it needs "
-            f"--engine ropekv and --dtype float32 (got --engine {args.engine}, --dtype {args.dtype})"
+            f"--engine ropekv and --dtype float32, or your own adapter (--engine module:Class) "
+            f"(got --engine {args.engine}, --dtype {args.dtype})"
         )
     kv_native = isinstance(fault, NativeFault)  # ropekv's own engine, where a cache dtype can be chosen
     if isinstance(fault, NativeFault) and fault.kv_dtype is not None and args.dtype != "float32":
@@ -172,7 +187,6 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--kv-dtype applies to ropekv's own engine; fault {fault.name!r} runs another")
     if args.engine != "ropekv" and args.device != "cpu":
         raise UsageError(f"--device applies to ropekv's engine; --engine {args.engine} picks its own device")
-    custom = CustomEngine.parse(args.engine)  # a malformed module:Class is refused here
     external = custom is None and ENGINES[args.engine].venv is not None
     module = engine_module(args.engine) if external else None  # EngineUnavailable before any heavy work
 
@@ -245,13 +259,10 @@ def run(args: argparse.Namespace) -> int:
     tolerance = module.engine_tolerance(adapter) if module is not None else None
     if isinstance(adapter, NativeAdapter) and adapter.kv_dtype is not None:  # an 8-bit cache's noise floor
         tolerance = kv_tolerance(adapter.kv_dtype)
+    if custom is not None and args.kv_dtype is not None:  # the adapter was asked for an 8-bit cache
+        tolerance = kv_tolerance(args.kv_dtype)
 
-    def judge():
-        return check(
-            adapter, cases=cases, seed=args.seed, progress=progress, tolerance=tolerance, reference_cache=store
-        )
-
-    report = judge() if custom is None else run_user_code(custom, "run", judge)
+    report = check(adapter, cases=cases, seed=args.seed, progress=progress, tolerance=tolerance, reference_cache=store)
     print(report.table())
     code = 0 if report.passed else 1
     if json_path is not None:
@@ -277,7 +288,8 @@ def build_adapter(args: argparse.Namespace, *, module=None, custom: CustomEngine
     if module is not None:
         return module.from_args(args)
     if custom is not None:
-        return custom.load(args.model, args.dtype)
+        guard = AdapterGuard(custom.spec, args.adapter_timeout)
+        return custom.load(args.model, args.dtype, guard=guard, kv_dtype=args.kv_dtype)
     if args.engine == "hf":
         from ..adapters.hf import HFEngine
 

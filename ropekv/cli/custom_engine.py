@@ -17,17 +17,15 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from ..errors import AdapterError, RopeKVError, UsageError
+from .adapter_guard import AdapterGuard, GuardedAdapter, safe_text
 
 if TYPE_CHECKING:
     from ..parity.protocol import EngineAdapter
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -52,11 +50,14 @@ class CustomEngine:
             raise UsageError(f"--engine {spec}: {target!r} is not a module name (a file needs the .py suffix)")
         return CustomEngine(spec, target, attribute, is_file)
 
-    def load(self, model: str | None, dtype: str) -> EngineAdapter:
-        """The adapter: ``Class.load(model, dtype=dtype)``, checked against the protocol."""
-        from ..parity.validate import check_adapter
-
-        owner = self._import()
+    def load(
+        self, model: str | None, dtype: str, *, guard: AdapterGuard | None = None, kv_dtype: str | None = None
+    ) -> EngineAdapter:
+        """The adapter: ``Class.load(model, dtype=dtype)`` (and ``kv_dtype=`` where one is asked for),
+        checked against the protocol, every later call into it fenced by ``guard``
+        (:mod:`ropekv.cli.adapter_guard`: one line for an exit, an interrupt, a print, a hang)."""
+        guard = guard or AdapterGuard(self.spec)
+        owner = guard.call("import", self._import)
         if not hasattr(owner, self.attribute):
             raise UsageError(f"--engine {self.spec}: {self.target} has no attribute {self.attribute!r}")
         factory = getattr(owner, self.attribute)
@@ -66,9 +67,10 @@ class CustomEngine:
                 f"--engine {self.spec}: {self.attribute} has no load(model, dtype) classmethod "
                 "(see docs/adapters.md, 'From the command line')"
             )
-        adapter = run_user_code(self, "load(model, dtype)", lambda: load(model, dtype=dtype))
-        check_adapter(adapter)  # AdapterError (exit 2) names what the object lacks
-        return cast("EngineAdapter", adapter)  # its members were checked just above
+        extra = {} if kv_dtype is None else {"kv_dtype": kv_dtype}
+        what = "load(model, dtype" + (", kv_dtype" if extra else "") + ")"
+        adapter = guard.call(what, lambda: load(model, dtype=dtype, **extra))
+        return cast("EngineAdapter", GuardedAdapter(adapter, guard))  # its members are checked there
 
     def _import(self) -> Any:
         if not self.is_file:
@@ -95,8 +97,10 @@ class CustomEngine:
         sys.modules[name] = module  # dataclasses and typing look the module up while it executes
         try:
             spec.loader.exec_module(module)
-        except Exception as exc:
+        except BaseException as exc:  # SystemExit too: the guard around this call reports it
             del sys.modules[name]
+            if not isinstance(exc, Exception):
+                raise
             raise _user_error(self, "import", exc) from exc
         return module
 
@@ -104,16 +108,4 @@ class CustomEngine:
 def _user_error(engine: CustomEngine, what: str, exc: Exception) -> RopeKVError:
     if isinstance(exc, RopeKVError):
         return exc
-    first = str(exc).splitlines()[0] if str(exc) else ""
-    return AdapterError(engine.spec, what, "no exception", f"{type(exc).__name__}: {first}"[:300])
-
-
-def run_user_code(engine: CustomEngine, what: str, call: Callable[[], T]) -> T:
-    """``call()``; an exception other than a RopeKVError from the user's adapter is an AdapterError
-    (one line, exit 2; ``--debug`` shows its traceback), never a traceback of ropekv's."""
-    try:
-        return call()
-    except RopeKVError:
-        raise
-    except Exception as exc:
-        raise _user_error(engine, what, exc) from exc
+    return AdapterError(engine.spec, what, "no exception", safe_text(exc))

@@ -74,16 +74,31 @@ def main(argv: list[str] | None = None) -> int:
         from ..models.embedded import fold_model_name
 
         fold_model_name(args)
-        return int(args.handler(args))
+        try:
+            return int(args.handler(args))
+        except SystemExit as exc:
+            # Library or engine code ending the process from inside a subcommand has printed no verdict:
+            # exit 0 is only ever a subcommand's own return (a verdict of parity, or a listing).
+            raise RopeKVError(
+                f"{args.command} stopped without a verdict: sys.exit({_safe(exc.code)!s}) was called"
+            ) from exc
     except RopeKVError as exc:
         if debug:
             traceback.print_exc()
-        message = " ".join(str(exc).splitlines()) or type(exc).__name__  # always exactly one line
+        message = " ".join(_safe(exc).splitlines()) or type(exc).__name__  # always exactly one line
         print(f"ropekv: error: {message}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print("ropekv: interrupted", file=sys.stderr)
         return 130
+
+
+def _safe(value: object) -> str:
+    """``str(value)``, or its type's name where ``str()`` itself raises."""
+    try:
+        return str(value)
+    except Exception:
+        return type(value).__name__
 
 
 if __name__ == "__main__":

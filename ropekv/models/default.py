@@ -40,6 +40,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from ..errors import CheckpointError, ConfigError, RopeKVError
+from ..files import read_json
 from .config import Checkpoint, ModelConfig
 from .embedded import DEFAULT_MODEL, EMBEDDED, EmbeddedModel, cache_root, embedded_model, gguf_path
 from .gguf_file import checkpoint_from_reader, file_sha256, load_gguf, open_gguf, read_gguf_config
@@ -209,9 +210,11 @@ def _stat_record(file: Path, digest: str) -> dict[str, object]:
 
 
 def _verified_record(folder: Path) -> object:
+    """The record :func:`_write_verified` left, or None where there is none or it cannot be read: a FIFO,
+    a device, a huge or deep file, another user's file are all "not verified" (the weights are hashed)."""
     try:
-        return json.loads((folder / VERIFIED_FILE).read_text())
-    except (OSError, ValueError):
+        return read_json(folder / VERIFIED_FILE, "verification record", CheckpointError, max_bytes=1 << 16)
+    except CheckpointError:
         return None
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ..argtypes import suggest
 from ..errors import CheckpointError, UsageError
+from ..files import read_json
 
 SMOLLM2_135M = "smollm2-135m"
 GEMMA3_270M = "gemma3-270m"
@@ -261,9 +262,10 @@ def _stat(path: Path) -> dict[str, int]:
 
 
 def _read_json(path: Path) -> object:
+    """A record this module wrote, or None where it is missing or cannot be read as one (bounded)."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        return read_json(path, "download record", CheckpointError, max_bytes=1 << 16)
+    except CheckpointError:
         return None
 
 

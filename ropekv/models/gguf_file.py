@@ -38,6 +38,7 @@ from gguf.quants import dequantize
 from tqdm import tqdm
 
 from ..errors import CheckpointError, ConfigError
+from ..files import open_regular
 from ..rope import LAYOUTS, layout_permutation
 from .config import Checkpoint, ModelConfig, fingerprint_of
 from .hf_config import read_model_config
@@ -124,6 +125,11 @@ _U32, _U64 = struct.Struct("<I"), struct.Struct("<Q")
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
 _STRING, _ARRAY = 8, 9
 _MAX_ARRAY_DEPTH = 4
+# gguf-py's reader builds a Python object per array element (a 10**7-string array took it minutes and
+# 16 GB): arrays are capped before it starts. 2**20 is four times the largest vocabulary (262,144 tokens)
+# and above the largest merge list (about 280,000 for Llama 3); all arrays together 2**22.
+MAX_ARRAY_ELEMENTS = 1 << 20
+MAX_METADATA_ELEMENTS = 1 << 22
 _MIN_KV_BYTES = 8 + 1 + 4  # key length, >= 1 key byte, value type
 _MIN_TENSOR_INFO_BYTES = 8 + 1 + 4 + 8 + 4 + 8  # name length, name, n_dims, one dim, type, offset
 
@@ -135,9 +141,9 @@ def open_gguf(path: str | os.PathLike) -> GGUFReader:
     """A ``GGUFReader`` over ``path`` after bounding its declared sizes; :class:`CheckpointError` if the
     file is missing, not GGUF, truncated or inconsistent (the message names the file)."""
     path = Path(path)
+    f, size = open_regular(path, "GGUF file", CheckpointError)  # a FIFO or another user's file: one line
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        with f:
             head = f.read(_HEADER.size)
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read GGUF file: {exc.strerror or exc}") from None
@@ -178,6 +184,8 @@ def _check_metadata_sizes(path: Path, n_kv: int, size: int) -> None:
     growing a list: the lengths are bounded here, before the reader starts.
     """
 
+    elements = [0]  # array elements seen so far, across every entry
+
     def corrupt(what: str) -> CheckpointError:
         return CheckpointError(f"{path}: truncated or corrupt GGUF file: {what}")
 
@@ -203,6 +211,13 @@ def _check_metadata_sizes(path: Path, n_kv: int, size: int) -> None:
             least = _SCALAR_BYTES.get(itype, 8 if itype == _STRING else 12)  # 12: a nested array header
             if count * least > size - off:
                 raise corrupt(f"metadata {key!r} declares {count} array elements, {size - off} bytes are left")
+            if count > MAX_ARRAY_ELEMENTS or elements[0] + count > MAX_METADATA_ELEMENTS:
+                raise CheckpointError(
+                    f"{path}: metadata {key!r} declares {count} array elements; ropekv reads at most "
+                    f"{MAX_ARRAY_ELEMENTS} per array and {MAX_METADATA_ELEMENTS} in all (the largest vocabularies "
+                    "hold about 262,144 tokens)"
+                )
+            elements[0] += count
             if itype in _SCALAR_BYTES:
                 return off + count * least
             for _ in range(count):

@@ -23,7 +23,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, RopeKVError
+from ..files import open_regular, read_json
 from .config import Checkpoint, ModelConfig, fingerprint_of
 from .families import canonical_weights
 from .hf_config import read_model_config
@@ -90,16 +91,12 @@ def read_dir_config(path: str | Path, *, layout: str = "neox") -> ModelConfig:
     return _read_config(root / "config.json", layout)
 
 
-def _read_json(file: Path, error: type[Exception]) -> Any:
-    """Parse a JSON file; a missing file is a CheckpointError, malformed content ``error``."""
-    if not file.is_file():
+def _read_json(file: Path, error: type[RopeKVError]) -> Any:
+    """Parse a JSON file (:func:`ropekv.files.read_json`); a missing file is a CheckpointError, anything
+    else wrong with it (unreadable, not a regular file, too large or deep, malformed) ``error``."""
+    if not file.exists() and not file.is_symlink():
         raise CheckpointError(f"{file}: missing (a transformers checkpoint directory needs it)")
-    if file.stat().st_size > _MAX_JSON_BYTES:
-        raise error(f"{file}: implausibly large for a JSON file ({file.stat().st_size} bytes)")
-    try:
-        return json.loads(file.read_bytes().decode("utf-8"))
-    except (ValueError, RecursionError) as exc:  # bad UTF-8 or JSON, an int over Python's digit limit, deep nesting
-        raise error(f"{file}: not valid JSON: {exc}") from None
+    return read_json(file, file.name, error, max_bytes=_MAX_JSON_BYTES)
 
 
 def _read_config(file: Path, layout: str) -> ModelConfig:
@@ -156,8 +153,8 @@ def _check_header(file: Path) -> None:
     Layout: 8-byte little-endian header length ``n``, ``n`` bytes of JSON header, then the data
     section; every tensor's ``data_offsets`` must lie inside that data section.
     """
-    size = file.stat().st_size
-    with file.open("rb") as f:
+    f, size = open_regular(file, "safetensors file", CheckpointError)  # no FIFO, no unreadable-file traceback
+    with f:
         prefix = f.read(8)
         if len(prefix) < 8:
             raise CheckpointError(f"{file}: truncated safetensors file ({size} bytes, no header length)")

@@ -29,10 +29,12 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as _Backend
 
 from ..errors import CheckpointError, ConfigError
+from ..files import read_json, regular_file_size
 from .gguf_file import open_gguf
 from .tokenizer_spm import gemma_backend, respelled
 
 _CONTROL, _USER_DEFINED = 3, 4
+_MAX_TOKENIZER_CONFIG_BYTES = 16 << 20  # transformers' tokenizer_config.json: kilobytes (a chat template)
 _DIGITS_FIRST = ("smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva")
 _GPT2_ONLY = ("gpt2", "mpt", "olmo", "jais")
 SUPPORTED_PRE = _DIGITS_FIRST + _GPT2_ONLY
@@ -163,17 +165,19 @@ class Tokenizer:
         """Load what :meth:`save` wrote: ``tokenizer.json`` plus its sibling ``tokenizer_config.json``
         (transformers' names; the latter holds the BOS/EOS tokens and the BOS flag)."""
         tokenizer_json = Path(tokenizer_json)
+        regular_file_size(tokenizer_json, "tokenizer file", CheckpointError)  # no FIFO or device to the reader
         try:
             backend = _Backend.from_file(str(tokenizer_json))
         except Exception as exc:  # tokenizers raises a bare Exception for unreadable or malformed JSON
             raise CheckpointError(f"{tokenizer_json}: cannot load tokenizer: {exc}") from None
         extra: dict[str, Any] = {}
         config_path = tokenizer_json.with_name("tokenizer_config.json")
-        if config_path.exists():
-            try:
-                extra = json.loads(config_path.read_text())
-            except (OSError, ValueError) as exc:
-                raise CheckpointError(f"{config_path}: unreadable tokenizer config: {exc}") from None
+        if config_path.exists() or config_path.is_symlink():
+            # bounded in size and depth: a link to /dev/zero or a document nested 100,000 deep is one line
+            data = read_json(config_path, "tokenizer config", CheckpointError, max_bytes=_MAX_TOKENIZER_CONFIG_BYTES)
+            if not isinstance(data, dict):
+                raise CheckpointError(f"{config_path}: a tokenizer config is a JSON object, got {type(data).__name__}")
+            extra = data
 
         def token_id(name: str) -> int | None:
             token = extra.get(name)

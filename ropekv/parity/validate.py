@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..errors import AdapterError, UsageError
-from ..models.config import ModelConfig
+from ..models.config import Checkpoint, ModelConfig
 from ..probe import LayerProbe
 from .cases import Case
 from .protocol import REQUIRED_MEMBERS, CaseRun, EngineDescription, FullRun, Ignored, StepRecord, Tier
@@ -44,6 +44,11 @@ def check_adapter(adapter: object) -> Tier:
         raise AdapterError(name, "tier", "one of " + ", ".join(t.value for t in Tier), repr(declared)) from None
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise AdapterError(name, "dtype", "a floating torch.dtype", repr(dtype))
+    checkpoint = members.checkpoint
+    if not isinstance(checkpoint, Checkpoint):
+        raise AdapterError(
+            name, "checkpoint", "a ropekv Checkpoint (ropekv.models.load_checkpoint)", type(checkpoint).__name__
+        )
     return tier
 
 

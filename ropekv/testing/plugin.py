@@ -2,14 +2,20 @@
 
 - ``ropekv_default_checkpoint``: the embedded SmolLM2-135M as a :class:`~ropekv.models.config.Checkpoint`
   (converted once into ``$XDG_CACHE_HOME/ropekv``; session scope).
-- ``tiny_checkpoint``: a factory, ``tiny_checkpoint(arch="llama", saved=False, **config_overrides)``,
-  returning an in-memory Checkpoint, or with ``saved=True`` a directory written by transformers
-  (cached per arguments for the session).
+- ``ropekv_default_model_dir``: the folder of the default model's files (config.json, model.safetensors,
+  tokenizer.json, tokenizer_config.json), for an engine with its own loader: no weight is read
+  (:func:`ropekv.models.resolve_model_dir`; session scope).
+- ``tiny_checkpoint``: :func:`ropekv.testing.tiny.tiny_checkpoint` itself, same signature
+  ``tiny_checkpoint(arch="llama", *, save_to=None, **config_overrides)``: an in-memory Checkpoint (cached
+  per arguments for the session), or with ``save_to`` a directory written there by transformers.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -23,16 +29,30 @@ def ropekv_default_checkpoint():
 
 
 @pytest.fixture(scope="session")
-def tiny_checkpoint(tmp_path_factory):
+def ropekv_default_model_dir() -> Path:
+    from ..models import resolve_model_dir
+
+    return resolve_model_dir(None)
+
+
+def cached_tiny_checkpoint() -> Callable[..., Any]:
+    """:func:`ropekv.testing.tiny.tiny_checkpoint`, its in-memory results cached per arguments."""
     from .tiny import tiny_checkpoint as make
 
     cache: dict[str, Any] = {}
 
-    def factory(arch: str = "llama", *, saved: bool = False, **overrides: Any):
-        key = json.dumps([arch, saved, overrides], sort_keys=True, default=str)
+    @functools.wraps(make)
+    def tiny_checkpoint(arch: str = "llama", *, save_to: str | Path | None = None, **overrides: Any) -> Any:
+        if save_to is not None:  # the caller's folder: written each time, as the library function does
+            return make(arch, save_to=save_to, **overrides)
+        key = json.dumps([arch, overrides], sort_keys=True, default=str)
         if key not in cache:
-            where = tmp_path_factory.mktemp(f"tiny-{arch}") / "model" if saved else None
-            cache[key] = make(arch, save_to=where, **overrides)
+            cache[key] = make(arch, **overrides)
         return cache[key]
 
-    return factory
+    return tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint():
+    return cached_tiny_checkpoint()

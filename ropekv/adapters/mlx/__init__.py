@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .engine import MLXEngine
 
-__all__ = ["MLXEngine", "add_arguments", "from_args", "default_cases", "tolerance"]
+__all__ = ["MLXEngine", "add_arguments", "from_args", "default_cases", "engine_tolerance"]
 
 
 def __getattr__(name: str) -> Any:
