@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
+from .. import user_code
 from ..errors import AdapterError, RopeKVError, UsageError
 
 if TYPE_CHECKING:
@@ -71,6 +72,8 @@ class CustomEngine:
         return cast("EngineAdapter", adapter)  # its members were checked just above
 
     def _import(self) -> Any:
+        if self.is_file or self.target.split(".")[0] != "ropekv":  # ropekv's own adapters are not user code
+            user_code.mark_loaded(self.spec)  # before it runs: from here on this process runs the user's code
         if not self.is_file:
             try:
                 return importlib.import_module(self.target)
