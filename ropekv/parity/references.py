@@ -84,7 +84,9 @@ class References:
                 self._rows.setdefault(self._group(c), []).extend(rows)
                 self._cases.setdefault(self._group(c), dataclasses.replace(c, op=None))
         self._ref: dict[_Key, ReferenceOutput] = {}
-        self._layer0: dict[tuple[_Group, tuple[int, ...]], ReferenceOutput] = {}  # layer 0 of a plain forward, checking stored rows
+        self._layer0: dict[
+            tuple[_Group, tuple[int, ...]], ReferenceOutput
+        ] = {}  # layer 0 of a plain forward, checking stored rows
         self._op_ref: dict[Case, ReferenceOutput] = {}  # an evict or shift case's own reference
         self._self: dict[_Key, FullRun] = {}
         # How many cases still to be judged read each forward. One is dropped after its last reader:
