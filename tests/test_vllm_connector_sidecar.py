@@ -165,10 +165,11 @@ def test_sidecar_size_is_bounded_and_missing_is_none(entry):
 def test_refusals_are_appended_one_json_line_each(tmp_path):
     error = sc.refusal([FieldDiff("sidecar", "a contract sidecar", "none")])
     sc.append_refusal(tmp_path, request_id="r1", key="k", error=error, policy="recompute")
-    sc.append_refusal(tmp_path, request_id="r2", key="k", error=error, policy="fail")
+    sc.append_refusal(tmp_path, request_id="r2", key="k", error=error, policy="fail", run="run-1")
     lines = (tmp_path / sc.REFUSALS).read_text().splitlines()
     records = [json.loads(line) for line in lines]
-    assert [sorted(r) for r in records] == [["fields", "key", "message", "policy", "request_id"]] * 2
+    assert [sorted(r) for r in records] == [["fields", "key", "message", "policy", "request_id", "run"]] * 2
+    assert [r["run"] for r in records] == [None, "run-1"]
     assert [(r["request_id"], r["policy"], r["fields"]) for r in records] == [
         ("r1", "recompute", ["sidecar"]),
         ("r2", "fail", ["sidecar"]),

@@ -29,6 +29,7 @@ from ...files import open_regular, read_exactly
 
 SIDECAR = "ropekv-contract.json"
 REFUSALS = "ropekv-refusals.jsonl"  # one JSON line per refused load, at the top of the store
+RUN_KEY = "ropekv_run"  # kv_connector_extra_config: the run id the connector marks its refusals with
 FORMAT = "ropekv.vllm_kv_entry"
 FORMAT_VERSION = 1
 MAX_SIDECAR_BYTES = 1 << 20  # a contract and a few hundred layers take a few tens of KiB
@@ -326,15 +327,20 @@ def verify_files(folder: Path, sidecar: Sidecar) -> tuple[list[FieldDiff], dict[
     return diffs, data
 
 
-def append_refusal(store: Path, *, request_id: str, key: str, error: ContractMismatch, policy: Policy) -> dict:
-    """Append one JSON line ``{"request_id", "key", "fields", "message", "policy"}`` to the store's
-    :data:`REFUSALS` (one ``write`` of the whole line on a file opened for appending)."""
+def append_refusal(
+    store: Path, *, request_id: str, key: str, error: ContractMismatch, policy: Policy, run: str | None = None
+) -> dict:
+    """Append one JSON line ``{"request_id", "key", "fields", "message", "policy", "run"}`` to the store's
+    :data:`REFUSALS` (one ``write`` of the whole line on a file opened for appending). ``run``: the id
+    of the run whose connector refused (``kv_connector_extra_config["ropekv_run"]``), so a reader of a
+    store that outlives runs counts its own run's refusals only (:mod:`ropekv.handoff.refusals`)."""
     record = {
         "request_id": request_id,
         "key": key,
         "fields": list(error.fields),
         "message": str(error),
         "policy": policy,
+        "run": run,
     }
     line = (json.dumps(record, sort_keys=True) + "\n").encode()
     fd = os.open(store / REFUSALS, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
