@@ -93,3 +93,14 @@ def test_another_prompts_keys_and_values_are_named_as_such(tmp_path):
     producer, kv = _producer(tmp_path)
     (finding,) = entry_findings(_store(tmp_path, producer, *kv[1]), producer, 1)
     assert finding["holds"] == 1 and "ANOTHER prompt" in describe(finding)
+
+
+def test_an_entry_linked_to_a_copy_outside_the_store_is_named_a_link(tmp_path):
+    producer, kv = _producer(tmp_path)
+    store = _store(tmp_path, producer, *kv[0])
+    (entry,) = [p for p in store.iterdir() if p.is_dir()]
+    copy = tmp_path / "copy"
+    entry.rename(copy)
+    entry.symlink_to(copy)
+    (finding,) = entry_findings(store, producer, 1)
+    assert finding["holds"] is None and "a symbolic link, not a folder in the store" in finding["error"]

@@ -65,6 +65,7 @@ from .sidecar import (
     Sidecar,
     append_refusal,
     compare,
+    entry_location,
     file_digest,
     read_sidecar,
     refusal,
@@ -227,6 +228,9 @@ class ContractConnector(ExampleConnector):
         """``(refusal or None, the checked bytes of each layer file by layer name)``."""
         if self._engine is None:
             return refusal([FieldDiff("contract", "none (the worker handed no contract over)", "a contract")]), {}
+        misplaced = entry_location(self._store, folder)
+        if misplaced:
+            return refusal(misplaced), {}
         try:
             sidecar = read_sidecar(folder)
         except ConfigError as exc:

@@ -36,6 +36,8 @@ MAX_SIDECAR_BYTES = 1 << 20  # a contract and a few hundred layers take a few te
 MAX_LAYERS = 1024
 MAX_LAYER_FILE_BYTES = 1 << 36  # 64 GiB: one layer of a long prompt of a large model stays far below
 MAX_TOKENS = 1 << 24
+LAYER_HEADER_BYTES = 64 << 10  # a layer file's safetensors header: ~80 bytes for its one tensor, some metadata
+MAX_ITEMSIZE = 4  # bytes per cached value: float32 at most (bfloat16, float16 2, fp8 1)
 Policy = Literal["fail", "recompute"]  # vLLM's KVTransferConfig.kv_load_failure_policy
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _LAYER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")  # a file name in the entry, never a path
@@ -303,13 +305,55 @@ def compare(ours: EngineContract, theirs: Sidecar, token_ids: list[int]) -> list
     return diffs
 
 
+def layer_bytes_bound(sidecar: Sidecar) -> int:
+    """The most bytes one layer file of ``sidecar``'s entry can hold: its ``num_tokens`` rows of
+    ``kv_row_shape`` values of at most :data:`MAX_ITEMSIZE` bytes, and a header. Checked against what
+    the sidecar declares before a file is read, so a sidecar declaring a 20 GiB layer for 64 tokens is
+    refused without reading (or allocating) it. ``compare`` has checked the rows and the token count
+    against the consumer's own first."""
+    values = sidecar.num_tokens
+    for d in sidecar.engine.kv_row_shape:
+        values *= d
+    return 8 + LAYER_HEADER_BYTES + values * MAX_ITEMSIZE
+
+
+def entry_location(store: Path, folder: Path) -> list[FieldDiff]:
+    """The entry ``folder`` must be a folder directly inside ``store``, not a symbolic link (to a copy
+    elsewhere, or anything else): what is checked and injected is then what the store holds. A
+    ``FieldDiff`` named ``entry`` otherwise (none when it is)."""
+    if folder.is_symlink():
+        try:
+            target = os.readlink(folder)
+        except OSError as exc:
+            target = exc.strerror or str(exc)
+        return [FieldDiff("entry", "a folder inside the store", f"a symbolic link to {str(target)[:160]}")]
+    if folder.exists() and Path(os.path.realpath(folder)).parent != Path(os.path.realpath(store)):
+        return [FieldDiff("entry", "a folder inside the store", f"a folder at {os.path.realpath(folder)[:160]}")]
+    return []
+
+
 def verify_files(folder: Path, sidecar: Sidecar) -> tuple[list[FieldDiff], dict[str, bytes]]:
     """Read every layer file of the entry once and check it against the sidecar: ``(diffs, bytes by
     layer name)``; a differing layer ``i`` is ``checksum.layers.{i}``. What is checked is what the
-    caller injects (the bytes returned), so a file changed after the check cannot slip in."""
+    caller injects (the bytes returned), so a file changed after the check cannot slip in. A layer the
+    sidecar declares larger than its entry can be (:func:`layer_bytes_bound`), or a layer file that is
+    a symbolic link, is refused without being read."""
     diffs, data = [], {}
+    bound = layer_bytes_bound(sidecar)
     for i, (name, layer) in enumerate(zip(sidecar.engine.layer_names, sidecar.layers)):
         field = f"checksum.layers.{i}"
+        if layer.size > bound:
+            diffs.append(
+                FieldDiff(
+                    field,
+                    f"at most {bound} bytes ({sidecar.num_tokens} tokens of {list(sidecar.engine.kv_row_shape)})",
+                    f"{layer.size} bytes declared",
+                )
+            )
+            continue
+        if (folder / layer.name).is_symlink():
+            diffs.append(FieldDiff(field, "a file inside the entry", "a symbolic link"))
+            continue
         try:
             raw = read_layer_file(folder / layer.name, layer.size)
         except ConfigError as exc:
