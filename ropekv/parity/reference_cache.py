@@ -16,8 +16,16 @@ dtype, the case's probed positions and attention (window, sinks, the model's own
 read, ropekv's version, a digest of the source of the code that computes the rows, and torch's
 version. The key fields are stored in the file's metadata too and compared on read, with a sha256 of
 the tensors' bytes. A missing entry is computed; an entry that fails any check (too large, truncated,
-unparsable, another key, a checksum mismatch, tensors of the wrong shape) is recomputed and
-overwritten, and the report says so. Writes go to a temporary file in the folder, then
+unparsable, another key, a checksum mismatch, tensors of the wrong shape, a value not finite, a cost
+beyond :data:`MAX_SECONDS`) is recomputed and overwritten, and the report says so.
+
+The key and the checksum are computable by anyone, so they catch accidents, not forgeries: every
+read also recomputes layer 0 of each stored row with the float64 reference of this process and
+compares it (:func:`sample_mismatch`, called by :mod:`ropekv.parity.references`), so rows computed
+with other RoPE angles, scaled, or of another model are recomputed. Rows forged to agree in layer 0
+and differ later are not caught: the folder is trusted for that (docs/performance.md). A process that
+imported adapter code (:mod:`ropekv.user_code`) writes no entry unless the store trusts it
+(``trust_engine``). Entries are written with mode 0644. Writes go to a temporary file in the folder, then
 ``os.replace``: a reader sees the old entry or the new one, never a mix, and two checks writing the
 same entry at once leave one whole copy.
 
