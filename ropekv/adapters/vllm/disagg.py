@@ -242,6 +242,8 @@ class ConnectorProducer(VLLMEngine):
             parts = [f.layers[i].k_rot for f in self.probes.forwards if i in f.layers]
             keys.append(torch.cat([p for p in parts if p is not None]))  # [L, KVH, D]
             parts = [f.layers[i].v for f in self.probes.forwards if i in f.layers]
+            if not any(p is not None for p in parts):
+                raise AdapterError(ADAPTER, f"layer {i} Attention value input", "the values it caches", "none seen")
             values.append(torch.cat([p for p in parts if p is not None]))  # [L, KVH, D]
         self.probes.reset()
         if keys[0].shape[0] != len(ids) or values[0].shape[0] != len(ids):
