@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import torch
 
+from ropekv import user_code
 from ropekv.testing.tiny import TINY_BASE, randomize
 
 TINY_ARCH: dict[str, dict[str, Any]] = {
@@ -221,3 +222,10 @@ def make_arch_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Callable[.
         return cache[key]
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def _no_user_code_carried_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A test that imports adapter code (``--engine file.py:Class``) marks the process
+    (:mod:`ropekv.user_code`); each test starts unmarked, as a fresh ``ropekv`` process does."""
+    monkeypatch.setattr(user_code, "_loaded", [])

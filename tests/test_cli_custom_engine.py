@@ -124,3 +124,23 @@ def test_an_import_that_raises_is_one_line(tiny_llama_dir, tmp_path, capsys):
     code, out, err = _check(capsys, tiny_llama_dir, f"{bad}:Cls")
     assert code == 2 and err.count("\n") == 1
     assert "import: expected no exception, got RuntimeError: import-time failure" in err
+
+
+def test_a_file_adapter_reads_the_reference_cache_but_writes_it_only_when_trusted(
+    tiny_llama_dir, adapter_file, tmp_path, capsys
+):
+    refs = tmp_path / "refs"
+    code, out, err = _check(capsys, tiny_llama_dir, f"{adapter_file}:CliEngine", "--reference-cache", str(refs))
+    assert code == 0, err
+    assert not list(refs.glob("*.safetensors")), "a process running adapter code stored reference rows"
+    assert "computed but not stored (this process loaded adapter code" in out
+    code, out, err = _check(
+        capsys,
+        tiny_llama_dir,
+        f"{adapter_file}:CliEngine",
+        "--reference-cache",
+        str(refs),
+        "--reference-cache-trust-engine",
+    )
+    assert code == 0, err
+    assert len(list(refs.glob("*.safetensors"))) == 2

@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent / "ropekv"
 # Bottom first; a module may import from its own layer and the layers below it. A top-level module
 # or subpackage of ropekv that is in no layer fails the layer test until it is placed here.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "probe", "argtypes", "attention_kind", "numbers", "files"),
+    ("errors", "probe", "argtypes", "attention_kind", "numbers", "files", "user_code"),
     ("rope",),
     ("models",),
     ("contract",),

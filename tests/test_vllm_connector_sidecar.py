@@ -165,12 +165,55 @@ def test_sidecar_size_is_bounded_and_missing_is_none(entry):
 def test_refusals_are_appended_one_json_line_each(tmp_path):
     error = sc.refusal([FieldDiff("sidecar", "a contract sidecar", "none")])
     sc.append_refusal(tmp_path, request_id="r1", key="k", error=error, policy="recompute")
-    sc.append_refusal(tmp_path, request_id="r2", key="k", error=error, policy="fail")
+    sc.append_refusal(tmp_path, request_id="r2", key="k", error=error, policy="fail", run="run-1")
     lines = (tmp_path / sc.REFUSALS).read_text().splitlines()
     records = [json.loads(line) for line in lines]
-    assert [sorted(r) for r in records] == [["fields", "key", "message", "policy", "request_id"]] * 2
+    assert [sorted(r) for r in records] == [["fields", "key", "message", "policy", "request_id", "run"]] * 2
+    assert [r["run"] for r in records] == [None, "run-1"]
     assert [(r["request_id"], r["policy"], r["fields"]) for r in records] == [
         ("r1", "recompute", ["sidecar"]),
         ("r2", "fail", ["sidecar"]),
     ]
     assert "nothing says which model, RoPE, dtype or layout produced its keys" in records[0]["message"]
+
+
+def test_a_layer_declared_larger_than_its_entry_can_be_is_refused_unread(entry, monkeypatch):
+    """A sidecar declaring a 20 GiB layer file (sparse, 20 GiB on disk) for 64 tokens of [3, 128]: the
+    size alone refuses it, before any byte is read or any buffer allocated."""
+    folder, side = entry
+    big = 20 << 30
+    name = f"{NAMES[1]}.safetensors"
+    with open(folder / name, "wb") as f:
+        f.truncate(big)
+    layers = list(side.layers)
+    layers[1] = sc.LayerFile(name, big, "0" * 64)
+    forged = dataclasses.replace(side, layers=tuple(layers))
+    read = []
+    real = sc.read_layer_file
+    monkeypatch.setattr(sc, "read_layer_file", lambda path, limit: read.append(path.name) or real(path, limit))
+    diffs, data = sc.verify_files(folder, forged)
+    assert [d.field for d in diffs] == ["checksum.layers.1"]
+    assert f"at most {sc.layer_bytes_bound(side)} bytes" in diffs[0].ours and str(big) in diffs[0].theirs
+    assert name not in read and set(data) == {NAMES[0], NAMES[2]}
+    assert sc.layer_bytes_bound(side) == 8 + sc.LAYER_HEADER_BYTES + 64 * 3 * 128 * 4
+
+
+def test_an_entry_folder_linked_from_outside_the_store_is_refused(entry, tmp_path):
+    folder, _ = entry
+    store = folder.parent
+    assert sc.entry_location(store, folder) == []
+    copy = tmp_path / "elsewhere"
+    os.rename(folder, copy)
+    os.symlink(copy, folder)  # an identical copy, outside the store, under the entry's name
+    (diff,) = sc.entry_location(store, folder)
+    assert diff.field == "entry" and str(copy) in diff.theirs and "symbolic link" in diff.theirs
+
+
+def test_a_layer_file_that_is_a_link_is_refused(entry, tmp_path):
+    folder, side = entry
+    name = f"{NAMES[0]}.safetensors"
+    os.rename(folder / name, tmp_path / name)
+    os.symlink(tmp_path / name, folder / name)
+    diffs, data = sc.verify_files(folder, side)
+    assert [(d.field, d.theirs) for d in diffs] == [("checksum.layers.0", "a symbolic link")]
+    assert NAMES[0] not in data

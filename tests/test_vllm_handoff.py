@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -100,7 +101,7 @@ def test_refusals_become_one_contract_mismatch_naming_every_field(tmp_path):
         {"request_id": "r2", "key": "abc", "fields": ["rope.theta", "dtype"], "message": "m", "policy": "fail"},
     ]
     (tmp_path / REFUSALS_FILE).write_text("".join(json.dumps(x) + "\n" for x in lines))
-    refusals = read_refusals(tmp_path)
+    refusals = read_refusals(tmp_path, None)
     assert [r.request_id for r in refusals] == ["r1", "r2"]
     error = refusal_error(refusals)
     assert isinstance(error, ContractMismatch) and error.exit_code == 3
@@ -109,7 +110,7 @@ def test_refusals_become_one_contract_mismatch_naming_every_field(tmp_path):
 
 
 def test_no_refusal_file_means_no_refusal(tmp_path):
-    assert read_refusals(tmp_path) == [] and refusal_error([]) is None
+    assert read_refusals(tmp_path, None) == [] and refusal_error([]) is None
 
 
 @pytest.mark.parametrize(
@@ -123,7 +124,49 @@ def test_no_refusal_file_means_no_refusal(tmp_path):
 def test_a_broken_refusal_line_is_a_transport_error(tmp_path, line):
     (tmp_path / REFUSALS_FILE).write_text(line + "\n")
     with pytest.raises(TransportError, match=f"{REFUSALS_FILE}:1: not a refusal record"):
-        read_refusals(tmp_path)
+        read_refusals(tmp_path, None)
+
+
+def test_a_line_nested_100000_deep_is_a_transport_error(tmp_path):
+    (tmp_path / REFUSALS_FILE).write_text("[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(TransportError, match=f"{REFUSALS_FILE}:1: .*not a refusal record"):
+        read_refusals(tmp_path, None)
+    (tmp_path / REFUSALS_FILE).write_text("[" * 20_000 + "]" * 20_000 + "\n")  # under the line bound: the parser's
+    with pytest.raises(TransportError, match=f"{REFUSALS_FILE}:1: not a refusal record"):
+        read_refusals(tmp_path, None)
+
+
+def test_a_refusal_log_that_is_a_fifo_is_refused_without_waiting(tmp_path):
+    path = tmp_path / REFUSALS_FILE
+    os.mkfifo(path)
+    outcome: list[BaseException | object] = []
+    reader = threading.Thread(target=lambda: outcome.append(_catch(lambda: read_refusals(tmp_path, None))))
+    reader.start()
+    reader.join(timeout=10)
+    if reader.is_alive():  # let the blocked reader go: a writer opens and closes the FIFO
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join()
+    assert len(outcome) == 1 and isinstance(outcome[0], TransportError), outcome
+    assert "not a regular file (a FIFO)" in str(outcome[0])
+
+
+def _catch(call):
+    try:
+        return call()
+    except Exception as exc:
+        return exc
+
+
+def test_only_this_runs_refusals_count(tmp_path):
+    stale = {"request_id": "r0", "key": "k", "fields": ["rope.theta"], "message": "m", "policy": "fail", "run": "old"}
+    unmarked = {"request_id": "r1", "key": "k", "fields": ["dtype"], "message": "m", "policy": "fail"}
+    (tmp_path / REFUSALS_FILE).write_text(json.dumps(stale) + "\n" + json.dumps(unmarked) + "\n")
+    assert read_refusals(tmp_path, "new") == [] and refusal_error(read_refusals(tmp_path, "new")) is None
+    ours = dict(stale, request_id="r2", run="new", fields=["dtype"])
+    with (tmp_path / REFUSALS_FILE).open("a") as f:
+        f.write(json.dumps(ours) + "\n")
+    assert [(r.request_id, r.run) for r in read_refusals(tmp_path, "new")] == [("r2", "new")]
+    assert [r.request_id for r in read_refusals(tmp_path, None)] == ["r0", "r1", "r2"]
 
 
 # ---------------------------------------------------------------------- the store directory

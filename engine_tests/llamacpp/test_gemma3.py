@@ -96,9 +96,9 @@ def test_state_contract_carries_each_layers_rope_and_refuses_another_global_base
     assert reader.contract.rope == writer.contract.rope  # layer 0's RoPE: the same, so it alone hid the change
     assert [r.theta for r in reader.contract.layer_ropes[:6]] == [1e4] * 5 + [2e4]
     with pytest.raises(ContractMismatch) as err:
-        load_state(reader, tmp_path / "s")
+        load_state(reader, tmp_path / "s", tokens)
     assert "layer_ropes" in err.value.fields
     assert reader.positions() == (-1, -1)  # nothing was restored
     same = StateContext(gemma_f32)
-    load_state(same, tmp_path / "s")
+    load_state(same, tmp_path / "s", tokens)
     assert same.positions() == (0, 39)

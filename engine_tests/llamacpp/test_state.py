@@ -78,7 +78,7 @@ def test_checked_load_refuses_another_rope_before_writing(f32_engine, stream, tm
     save_state(writer, tmp_path / "s", stream[:N])
     target = StateContext(f32_engine, rope=reader)
     with pytest.raises(ContractMismatch) as err:
-        load_state(target, tmp_path / "s")
+        load_state(target, tmp_path / "s", stream[:N])
     assert field in err.value.fields
     assert "reader context and saved state cache contracts differ" in str(err.value)
     assert "keys and queries would turn at different frequencies" in str(err.value)
@@ -101,7 +101,7 @@ def test_damaged_state_is_refused_and_the_context_keeps_its_own_sequence(f32_eng
     target.prefill(stream[:5])  # a sequence of its own, at positions 0..4
     before = get_seq_state(target)
     with pytest.raises(PayloadError, match="truncated" if damage == "truncate" else "sha256"):
-        load_state(target, path)
+        load_state(target, path, stream[:N])
     assert target.positions() == (0, 4) and get_seq_state(target) == before
 
 

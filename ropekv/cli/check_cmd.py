@@ -118,6 +118,12 @@ def add_parser(sub) -> None:
         help="store each case's float64 reference rows in DIR (created if missing) and reuse them in later "
         "checks of the same model on any engine; a stale or corrupt entry is recomputed (docs/performance.md)",
     )
+    p.add_argument(
+        "--reference-cache-trust-engine",
+        action="store_true",
+        help="store reference rows even though --engine loaded adapter code into this process (that code "
+        "can change ropekv's reference; by default such a check reads the cache but writes nothing to it)",
+    )
     p.add_argument("--plot", metavar="PATH", help="write a PNG of divergence per layer against position")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="device of ropekv's engine (default cpu)")
     p.add_argument("--seed", type=seed, default=0, help="seed of the token sequence")
@@ -156,7 +162,11 @@ def run(args: argparse.Namespace) -> int:
     plot_path = writable_path(args.plot, "--plot")
     from ..parity.reference_cache import ReferenceStore
 
-    store = None if args.reference_cache is None else ReferenceStore(args.reference_cache)
+    store = (
+        None
+        if args.reference_cache is None
+        else ReferenceStore(args.reference_cache, trust_engine=args.reference_cache_trust_engine)
+    )
     if args.sinks < 0 or (args.sinks and args.window is None):
         raise UsageError("--sinks needs --window and must be >= 0")
     if args.device == "cuda":

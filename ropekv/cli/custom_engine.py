@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from .. import user_code
 from ..errors import AdapterError, RopeKVError, UsageError
 from .adapter_guard import AdapterGuard, GuardedAdapter, safe_text
 
@@ -73,6 +74,8 @@ class CustomEngine:
         return cast("EngineAdapter", GuardedAdapter(adapter, guard))  # its members are checked there
 
     def _import(self) -> Any:
+        if self.is_file or self.target.split(".")[0] != "ropekv":  # ropekv's own adapters are not user code
+            user_code.mark_loaded(self.spec)  # before it runs: from here on this process runs the user's code
         if not self.is_file:
             try:
                 return importlib.import_module(self.target)

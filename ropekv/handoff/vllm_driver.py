@@ -36,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,7 +48,7 @@ from ..faults.vllm_transfer import TransferFault, forge_entry
 from ..models import resolve_model_dir
 from . import vllm_role
 from .refusals import read_refusals, refusal_error
-from .vllm_entries import describe, entry_findings
+from .vllm_entries import describe, entry_findings, store_diagnosis
 
 REPORT_FORMAT = "ropekv.vllm-handoff-report"
 REPORT_VERSION = 1
@@ -331,6 +332,7 @@ def consume(
     """The consumer side over ``store`` as ``producer`` left it (the fault of ``options`` applied:
     a changed model directory in ``work``, a forged entry in ``store``), and the report."""
     started = time.monotonic() if started is None else started
+    run = uuid.uuid4().hex  # marks this consumer's refusals in the store's log
     fault = get_transfer_fault(options.fault) if options.fault else None
     prompts = (producer.result or {})["prompts"]
     if fault is not None and fault.forge:
@@ -352,9 +354,10 @@ def consume(
         prompts=[(p["length"], p["seed"]) for p in prompts[: len(options.lengths)]],
         decode_steps=options.decode_steps,
         fault=None if fault is None else fault.name,
+        run=run,
     )
     outcome = _side("consumer", options, work, spec)
-    refused = refusal_error(read_refusals(store))
+    refused = refusal_error(read_refusals(store, run))  # this run's: the store's log outlives runs
     if refused is not None:
         raise refused
     error = _outcome_error(outcome)
@@ -467,7 +470,9 @@ def summary(doc: dict[str, Any]) -> str:
                 f"{d['field']} consumer={d['consumer']!r} producer={d['producer']!r}" for d in doc["vllm_differences"]
             )
         )
-    diagnosis = (doc["parity"].get("diagnosis") or {}).get("kind")
+    # the store check's own finding first: a value mismatch read by the parity forensics alone would
+    # be given the RoPE class whose errors it happens to resemble
+    diagnosis = store_diagnosis(doc.get("store_entries", [])) or (doc["parity"].get("diagnosis") or {}).get("kind")
     verdict = "holds" if doc["passed"] else "FAILS"
     why = (
         []

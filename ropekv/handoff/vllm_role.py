@@ -7,8 +7,9 @@ and message) or ``"crash"`` (anything else, with the traceback).
 
 - producer: starts a :class:`~ropekv.adapters.vllm.disagg.ConnectorProducer`, prefills each prompt
   (the seeded token stream of each ``(length, seed)``) and records, per prompt, the store entry
-  directory its connector created, its first-token log-probability and its hooked post-RoPE keys
-  (``keys.safetensors`` beside the result, tensor ``p{prompt}.l{layer}`` ``[L, KVH, D]``).
+  directory its connector created, its first-token log-probability and its hooked post-RoPE keys and
+  values (``keys.safetensors`` beside the result, tensors ``p{prompt}.l{layer}`` and ``p{prompt}.v{layer}``
+  ``[L, KVH, D]``).
 - consumer: starts a :class:`~ropekv.adapters.vllm.disagg.ConnectorConsumer` (with the fault's patch,
   if any) and runs the parity harness on one case per length: its decode against the float64
   reference and against its own full prefill, layer by layer.
@@ -40,9 +41,10 @@ def spec(
     prompts: list[tuple[int, int]],
     decode_steps: int,
     fault: str | None,
+    run: str | None = None,
 ) -> dict[str, Any]:
     """The SPEC object of one role (``prompts``: ``(length, seed)`` each; the consumer runs the first
-    one's seed for its cases)."""
+    one's seed for its cases; ``run``: the id its connector marks its refusals with)."""
     return {
         "role": role,
         "model_dir": model_dir,
@@ -53,6 +55,7 @@ def spec(
         "prompts": [list(p) for p in prompts],
         "decode_steps": decode_steps,
         "fault": fault,
+        "run": run,
     }
 
 
@@ -90,8 +93,9 @@ def _producer(s: dict[str, Any], out_dir: Path) -> dict[str, Any]:
         before = _entries(store)
         produced = engine.produce(ids)
         new = sorted(_entries(store) - before)
-        for i, keys in enumerate(produced.keys):
+        for i, (keys, values) in enumerate(zip(produced.keys, produced.values)):
             tensors[f"p{k}.l{i}"] = keys.contiguous()
+            tensors[f"p{k}.v{i}"] = values.contiguous()
         prompts.append(
             {
                 "length": length,
@@ -118,6 +122,7 @@ def _consumer(s: dict[str, Any]) -> dict[str, Any]:
         s["model_dir"],
         store=Path(s["store"]),
         connector=s["connector"],
+        run=s.get("run"),
         dtype=s["dtype"],
         block_size=s["block_size"],
         enable_prefix_caching=True,

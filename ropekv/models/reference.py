@@ -97,6 +97,7 @@ class ReferenceDecoder:
         key_mask: torch.Tensor | None = None,
         logits_for: Literal["all", "probed"] = "all",
         streams: PositionStreams | None = None,
+        num_layers: int | None = None,
     ) -> ReferenceOutput:
         """Logits ``[T, vocab]`` for ``tokens [T]`` at positions ``0..T-1``, plus per-layer probes.
 
@@ -118,10 +119,18 @@ class ReferenceDecoder:
 
         ``logits_for="probed"`` (with ``probe_rows``) computes the logits of the probed rows only: a check
         compares a few rows, and all rows of an 8,190-token forward are 3.2 GB of float64 logits.
+
+        ``num_layers`` (1 to the model's count) runs only the first layers and no head: the probes of those
+        layers, and ``logits`` empty ``[0, vocab]``. The reference cache recomputes layer 0 of every row
+        it reads this way, at a fraction of a forward's cost (:mod:`ropekv.parity.reference_cache`).
         """
         cfg = self.config
         tokens = self._check_tokens(tokens)
         T = tokens.shape[0]
+        if num_layers is not None and (
+            isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= cfg.num_layers
+        ):
+            raise UsageError(f"num_layers must be an integer from 1 to {cfg.num_layers}, got {num_layers!r}")
         rows = None if probe_rows is None else self._check_rows(probe_rows, T)
         if logits_for not in ("all", "probed") or (logits_for == "probed" and rows is None):  # before any work
             raise UsageError(f"logits_for must be 'all', or 'probed' with probe_rows; got {logits_for!r}")
@@ -142,7 +151,9 @@ class ReferenceDecoder:
             raise UsageError("mRoPE position streams need an mRoPE model (rope mrope_section); this one has none")
         rotate_at = positions if streams is None else streams.at(positions)  # [T] or [3, T]
         try:
-            return self._stream(tokens, rows, windows, chunks, sink_tokens, positions, key_mask, logits_for, rotate_at)
+            return self._stream(
+                tokens, rows, windows, chunks, sink_tokens, positions, key_mask, logits_for, rotate_at, num_layers
+            )
         finally:
             self._w = {}  # drop the last part's converted weights, also when a forward fails
 
@@ -157,6 +168,7 @@ class ReferenceDecoder:
         key_mask: torch.Tensor | None,
         logits_for: str,
         rotate_at: torch.Tensor,
+        num_layers: int | None,
     ) -> ReferenceOutput:
         """The forward of :meth:`forward` on checked arguments, one layer's weights converted at a time."""
         cfg, T = self.config, tokens.shape[0]
@@ -166,7 +178,7 @@ class ReferenceDecoder:
         # Row lookup then conversion: the same values as converting the whole table, for T rows' bytes.
         x = _convert(self.checkpoint.weights[_EMBED][tokens], self.dtype) * cfg.embedding_scale  # [T, hidden]
         probes = []
-        for layer in range(cfg.num_layers):
+        for layer in range(cfg.num_layers if num_layers is None else num_layers):
             p = f"model.layers.{layer}."
             self._w = {}  # the previous layer's weights go before this layer's are converted
             self._w = self._take(self._layer_names[layer])
@@ -239,8 +251,15 @@ class ReferenceDecoder:
                 )
 
         self._w = {}
-        self._w = self._take(self._rest_names)  # final norm, head bias
         logits_of_rows = logits_for == "probed"
+        if num_layers is not None and num_layers < cfg.num_layers:  # the first layers only: no head
+            return ReferenceOutput(
+                logits=torch.empty(0, cfg.vocab_size, dtype=self.dtype),
+                rows=None if rows is None else positions[rows],
+                layers=tuple(probes),
+                probed_logits=logits_of_rows,
+            )
+        self._w = self._take(self._rest_names)  # final norm, head bias
         if logits_of_rows:
             x = x[rows]  # [R, hidden]
         x = self._norm(x, "", fam.block.final_norm)

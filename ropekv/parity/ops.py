@@ -39,8 +39,11 @@ def needs_own_reference(case: Case) -> bool:
     return case.op is not None and case.op.kind in OWN_REFERENCE
 
 
-def own_reference(decoder: ReferenceDecoder, case: Case, tokens: torch.Tensor) -> ReferenceOutput:
-    """The float64 reference of an ``evict`` or ``shift`` case, probed at its decode positions."""
+def own_reference(
+    decoder: ReferenceDecoder, case: Case, tokens: torch.Tensor, num_layers: int | None = None
+) -> ReferenceOutput:
+    """The float64 reference of an ``evict`` or ``shift`` case, probed at its decode positions (its first
+    ``num_layers`` only when given: :meth:`ReferenceDecoder.forward`)."""
     if case.op is None or case.op.kind not in OWN_REFERENCE:
         raise UsageError(f"case {case.label()} has no reference of its own (only {', '.join(OWN_REFERENCE)} do)")
     d = case.shift
@@ -49,11 +52,18 @@ def own_reference(decoder: ReferenceDecoder, case: Case, tokens: torch.Tensor) -
     window = MODEL_WINDOWS if case.window is None else case.window
     if case.op.kind == OpKind.SHIFT:
         return decoder.forward(
-            tokens[:T], probe_rows=rows, window=window, sink_tokens=case.sink_tokens, positions=torch.arange(T) + d
+            tokens[:T],
+            probe_rows=rows,
+            window=window,
+            sink_tokens=case.sink_tokens,
+            positions=torch.arange(T) + d,
+            num_layers=num_layers,
         )
     mask = torch.ones(T, T, dtype=torch.bool)
     mask[case.prefix + case.length :, case.evicted_positions] = False  # rows after the eviction
-    return decoder.forward(tokens[:T], probe_rows=rows, window=window, sink_tokens=case.sink_tokens, key_mask=mask)
+    return decoder.forward(
+        tokens[:T], probe_rows=rows, window=window, sink_tokens=case.sink_tokens, key_mask=mask, num_layers=num_layers
+    )
 
 
 def hide_evicted(case: Case, row: RefRow) -> RefRow:

@@ -16,8 +16,16 @@ dtype, the case's probed positions and attention (window, sinks, the model's own
 read, ropekv's version, a digest of the source of the code that computes the rows, and torch's
 version. The key fields are stored in the file's metadata too and compared on read, with a sha256 of
 the tensors' bytes. A missing entry is computed; an entry that fails any check (too large, truncated,
-unparsable, another key, a checksum mismatch, tensors of the wrong shape) is recomputed and
-overwritten, and the report says so. Writes go to a temporary file in the folder, then
+unparsable, another key, a checksum mismatch, tensors of the wrong shape, a value not finite, a cost
+beyond :data:`MAX_SECONDS`) is recomputed and overwritten, and the report says so.
+
+The key and the checksum are computable by anyone, so they catch accidents, not forgeries: every
+read also recomputes layer 0 of each stored row with the float64 reference of this process and
+compares it (:func:`sample_mismatch`, called by :mod:`ropekv.parity.references`), so rows computed
+with other RoPE angles, scaled, or of another model are recomputed. Rows forged to agree in layer 0
+and differ later are not caught: the folder is trusted for that (docs/performance.md). A process that
+imported adapter code (:mod:`ropekv.user_code`) writes no entry unless the store trusts it
+(``trust_engine``). Entries are written with mode 0644. Writes go to a temporary file in the folder, then
 ``os.replace``: a reader sees the old entry or the new one, never a mix, and two checks writing the
 same entry at once leave one whole copy.
 
@@ -47,6 +55,7 @@ from typing import Any, Literal
 
 import torch
 
+from .. import user_code
 from ..errors import RopeKVError, UsageError
 from ..files import open_regular, read_exactly
 from .cases import Case
@@ -56,6 +65,8 @@ ENTRY_FORMAT = "ropekv.reference-rows"
 ENTRY_VERSION = 1
 MAX_HEADER_BYTES = 1 << 20  # 30 layers x 3 rows is ~10 KB of header; anything past this is not ours
 SUFFIX = ".safetensors"
+MAX_SECONDS = 1e7  # an entry's recorded cost (about 116 days); a larger figure is not a measurement
+ENTRY_MODE = 0o644  # entries are shared: another user's check of the model reads them too
 
 ReferenceSource = Literal["cache hit", "computed", "recomputed (corrupt entry)"]
 HIT: ReferenceSource = "cache hit"
@@ -199,8 +210,20 @@ class ReferenceStore:
     nothing behind); anything else is a UsageError before any work, naming ``what`` (the CLI flag,
     or the API's keyword)."""
 
-    def __init__(self, folder: str | os.PathLike[str], what: str = "--reference-cache"):
+    def __init__(self, folder: str | os.PathLike[str], what: str = "--reference-cache", trust_engine: bool = False):
+        if not isinstance(trust_engine, bool):
+            raise UsageError(f"trust_engine must be True or False, got {trust_engine!r}")
         self.folder = _usable_folder(folder, what)
+        self.trust_engine = trust_engine
+
+    def writes_refused(self) -> str | None:
+        """Why this process must not write entries (None: it may). A process that imported adapter code
+        (:mod:`ropekv.user_code`) may have changed the reference it computes; its rows would be believed
+        by every later check, so it writes none unless the store was made with ``trust_engine=True``."""
+        spec = user_code.loaded()
+        if spec is None or self.trust_engine:
+            return None
+        return f"this process loaded adapter code ({spec}); --reference-cache-trust-engine stores it"
 
     def path(self, key: str) -> Path:
         return self.folder / f"{key}{SUFFIX}"
@@ -246,6 +269,7 @@ class ReferenceStore:
         self.folder.mkdir(exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{key[:16]}.", suffix=".tmp", dir=self.folder)
         try:
+            os.fchmod(fd, ENTRY_MODE)  # mkstemp's 0600 would hide the entry from every other user
             with os.fdopen(fd, "wb") as out:
                 out.write(blob)
                 out.flush()
@@ -338,23 +362,30 @@ def _rows_of(tensors: dict[str, torch.Tensor], meta: dict[str, str], shape: Rows
             a = tensors[f"attn.{r}.{layer}"]
             if a.dim() != 2 or a.shape[0] != shape.num_heads or a.shape[1] > min(shape.max_width, int(widths[r])):
                 raise EntryProblem(f"attn.{r}.{layer} has shape {tuple(a.shape)}")
-            _expect(a, tuple(a.shape), torch.float64, f"attn.{r}.{layer}")  # attention_logits: float64
+            _expect(a, tuple(a.shape), torch.float64, f"attn.{r}.{layer}", masked=True)  # always float64
             attn.append(a)
         rows[t] = RefRow(hidden_in=tuple(hidden.unbind(0)), attn_logits=tuple(attn), logits=NextToken(logits[r]))
     try:
         seconds = float(meta.get("seconds", "0"))
     except ValueError:
         raise EntryProblem("its seconds are not a number") from None
-    if not math.isfinite(seconds) or seconds < 0:
-        raise EntryProblem("its seconds are not a duration")
+    if not (math.isfinite(seconds) and 0 <= seconds <= MAX_SECONDS):
+        raise EntryProblem(f"its seconds are not a duration from 0 to {MAX_SECONDS:g}")
     return StoredRows(rows=rows, widths=dict(zip(shape.positions, widths.tolist())), seconds=seconds)
 
 
-def _expect(t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, name: str) -> None:
+def _expect(t: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, name: str, masked: bool = False) -> None:
+    """``t`` has ``shape`` and ``dtype`` and finite values; ``masked`` (attention logits): ``-inf`` too,
+    where a key is hidden from the query."""
     if tuple(t.shape) != shape or t.dtype != dtype:
         raise EntryProblem(f"{name} is {t.dtype} {tuple(t.shape)}, not {dtype} {shape}")
-    if t.is_floating_point() and bool(torch.isnan(t).any()):
-        raise EntryProblem(f"{name} holds NaN")
+    if not t.is_floating_point():
+        return
+    bad = ~torch.isfinite(t)
+    if masked:
+        bad &= t != float("-inf")
+    if bool(bad.any()):
+        raise EntryProblem(f"{name} holds NaN or infinity")
 
 
 def _checksum(tensors: dict[str, torch.Tensor]) -> str:
@@ -408,3 +439,29 @@ def _parse(data: bytes) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
     except (SafetensorError, ValueError, RuntimeError, OverflowError) as exc:  # safetensors' parse errors
         raise EntryProblem(f"safetensors cannot read it ({str(exc)[:120]})") from None
     return meta, tensors
+
+
+def sample_mismatch(stored: RefRow, fresh: RefRow, dtype: torch.dtype) -> str | None:
+    """How a stored row's layer 0 differs from the same row recomputed now (None: it does not).
+
+    ``fresh`` holds at least layer 0 (its input and attention logits, as :class:`RefRow` has them). The
+    input is the embedding row, bitwise the same; the attention logits may differ in the last bits
+    when the stored row came from a longer forward (module doc), so they are compared within 64 units
+    in the last place of ``dtype`` relative to the row's largest logit, their ``-inf`` columns exactly.
+    Rotated with other angles, scaled, or from another model, a row differs far beyond that."""
+    if not stored.hidden_in or not stored.attn_logits or not fresh.hidden_in or not fresh.attn_logits:
+        return "it has no layer 0 to compare"
+    h_old, h_new = stored.hidden_in[0], fresh.hidden_in[0]
+    if h_old is None or h_new is None or not torch.equal(h_old, h_new):
+        return "layer 0's input differs from the reference's (another model's rows, or edited)"
+    a_old, a_new = stored.attn_logits[0], _trim(fresh.attn_logits[0])
+    if a_old.shape != a_new.shape or not torch.equal(a_old == float("-inf"), a_new == float("-inf")):
+        return "layer 0's attention logits cover other keys than the reference's"
+    seen = a_new != float("-inf")
+    if not bool(seen.any()):
+        return None
+    scale = max(1.0, float(a_new[seen].abs().max()))
+    worst = float((a_old[seen] - a_new[seen]).abs().max())
+    if not worst <= 64 * torch.finfo(dtype).eps * scale:
+        return f"layer 0's attention logits differ from the reference's by {worst:.3g} (computed otherwise)"
+    return None

@@ -12,6 +12,7 @@ dropped after the last case that reads it.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import time
 from collections import Counter
 from typing import Any
@@ -38,8 +39,10 @@ from .reference_cache import (
     ReferenceSource,
     ReferenceStore,
     RowsShape,
+    StoredRows,
     entry_fields,
     fit,
+    sample_mismatch,
 )
 from .validate import check_full_run
 
@@ -81,6 +84,9 @@ class References:
                 self._rows.setdefault(self._group(c), []).extend(rows)
                 self._cases.setdefault(self._group(c), dataclasses.replace(c, op=None))
         self._ref: dict[_Key, ReferenceOutput] = {}
+        self._layer0: dict[
+            tuple[_Group, tuple[int, ...]], ReferenceOutput
+        ] = {}  # layer 0 of a plain forward, checking stored rows
         self._op_ref: dict[Case, ReferenceOutput] = {}  # an evict or shift case's own reference
         self._self: dict[_Key, FullRun] = {}
         # How many cases still to be judged read each forward. One is dropped after its last reader:
@@ -121,6 +127,8 @@ class References:
         except EntryProblem as exc:
             stored, problem = None, str(exc)
         if stored is not None:
+            problem = self._sample_problem(case, stored)
+        if stored is not None and problem is None:
             rows = {t: fit(row, self._width(case, t, stored.widths[t])) for t, row in stored.rows.items()}
             if all(r is not None for r in rows.values()):
                 self._stored[case] = {t: r for t, r in rows.items() if r is not None}
@@ -136,11 +144,63 @@ class References:
         self.sources[case] = COMPUTED if problem is None else RECOMPUTED
         if problem is not None:
             self.notes[case] = f"reference: recomputed, the cached entry was not valid ({problem})"
-        try:
-            self.store.save(fields, computed, widths, spent)
-        except OSError as exc:
-            self.notes[case] = f"reference: computed but not stored ({exc.strerror or exc})"
+            print(f"ropekv: reference cache entry of case {case.label()} recomputed: {problem}", file=sys.stderr)
+        refused = self.store.writes_refused()
+        if refused is not None:
+            self.notes[case] = f"reference: computed but not stored ({refused})"
+        else:
+            try:
+                self.store.save(fields, computed, widths, spent)
+            except OSError as exc:
+                self.notes[case] = f"reference: computed but not stored ({exc.strerror or exc})"
         self._stored[case] = computed
+
+    def _sample_problem(self, case: Case, stored: StoredRows) -> str | None:
+        """Layer 0 of every stored row of ``case`` recomputed with the float64 reference and compared
+        (:func:`~ropekv.parity.reference_cache.sample_mismatch`): rows planted in the folder, or written
+        by a process whose reference was changed, differ there. None when every row agrees."""
+        fresh = self._first_layer_rows(case, sorted(stored.rows))
+        for t in sorted(stored.rows):
+            why = sample_mismatch(stored.rows[t], fresh[t], DTYPES[self.reference])
+            if why is not None:
+                return f"position {t}: {why}"
+        return None
+
+    def _first_layer_rows(self, case: Case, positions: list[int]) -> dict[int, RefRow]:
+        """``case``'s reference rows at ``positions`` through layer 0 only, computed as
+        :meth:`_computed_row` computes them whole (their logits left empty)."""
+        none = NextToken(torch.empty(0, dtype=DTYPES[self.reference]))
+        t0 = time.perf_counter()
+        if case.op is not None and ops.needs_own_reference(case):
+            out = ops.own_reference(self.decoder, case, self.tokens, num_layers=1)
+            outs = {t: out for t in positions}
+        else:
+            outs = {t: self._first_layer_output(case, t) for t in positions}
+        self.seconds["float64_reference_forwards"] += time.perf_counter() - t0
+        rows = {}
+        for t, out in outs.items():
+            if out.rows is None:
+                raise UsageError("the reference forward was run without probed rows")
+            rows[t] = ops.hide_evicted(case, _row(out.layers, out.rows, _index(out.rows, t), none, case, self.cfg))
+        return rows
+
+    def _first_layer_output(self, case: Case, t: int) -> ReferenceOutput:
+        """Layer 0 of the plain forward that holds row ``t`` of ``case`` (:meth:`reference_output`'s
+        forward, one layer deep), shared by the cases that read the same forward."""
+        rows = self._rows_for(self._key(case, t))
+        if t not in rows:  # not among its group's rows: a forward of its own
+            rows = [t]
+        key = (self._group(case), tuple(rows))
+        if key not in self._layer0:
+            self._layer0[key] = self.decoder.forward(
+                self.tokens[: max(rows) + 1],
+                probe_rows=rows,
+                window=MODEL_WINDOWS if case.window is None else case.window,
+                sink_tokens=case.sink_tokens,
+                streams=case.position_streams(),
+                num_layers=1,
+            )
+        return self._layer0[key]
 
     def _width(self, case: Case, t: int, stored_width: int) -> int:
         """Columns of row ``t``'s attention as this check computes them: the own forward of an evict or

@@ -112,7 +112,7 @@ def _checked(engine, rope, tokens, n, path) -> str:
     save_state(writer, path, tokens[:n])
     reader = StateContext(engine, rope=rope)
     try:
-        load_state(reader, path)
+        load_state(reader, path, tokens[:n])
     except ContractMismatch as exc:
         return "refused: " + ", ".join(exc.fields) + f" (reader empty: {reader.positions() == (-1, -1)})"
     return "loaded"

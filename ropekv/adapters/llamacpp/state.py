@@ -190,19 +190,25 @@ def save_state(sc: StateContext, path: str | os.PathLike, tokens: Sequence[int])
     return write_state_file(path, sc.contract, list(tokens), first, state, writer)
 
 
-def load_state(sc: StateContext, path: str | os.PathLike) -> StateHeader:
-    """Restore the sequence saved at ``path`` into sequence 0 of ``sc``, all or nothing.
+def load_state(sc: StateContext, path: str | os.PathLike, tokens: Sequence[int]) -> StateHeader:
+    """Restore the sequence saved at ``path`` into sequence 0 of ``sc``, all or nothing. ``tokens``: the
+    ids the reader expects the sequence to hold, one per position, first to last.
 
     Refused, with ``sc`` untouched: a contract that differs from ``sc``'s (``ContractMismatch``), more
-    tokens than ``sc`` has cells (``CacheError``), a state larger than its contract allows or a truncated,
-    corrupt or foreign file (``PayloadError``). llama.cpp refusing the bytes anyway, or restoring other
-    positions than the header's, is an ``AdapterError`` with sequence 0 emptied."""
+    tokens than ``sc`` has cells (``CacheError``), a header listing other tokens than ``tokens`` (nothing
+    in llama.cpp's bytes names them, so a file of another prompt would restore its keys under this one's
+    ids), a state larger than its contract allows or a truncated, corrupt or foreign file
+    (``PayloadError``). llama.cpp refusing the bytes anyway, or restoring other positions than the
+    header's, is an ``AdapterError`` with sequence 0 emptied."""
+    expected = tuple(int(t) for t in tokens)
 
     def accept(header: StateHeader) -> None:
         sc.contract.require_compatible(header.contract, ours="reader context", theirs="saved state")
         n = len(header.tokens)
         if n > sc.n_ctx:
             raise CacheError(f"llama.cpp state load: {n} saved tokens, the reader context has {sc.n_ctx} cells")
+        if header.tokens != expected:
+            raise PayloadError(f"llama.cpp state load: {_token_difference(header.tokens, expected)}")
         bound = state_bound(sc.contract, n)
         if header.state_bytes > bound:
             raise PayloadError(
@@ -219,3 +225,11 @@ def load_state(sc: StateContext, path: str | os.PathLike) -> StateHeader:
         sc.ctx.remove_from(0)
         raise AdapterError(sc.engine.name, "restored positions", str(header.positions), str(sc.positions()))
     return header
+
+
+def _token_difference(saved: tuple[int, ...], expected: tuple[int, ...]) -> str:
+    """Where a saved sequence's token ids first differ from those expected, in words."""
+    if len(saved) != len(expected):
+        return f"the saved state holds {len(saved)} tokens, {len(expected)} were expected"
+    i = next(i for i, (a, b) in enumerate(zip(saved, expected)) if a != b)
+    return f"the saved state holds other tokens than expected: token {i} is {saved[i]}, expected {expected[i]}"

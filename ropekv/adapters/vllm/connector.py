@@ -58,12 +58,14 @@ from ...contract import FieldDiff
 from ...errors import ConfigError, ContractMismatch
 from .entry_contract import engine_contract
 from .sidecar import (
+    RUN_KEY,
     EngineContract,
     LayerFile,
     Policy,
     Sidecar,
     append_refusal,
     compare,
+    entry_location,
     file_digest,
     read_sidecar,
     refusal,
@@ -138,6 +140,8 @@ class ContractConnector(ExampleConnector):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._store = Path(self._storage_path)
+        run = self._kv_transfer_config.get_from_extra_config(RUN_KEY, None)
+        self._run: str | None = None if run is None else str(run)  # marks this run's refusals in the store's log
         policy = self._kv_transfer_config.kv_load_failure_policy
         if policy not in ("fail", "recompute"):
             raise ConfigError(f"kv_load_failure_policy must be 'fail' or 'recompute', got {policy!r}")
@@ -200,7 +204,12 @@ class ContractConnector(ExampleConnector):
         error = self.entry_refusal(folder, token_ids)
         if error is not None:
             record = append_refusal(
-                self._store, request_id=request.request_id, key=folder.name, error=error, policy=self._policy
+                self._store,
+                request_id=request.request_id,
+                key=folder.name,
+                error=error,
+                policy=self._policy,
+                run=self._run,
             )
             logger.error(
                 "ropekv contract connector refused the stored KV %s for request %s (policy %s): %s",
@@ -219,6 +228,9 @@ class ContractConnector(ExampleConnector):
         """``(refusal or None, the checked bytes of each layer file by layer name)``."""
         if self._engine is None:
             return refusal([FieldDiff("contract", "none (the worker handed no contract over)", "a contract")]), {}
+        misplaced = entry_location(self._store, folder)
+        if misplaced:
+            return refusal(misplaced), {}
         try:
             sidecar = read_sidecar(folder)
         except ConfigError as exc:
@@ -290,7 +302,12 @@ class ContractConnector(ExampleConnector):
                 tensors = self._checked_tensors(folder, load, layers)
             except ContractMismatch as error:
                 append_refusal(
-                    self._store, request_id=load.request_id, key=folder.name, error=error, policy=self._policy
+                    self._store,
+                    request_id=load.request_id,
+                    key=folder.name,
+                    error=error,
+                    policy=self._policy,
+                    run=self._run,
                 )
                 logger.error("ropekv contract connector: load of %s refused at inject: %s", load.request_id, error)
                 self._load_errors |= blocks
@@ -365,7 +382,7 @@ class ContractConnector(ExampleConnector):
             error = refusal([altered.diff(len(self._engine.layer_names) if self._engine else 0)])
             meta = altered.load.meta
             key = Path(self._generate_foldername_debug(meta.token_ids, meta.mm_hashes, create_folder=False)).name
-            append_refusal(self._store, request_id=rid, key=key, error=error, policy=self._policy)
+            append_refusal(self._store, request_id=rid, key=key, error=error, policy=self._policy, run=self._run)
             logger.error("ropekv contract connector: injected KV of %s changed before attention: %s", rid, error)
             self._load_errors |= altered.blocks
         self._altered, self._injected = {}, {}

@@ -29,6 +29,7 @@ from ...errors import AdapterError, UsageError
 from ...parity.cases import Case
 from ...parity.protocol import CaseRun, FullRun
 from .engine import ADAPTER, VLLMEngine
+from .sidecar import RUN_KEY
 
 Role = Literal["producer", "consumer"]
 Connector = Literal["example", "ropekv"]
@@ -36,10 +37,12 @@ CONNECTORS: tuple[str, ...] = ("example", "ropekv")
 ROPEKV_CONNECTOR_MODULE = "ropekv.adapters.vllm.connector"
 
 
-def transfer_config(role: Role, store: Path, connector: Connector, *, load_failure_policy: str = "fail") -> Any:
+def transfer_config(
+    role: Role, store: Path, connector: Connector, *, load_failure_policy: str = "fail", run: str | None = None
+) -> Any:
     """vLLM's ``KVTransferConfig`` for one side: ``example`` is vLLM's ``ExampleConnector`` (safetensors
     files under ``store``), ``ropekv`` the contract-carrying ``ContractConnector`` loaded through
-    ``kv_connector_module_path``."""
+    ``kv_connector_module_path``; ``run``: the id its refusals are marked with in the store's log."""
     from vllm.config import KVTransferConfig
 
     if role not in ("producer", "consumer"):
@@ -47,6 +50,8 @@ def transfer_config(role: Role, store: Path, connector: Connector, *, load_failu
     if connector not in CONNECTORS:
         raise UsageError(f"connector must be one of {', '.join(CONNECTORS)}, got {connector!r}")
     extra = {"shared_storage_path": str(store)}
+    if run is not None:
+        extra[RUN_KEY] = run
     if connector == "example":
         return KVTransferConfig(kv_connector="ExampleConnector", kv_role=f"kv_{role}", kv_connector_extra_config=extra)
     return KVTransferConfig(
@@ -71,11 +76,12 @@ class Injection:
 
 @dataclass(frozen=True)
 class Produced:
-    """One prompt the producer prefilled: its post-RoPE keys as vLLM's Attention module got them (the
-    keys the connector stores), and the first token's top log-probability."""
+    """One prompt the producer prefilled: its post-RoPE keys and its values as vLLM's Attention module
+    got them (what the connector stores), and the first token's top log-probability."""
 
     token_ids: tuple[int, ...]
     keys: tuple[torch.Tensor, ...]  # per layer [L, KVH, D], the model dtype
+    values: tuple[torch.Tensor, ...]  # per layer [L, KVH, D], the model dtype
     first_logprob: float
     num_cached_tokens: int
 
@@ -158,8 +164,9 @@ class ConnectorConsumer(VLLMEngine):
     self-parity side) runs with the store turned off, so it is the consumer's own full prefill.
     ``after_inject`` callbacks run inside vLLM's worker right after each injection."""
 
-    def __init__(self, model_dir, *, store: Path, connector: Connector, **kwargs: Any):
-        super().__init__(model_dir, kv_transfer_config=transfer_config("consumer", store, connector), **kwargs)
+    def __init__(self, model_dir, *, store: Path, connector: Connector, run: str | None = None, **kwargs: Any):
+        config = transfer_config("consumer", store, connector, run=run)
+        super().__init__(model_dir, kv_transfer_config=config, **kwargs)
         self.connector = connector
         self.tap = _ConnectorTap(self)
         self.case_logprobs: list[list[float]] = []  # per run_case: top-1 log-probability per output token
@@ -230,15 +237,20 @@ class ConnectorProducer(VLLMEngine):
         self.probes.reset()
         with self.probes.installed():
             result = self._generate(list(ids), max_tokens=1, logprobs=1)
-        keys = []
+        keys, values = [], []
         for i in range(len(self.probes.layers)):
             parts = [f.layers[i].k_rot for f in self.probes.forwards if i in f.layers]
             keys.append(torch.cat([p for p in parts if p is not None]))  # [L, KVH, D]
+            parts = [f.layers[i].v for f in self.probes.forwards if i in f.layers]
+            if not any(p is not None for p in parts):
+                raise AdapterError(ADAPTER, f"layer {i} Attention value input", "the values it caches", "none seen")
+            values.append(torch.cat([p for p in parts if p is not None]))  # [L, KVH, D]
         self.probes.reset()
-        if keys[0].shape[0] != len(ids):
-            raise AdapterError(ADAPTER, "producer prefill", f"{len(ids)} keys per layer", str(keys[0].shape[0]))
+        if keys[0].shape[0] != len(ids) or values[0].shape[0] != len(ids):
+            got = f"{keys[0].shape[0]} keys, {values[0].shape[0]} values"
+            raise AdapterError(ADAPTER, "producer prefill", f"{len(ids)} keys and values per layer", got)
         first = max(result.outputs[0].logprobs[0].values(), key=lambda x: x.logprob).logprob
-        return Produced(tuple(ids), tuple(keys), float(first), int(result.num_cached_tokens or 0))
+        return Produced(tuple(ids), tuple(keys), tuple(values), float(first), int(result.num_cached_tokens or 0))
 
 
 @dataclass(frozen=True)

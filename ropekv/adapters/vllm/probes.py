@@ -44,6 +44,7 @@ class LayerRecord:
     k_raw: torch.Tensor | None = None  # [N, KVH, D] every token of this forward, before RoPE
     q_rot: torch.Tensor | None = None  # [R, H, D] at probed rows, the Attention module's input
     k_rot: torch.Tensor | None = None  # [N, KVH, D] the Attention module's input (written to the cache)
+    v: torch.Tensor | None = None  # [N, KVH, D] the Attention module's value input (written to the cache)
     q_kernel: torch.Tensor | None = None  # [R, H, D] at probed rows, as the kernel received it
     keys: torch.Tensor | None = None  # [S, KVH, D] the keys the kernel read (when asked)
     key_slots: torch.Tensor | None = None  # [S] their physical slots
@@ -189,6 +190,9 @@ class Probes:
             rec = fwd.layers.setdefault(i, LayerRecord())
             n = query.shape[0]
             rec.k_rot = key.detach().reshape(n, self.num_kv_heads, self.head_dim).clone()
+            value = args[2] if len(args) > 2 else kwargs.get("value")
+            if value is not None:
+                rec.v = value.detach().reshape(n, self.num_kv_heads, -1).clone()
             if fwd.rows.numel():
                 rec.q_rot = query.detach().reshape(n, self.num_heads, self.head_dim)[fwd.rows].clone()
             self._layer = i

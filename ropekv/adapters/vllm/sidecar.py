@@ -29,12 +29,15 @@ from ...files import open_regular, read_exactly
 
 SIDECAR = "ropekv-contract.json"
 REFUSALS = "ropekv-refusals.jsonl"  # one JSON line per refused load, at the top of the store
+RUN_KEY = "ropekv_run"  # kv_connector_extra_config: the run id the connector marks its refusals with
 FORMAT = "ropekv.vllm_kv_entry"
 FORMAT_VERSION = 1
 MAX_SIDECAR_BYTES = 1 << 20  # a contract and a few hundred layers take a few tens of KiB
 MAX_LAYERS = 1024
 MAX_LAYER_FILE_BYTES = 1 << 36  # 64 GiB: one layer of a long prompt of a large model stays far below
 MAX_TOKENS = 1 << 24
+LAYER_HEADER_BYTES = 64 << 10  # a layer file's safetensors header: ~80 bytes for its one tensor, some metadata
+MAX_ITEMSIZE = 4  # bytes per cached value: float32 at most (bfloat16, float16 2, fp8 1)
 Policy = Literal["fail", "recompute"]  # vLLM's KVTransferConfig.kv_load_failure_policy
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _LAYER_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.\-]{0,199}")  # a file name in the entry, never a path
@@ -302,13 +305,55 @@ def compare(ours: EngineContract, theirs: Sidecar, token_ids: list[int]) -> list
     return diffs
 
 
+def layer_bytes_bound(sidecar: Sidecar) -> int:
+    """The most bytes one layer file of ``sidecar``'s entry can hold: its ``num_tokens`` rows of
+    ``kv_row_shape`` values of at most :data:`MAX_ITEMSIZE` bytes, and a header. Checked against what
+    the sidecar declares before a file is read, so a sidecar declaring a 20 GiB layer for 64 tokens is
+    refused without reading (or allocating) it. ``compare`` has checked the rows and the token count
+    against the consumer's own first."""
+    values = sidecar.num_tokens
+    for d in sidecar.engine.kv_row_shape:
+        values *= d
+    return 8 + LAYER_HEADER_BYTES + values * MAX_ITEMSIZE
+
+
+def entry_location(store: Path, folder: Path) -> list[FieldDiff]:
+    """The entry ``folder`` must be a folder directly inside ``store``, not a symbolic link (to a copy
+    elsewhere, or anything else): what is checked and injected is then what the store holds. A
+    ``FieldDiff`` named ``entry`` otherwise (none when it is)."""
+    if folder.is_symlink():
+        try:
+            target = os.readlink(folder)
+        except OSError as exc:
+            target = exc.strerror or str(exc)
+        return [FieldDiff("entry", "a folder inside the store", f"a symbolic link to {str(target)[:160]}")]
+    if folder.exists() and Path(os.path.realpath(folder)).parent != Path(os.path.realpath(store)):
+        return [FieldDiff("entry", "a folder inside the store", f"a folder at {os.path.realpath(folder)[:160]}")]
+    return []
+
+
 def verify_files(folder: Path, sidecar: Sidecar) -> tuple[list[FieldDiff], dict[str, bytes]]:
     """Read every layer file of the entry once and check it against the sidecar: ``(diffs, bytes by
     layer name)``; a differing layer ``i`` is ``checksum.layers.{i}``. What is checked is what the
-    caller injects (the bytes returned), so a file changed after the check cannot slip in."""
+    caller injects (the bytes returned), so a file changed after the check cannot slip in. A layer the
+    sidecar declares larger than its entry can be (:func:`layer_bytes_bound`), or a layer file that is
+    a symbolic link, is refused without being read."""
     diffs, data = [], {}
+    bound = layer_bytes_bound(sidecar)
     for i, (name, layer) in enumerate(zip(sidecar.engine.layer_names, sidecar.layers)):
         field = f"checksum.layers.{i}"
+        if layer.size > bound:
+            diffs.append(
+                FieldDiff(
+                    field,
+                    f"at most {bound} bytes ({sidecar.num_tokens} tokens of {list(sidecar.engine.kv_row_shape)})",
+                    f"{layer.size} bytes declared",
+                )
+            )
+            continue
+        if (folder / layer.name).is_symlink():
+            diffs.append(FieldDiff(field, "a file inside the entry", "a symbolic link"))
+            continue
         try:
             raw = read_layer_file(folder / layer.name, layer.size)
         except ConfigError as exc:
@@ -326,15 +371,20 @@ def verify_files(folder: Path, sidecar: Sidecar) -> tuple[list[FieldDiff], dict[
     return diffs, data
 
 
-def append_refusal(store: Path, *, request_id: str, key: str, error: ContractMismatch, policy: Policy) -> dict:
-    """Append one JSON line ``{"request_id", "key", "fields", "message", "policy"}`` to the store's
-    :data:`REFUSALS` (one ``write`` of the whole line on a file opened for appending)."""
+def append_refusal(
+    store: Path, *, request_id: str, key: str, error: ContractMismatch, policy: Policy, run: str | None = None
+) -> dict:
+    """Append one JSON line ``{"request_id", "key", "fields", "message", "policy", "run"}`` to the store's
+    :data:`REFUSALS` (one ``write`` of the whole line on a file opened for appending). ``run``: the id
+    of the run whose connector refused (``kv_connector_extra_config["ropekv_run"]``), so a reader of a
+    store that outlives runs counts its own run's refusals only (:mod:`ropekv.handoff.refusals`)."""
     record = {
         "request_id": request_id,
         "key": key,
         "fields": list(error.fields),
         "message": str(error),
         "policy": policy,
+        "run": run,
     }
     line = (json.dumps(record, sort_keys=True) + "\n").encode()
     fd = os.open(store / REFUSALS, os.O_WRONLY | os.O_APPEND | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)

@@ -188,7 +188,9 @@ def _store_root(store_dir: str | os.PathLike) -> Path:
 def _entry_at(directory: Path, *, missing_ok: bool) -> StoreEntry | None:
     if not directory.exists() and missing_ok:
         return None
-    if directory.is_symlink() or not directory.is_dir():
+    if directory.is_symlink():  # what is checked must be what the store holds, not a copy elsewhere
+        raise PayloadError(f"vLLM store entry {directory}: a symbolic link, not a folder in the store (refused)")
+    if not directory.is_dir():
         raise PayloadError(f"vLLM store entry {directory}: not a directory")
     try:
         files = sorted(os.listdir(directory))
