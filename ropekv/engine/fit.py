@@ -57,12 +57,21 @@ def check_contract_fits_model(checkpoint: Checkpoint, contract: CacheContract) -
                 "serve it: rotated keys keep stale frequencies)",
             )
         )
-    if c.model_fingerprint and c.model_fingerprint != checkpoint.fingerprint:
+    if c.weights_fingerprint and c.weights_fingerprint != checkpoint.weights_fingerprint:
         problems.append(
             (
-                "model_fingerprint",
-                f"model_fingerprint: contract {c.model_fingerprint}, model "
-                f"{checkpoint.fingerprint} (keys would come from another model)",
+                "weights_fingerprint",
+                f"weights_fingerprint: contract {c.weights_fingerprint}, model "
+                f"{checkpoint.weights_fingerprint} (keys would come from another model: other weights)",
+            )
+        )
+    if c.config_fingerprint and c.config_fingerprint != checkpoint.config_fingerprint:
+        problems.append(
+            (
+                "config_fingerprint",
+                f"config_fingerprint: contract {c.config_fingerprint}, model {checkpoint.config_fingerprint} "
+                "(the model's configuration outside RoPE and the cache layout differs: it would compute "
+                "other keys and values)",
             )
         )
     if problems:
