@@ -102,9 +102,7 @@ _CONSEQUENCES: dict[str, str] = {
     ),
     # Compared only where a side uses dynamic NTK: it is the length past which its base grows. For every
     # other type it changes no key or query (LongRoPE's switch is its original_max_position_embeddings).
-    "rope.max_position_embeddings": (
-        "dynamic NTK would grow its base past another sequence length: " + _FREQUENCIES
-    ),
+    "rope.max_position_embeddings": ("dynamic NTK would grow its base past another sequence length: " + _FREQUENCIES),
     "rope.mrope_section": (
         "one side turns sections of the channel pairs by three position streams (mRoPE: temporal, height, "
         "width), the other by one position or other sections: the same only while all three streams are the "

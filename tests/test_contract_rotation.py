@@ -17,7 +17,9 @@ from ropekv.models.config import Checkpoint
 from ropekv.rope import RopeScaling, RopeSpec
 from ropekv.testing.tiny import tiny_checkpoint
 
-LLAMA3 = RopeScaling("llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64)
+LLAMA3 = RopeScaling(
+    "llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64
+)
 SCALINGS = {
     "default": RopeScaling(),
     "linear": RopeScaling("linear", factor=2.0),
@@ -71,7 +73,9 @@ def test_dynamic_ntk_with_another_max_position_embeddings_is_refused_by_that_fie
 
 def test_llama3_bands_refused_naming_the_rope_field_not_the_weights(ckpt):
     producer = with_rope(ckpt, LLAMA3, 8192)
-    other = RopeScaling("llama3", factor=8.0, low_freq_factor=2.0, high_freq_factor=8.0, original_max_position_embeddings=64)
+    other = RopeScaling(
+        "llama3", factor=8.0, low_freq_factor=2.0, high_freq_factor=8.0, original_max_position_embeddings=64
+    )
     consumer = with_rope(ckpt, other, 8192)
     with pytest.raises(ContractMismatch) as info:
         contract(consumer).require_compatible(contract(producer), ours="consumer", theirs="producer")

@@ -124,7 +124,10 @@ FORGERIES = {
         _forge(contract=_rope(scaling=RopeScaling(rope_type="linear", factor=2.0))),
         "rope.scaling.rope_type",
     ),
-    "fingerprint": (_forge(contract=lambda c: c.replace(weights_fingerprint="0123456789abcdef")), "weights_fingerprint"),
+    "fingerprint": (
+        _forge(contract=lambda c: c.replace(weights_fingerprint="0123456789abcdef")),
+        "weights_fingerprint",
+    ),
     "dtype": (_forge(contract=lambda c: c.replace(dtype="bfloat16")), "dtype"),
     "positions": (_forge(entry={"position_start": 32}), "positions"),
     "checksum": (_corrupt, "checksum.layers.7"),
