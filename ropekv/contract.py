@@ -919,6 +919,24 @@ def _frequency_diffs(prefix: str, ours: RopeSpec, theirs: RopeSpec) -> list[Fiel
     return [FieldDiff(f"{prefix}.frequencies", ours.frequencies(), theirs.frequencies())]
 
 
+def rope_diffs(ours: RopeSpec, theirs: RopeSpec, prefix: str = "rope") -> list[FieldDiff]:
+    """How two specs turn keys and queries differently, as :meth:`CacheContract.diff` names it (empty:
+    they compute the same rotation, however their configurations spell it)."""
+    a: dict[str, Any] = {}
+    b: dict[str, Any] = {}
+    _flat_rope(a, prefix, ours)
+    _flat_rope(b, prefix, theirs)
+    diffs: list[FieldDiff] = []
+    for k in a:
+        if a[k] == b[k]:
+            continue
+        if isinstance(a[k], Frequencies):
+            diffs.extend(_frequency_diffs(prefix, ours, theirs))
+        else:
+            diffs.append(FieldDiff(k, a[k], b[k]))
+    return diffs
+
+
 def _summary_index(diffs: list[FieldDiff]) -> int:
     """Where the ``layer_ropes`` summary goes: before the first per-layer difference."""
     return next(i for i, d in enumerate(diffs) if d.field.startswith("layers."))

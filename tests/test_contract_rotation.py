@@ -153,3 +153,16 @@ def test_the_vllm_sides_do_not_compare_max_position_embeddings():
         return {"cache_contract": c.to_dict(), "contract": run}
 
     assert vllm_driver.compare_sides(side(8192), side(4096)) == ([], [])
+
+
+def test_the_engine_takes_a_contract_whose_rope_differs_only_where_no_key_changes(ckpt):
+    """check_contract_fits_model compares the model's RoPE with the contract's by what they compute."""
+    from ropekv.engine.fit import check_contract_fits_model
+
+    longer = contract(ckpt).replace(rope=ckpt.config.rope.replace(max_position_embeddings=8192))
+    check_contract_fits_model(ckpt, longer)  # default RoPE: the length changes no key
+    dynamic = with_rope(ckpt, RopeScaling("dynamic", factor=2.0), 256)
+    other_length = contract(dynamic).replace(rope=dynamic.config.rope.replace(max_position_embeddings=8192))
+    with pytest.raises(ContractMismatch, match="rope.max_position_embeddings") as info:
+        check_contract_fits_model(dynamic, other_length)
+    assert info.value.fields == ("rope",)

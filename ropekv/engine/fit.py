@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from ..contract import CacheContract
+from ..contract import CacheContract, rope_diffs
 from ..errors import ContractMismatch
 from ..models.config import Checkpoint
+from ..rope import RopeSpec
 
 
 def check_contract_fits_model(checkpoint: Checkpoint, contract: CacheContract) -> None:
@@ -30,16 +31,19 @@ def check_contract_fits_model(checkpoint: Checkpoint, contract: CacheContract) -
         )
     elif c.mla is not None and cfg.mla is None:
         problems.append(("mla", "mla: the contract describes multi-head latent attention, the model has none"))
-    if c.rope != cfg.rope:
+    # By what the specs compute (rope_diffs): a max_position_embeddings that changes no key is no misfit.
+    differs = rope_diffs(c.rope, cfg.rope)
+    bad = [] if differs else [i for i in range(cfg.num_layers) if _turns_otherwise(c.layer_rope(i), cfg.layer_rope(i))]
+    if differs:
         problems.append(
             (
                 "rope",
-                f"rope: contract {c.rope.fingerprint()}, model {cfg.rope.fingerprint()} "
+                f"rope: contract {c.rope.fingerprint()}, model {cfg.rope.fingerprint()}, differing in "
+                f"{', '.join(d.field for d in differs)} "
                 "(keys and queries would turn differently from what the model was trained with)",
             )
         )
-    elif c.layer_ropes != cfg.layer_ropes:
-        bad = [i for i in range(cfg.num_layers) if c.layer_rope(i) != cfg.layer_rope(i)]
+    elif bad:
         problems.append(
             (
                 "layer_ropes",
@@ -79,3 +83,10 @@ def check_contract_fits_model(checkpoint: Checkpoint, contract: CacheContract) -
             "the cache contract does not fit the model: " + "; ".join(p for _, p in problems),
             fields=tuple(f for f, _ in problems),
         )
+
+
+def _turns_otherwise(ours: RopeSpec | None, theirs: RopeSpec | None) -> bool:
+    """A layer turns otherwise: RoPE on one side only (NoPE), or specs that compute another rotation."""
+    if ours is None or theirs is None:
+        return (ours is None) != (theirs is None)
+    return bool(rope_diffs(ours, theirs))
