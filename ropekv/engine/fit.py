@@ -33,7 +33,9 @@ def check_contract_fits_model(checkpoint: Checkpoint, contract: CacheContract) -
         problems.append(("mla", "mla: the contract describes multi-head latent attention, the model has none"))
     # By what the specs compute (rope_diffs): a max_position_embeddings that changes no key is no misfit.
     differs = rope_diffs(c.rope, cfg.rope)
-    bad = [] if differs else [i for i in range(cfg.num_layers) if _turns_otherwise(c.layer_rope(i), cfg.layer_rope(i))]
+    per_layer = not differs and (c.layer_ropes is not None or cfg.layer_ropes is not None)
+    layers = range(min(c.num_layers, cfg.num_layers)) if per_layer else range(0)  # other counts: named above
+    bad = [i for i in layers if _turns_otherwise(c.layer_rope(i), cfg.layer_rope(i))]
     if differs:
         problems.append(
             (
