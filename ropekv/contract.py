@@ -22,7 +22,7 @@ import torch
 
 from .attention_kind import MODEL_WINDOWS, LayerAttention, ModelWindows
 from .errors import ConfigError, ContractMismatch
-from .rope import RopeSpec
+from .rope import Frequencies, RopeSpec
 
 if TYPE_CHECKING:  # only attributes are read; avoids importing the model loaders
     from .models.config import ModelConfig
@@ -66,14 +66,14 @@ KV_SCALES: tuple[str, ...] = get_args(KvScale)
 QuantPoint = Literal["after_rope", "before_rope"]
 QUANT_POINTS: tuple[str, ...] = get_args(QuantPoint)
 FORMAT = "ropekv.cache_contract"
-# 2: kernel_rotates is derived from key_form and no longer written; 1 is still read.
-# 3: chunk_size and chunk_layers (chunked attention). A contract without chunked layers is still
-# written as version 2, byte for byte, so its fingerprint (and every handshake built on it) is unchanged.
-# 4: rotation_sites (where each layer's keys are turned), written only where a layer's site is not its key
-# form's default; chunk_size/chunk_layers are then present exactly when there are chunked layers. Every
-# contract with default sites keeps its version 2 or 3 document and its fingerprint.
-FORMAT_VERSION = 4
-READABLE_VERSIONS = (1, 2, 3, 4)
+# Version 5 names the weights (``weights_fingerprint``: the tensors alone) apart from the configuration
+# (``config_fingerprint``); earlier versions carried one fingerprint of both, whose meaning a reader cannot
+# split, so they are refused by version (:func:`CacheContract.from_json`) rather than read.
+# ``chunk_size``/``chunk_layers`` are written exactly when there are chunked layers, ``rotation_sites``
+# where a layer's site is not its key form's default, ``layer_ropes``, ``mla``, ``kv_quant`` and
+# ``block_layout`` where they are set (not the default).
+FORMAT_VERSION = 5
+READABLE_VERSIONS = (5,)
 
 _FREQUENCIES = "keys and queries would turn at different frequencies: the error grows with position"
 _WINDOW = "the reader would see keys the writer dropped, or miss keys"
@@ -94,14 +94,15 @@ _CONSEQUENCES: dict[str, str] = {
         "wrong from the first layer"
     ),
     "rope.theta": _FREQUENCIES,
+    "rope.frequencies": _FREQUENCIES,
     "rope.layout": "channel pairs would not match: wrong from the first layer",
     "rope.scaling": _FREQUENCIES,
     "rope.attention_factor": (
         "cos/sin would be scaled by another attention factor: every attention logit would be off by the ratio"
     ),
-    "rope.max_position_embeddings": (
-        "length-dependent scaling (dynamic NTK, LongRoPE) would switch at another length: " + _FREQUENCIES
-    ),
+    # Compared only where a side uses dynamic NTK: it is the length past which its base grows. For every
+    # other type it changes no key or query (LongRoPE's switch is its original_max_position_embeddings).
+    "rope.max_position_embeddings": ("dynamic NTK would grow its base past another sequence length: " + _FREQUENCIES),
     "rope.mrope_section": (
         "one side turns sections of the channel pairs by three position streams (mRoPE: temporal, height, "
         "width), the other by one position or other sections: the same only while all three streams are the "
@@ -118,7 +119,13 @@ _CONSEQUENCES: dict[str, str] = {
     "num_layers": "layer counts differ: keys would be read for the wrong layer, or be missing",
     "num_kv_heads": "head counts differ: tensors would not fit, or one head's keys would be read as another's",
     "head_dim": "head sizes differ: tensors would not fit, channels would be misread",
-    "model_fingerprint": "keys come from another model: attention would read keys this model never produced",
+    "weights_fingerprint": (
+        "keys come from another model (other weights): attention would read keys this model never produced"
+    ),
+    "config_fingerprint": (
+        "the same weights under another configuration outside RoPE and the cache layout (head counts, norms, "
+        "activations, scales): the keys and values this model computes would differ from the stored ones"
+    ),
     "layer_ropes": "some layers would turn their keys with another RoPE spec, or with none (NoPE)",
     "rope.rotary_offset": (
         "another slice of each key would rotate (MLA's rope part is the trailing qk_rope_head_dim channels): "
@@ -321,8 +328,13 @@ class CacheContract:
       layer is full, sliding or chunked, never two of them: :meth:`layer_attention` names its kind,
       and :meth:`require_compatible` compares the kinds layer by layer (``layers.3.attention``).
     - ``block_size``, ``dtype``, ``num_layers``, ``num_kv_heads``, ``head_dim``: storage layout.
-    - ``model_fingerprint``: identifies the weights and config that produced the keys ("" = unnamed;
-      compared like any other field).
+    - ``weights_fingerprint``: identifies the weights that produced the keys, over the weight tensors
+      alone (names, shapes, dtypes, bytes: :func:`~ropekv.models.config.weights_fingerprint_of`); ""
+      = unnamed, compared like any other field.
+    - ``config_fingerprint``: the configuration's computation outside what the contract compares itself
+      (RoPE, windows, layer and head counts are fields of their own; ``max_position_embeddings`` and the
+      model's name change no key: :func:`~ropekv.models.config.config_fingerprint_of`); "" = unnamed, and
+      then not compared (an engine that cannot read ropekv's config, mlx's or ONNX Runtime's, names none).
     - ``layer_ropes``: per layer, the :class:`RopeSpec` that layer's keys turn with, or None for a
       layer without position embedding (NoPE: cohere2's and smollm3's global layers); None (the
       field) means ``rope`` on every layer. Gemma 3's local and global layers turn with different
@@ -363,7 +375,8 @@ class CacheContract:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    model_fingerprint: str = ""
+    weights_fingerprint: str = ""
+    config_fingerprint: str = ""
     layer_ropes: tuple[RopeSpec | None, ...] | None = None
     mla: MlaCache | None = None
     block_layout: BlockLayout = DEFAULT_BLOCK_LAYOUT
@@ -411,8 +424,9 @@ class CacheContract:
         if not isinstance(self.dtype, str) or self.dtype not in STORAGE_DTYPES:
             raise ConfigError(f"contract dtype must be one of {tuple(STORAGE_DTYPES)}, got {self.dtype!r}")
         self._check_kv_quant()
-        if not isinstance(self.model_fingerprint, str):
-            raise ConfigError(f"contract model_fingerprint must be a string, got {self.model_fingerprint!r}")
+        for name in ("weights_fingerprint", "config_fingerprint"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"contract {name} must be a string, got {getattr(self, name)!r}")
         if isinstance(self.layer_ropes, list):  # normalize, do not reinterpret
             object.__setattr__(self, "layer_ropes", tuple(self.layer_ropes))
         if self.layer_ropes is not None:
@@ -566,7 +580,8 @@ class CacheContract:
         window: int | ModelWindows | None = MODEL_WINDOWS,
         sink_tokens: int = 0,
         rotation_index: RotationIndex = "logical",
-        model_fingerprint: str = "",
+        weights_fingerprint: str = "",
+        config_fingerprint: str | None = None,
         mla_form: MlaForm = "expanded",
         kv_scale: KvScale | None = None,
     ) -> CacheContract:
@@ -575,7 +590,9 @@ class CacheContract:
         attention on every layer. The kernel rotates iff keys are raw. ``mla_form`` (MLA models only):
         the rows the cache holds, :class:`MlaCache` (ropekv's engine caches ``"expanded"``;
         ``"latent"`` describes transformers' and vLLM's caches). ``kv_scale`` (``dtype="float8_e4m3fn"``
-        only): the scales' granularity; the quantization point follows ``key_form`` (:class:`KvQuant`)."""
+        only): the scales' granularity; the quantization point follows ``key_form`` (:class:`KvQuant`).
+        ``weights_fingerprint``: the weights' (a checkpoint's :attr:`weights_fingerprint`);
+        ``config_fingerprint``: None names ``config``'s own (:meth:`ModelConfig.config_fingerprint`)."""
         chunks: tuple[int, ...] = ()
         if window == MODEL_WINDOWS:
             kinds = config.layer_attentions
@@ -622,7 +639,8 @@ class CacheContract:
             sink_tokens=sink_tokens,
             block_size=block_size,
             dtype=dtype,
-            model_fingerprint=model_fingerprint,
+            weights_fingerprint=weights_fingerprint,
+            config_fingerprint=config.config_fingerprint() if config_fingerprint is None else config_fingerprint,
             kv_quant=None
             if kv_scale is None
             else KvQuant(kv_scale, "after_rope" if key_form == "rotated" else "before_rope"),
@@ -665,10 +683,29 @@ class CacheContract:
     # ------------------------------------------------------------------ comparison
 
     def diff(self, other: CacheContract) -> list[FieldDiff]:
-        """Every field that differs, in declaration order; the RoPE spec is compared field by field."""
+        """Every field that differs, in declaration order. The RoPE spec is compared by what it computes:
+        its frequencies by value (:class:`~ropekv.rope.Frequencies`: a difference is named by the fields
+        that produce it, ``rope.theta``, ``rope.scaling.*``, ``rope.max_position_embeddings`` under
+        dynamic NTK), then its other fields one by one. A field that cannot change a key or query takes
+        no part (``max_position_embeddings`` outside dynamic NTK, a config fingerprint one side leaves
+        unnamed)."""
         per_layer = self.layer_ropes is not None or other.layer_ropes is not None
         ours, theirs = _flat(self, per_layer), _flat(other, per_layer)
-        diffs = [FieldDiff(k, ours.get(k), theirs.get(k)) for k in _union(ours, theirs) if ours.get(k) != theirs.get(k)]
+        if not self.config_fingerprint or not other.config_fingerprint:
+            del ours["config_fingerprint"], theirs["config_fingerprint"]
+        diffs: list[FieldDiff] = []
+        for k in _union(ours, theirs):
+            a, b = ours.get(k), theirs.get(k)
+            if a == b:
+                continue
+            if isinstance(a, Frequencies) and isinstance(b, Frequencies):
+                diffs.extend(_frequency_diffs(k[: -len(".frequencies")], a.spec, b.spec))
+            else:
+                diffs.append(FieldDiff(k, a, b))
+        if per_layer and any(d.field.startswith("layers.") for d in diffs):
+            # The summary first: each layer's spec (its fingerprint, None for NoPE) on both sides.
+            summary = [tuple(None if r.rope is None else r.rope.fingerprint() for r in c.layers) for c in (self, other)]
+            diffs.insert(_summary_index(diffs), FieldDiff("layer_ropes", summary[0], summary[1]))
         # A layer that is NoPE on one side differs as a whole ("layers.3.rope"), not field by field.
         whole = {d.field for d in diffs if d.field.startswith("layers.") and d.field.endswith(".rope")}
         whole |= {d.field for d in diffs if d.field in ("mla", "kv_quant")}  # on one side only: one difference
@@ -691,32 +728,31 @@ class CacheContract:
     # ------------------------------------------------------------------ serialization
 
     def to_dict(self) -> dict[str, Any]:
-        version = 4 if self.rotation_sites is not None else 3 if self.chunk_layers else 2
-        d: dict[str, Any] = {"format": FORMAT, "version": version}
+        d: dict[str, Any] = {"format": FORMAT, "version": FORMAT_VERSION}
         for name in _FIELDS:
             d[name] = getattr(self, name)
         d["rope"] = self.rope.to_dict()
         d["window_layers"] = list(self.window_layers)
         if self.chunk_layers:
             d["chunk_layers"] = list(self.chunk_layers)
-        else:  # no chunked layer: the format (and fingerprints) of version 2
+        else:  # no chunked layer
             del d["chunk_size"], d["chunk_layers"]
         if self.rotation_sites is None:
-            del d["rotation_sites"]  # default sites: the format (and fingerprints) of versions 2 and 3
+            del d["rotation_sites"]  # the key form's default site on every layer
         else:
             d["rotation_sites"] = list(self.rotation_sites)
         if self.layer_ropes is None:
-            del d["layer_ropes"]  # one RoPE for all layers: the format (and fingerprints) of version 1
+            del d["layer_ropes"]  # one RoPE for all layers
         else:
             d["layer_ropes"] = [None if spec is None else spec.to_dict() for spec in self.layer_ropes]
         if self.mla is None:
-            del d["mla"]  # not MLA: the format (and fingerprints) of contracts before MLA
+            del d["mla"]  # not MLA
         else:
             d["mla"] = self.mla.to_dict()
         if self.block_layout == DEFAULT_BLOCK_LAYOUT:
-            del d["block_layout"]  # the default layout: the format (and fingerprints) of contracts before it
+            del d["block_layout"]  # the default layout
         if self.kv_quant is None:
-            del d["kv_quant"]  # not quantized: the format (and fingerprints) of contracts before 8-bit caches
+            del d["kv_quant"]  # not quantized
         else:
             d["kv_quant"] = self.kv_quant.to_dict()
         return d
@@ -738,32 +774,20 @@ class CacheContract:
             raise ConfigError(f"cache contract JSON has format {data.get('format')!r}, expected {FORMAT!r}")
         version = data.get("version")
         if version not in READABLE_VERSIONS or isinstance(version, bool):
+            older = isinstance(version, int) and not isinstance(version, bool) and 1 <= version < FORMAT_VERSION
             raise ConfigError(
                 f"cache contract JSON version {version!r} is not supported (readable: "
                 f"{', '.join(map(str, READABLE_VERSIONS))})"
-            )
-        if version == 1:  # version 1 wrote kernel_rotates; it must agree with key_form
-            data = dict(data)
-            kr = data.pop("kernel_rotates", None)
-            if not isinstance(kr, bool):
-                raise ConfigError(f"cache contract JSON (version 1): kernel_rotates must be a bool, got {kr!r}")
-            if kr != (data.get("key_form") == "raw"):
-                raise ConfigError(
-                    f"cache contract JSON (version 1): kernel_rotates={kr} with key_form={data.get('key_form')!r}: "
-                    + (
-                        "stored keys would be rotated a second time (keys at twice their position)"
-                        if kr
-                        else "nothing would rotate raw keys on read (every key at position 0)"
-                    )
+                + (
+                    f": version {version} carried one fingerprint of weights and configuration together, which "
+                    "cannot be split into the weights and configuration fingerprints this version compares; "
+                    "build the contract again with this ropekv"
+                    if older
+                    else ""
                 )
+            )
         expected = set(_FIELDS) | {"format", "version"}
-        optional = {"layer_ropes", "mla", "block_layout", "kv_quant"}
-        if version in (1, 2):  # chunked attention exists from version 3 on; a version 3 document always has it
-            expected -= {"chunk_size", "chunk_layers"}
-        if version == 4:  # version 4 always has rotation_sites; chunks only where there are chunked layers
-            optional |= {"chunk_size", "chunk_layers"}
-        else:
-            expected -= {"rotation_sites"}
+        optional = {"layer_ropes", "mla", "block_layout", "kv_quant", "chunk_size", "chunk_layers", "rotation_sites"}
         missing, unexpected = sorted(expected - set(data) - optional), sorted(set(data) - expected)
         if missing or unexpected:
             raise ConfigError(f"cache contract JSON: missing field(s) {missing}, unexpected field(s) {unexpected}")
@@ -774,8 +798,8 @@ class CacheContract:
         if "chunk_layers" in kwargs:
             if not isinstance(kwargs["chunk_layers"], list) or not kwargs["chunk_layers"]:
                 raise ConfigError(
-                    f"cache contract JSON (version 3): chunk_layers must be a non-empty list, got "
-                    f"{kwargs['chunk_layers']!r} (a contract without chunks is written as version 2)"
+                    f"cache contract JSON: chunk_layers must be a non-empty list, got "
+                    f"{kwargs['chunk_layers']!r} (a contract without chunks leaves it out)"
                 )
             kwargs["chunk_layers"] = tuple(kwargs["chunk_layers"])
         if "rotation_sites" in kwargs:
@@ -784,9 +808,8 @@ class CacheContract:
             default = DEFAULT_SITE.get(form) if isinstance(form, str) else None
             if not isinstance(sites, list) or all(site == default for site in sites):
                 raise ConfigError(
-                    f"cache contract JSON (version 4): rotation_sites must be a list with a layer whose site is "
-                    f"not the default of key form {form!r}, got {sites!r} (default sites are written as "
-                    "version 2 or 3)"
+                    f"cache contract JSON: rotation_sites must be a list with a layer whose site is "
+                    f"not the default of key form {form!r}, got {sites!r} (default sites are left out)"
                 )
             kwargs["rotation_sites"] = tuple(sites)
         rope = kwargs["rope"]
@@ -835,9 +858,7 @@ def _flat(c: CacheContract, per_layer: bool = False) -> dict[str, Any]:
             # and that difference is named (and converted, where asked) as key_form.
             continue
         if name == "layer_ropes":
-            if per_layer:
-                # The summary (each layer's spec fingerprint, None for NoPE), then every differing detail.
-                out["layer_ropes"] = tuple(None if r.rope is None else r.rope.fingerprint() for r in c.layers)
+            if per_layer:  # every layer's spec (the summary is added by diff where one differs)
                 for i, record in enumerate(c.layers):
                     spec = record.rope
                     if spec is None:
@@ -867,14 +888,58 @@ def _flat(c: CacheContract, per_layer: bool = False) -> dict[str, Any]:
     return out
 
 
+# The RopeSpec fields that produce its frequencies: compared through RopeSpec.frequencies (by value),
+# never one by one. Every other field of the spec is compared as it is.
+_FREQUENCY_FIELDS = frozenset(("theta", "scaling", "max_position_embeddings"))
+
+
 def _flat_rope(out: dict[str, Any], prefix: str, spec: RopeSpec) -> None:
     for rf in dataclasses.fields(spec):
-        rv = getattr(spec, rf.name)
-        if rf.name == "scaling":
-            for sf in dataclasses.fields(rv):
-                out[f"{prefix}.scaling.{sf.name}"] = getattr(rv, sf.name)
+        if rf.name not in _FREQUENCY_FIELDS:
+            out[f"{prefix}.{rf.name}"] = getattr(spec, rf.name)
+    out[f"{prefix}.frequencies"] = spec.frequencies()
+
+
+def _frequency_diffs(prefix: str, ours: RopeSpec, theirs: RopeSpec) -> list[FieldDiff]:
+    """The fields that make two specs' frequencies differ: ``theta``, every scaling parameter, and
+    ``max_position_embeddings`` where a side uses dynamic NTK (the length its base grows past). The
+    frequencies differ, so some such field does, or ``rotary_dim`` (named on its own);
+    ``{prefix}.frequencies`` is the fallback name."""
+    a, b = ours.to_dict(), theirs.to_dict()
+    names = ["theta"] + [f"scaling.{k}" for k in _union(a["scaling"], b["scaling"])]
+    if "dynamic" in (ours.scaling.rope_type, theirs.scaling.rope_type):
+        names.append("max_position_embeddings")
+
+    def value(d: dict[str, Any], name: str) -> Any:
+        return d["scaling"].get(name[len("scaling.") :]) if name.startswith("scaling.") else d[name]
+
+    diffs = [FieldDiff(f"{prefix}.{n}", value(a, n), value(b, n)) for n in names if value(a, n) != value(b, n)]
+    if diffs or ours.rotary_dim != theirs.rotary_dim:  # another rotary_dim is named as itself
+        return diffs
+    return [FieldDiff(f"{prefix}.frequencies", ours.frequencies(), theirs.frequencies())]
+
+
+def rope_diffs(ours: RopeSpec, theirs: RopeSpec, prefix: str = "rope") -> list[FieldDiff]:
+    """How two specs turn keys and queries differently, as :meth:`CacheContract.diff` names it (empty:
+    they compute the same rotation, however their configurations spell it)."""
+    a: dict[str, Any] = {}
+    b: dict[str, Any] = {}
+    _flat_rope(a, prefix, ours)
+    _flat_rope(b, prefix, theirs)
+    diffs: list[FieldDiff] = []
+    for k in a:
+        if a[k] == b[k]:
+            continue
+        if isinstance(a[k], Frequencies):
+            diffs.extend(_frequency_diffs(prefix, ours, theirs))
         else:
-            out[f"{prefix}.{rf.name}"] = rv
+            diffs.append(FieldDiff(k, a[k], b[k]))
+    return diffs
+
+
+def _summary_index(diffs: list[FieldDiff]) -> int:
+    """Where the ``layer_ropes`` summary goes: before the first per-layer difference."""
+    return next(i for i, d in enumerate(diffs) if d.field.startswith("layers."))
 
 
 def _union(a: dict[str, Any], b: dict[str, Any]) -> list[str]:

@@ -314,6 +314,14 @@ class RopeSpec:
             return self.scaling.original_max_position_embeddings
         return None
 
+    def frequencies(self) -> Frequencies:
+        """What this spec's frequencies are, as values (:class:`Frequencies`): the fields that produce
+        them (``theta``, the scaling's parameters, ``max_position_embeddings`` for dynamic NTK) compared
+        by what they compute, not by how they are spelled."""
+        switch = self.switch_length
+        past = None if switch is None else tuple(self.inv_freq(2 * switch).tolist())
+        return Frequencies(self, tuple(self.inv_freq().tolist()), switch, past)
+
     def inv_freq(self, seq_len: int | None = None) -> torch.Tensor:
         """Inverse frequencies ``[rotary_dim // 2]`` in float64 for a sequence of ``seq_len`` tokens."""
         return _INV_FREQ[self.scaling.rope_type](self, seq_len)
@@ -352,6 +360,55 @@ class RopeSpec:
         ang = self.angles(positions, seq_len)
         a = self.attention_factor
         return apply_rotation(x, torch.cos(ang) / a, -torch.sin(ang) / a, self.layout, self.rotary_offset)
+
+
+# Two inverse frequencies are the same when they agree to this relative tolerance. Equal
+# computations spelled differently (llama3 or YaRN with factor 1 against default RoPE, linear with
+# factor 1) differ by float64 rounding (~1e-16); the smallest real difference (another theta, factor,
+# llama3 band) is many orders larger. What the tolerance lets through turns a key at position p by at
+# most p * 1e-12 rad more (inverse frequencies are <= 1): 1e-6 rad at a million positions.
+FREQUENCY_RTOL = 1e-12
+
+
+@dataclass(frozen=True, eq=False)
+class Frequencies:
+    """What a :class:`RopeSpec` turns by, by value (:meth:`RopeSpec.frequencies`).
+
+    - ``inv_freq``: the inverse frequency of each channel pair (float64), at lengths up to the switch;
+    - ``switch_length``: for a length-dependent type, the sequence length past which they change
+      (dynamic NTK: ``max_position_embeddings``; LongRoPE: ``original_max_position_embeddings``), else None;
+    - ``past``: for a length-dependent type, the inverse frequencies at twice the switch length. Two
+      dynamic NTK specs with the same base frequencies and switch agree there exactly when their
+      factors agree, and then at every length; LongRoPE's long factors hold at every length past it.
+
+    Equality (``==``) is by value: the same switch length and inverse frequencies that agree within
+    :data:`FREQUENCY_RTOL`. ``spec`` is the spec they came from, for naming what differs; it takes no
+    part in the comparison.
+    """
+
+    spec: RopeSpec
+    inv_freq: tuple[float, ...]
+    switch_length: int | None
+    past: tuple[float, ...] | None
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Frequencies):
+            return NotImplemented
+        return (
+            self.switch_length == other.switch_length
+            and _close(self.inv_freq, other.inv_freq)
+            and (self.past is None) == (other.past is None)
+            and (self.past is None or other.past is None or _close(self.past, other.past))
+        )
+
+    __hash__ = None  # type: ignore[assignment]  # equality within a tolerance is not hashable
+
+    def __repr__(self) -> str:
+        return f"Frequencies(switch_length={self.switch_length}, inv_freq[:3]={self.inv_freq[:3]})"
+
+
+def _close(a: tuple[float, ...], b: tuple[float, ...]) -> bool:
+    return len(a) == len(b) and all(math.isclose(x, y, rel_tol=FREQUENCY_RTOL, abs_tol=0.0) for x, y in zip(a, b))
 
 
 # ---------------------------------------------------------------------- pure functions

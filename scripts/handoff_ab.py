@@ -32,7 +32,7 @@ from ropekv.transfer.payload import write_payload
 def payload_of(tokens: int, seed: int = 0) -> bytes:
     ckpt = default_checkpoint()
     contract = CacheContract.for_model(
-        ckpt.config, key_form="rotated", block_size=16, dtype="float32", model_fingerprint=ckpt.fingerprint
+        ckpt.config, key_form="rotated", block_size=16, dtype="float32", weights_fingerprint=ckpt.weights_fingerprint
     )
     cache = PagedKVCache(contract, -(-tokens // contract.block_size))
     g = torch.Generator().manual_seed(seed)

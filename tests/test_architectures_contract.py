@@ -79,7 +79,7 @@ def test_json_round_trip_and_unchanged_format_for_uniform_contracts():
     back = CacheContract.from_json(c.to_json())
     assert back == c and back.layer_rope(1) is None and back.layer_rope(2) == GLOBAL
     plain = make(layer_ropes=None)
-    assert "layer_ropes" not in json.loads(plain.to_json())  # version-1 documents stay as they were
+    assert "layer_ropes" not in json.loads(plain.to_json())  # one RoPE for all layers: left out
     assert CacheContract.from_json(plain.to_json()) == plain
     bad = json.loads(c.to_json())
     bad["layer_ropes"] = [1, 2, 3]

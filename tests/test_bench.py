@@ -344,7 +344,7 @@ def test_unprobed_decode_reads_like_the_probed_one(tiny_llama_dir, key_form, win
 
     ckpt = load_checkpoint(tiny_llama_dir)
     contract = CacheContract.for_model(
-        ckpt.config, key_form=key_form, block_size=4, dtype="float32", model_fingerprint=ckpt.fingerprint
+        ckpt.config, key_form=key_form, block_size=4, dtype="float32", weights_fingerprint=ckpt.weights_fingerprint
     )
     if window is not None:
         contract = contract.replace(window=window, window_layers=(0,))
@@ -369,7 +369,7 @@ def test_compiled_rotation_keeps_the_eager_step(tiny_llama_dir) -> None:
 
     ckpt = load_checkpoint(tiny_llama_dir)
     contract = CacheContract.for_model(
-        ckpt.config, key_form="raw", block_size=4, dtype="float32", model_fingerprint=ckpt.fingerprint
+        ckpt.config, key_form="raw", block_size=4, dtype="float32", weights_fingerprint=ckpt.weights_fingerprint
     )
     tokens = torch.randint(0, ckpt.config.vocab_size, (40,), generator=torch.Generator().manual_seed(7))
     eager, compiled = Engine(ckpt, contract, 16), Engine(ckpt, contract, 16, compile_rotation=True)
@@ -531,7 +531,7 @@ def test_the_kernels_floor_runs_each_layers_attention_over_the_keys_a_step_reads
     ckpt = load_checkpoint(tiny_llama_dir)
     cfg = ckpt.config
     contract = CacheContract.for_model(
-        ckpt.config, key_form="rotated", block_size=4, dtype="float32", model_fingerprint=ckpt.fingerprint
+        ckpt.config, key_form="rotated", block_size=4, dtype="float32", weights_fingerprint=ckpt.weights_fingerprint
     ).replace(window=5, window_layers=(1,), sink_tokens=2)
     weights = DecoderWeights.from_checkpoint(ckpt, torch.float32)
     driver = kernels_floor_driver(weights, contract, 40)
@@ -599,7 +599,7 @@ def test_the_handoff_payload_is_a_forked_prefix_or_the_whole_sliding_sequence(
 
     ckpt = load_checkpoint(tiny_llama_dir if arch == "llama" else tiny_mistral_dir)
     contract = CacheContract.for_model(
-        ckpt.config, key_form="rotated", block_size=4, dtype="float32", model_fingerprint=ckpt.fingerprint
+        ckpt.config, key_form="rotated", block_size=4, dtype="float32", weights_fingerprint=ckpt.weights_fingerprint
     )
     assert bool(contract.window_layers) == (arch == "mistral")
     engine = Engine(ckpt, contract, 16)

@@ -84,14 +84,14 @@ def test_require_compatible_names_the_layer_whose_kind_differs():
     assert fields == {"chunk_size", "layers.1.attention", "layers.3.attention"}
 
 
-def test_version_3_json_round_trips_and_chunk_free_contracts_stay_version_2():
+def test_chunked_json_round_trips_and_chunk_free_contracts_leave_chunks_out():
     c = make()
     data = json.loads(c.to_json())
-    assert data["version"] == 3 and data["chunk_size"] == C and data["chunk_layers"] == [1, 3]
+    assert data["version"] == 5 and data["chunk_size"] == C and data["chunk_layers"] == [1, 3]
     assert CacheContract.from_json(c.to_json()) == c
     plain = make(chunk_size=None, chunk_layers=())
     data = json.loads(plain.to_json())
-    assert data["version"] == 2 and "chunk_size" not in data and "chunk_layers" not in data
+    assert data["version"] == 5 and "chunk_size" not in data and "chunk_layers" not in data
     assert CacheContract.from_json(plain.to_json()) == plain
     bad = json.loads(c.to_json())
     bad["chunk_layers"] = []

@@ -28,7 +28,8 @@ def make(**changes) -> CacheContract:
         sink_tokens=0,
         block_size=4,
         dtype="float32",
-        model_fingerprint="m1",
+        weights_fingerprint="m1",
+        config_fingerprint="c1",
     )
     base.update(changes)
     return CacheContract(**base)
@@ -95,7 +96,7 @@ def test_rotated_keys_with_length_dependent_rope_are_a_valid_description():
         (dict(num_layers=0), "num_layers"),
         (dict(num_kv_heads=2.0), "num_kv_heads"),
         (dict(rope=ROPE.to_dict()), "rope must be a RopeSpec"),
-        (dict(model_fingerprint=None), "model_fingerprint"),
+        (dict(weights_fingerprint=None), "weights_fingerprint"),
     ],
 )
 def test_invalid_combinations_raise(changes, match):
@@ -105,10 +106,10 @@ def test_invalid_combinations_raise(changes, match):
 
 def test_for_model_takes_the_model_window_and_its_sliding_layers():
     cfg = model_config()
-    c = CacheContract.for_model(cfg, key_form="rotated", model_fingerprint="abc")
+    c = CacheContract.for_model(cfg, key_form="rotated", weights_fingerprint="abc")
     assert (c.window, c.window_layers, c.kernel_rotates) == (7, (1,), False)
     assert (c.num_layers, c.num_kv_heads, c.head_dim, c.rope, c.block_size, c.dtype) == (3, 2, 8, ROPE, 16, "float32")
-    assert c.model_fingerprint == "abc"
+    assert c.weights_fingerprint == "abc"
     raw = CacheContract.for_model(cfg, key_form="raw", window=5, sink_tokens=2, rotation_index="cache", block_size=7)
     assert (raw.window, raw.window_layers, raw.kernel_rotates, raw.sink_tokens) == (5, (0, 1, 2), True, 2)
     none = CacheContract.for_model(cfg, key_form="rotated", window=None)
@@ -184,11 +185,7 @@ VARIANTS = {
         {"rope.attention_factor"},
         "attention factor",
     ),
-    "rope.max_position_embeddings": (
-        make(rope=ROPE.replace(max_position_embeddings=4096)),
-        {"rope.max_position_embeddings"},
-        "switch at another length",
-    ),
+    # max_position_embeddings takes part only under dynamic NTK (tests/test_contract_rotation.py)
     # per layer too: the layer whose attention kind differs is named (layers.1.attention)
     "rope.mrope_section": (
         make(rope=ROPE.replace(mrope_section=(ROPE.rotary_dim // 2,))),
@@ -224,7 +221,8 @@ VARIANTS = {
     "num_layers": (make(num_layers=4), {"num_layers"}, "wrong layer"),
     "num_kv_heads": (make(num_kv_heads=4), {"num_kv_heads"}, "head counts differ"),
     "head_dim": (make(rope=ROPE.replace(head_dim=16), head_dim=16), {"rope.head_dim", "head_dim"}, "head sizes differ"),
-    "model_fingerprint": (make(model_fingerprint="m2"), {"model_fingerprint"}, "keys come from another model"),
+    "weights_fingerprint": (make(weights_fingerprint="m2"), {"weights_fingerprint"}, "keys come from another model"),
+    "config_fingerprint": (make(config_fingerprint="c2"), {"config_fingerprint"}, "another configuration"),
     # per layer: the summary plus the layer's own fields (tests/test_architectures_contract.py)
     "layer_ropes": (make(layer_ropes=(ROPE, None, ROPE)), {"layer_ropes", "layers.1.rope"}, "other RoPE spec"),
     "rope.rotary_offset": (
@@ -244,7 +242,8 @@ VARIANTS = {
 def test_variants_cover_every_contract_field():
     # rotation_sites differ as key_form or not at all (tests/test_contract_rotation_sites.py)
     top = {f.name for f in dataclasses.fields(CacheContract)} - {"rope", "rotation_sites"}
-    rope = {f"rope.{f.name}" for f in dataclasses.fields(RopeSpec)} - {"rope.scaling"}
+    # max_position_embeddings: by what it computes, only under dynamic NTK (tests/test_contract_rotation.py)
+    rope = {f"rope.{f.name}" for f in dataclasses.fields(RopeSpec)} - {"rope.scaling", "rope.max_position_embeddings"}
     assert top | rope <= set(VARIANTS)
 
 
@@ -297,11 +296,11 @@ def test_key_form_consequence_depends_on_the_direction():
 
 def test_require_compatible_names_all_fields_at_once():
     theirs = make(
-        rope=ROPE.replace(theta=5e5, layout="gptj"), block_size=8, dtype="float16", model_fingerprint="x"
+        rope=ROPE.replace(theta=5e5, layout="gptj"), block_size=8, dtype="float16", weights_fingerprint="x"
     ).with_key_form("raw")
     with pytest.raises(ContractMismatch) as info:
         make().require_compatible(theirs)
-    fields = {"key_form", "rope.theta", "rope.layout", "block_size", "dtype", "model_fingerprint"}
+    fields = {"key_form", "rope.theta", "rope.layout", "block_size", "dtype", "weights_fingerprint"}
     assert set(info.value.fields) == fields
     assert "differ in 6 field(s)" in str(info.value)
     assert "\n" not in str(info.value)  # one line for the CLI
@@ -310,13 +309,14 @@ def test_require_compatible_names_all_fields_at_once():
 # ---------------------------------------------------------------------- JSON
 
 
-def test_version_1_json_is_still_read():
-    """Version 1 wrote kernel_rotates; it is read when it agrees with key_form (it always did)."""
-    for c in (make(), make().with_key_form("raw")):
-        data = json.loads(c.to_json())
-        data.update(version=1, kernel_rotates=c.key_form == "raw")
-        assert CacheContract.from_json(json.dumps(data)) == c
-        assert c.kernel_rotates == (c.key_form == "raw")
+@pytest.mark.parametrize("version", [1, 2, 3, 4])
+def test_older_versions_are_refused_naming_the_version(version):
+    """Versions before 5 held one fingerprint of weights and configuration together: refused by
+    version, with a typed error, whatever else the document holds."""
+    data = json.loads(make().to_json())
+    data.update(version=version, weights_fingerprint="ignored")
+    with pytest.raises(ConfigError, match=f"version {version} is not supported .*fingerprint of weights and config"):
+        CacheContract.from_json(json.dumps(data))
 
 
 def test_json_has_format_and_version_and_round_trips():
@@ -324,7 +324,7 @@ def test_json_has_format_and_version_and_round_trips():
         rope=ROPE.replace(scaling=RopeScaling("yarn", factor=4.0, original_max_position_embeddings=512, beta_fast=16.0))
     )
     data = json.loads(c.to_json())
-    assert data["format"] == "ropekv.cache_contract" and data["version"] == 2 and "kernel_rotates" not in data
+    assert data["format"] == "ropekv.cache_contract" and data["version"] == 5 and "kernel_rotates" not in data
     assert CacheContract.from_json(c.to_json()) == c
     assert CacheContract.from_json(c.to_json().encode()) == c
 
@@ -407,7 +407,7 @@ def contracts(draw):
         num_layers=num_layers,
         num_kv_heads=draw(st.integers(1, 16)),
         head_dim=rope.head_dim,
-        model_fingerprint=draw(st.text(max_size=20)),
+        weights_fingerprint=draw(st.text(max_size=20)),
     )
 
 
@@ -452,9 +452,10 @@ _GOOD_ROPE = ROPE.to_dict()
         ("null", "must be an object"),
         ('{"version": 1}', "format"),
         (_mutated(format="ropekv.payload"), "format"),
-        (_mutated(version=5), "version 5"),
-        (_mutated(version=3), r"missing field\(s\) \['chunk_layers', 'chunk_size'\]"),  # version 3 always has them
-        (_mutated(chunk_size=8, chunk_layers=[1]), r"unexpected field\(s\) \['chunk_layers', 'chunk_size'\]"),
+        (_mutated(version=6), "version 6"),
+        (_mutated(version=3), "version 3 is not supported"),
+        (_mutated(chunk_size=8, chunk_layers=[1]), "both sliding"),
+        (_mutated(config_fingerprint=_DELETE), r"missing field\(s\) \['config_fingerprint'\]"),
         (_mutated(version=True), "version True"),
         (_mutated(version="1"), "version"),
         (_mutated(block_size=_DELETE), r"missing field\(s\) \['block_size'\]"),
@@ -484,10 +485,7 @@ _GOOD_ROPE = ROPE.to_dict()
         ),
         (_mutated(block_size="16"), "block_size"),
         (_mutated(kernel_rotates=False), r"unexpected field\(s\) \['kernel_rotates'\]"),  # derived in version 2
-        (_v1(kernel_rotates="no"), "kernel_rotates must be a bool"),
-        (_v1(kernel_rotates=True), "rotated a second time"),
-        (_v1(key_form="raw", kernel_rotates=False), "every key at position 0"),
-        (_v1(), r"missing field\(s\) \['kernel_rotates'\]|kernel_rotates must be a bool"),
+        (_v1(kernel_rotates=True), "version 1 is not supported"),
         (_mutated(dtype=None), "dtype"),
         (_mutated(window=2.5), "window"),
     ],

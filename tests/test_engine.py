@@ -34,7 +34,11 @@ def ref_llama(llama):
 
 def make_engine(ckpt, key_form, block_size=16, num_blocks=256, **contract_kw):
     contract = CacheContract.for_model(
-        ckpt.config, key_form=key_form, block_size=block_size, model_fingerprint=ckpt.fingerprint, **contract_kw
+        ckpt.config,
+        key_form=key_form,
+        block_size=block_size,
+        weights_fingerprint=ckpt.weights_fingerprint,
+        **contract_kw,
     )
     return Engine(ckpt, contract, num_blocks)
 

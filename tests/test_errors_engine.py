@@ -33,7 +33,7 @@ def llama(tiny_llama_dir):
 
 def contract_for(ckpt, key_form: str, layout: str) -> CacheContract:
     c = CacheContract.for_model(
-        ckpt.config, key_form=key_form, block_size=BLOCK, window=None, model_fingerprint=ckpt.fingerprint
+        ckpt.config, key_form=key_form, block_size=BLOCK, window=None, weights_fingerprint=ckpt.weights_fingerprint
     )
     if layout == "window":
         c = c.replace(window=WINDOW, window_layers=tuple(range(c.num_layers)), sink_tokens=SINKS)
@@ -259,8 +259,8 @@ def test_rotated_keys_for_length_dependent_rope_are_refused(make_tiny_checkpoint
 
 
 def test_contract_for_another_model_is_refused(llama):
-    contract = contract_for(llama, "rotated", "full").replace(model_fingerprint="0" * 16)
-    with pytest.raises(ContractMismatch, match="model_fingerprint"):
+    contract = contract_for(llama, "rotated", "full").replace(weights_fingerprint="0" * 16)
+    with pytest.raises(ContractMismatch, match="weights_fingerprint"):
         Engine(llama, contract, 8)
 
 

@@ -350,7 +350,7 @@ def test_every_config_integer_is_bounded_at_read_time(data, value):
 
 _BASE_CONFIGS = [read_model_config(b) for b in BASES]
 CONTRACTS = [
-    CacheContract.for_model(_BASE_CONFIGS[0], key_form="rotated", model_fingerprint="abc123"),
+    CacheContract.for_model(_BASE_CONFIGS[0], key_form="rotated", weights_fingerprint="abc123"),
     CacheContract.for_model(_BASE_CONFIGS[1], key_form="raw", block_size=7, dtype="bfloat16"),
     CacheContract.for_model(_BASE_CONFIGS[0], key_form="raw", window=5, sink_tokens=2, rotation_index="cache"),
     CacheContract.for_model(_BASE_CONFIGS[4], key_form="rotated"),

@@ -46,7 +46,7 @@ def ckpt(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def base(ckpt):
-    return CacheContract.for_model(ckpt.config, key_form="rotated", model_fingerprint=ckpt.fingerprint)
+    return CacheContract.for_model(ckpt.config, key_form="rotated", weights_fingerprint=ckpt.weights_fingerprint)
 
 
 def tokens(n, offset=20):
@@ -118,7 +118,10 @@ def variants(base: CacheContract) -> dict[str, CacheContract]:
         "rope.scaling.rope_type": linear,
         "rope.scaling.factor": linear,
         "rope.attention_factor": base.replace(rope=rope.replace(attention_factor=1.2)),
-        "rope.max_position_embeddings": base.replace(rope=rope.replace(max_position_embeddings=4096)),
+        # the length dynamic NTK grows its base past (it changes no key under any other type)
+        "rope.max_position_embeddings": base.replace(
+            rope=rope.replace(scaling=RopeScaling("dynamic", factor=2.0), max_position_embeddings=4096)
+        ),
         "window": base.replace(window=7, window_layers=(0, 1)),
         "window_layers": base.replace(window=7, window_layers=(1,)),
         "sink_tokens": base.replace(window=7, window_layers=(0, 1), sink_tokens=2),
@@ -138,7 +141,8 @@ def variants(base: CacheContract) -> dict[str, CacheContract]:
         ),
         "num_layers": base.replace(num_layers=3),
         "num_kv_heads": base.replace(num_kv_heads=4),
-        "model_fingerprint": base.replace(model_fingerprint="another-model"),
+        "weights_fingerprint": base.replace(weights_fingerprint="another-model"),
+        "config_fingerprint": base.replace(config_fingerprint="another-config"),
         # a writer whose layer 1 has no position embedding (NoPE)
         "layer_ropes": base.replace(layer_ropes=(rope, None) + (rope,) * (base.num_layers - 2)),
         # a writer rotating the trailing half of each key, and one that is multi-head latent attention

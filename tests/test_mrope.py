@@ -65,7 +65,7 @@ def test_sections_are_read_recorded_and_compared(make_arch_checkpoint):
     assert any("vision_config is not checked" in w for w in cfg.warnings)
     mrope = CacheContract.for_model(cfg, key_form="rotated")
     data = json.loads(mrope.to_json())
-    assert data["rope"]["mrope_section"] == [2, 3, 3] and data["version"] == 2
+    assert data["rope"]["mrope_section"] == [2, 3, 3] and data["version"] == 5
     assert CacheContract.from_json(mrope.to_json()) == mrope
     plain = mrope.replace(rope=cfg.rope.replace(mrope_section=None))
     assert "mrope_section" not in json.loads(plain.to_json())["rope"]  # plain specs are written as before

@@ -26,7 +26,7 @@ FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCh
 
 def contract(**changes) -> CacheContract:
     base = dict(
-        key_form="rotated", rope=ROPE, num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, model_fingerprint="m"
+        key_form="rotated", rope=ROPE, num_layers=2, num_kv_heads=2, head_dim=8, block_size=4, weights_fingerprint="m"
     )
     return CacheContract(**{**base, **changes})
 

@@ -48,7 +48,7 @@ ROPE = RopeSpec(head_dim=8, rotary_dim=8, theta=10000.0)
 
 def contract(**changes) -> CacheContract:
     base = dict(
-        key_form="rotated", rope=ROPE, num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, model_fingerprint="m"
+        key_form="rotated", rope=ROPE, num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, weights_fingerprint="m"
     )
     return CacheContract(**{**base, **changes})
 

@@ -84,7 +84,7 @@ def test_atomic_write_leaves_no_temporary_and_replaces_whole(entry, monkeypatch)
     [
         (lambda e: rep(e, contract=e.contract.replace(rope=e.contract.rope.replace(theta=20000.0))), "rope.theta"),
         (lambda e: rep(e, contract=e.contract.replace(dtype="bfloat16")), "dtype"),
-        (lambda e: rep(e, contract=e.contract.replace(model_fingerprint="ffff")), "model_fingerprint"),
+        (lambda e: rep(e, contract=e.contract.replace(weights_fingerprint="ffff")), "weights_fingerprint"),
         (lambda e: rep(e, kernel_isa="amx"), "kernel_isa"),
         (lambda e: rep(e, kv_cache_dtype="fp8"), "kv_cache_dtype"),
         (lambda e: rep(e, kv_row_shape=(3, 64)), "kv_row_shape"),

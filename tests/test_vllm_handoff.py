@@ -281,7 +281,7 @@ def _side(theta: float, dtype: str = "float32", fingerprint: str = "fp-a") -> di
         num_layers=2,
         num_kv_heads=3,
         head_dim=64,
-        model_fingerprint=fingerprint,
+        weights_fingerprint=fingerprint,
     )
     return {"cache_contract": contract.to_dict(), "contract": {"theta": theta, "dtype": dtype, "kernel_isa": "vec"}}
 
@@ -289,10 +289,10 @@ def _side(theta: float, dtype: str = "float32", fingerprint: str = "fp-a") -> di
 def test_the_sides_differences_are_named_with_their_consequence():
     contract, runs = vllm_driver.compare_sides(_side(100000.0), _side(20000.0, "bfloat16", "fp-b"))
     fields = [d.diff.field for d in contract]
-    assert fields == ["rope.theta", "dtype", "model_fingerprint"] or set(fields) == {
+    assert fields == ["rope.theta", "dtype", "weights_fingerprint"] or set(fields) == {
         "rope.theta",
         "dtype",
-        "model_fingerprint",
+        "weights_fingerprint",
     }
     theta = next(d for d in contract if d.diff.field == "rope.theta")
     assert theta.diff.ours == 20000.0 and theta.diff.theirs == 100000.0

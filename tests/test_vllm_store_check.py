@@ -32,7 +32,7 @@ PROMPT = torch.randint(0, 96, (70,), generator=GEN)
 def model(tiny_llama_dir):
     ckpt = load_checkpoint(tiny_llama_dir)
     contract = CacheContract.for_model(
-        ckpt.config, key_form="rotated", block_size=B, dtype="float32", model_fingerprint=ckpt.fingerprint
+        ckpt.config, key_form="rotated", block_size=B, dtype="float32", weights_fingerprint=ckpt.weights_fingerprint
     )
     return ckpt, contract
 

@@ -104,7 +104,7 @@ def test_other_weights_and_dtype_are_refused(engine, saved, fingerprint):
     other.layers[3].mlp.down_proj.weight = w * 1.001
     with pytest.raises(ContractMismatch) as exc:
         load_checked(saved, other)  # the fingerprint is computed from its weights
-    assert exc.value.fields == ("model_fingerprint",)
+    assert exc.value.fields == ("weights_fingerprint",)
     half = variant(engine)
     half.set_dtype(mx.bfloat16)
     with pytest.raises(ContractMismatch) as exc:

@@ -124,7 +124,10 @@ FORGERIES = {
         _forge(contract=_rope(scaling=RopeScaling(rope_type="linear", factor=2.0))),
         "rope.scaling.rope_type",
     ),
-    "fingerprint": (_forge(contract=lambda c: c.replace(model_fingerprint="0123456789abcdef")), "model_fingerprint"),
+    "fingerprint": (
+        _forge(contract=lambda c: c.replace(weights_fingerprint="0123456789abcdef")),
+        "weights_fingerprint",
+    ),
     "dtype": (_forge(contract=lambda c: c.replace(dtype="bfloat16")), "dtype"),
     "positions": (_forge(entry={"position_start": 32}), "positions"),
     "checksum": (_corrupt, "checksum.layers.7"),
@@ -157,7 +160,7 @@ FAILED = {"token_ids": [], "logprobs": [], "num_cached_tokens": 0, "finish_reaso
 @pytest.mark.parametrize(
     "forge, fields, values",
     [
-        (None, ["rope.theta", "model_fingerprint"], "rope.theta: consumer=20000.0, producer=100000.0"),
+        (None, ["rope.theta"], "rope.theta: consumer=20000.0, producer=100000.0"),
         (FORGERIES["missing_sidecar"][0], ["sidecar"], "sidecar: consumer='a contract sidecar', producer='none'"),
     ],
     ids=["real_rope_theta_20000", "missing_sidecar"],

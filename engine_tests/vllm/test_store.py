@@ -127,7 +127,7 @@ def _contracts(engine):
     ckpt = engine.checkpoint
     vllm_side = vllm_cache_contract(ckpt, engine.contract, cos_sin_tolerance=cos_sin_tolerance(engine.dtype))
     ours = CacheContract.for_model(
-        ckpt.config, key_form="rotated", block_size=BLOCK, dtype="float32", model_fingerprint=ckpt.fingerprint
+        ckpt.config, key_form="rotated", block_size=BLOCK, dtype="float32", weights_fingerprint=ckpt.weights_fingerprint
     )
     return vllm_side, ours
 

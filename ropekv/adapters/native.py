@@ -79,7 +79,7 @@ class NativeAdapter:
             dtype=self.dtype_name if self.kv_dtype is None else FP8_DTYPE,
             window=MODEL_WINDOWS if case.window is None else case.window,
             sink_tokens=case.sink_tokens,
-            model_fingerprint=self.checkpoint.fingerprint,
+            weights_fingerprint=self.checkpoint.weights_fingerprint,
             kv_scale=None if self.kv_dtype is None else self.kv_scale,
         )
         return c if self.contract_change is None else self.contract_change(c)

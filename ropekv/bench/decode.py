@@ -156,7 +156,7 @@ def ropekv_driver(
         key_form=key_form,
         block_size=block_size,
         dtype=dtype,
-        model_fingerprint=checkpoint.fingerprint,
+        weights_fingerprint=checkpoint.weights_fingerprint,
     )
     engine = Engine(
         checkpoint,

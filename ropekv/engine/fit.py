@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from ..contract import CacheContract
+from ..contract import CacheContract, rope_diffs
 from ..errors import ContractMismatch
 from ..models.config import Checkpoint
+from ..rope import RopeSpec
 
 
 def check_contract_fits_model(checkpoint: Checkpoint, contract: CacheContract) -> None:
@@ -30,16 +31,21 @@ def check_contract_fits_model(checkpoint: Checkpoint, contract: CacheContract) -
         )
     elif c.mla is not None and cfg.mla is None:
         problems.append(("mla", "mla: the contract describes multi-head latent attention, the model has none"))
-    if c.rope != cfg.rope:
+    # By what the specs compute (rope_diffs): a max_position_embeddings that changes no key is no misfit.
+    differs = rope_diffs(c.rope, cfg.rope)
+    per_layer = not differs and (c.layer_ropes is not None or cfg.layer_ropes is not None)
+    layers = range(min(c.num_layers, cfg.num_layers)) if per_layer else range(0)  # other counts: named above
+    bad = [i for i in layers if _turns_otherwise(c.layer_rope(i), cfg.layer_rope(i))]
+    if differs:
         problems.append(
             (
                 "rope",
-                f"rope: contract {c.rope.fingerprint()}, model {cfg.rope.fingerprint()} "
+                f"rope: contract {c.rope.fingerprint()}, model {cfg.rope.fingerprint()}, differing in "
+                f"{', '.join(d.field for d in differs)} "
                 "(keys and queries would turn differently from what the model was trained with)",
             )
         )
-    elif c.layer_ropes != cfg.layer_ropes:
-        bad = [i for i in range(cfg.num_layers) if c.layer_rope(i) != cfg.layer_rope(i)]
+    elif bad:
         problems.append(
             (
                 "layer_ropes",
@@ -57,12 +63,21 @@ def check_contract_fits_model(checkpoint: Checkpoint, contract: CacheContract) -
                 "serve it: rotated keys keep stale frequencies)",
             )
         )
-    if c.model_fingerprint and c.model_fingerprint != checkpoint.fingerprint:
+    if c.weights_fingerprint and c.weights_fingerprint != checkpoint.weights_fingerprint:
         problems.append(
             (
-                "model_fingerprint",
-                f"model_fingerprint: contract {c.model_fingerprint}, model "
-                f"{checkpoint.fingerprint} (keys would come from another model)",
+                "weights_fingerprint",
+                f"weights_fingerprint: contract {c.weights_fingerprint}, model "
+                f"{checkpoint.weights_fingerprint} (keys would come from another model: other weights)",
+            )
+        )
+    if c.config_fingerprint and c.config_fingerprint != checkpoint.config_fingerprint:
+        problems.append(
+            (
+                "config_fingerprint",
+                f"config_fingerprint: contract {c.config_fingerprint}, model {checkpoint.config_fingerprint} "
+                "(the model's configuration outside RoPE and the cache layout differs: it would compute "
+                "other keys and values)",
             )
         )
     if problems:
@@ -70,3 +85,10 @@ def check_contract_fits_model(checkpoint: Checkpoint, contract: CacheContract) -
             "the cache contract does not fit the model: " + "; ".join(p for _, p in problems),
             fields=tuple(f for f, _ in problems),
         )
+
+
+def _turns_otherwise(ours: RopeSpec | None, theirs: RopeSpec | None) -> bool:
+    """A layer turns otherwise: RoPE on one side only (NoPE), or specs that compute another rotation."""
+    if ours is None or theirs is None:
+        return (ours is None) != (theirs is None)
+    return bool(rope_diffs(ours, theirs))

@@ -167,7 +167,7 @@ CATALOGUE: tuple[TransferFault, ...] = (
         name="consumer_other_weights",
         kind=BugClass.UNKNOWN,
         description=f"the consumer's model has layer 0's k_proj scaled by {SCALED} (same architecture and tokens)",
-        fields=("model_fingerprint",),
+        fields=("weights_fingerprint",),
         scale_tensor="model.layers.0.self_attn.k_proj.weight",
     ),
     TransferFault(

@@ -7,7 +7,7 @@ processes, checked by ropekv.
 3. The consumer, with the same connector, reads the store and decodes; the parity harness checks that
    decode layer by layer against the float64 reference and the consumer's own full prefill.
 4. ropekv compares the two sides: their :class:`~ropekv.contract.CacheContract` (as ropekv reads each
-   side's model directory: RoPE, dtype, block size, model fingerprint), field by field with the
+   side's model directory: RoPE, dtype, block size, weights and config fingerprints), field by field with the
    handshake's consequence wording, and what vLLM runs on each (:class:`VLLMContract`); and reports
    what came through the connector (tokens injected vs recomputed, vLLM's ``num_cached_tokens``).
 
@@ -55,13 +55,15 @@ REPORT_VERSION = 1
 CONNECTORS = ("example", "ropekv")
 BLOCK_SIZE = 32
 FORGE_SEED_OFFSET = 1  # the forged entry's donor prompt: the token stream of seed + 1
+# What vLLM runs on each side, compared field by field. ``max_position_embeddings`` is not among them:
+# it sets vLLM's ``max_model_len`` and changes no key or query except under dynamic NTK, where the cache
+# contract names it (``rope.max_position_embeddings``, the length its base grows past).
 _COMPARED_VLLM = (
     "rope_class",
     "theta",
     "scaling_factor",
     "rotary_dim",
     "layout",
-    "max_position_embeddings",
     "dtype",
     "kv_cache_dtype",
     "kernel_isa",
@@ -462,7 +464,7 @@ def summary(doc: dict[str, Any]) -> str:
             for d in doc["contract_differences"]
         ]
     else:
-        lines.append("contract: producer and consumer agree (RoPE, dtype, block size, model fingerprint)")
+        lines.append("contract: producer and consumer agree (RoPE, dtype, block size, weights and config fingerprints)")
     if doc["vllm_differences"]:
         lines.append(
             "vLLM runs: "

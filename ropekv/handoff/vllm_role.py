@@ -66,7 +66,7 @@ def _contract(engine) -> dict[str, Any]:
         key_form="rotated",
         block_size=engine.block_size,
         dtype=engine.dtype_name,
-        model_fingerprint=engine.checkpoint.fingerprint,
+        weights_fingerprint=engine.checkpoint.weights_fingerprint,
     )
     return contract.to_dict()
 

@@ -330,7 +330,7 @@ def _run_prefill(
         key_form=args.key_form_prefill,
         block_size=args.block_size,
         dtype=args.dtype,
-        model_fingerprint=checkpoint.fingerprint,
+        weights_fingerprint=checkpoint.weights_fingerprint,
     )
     longest = max(p.case.length for p in planned)
     engine = Engine(checkpoint, contract, num_blocks=-(-longest // args.block_size) + 1)

@@ -7,6 +7,7 @@ A :class:`Checkpoint` is a validated :class:`ModelConfig` plus float tensors nam
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 from collections.abc import Mapping
@@ -23,7 +24,7 @@ from .families import FAMILIES, Family, canonical_weights
 from .limits import MODEL_INT_BOUNDS, bound_text, shown
 from .mla import MlaSpec
 from .moe import MoeSpec
-from .weights import non_finite, weights_digest
+from .weights import non_finite, weights_digest, weights_fingerprint_of
 
 ARCHITECTURES = tuple(FAMILIES)
 # transformers' layer_types strings, kept as the config's per-layer record (its to_dict and so its
@@ -38,6 +39,23 @@ ACTIVATIONS = ("silu", "gelu", "gelu_pytorch_tanh", "gelu_new", "relu", "relu2",
 # xIELU's learned parameters, per layer under model.layers.{i}.mlp.act_fn. (apertus): shape of each
 XIELU_PARAMS = {"alpha_p": (1,), "alpha_n": (1,), "beta": (), "eps": ()}
 
+# ModelConfig fields left out of its config fingerprint: the cache contract compares RoPE (by what it
+# computes: max_position_embeddings only under dynamic NTK), windows, chunks and sizes as fields of their
+# own, and ``name`` is a label (transformers fills it from the path a model was loaded from).
+CONTRACT_COMPARED = frozenset(
+    (
+        "name",
+        "max_position_embeddings",
+        "rope",
+        "layer_ropes",
+        "sliding_window",
+        "layer_types",
+        "attention_chunk_size",
+        "num_layers",
+        "num_kv_heads",
+        "head_dim",
+    )
+)
 # ModelConfig fields whose config.json name differs (for error messages).
 _HF_FIELD_NAMES = {
     "num_layers": "num_hidden_layers",
@@ -314,6 +332,15 @@ class ModelConfig:
                 del d[name]
         return d
 
+    def config_fingerprint(self) -> str:
+        """A short hash of what this config computes outside the fields a cache contract compares on
+        its own (:data:`CONTRACT_COMPARED`): head counts, norms, activations, scales, MoE, MLA. Two
+        configs that differ only there (another ``max_position_embeddings`` or RoPE spelling, another
+        name) get one fingerprint."""
+        semantics = {k: v for k, v in self.to_dict().items() if k not in CONTRACT_COMPARED}
+        blob = json.dumps(semantics, sort_keys=True)
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
     def expected_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor a checkpoint of this config must hold, with its shape, under ropekv's canonical
         names (transformers' llama names; :func:`~ropekv.models.families.canonical_weights` maps others)."""
@@ -472,6 +499,17 @@ class Checkpoint:
 
     def weight(self, name: str) -> torch.Tensor:
         return self.weights[name]
+
+    @functools.cached_property
+    def weights_fingerprint(self) -> str:
+        """The weights alone (:func:`~ropekv.models.weights.weights_fingerprint_of`: names, shapes,
+        dtypes, bytes); unlike :attr:`fingerprint`, no configuration. Hashed once, on first use."""
+        return weights_fingerprint_of(self.weights)
+
+    @property
+    def config_fingerprint(self) -> str:
+        """:meth:`ModelConfig.config_fingerprint` of this checkpoint's config."""
+        return self.config.config_fingerprint()
 
     @classmethod
     def from_tensors(

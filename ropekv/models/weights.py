@@ -35,6 +35,12 @@ def weights_digest(weights: Mapping[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def weights_fingerprint_of(weights: Mapping[str, torch.Tensor]) -> str:
+    """The weights' fingerprint: the first 16 hex digits of :func:`weights_digest`, over the tensors
+    alone (no configuration), the value a cache contract's ``weights_fingerprint`` holds."""
+    return weights_digest(weights)[:16]
+
+
 def non_finite(tensor: torch.Tensor) -> str | None:
     """None when every value of ``tensor`` is finite, else what and where the first bad one is
     (``"NaN at [3, 5] (2 non-finite values)"``). One pass (``aminmax`` propagates NaN and shows an

@@ -102,7 +102,7 @@ class FlashInferReplayAdapter:
             dtype=self.meta["dtype"],
             window=None,
             rotation_index="cache" if raw else "logical",
-            model_fingerprint=self.checkpoint.fingerprint,
+            weights_fingerprint=self.checkpoint.weights_fingerprint,
         )
 
     def ignored(self, case: Case) -> tuple[Ignored, ...]:

@@ -59,7 +59,7 @@ class StateContext:
             key_form="rotated",  # llama.cpp caches keys after RoPE
             block_size=1,  # single cells, not blocks
             dtype="float32" if engine.type_k == "f32" else "float16",
-            model_fingerprint=engine.model_file_fingerprint(),
+            weights_fingerprint=engine.checkpoint.weights_fingerprint,
         )
         self.runs = dict(self.tap.rope_runs)  # layer -> its key RoPE, read in the same probe
         contract = base.replace(rope=self.run.spec(base.rope))

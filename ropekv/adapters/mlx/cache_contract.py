@@ -152,7 +152,7 @@ def mlx_contract(model: Any, caches: Sequence[Any], *, dtype: str, fingerprint: 
         num_layers=len(ropes),
         num_kv_heads=int(attn.n_kv_heads),
         head_dim=int(attn.head_dim),
-        model_fingerprint=fingerprint,
+        weights_fingerprint=fingerprint,
     )
 
 

@@ -167,10 +167,10 @@ class OrtEngine:
             self.probed,
             self.layers,
             self.config,
-            model_fingerprint=self.checkpoint.fingerprint,
+            weights_fingerprint=self.checkpoint.weights_fingerprint,
         )
         self.model_contract = CacheContract.for_model(
-            self.config, key_form="rotated", block_size=1, model_fingerprint=self.checkpoint.fingerprint
+            self.config, key_form="rotated", block_size=1, weights_fingerprint=self.checkpoint.weights_fingerprint
         )
         # The keys a windowed layer's sliding buffer holds at least (the kernel refuses a smaller buffer).
         self._min_length = max((la.local_window_size for la in self.layers if la.sliding_window_cache), default=1)

@@ -70,7 +70,7 @@ def table_rope(
 
 
 def graph_contract(
-    model: Any, folder: Path, layers: Sequence[GqaLayer], config: ModelConfig, *, model_fingerprint: str = ""
+    model: Any, folder: Path, layers: Sequence[GqaLayer], config: ModelConfig, *, weights_fingerprint: str = ""
 ) -> CacheContract:
     """The contract of the graph ``model`` (built in ``folder``, whose weights are ``config``'s)."""
     if len(layers) != config.num_layers:
@@ -106,5 +106,5 @@ def graph_contract(
         window=windows.pop() if windows else None,
         window_layers=window_layers,
         block_size=1,
-        model_fingerprint=model_fingerprint,
+        weights_fingerprint=weights_fingerprint,
     )

@@ -5,9 +5,9 @@ runs (``model_config.hf_config``, ``hf_overrides`` applied): the rotary modules 
 (:func:`~.contract.rotary_contract`: base, scaling, layout, rotary_dim, the cos/sin table itself) and
 must agree with the :class:`~ropekv.rope.RopeSpec` ropekv derives from that configuration, else the
 contract would describe something vLLM does not run and the worker refuses to start
-(:class:`~ropekv.errors.ConfigError`). The model fingerprint hashes the weights as ropekv's own loader
-reads them from the model folder (:func:`~ropekv.models.weights.weights_digest`, rounded to the dtype
-vLLM runs) together with that configuration.
+(:class:`~ropekv.errors.ConfigError`). The weights fingerprint hashes the weights alone as ropekv's own
+loader reads them from the model folder (:func:`~ropekv.models.weights.weights_fingerprint_of`, rounded
+to the dtype vLLM runs); the configuration has a fingerprint of its own.
 
 vLLM's CPU build repacks its linear weights and the connector is handed no model object, so the
 rotary modules are read from vLLM's process-wide rotary cache (``get_rope`` builds each distinct module
@@ -24,9 +24,7 @@ import torch
 
 from ...contract import CacheContract
 from ...errors import ConfigError
-from ...models.config import fingerprint_of
 from ...models.hf_config import read_model_config
-from ...models.weights import weights_digest
 from .contract import rotary_contract
 from .engine import CPU_DTYPES, cos_sin_tolerance
 from .sidecar import EngineContract
@@ -80,7 +78,7 @@ def engine_contract(vllm_config: Any, kv_caches: dict[str, torch.Tensor], layers
         key_form="rotated",  # vLLM rotates q and k before Attention writes the cache
         block_size=int(cache_config.block_size),
         dtype=dtype_name,
-        model_fingerprint=fingerprint_of(config, weights_digest(checkpoint.weights)),
+        weights_fingerprint=checkpoint.weights_fingerprint,
     )
     return EngineContract(
         contract=contract,

@@ -86,7 +86,7 @@ def vllm_cache_contract(checkpoint: Checkpoint, vllm: VLLMContract, *, cos_sin_t
         block_size=vllm.block_size,
         dtype=vllm.dtype,
         window=None,
-        model_fingerprint=checkpoint.fingerprint,
+        weights_fingerprint=checkpoint.weights_fingerprint,
     )
     return base.replace(rope=rope)
 
