@@ -167,7 +167,13 @@ class _Choice:
         self.take(mask & (fit > self.fit + 1e-12) & gain, fit, pos, rot, src, head)
 
     def take(
-        self, better: torch.Tensor, fit: torch.Tensor, pos: torch.Tensor, rot: int, src: torch.Tensor, head: torch.Tensor
+        self,
+        better: torch.Tensor,
+        fit: torch.Tensor,
+        pos: torch.Tensor,
+        rot: int,
+        src: torch.Tensor,
+        head: torch.Tensor,
     ) -> None:
         """Take the explanation where ``better`` [cells] holds, whatever the current choice."""
         self.fit[better] = fit[better]
