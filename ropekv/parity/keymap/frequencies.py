@@ -130,9 +130,8 @@ def estimate(
         # the best local maxima, each refined between its neighbours
         left = torch.cat((fits[:1], fits[:-1]))
         right = torch.cat((fits[1:], fits[-1:]))
-        peaks = torch.nonzero((fits >= left) & (fits >= right)).flatten()
-        peaks = peaks[fits[peaks].argsort(descending=True)[:PEAKS]].tolist()
-        for i in peaks:
+        maxima = torch.nonzero((fits >= left) & (fits >= right)).flatten()
+        for i in maxima[fits[maxima].argsort(descending=True)[:PEAKS]].tolist():
             lo, hi = float(logs[max(0, i - 1)]), float(logs[min(n - 1, i + 1)])
             v = _golden(lambda u: float(_score(sp, cells, positions, family_w(torch.tensor([u]).exp()))[0]), lo, hi)
             ws = family_w(torch.tensor([v]).exp())[0]
