@@ -28,7 +28,9 @@ def explain(ev: CaseEvidence) -> Match | None:
     off = km.keys.offsets()[..., 0]
     vals, counts = torch.unique(off[cells_k], return_counts=True)
     c = int(vals[counts.argmax()])
-    at_c = cells_k & (off == c)
+    # keys whose j + c would be negative sit at 0 (a position clamped, or an index that cannot go below)
+    j = km.keys.positions[:, None].expand_as(off)
+    at_c = cells_k & ((off == c) | ((c < 0) & (j + c <= 0) & (j + off == 0)))
     cells = Cells(at_c, torch.zeros(km.query.heads, dtype=torch.bool))
     text = f"{which_keys(km, at_c, ev.facts)} sit at j {c:+d} while the query is right" + right_elsewhere(km, at_c)
     return Match(KIND, share(km, cells), text, scope_of(km, cells), {"offset": c}, rows_of(at_c))
