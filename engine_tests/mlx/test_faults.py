@@ -13,7 +13,7 @@ def test_decode_keys_rotated_again_is_caught_and_named(engine):
         report = check(engine, cases=[Case(length=17, decode_steps=2)])
     assert not report.passed
     d = report.diagnosis
-    assert d.kind == "key_position_offset", d
+    assert d.kind == "double_rotation", d  # turned twice: at 2j
     assert d.details["layer"] == 0
     assert "effective 34" in d.evidence  # the decoded key at 17 sits at 2 * 17
     assert type(engine.model.layers[0].self_attn).__call__.__name__ == "__call__"  # restored
