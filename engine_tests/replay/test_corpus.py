@@ -6,9 +6,8 @@ cached venv, the venvs under ``$ROPEKV_REPLAY_VENVS`` or ropekv's default cache 
 entry is one test. Nothing here computes an expected value: the buggy and fixed verdicts come from
 ropekv's check against its float64 reference and each release's own uncached forward.
 
-Where ropekv's forensics name a real bug otherwise than the corpus (which records what is right for the
-bug), the entry is a strict xfail naming what ropekv says instead: the buggy release must still FAIL
-and the fixed one PASS, and the xfail turns into a failure the day the forensics name it right.
+An entry replays only when the buggy release FAILS under the bug class the corpus records (what is right
+for the bug, never what ropekv happened to say), and the fixed release PASSES.
 """
 
 from __future__ import annotations
@@ -25,13 +24,6 @@ from ropekv.replay.venvs import default_root
 
 CORPUS = load_corpus()
 
-# entry -> what ropekv's forensics name it today instead of the corpus's class (why, in a few words)
-MISNAMED = {
-    "tf-hybrid-cache-rolls-early": "unknown: the shifted slots hold other tokens' keys, which no rotation explains",
-    "mlx-gemma3-window-mask": "unknown: the mask bug is in the prefill, whose attention ropekv does not record",
-    "tf-phi3-longrope-reset-drops-prompt": "unknown: the decode reads only the keys written since the reset",
-}
-
 
 @pytest.fixture(scope="session")
 def outcomes() -> dict[str, Outcome]:
@@ -44,15 +36,11 @@ def outcomes() -> dict[str, Outcome]:
 
 
 @pytest.mark.parametrize("name", [e.name for e in CORPUS.entries])
-def test_entry_replays(name: str, outcomes: dict[str, Outcome], request: pytest.FixtureRequest) -> None:
+def test_entry_replays(name: str, outcomes: dict[str, Outcome]) -> None:
     o = outcomes[name]
-    naming_only = [p for p in o.problems if f"named {o.buggy.kind}, expected {o.entry.expect.value}" in p]
-    other = [p for p in o.problems if p not in naming_only]
-    assert not other, "; ".join(other)  # an install, a crash, a buggy PASS or a fixed FAIL: never excused
-    assert o.buggy.passed is False and o.fixed.passed is True
-    if name in MISNAMED:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=f"ropekv names it {MISNAMED[name]}"))
-    assert not naming_only, naming_only[0]
+    assert not o.problems, "; ".join(o.problems)  # an install, a crash, a buggy PASS, a fixed FAIL, a misnaming
+    assert o.buggy.passed is False and o.buggy.kind == o.entry.expect.value
+    assert o.fixed.passed is True
 
 
 USER_CORPUS = """

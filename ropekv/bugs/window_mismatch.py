@@ -5,6 +5,11 @@ ignores its window, keeps sinks where none are configured, rolls its ring a step
 by one reads other keys than the reference: no rotation is wrong, the set of keys is. Also a full
 layer read through a window (the global layers sliding too). The evidence counts the keys read that
 the window hides and those it shows that were not read.
+
+Three readings, first to last: the keys by the positions the engine labelled them with; the keys by
+their contents (a ring that rolled early holds token ``i + 1``'s key under the label ``i`` and a zero
+slot; a cache that lost its rows holds only the newest); and, a layer up, the prompt rows a windowed
+layer's prefill wrote from where its window first hides a key (a prefill mask off by one).
 """
 
 from __future__ import annotations
@@ -16,11 +21,13 @@ from ..engine.rotation import RotationPolicy
 from ..faults.native import NativeFault
 from ..parity.bug_class import BugClass
 from ..parity.cases import Case
-from ..parity.explain.cells import Cells, share, span_text
+from ..parity.explain.cells import Cells, share, span_text, which_keys
 from ..parity.explain.evidence import CaseEvidence, Explanation, Match
+from ..parity.explain.facts import CaseFacts
 from ..parity.keymap.record import KeyMap
 
 KIND = BugClass.WINDOW_MISMATCH
+ZERO_KEY = 1e-6  # a key this short against its row's length is a slot never written (zeros)
 
 
 def window_shaped(km: KeyMap) -> bool:
@@ -51,6 +58,11 @@ def explain(ev: CaseEvidence) -> Match | None:
     km, f = ev.keymap, ev.facts
     if km is None or f.chunk_size is not None:
         return None
+    return by_labels(km, f) or by_content(km, f) or prefill_window(km, f)
+
+
+def by_labels(km: KeyMap, f: CaseFacts) -> Match | None:
+    """The keys as the engine labelled them: read where the window hides them, or missed where it shows them."""
     if not bool((~km.visible).any()) and km.missed.numel() == 0:
         return None
     if f.window is None and not window_shaped(km):
@@ -61,6 +73,127 @@ def explain(ev: CaseEvidence) -> Match | None:
     cells = Cells(torch.zeros_like(km.keys.fit, dtype=torch.bool), torch.zeros(km.query.heads, dtype=torch.bool), n)
     details = {"extra_keys": int((~km.visible).sum()), "missed_keys": int(km.missed.numel()), "keys_read": km.keys.num}
     return Match(KIND, share(km, cells), text, "all", details)
+
+
+def content_read(km: KeyMap, shift: int) -> tuple[list[int], int] | None:
+    """By content: the positions of the rows whose keys the kernel read, and how many keys it read that
+    are zero (a slot never written). None where a key is anything else: its heads on different rows,
+    its row turned elsewhere than at that row's own position, or no row at all (a rotation or content
+    bug, which other classes read, not a set of keys)."""
+    k = km.keys
+    heads = torch.arange(k.heads)
+    rows: list[int] = []
+    zero = 0
+    for i in range(k.num):
+        if bool((k.scale[i].abs() <= ZERO_KEY).all()):
+            zero += 1
+            continue
+        src = k.source[i]
+        exact = (
+            k.ok[i]
+            & (k.rotation[i] == 0)
+            & (k.source_head[i] == heads)
+            & (k.residual[i] <= km.noise)
+            & (src == src[0])
+            & (src >= 0)
+        )
+        pos = int(src[0]) + shift
+        if not bool(exact.all()) or not bool((k.effective[i, :, 0] == pos).all()):
+            return None
+        rows.append(pos)
+    return rows, zero
+
+
+def by_content(km: KeyMap, f: CaseFacts) -> Match | None:
+    """The keys by what they hold: a ring that rolled early reads token ``i + 1``'s key under the label
+    ``i`` and a slot never written; a cache that lost its rows reads only the newest. Every key is a
+    right key of some row (or zero), so no rotation is wrong: the set of rows is, and it is the set a
+    window picks (the newest rows up to the query, after the sinks), only not this layer's."""
+    if f.op is not None or f.role != "decode" or not bool(km.query_exact().all()):
+        return None
+    got = content_read(km, f.shift)
+    if got is None:
+        return None
+    rows, zero = got
+    read = set(rows)
+    if len(read) != len(rows):
+        return None  # a row read twice: no mask reads a key twice
+    shown = set(km.keys.positions[km.visible].tolist()) | set(km.missed.tolist())
+    extra, missed = sorted(read - shown), sorted(shown - read)
+    if not extra and not missed and not zero:
+        return None
+    q = km.query_position
+    sinks = {r for r in read if r < f.shift + f.sinks}
+    newest = sorted(read - sinks)
+    if not newest or newest != list(range(newest[0], q + 1)) or any(m > newest[0] for m in missed):
+        return None  # not the newest rows up to the query: not a window's shape
+    if f.window is None and (extra or not missed):
+        return None
+    labels = km.keys.positions.tolist()
+    head = (
+        f"layer {km.layer}, query at {q}: by content the kernel read the keys of positions {span_text(rows)}"
+        + (f" (under the labels {span_text(labels)})" if sorted(rows) != sorted(labels) else "")
+        + (f" and {zero} zero key(s) (slots never written)" if zero else "")
+    )
+    parts = []
+    if extra:
+        parts.append(f"it read {len(extra)} key(s) the window hides (positions {span_text(extra)})")
+    if missed:
+        parts.append(f"it missed {len(missed)} visible key(s) (positions {span_text(missed)})")
+    if f.window is None:
+        parts.append(
+            f"layer {km.layer} has no window of its own, yet it read only the newest {len(newest)} key(s): the "
+            f"keys before position {newest[0]} were lost or hidden, as through a window"
+        )
+    else:
+        parts.append(f"the window of {f.window} shows positions {span_text(sorted(shown))}")
+    cells = Cells(
+        km.wrong_keys(),
+        torch.zeros(km.query.heads, dtype=torch.bool),
+        int((~km.visible).sum()) + int(km.missed.numel()),
+    )
+    details = {"extra_keys": len(extra), "missed_keys": len(missed), "zero_keys": zero, "keys_read": km.keys.num}
+    return Match(KIND, share(km, cells), head + "; " + "; ".join(parts), "all", details)
+
+
+def prefill_window(km: KeyMap, f: CaseFacts) -> Match | None:
+    """A windowed layer below that the prefill masked otherwise than the decode: the prompt rows it
+    wrote hold other contents at this layer exactly from the first position its window hides a key at
+    (``W``, or ``W - 1`` for a window one short), every row before it and every decode row right. A
+    prefill that attends ``W + 1`` keys, or ignores its window, changes those rows and no other."""
+    if km.layer == 0 or f.op is not None or f.role != "decode" or f.prefix or not bool(km.query_exact().all()):
+        return None
+    c = f.case
+    if c.chunk is not None and c.length > c.chunk:
+        return None  # chunked: a chunk's own bug changes rows from a chunk's start
+    wrong = km.wrong_keys().any(1)
+    pos = km.keys.positions
+    if not bool(wrong.any()) or bool((pos[wrong] >= f.prompt_end).any()):
+        return None
+    start = int(pos[wrong].min())
+    prompt = (pos >= f.shift) & (pos < f.prompt_end)
+    if not bool((wrong == (prompt & (pos >= start))).all()) or not bool((prompt & (pos < start)).any()):
+        return None  # not exactly the prompt rows from one position on
+    rel = start - f.shift - f.sinks
+    below = [
+        (i, c.window if c.window is not None else a.window)
+        for i, a in enumerate(f.model.layer_attentions[: km.layer])
+        if a.kind == "sliding"
+    ]
+    hit = next(((i, w) for i, w in below if w is not None and rel in (w - 1, w)), None)
+    if hit is None:
+        return None
+    i, w = hit
+    cells = Cells(km.wrong_keys(), torch.zeros(km.query.heads, dtype=torch.bool))
+    worst = float(km.keys.fit[wrong].min())
+    text = (
+        f"{which_keys(km, cells.keys, f)} hold other contents at layer {km.layer} (fit {worst:.2f} at worst), "
+        f"exactly the prompt rows from position {start} on, while every row before it, the query and the keys "
+        f"the decode steps wrote are right: {start} is where layer {i}'s window of {w} first hides a key from "
+        f"the prompt, so the prefill masked layer {i} otherwise than the decode does (a window off by one in "
+        "the prefill, or ignored there)"
+    )
+    return Match(KIND, share(km, cells), text, "all", {"layer_below": i, "window_below": w, "from_position": start})
 
 
 def shows(case: Case) -> bool:
