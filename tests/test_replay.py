@@ -51,7 +51,7 @@ def _parse(*entries):
 
 def test_the_shipped_corpus_reads_and_covers_both_engines():
     corpus = load_corpus()
-    assert len(corpus.entries) >= 5
+    assert len(corpus.entries) >= 10 and len({e.engine for e in corpus.entries}) >= 2
     assert {e.engine for e in corpus.entries} == {"transformers", "mlx-lm"}
     assert all(isinstance(e.expect, BugClass) for e in corpus.entries)
     assert len({e.upstream for e in corpus.entries}) == len(corpus.entries)  # ten bugs, not one bug ten times

@@ -28,7 +28,7 @@ from ...models.safetensors_dir import read_dir_config, weights_digest
 from ...parity.cases import Case, model_window
 from ...parity.protocol import CaseRun, EngineDescription, FullRun, Ignored, StepRecord, Tier
 from ...parity.recorder import visible_keys
-from .model_reading import check_built, embedding_scale, longrope_reading, mlx_spelling
+from .model_reading import check_built, embedding_scale, longrope_reading, mlx_spelling, rope_reading_note
 from .probes import ForwardProbe, installed
 from .runtime import BlasChoice, import_mlx
 from .versions import caches_make_masks, concatenate_masks_windows, load_keywords
@@ -95,8 +95,12 @@ class MLXEngine:
             raise ConfigError(
                 f"{self.path}: mlx-lm built {len(self.model.layers)} layers, config says {self.config.num_layers}"
             )
-        check_built(self.model, self.rt.cache.make_prompt_cache(self.model), self.config)
+        built = check_built(
+            self.model, self.rt.cache.make_prompt_cache(self.model), self.config, refuse_rope=bool(self.overrides)
+        )
         self.file_config = self.config  # what config.json says (the fingerprint's config)
+        if built:
+            self.config = self.config.replace(warnings=(*self.config.warnings, rope_reading_note(built)))
         self.config = _with_engine_embedding_scale(
             self.config, embedding_scale(self.model, self.rt.mx, self.rt.nn, self.config.hidden_size)
         )

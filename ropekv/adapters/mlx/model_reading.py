@@ -62,12 +62,19 @@ def mlx_spelling(config: ModelConfig, model_type: str) -> dict[str, Any]:
     return out
 
 
-def check_built(model: Any, caches: Sequence[Any], config: ModelConfig) -> None:
-    """ConfigError unless every layer mlx-lm built turns with ropekv's RoPE for it (base, rotary dims,
-    pairing, scaling) and gets the window ropekv's config gives it (a ``RotatingKVCache(max_size=W)``
-    where the layer slides with window W, a ``KVCache`` where it attends to every key). Rope classes
-    that keep only a frequency array (``Llama3RoPE``, ``YarnRoPE``, ...) are not read back."""
-    problems = []
+def check_built(model: Any, caches: Sequence[Any], config: ModelConfig, *, refuse_rope: bool) -> tuple[str, ...]:
+    """Every layer mlx-lm built against ropekv's reading of ``config.json``: its RoPE (base, rotary
+    dims, pairing, scaling) and its window (a ``RotatingKVCache(max_size=W)`` where the layer slides
+    with window W, a ``KVCache`` where it attends to every key). Rope classes that keep only a
+    frequency array (``Llama3RoPE``, ``YarnRoPE``, ...) are not read back.
+
+    A window that differs is refused (ConfigError: the adapter describes the cache mlx-lm builds for the
+    window the config gives). A RoPE that differs is what the check is for: returned, one line per
+    layer, so that the check judges mlx-lm's rotation against ``config.json``'s and names the
+    difference; refused only where ``refuse_rope`` (the caller's own overrides, in spellings ropekv
+    may not read, built it: then it is not this folder's model)."""
+    problems: list[str] = []
+    rope_problems: list[str] = []
     for i, layer in enumerate(model.layers):
         spec = config.layer_rope(i)
         try:
@@ -82,16 +89,39 @@ def check_built(model: Any, caches: Sequence[Any], config: ModelConfig) -> None:
         if built is not None and spec is not None:
             for field in ("theta", "rotary_dim", "layout"):
                 if getattr(built, field) != getattr(spec, field):
-                    problems.append(f"layer {i} RoPE {field} {getattr(built, field)} (ropekv: {getattr(spec, field)})")
+                    rope_problems.append(
+                        f"layer {i} RoPE {field} {getattr(built, field)} (ropekv: {getattr(spec, field)})"
+                    )
             if (built.scaling.rope_type, built.scaling.factor) != (spec.scaling.rope_type, spec.scaling.factor):
-                problems.append(f"layer {i} RoPE scaling {built.scaling} (ropekv: {spec.scaling})")
+                rope_problems.append(
+                    f"layer {i} RoPE scaling {_scaling_text(built.scaling)} (ropekv: {_scaling_text(spec.scaling)})"
+                )
         kind = type(caches[i]).__name__
         window = int(caches[i].max_size) if kind == "RotatingKVCache" else None
         if window != config.layer_window(i):
             problems.append(f"layer {i} cache {kind} window {window} (ropekv: {config.layer_window(i)})")
+    if refuse_rope:
+        problems = rope_problems + problems
+        rope_problems = []
     if problems:
-        shown = "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
-        raise ConfigError(f"mlx-lm built another model than ropekv reads from config.json: {shown}")
+        raise ConfigError(f"mlx-lm built another model than ropekv reads from config.json: {_listed(problems)}")
+    return tuple(rope_problems)
+
+
+def _listed(problems: Sequence[str]) -> str:
+    return "; ".join(problems[:4]) + (f"; and {len(problems) - 4} more" if len(problems) > 4 else "")
+
+
+def _scaling_text(scaling: Any) -> str:
+    return scaling.rope_type if scaling.factor is None else f"{scaling.rope_type} x{scaling.factor:g}"
+
+
+def rope_reading_note(problems: Sequence[str]) -> str:
+    """The report's warning for RoPE that mlx-lm built otherwise than ``config.json`` says."""
+    return (
+        f"mlx-lm turns otherwise than config.json says ({_listed(problems)}): the float64 reference follows "
+        "config.json, so the check judges mlx-lm's rotation against it"
+    )
 
 
 def embedding_scale(model: Any, mx: Any, nn: Any, hidden_size: int) -> float | None:
