@@ -33,7 +33,9 @@ TOKENS = [5, 17, 33, 2, 81, 40, 9, 64, 23, 11, 70, 3]
 def main(folder: Path) -> None:
     model, _ = load_model(folder)
     got = np.array(model(mx.array([TOKENS])).astype(mx.float32))[0]
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="eager")
+    hf = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager", use_safetensors=True
+    )
     with torch.no_grad():
         ref = hf(torch.tensor([TOKENS])).logits[0].numpy()
     per_position = np.abs(got - ref).max(-1)
