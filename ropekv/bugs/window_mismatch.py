@@ -81,27 +81,21 @@ def content_read(km: KeyMap, shift: int) -> tuple[list[int], int] | None:
     its row turned elsewhere than at that row's own position, or no row at all (a rotation or content
     bug, which other classes read, not a set of keys)."""
     k = km.keys
-    heads = torch.arange(k.heads)
-    rows: list[int] = []
-    zero = 0
-    for i in range(k.num):
-        if bool((k.scale[i].abs() <= ZERO_KEY).all()):
-            zero += 1
-            continue
-        src = k.source[i]
-        exact = (
-            k.ok[i]
-            & (k.rotation[i] == 0)
-            & (k.source_head[i] == heads)
-            & (k.residual[i] <= km.noise)
-            & (src == src[0])
-            & (src >= 0)
-        )
-        pos = int(src[0]) + shift
-        if not bool(exact.all()) or not bool((k.effective[i, :, 0] == pos).all()):
-            return None
-        rows.append(pos)
-    return rows, zero
+    zero = (k.scale.abs() <= ZERO_KEY).all(1)  # [N]
+    src = k.source  # [N, K]
+    pos = src[:, 0] + shift  # [N] the position of each key's row
+    exact = (
+        k.ok
+        & (k.rotation == 0)
+        & (k.source_head == torch.arange(k.heads))
+        & (k.residual <= km.noise)
+        & (src == src[:, :1])
+        & (src >= 0)
+        & (k.effective[..., 0] == pos[:, None])
+    ).all(1)
+    if not bool((exact | zero).all()):
+        return None
+    return pos[~zero].tolist(), int(zero.sum())
 
 
 def by_content(km: KeyMap, f: CaseFacts) -> Match | None:

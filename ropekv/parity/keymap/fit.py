@@ -445,15 +445,11 @@ def _prefer_row_at_position(g: _Fitter, rows: torch.Tensor, cells_: torch.Tensor
     16's rotated at 16 reads as row 16, not as an earlier copy of the same token rotated elsewhere."""
     choice, k, shift = g.choice, g.cells.k, g.inp.shift
     found = cells_[(choice.src[cells_] >= 0) & (choice.fit[cells_] >= g.ok)]
-    if found.numel() == 0:
-        return
     at = choice.pos[found, 0] - shift  # [M] the row of the position each cell sits at
-    head = choice.src_head[found]
-    n_rows = rows.shape[0] // k
-    cand = found[(at >= 0) & (at < n_rows) & (at != choice.src[found])]
+    keep = (at >= 0) & (at < rows.shape[0] // k) & (at != choice.src[found])
+    cand, at = found[keep], at[keep]
     if cand.numel() == 0:
         return
-    at = choice.pos[cand, 0] - shift
     head = choice.src_head[cand]
     mine, theirs = rows[at * k + head], rows[choice.src[cand] * k + head]  # [M, D]
     alike = (mine - theirs).norm(dim=-1) <= 1e-9 * theirs.norm(dim=-1).clamp(min=1e-300)
