@@ -31,6 +31,11 @@ MAX_TOKENS = 2**20  # 1,048,576 tokens: above every model ropekv reads, far belo
 # still fits them): int64 holds it with room, and float64 holds every position * inv_freq to 2**-12 rad
 # (the reference computes the same float64 angles, so the parity check stays exact there).
 MAX_POSITION = 2**40
+# The largest shift a parity case takes (``--ops shift:N``): past 2**31 and 2**32, where 32-bit position
+# indices wrap, and as far as the float64 reference stays exact for a float64 engine. Its angles p * w
+# are rounded to p * 2**-53: on the tiny llama a float64 engine's scale-aware attention error grows
+# from 2e-8 at 2**31 to 1.7e-7 at 2**33 (its tolerance is 1e-6) and 1.3e-6 at 2**36 (docs/ops.md).
+MAX_SHIFT = 2**33
 MAX_BLOCK_SIZE = 1024  # vLLM's largest block size is 256; 1024 keeps a tiny case's pool small
 MAX_TIMEOUT_S = 86_400.0  # one day: a wait on a peer longer than that is a hang
 MAX_THREADS = 1024

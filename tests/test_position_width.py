@@ -10,14 +10,14 @@ import forensic_rows
 import pytest
 import torch
 
-from ropekv import check, diagnose_row
+from ropekv import check
 from ropekv.adapters.native import NativeAdapter
-from ropekv.bugs.position_wrapped import INT16_CASES, PositionsInt32, wrap_positions
+from ropekv.bugs.position_wrapped import INT16_CASES, wrap_positions
 from ropekv.bugs.registry import FAULTS
 from ropekv.errors import UsageError
 from ropekv.models import load_checkpoint
-from ropekv.models.reference import ReferenceDecoder
 from ropekv.parity.cases import CacheOp, Case, parse_ops, token_stream, too_long
+from ropekv.parity.compare import NextToken, RefRow
 from ropekv.parity.keymap.fit import wrap
 from ropekv.parity.protocol import Tier
 from ropekv.testing.tiers import at_tier
@@ -45,10 +45,16 @@ def test_shift_cases_span_their_tokens_and_their_amounts_are_bounded():
     assert too_long(Case(length=300, decode_steps=2, op=CacheOp("shift", 40000)), 256) == (
         "needs 302 positions; the model has 256"
     )
+    # A shift is a position, up to 2**33 (past both 32-bit limits); the other operations count tokens.
+    assert parse_ops("shift:2147483648,shift:8589934592") == [CacheOp("shift", 2**31), CacheOp("shift", 2**33)]
+    with pytest.raises(UsageError, match="at most 8589934592"):
+        CacheOp("shift", 2**33 + 1)
+    with pytest.raises(UsageError, match="at most 8589934592"):
+        parse_ops("shift:8589934593")
     with pytest.raises(UsageError, match="at most 1048576"):
-        CacheOp("shift", 2**31)
+        CacheOp("rollback", 2**20 + 1)
     with pytest.raises(UsageError, match="at most 1048576"):
-        parse_ops("shift:2147483648")
+        parse_ops("evict:2147483648")
     assert parse_ops("shift:40000") == [CacheOp("shift", 40000)]
 
 
@@ -97,54 +103,63 @@ def test_raw_keys_wrapping_alike_change_no_score(llama):
     assert report.passed, report.table()
 
 
-# ---------------------------------------------------------------------- past 2**31, on the engine directly
-# A parity case holds its attention rows by position, so a shift past 2**31 runs on the engine and the
-# float64 reference directly (positions 2**31 - 10 ..): the same comparison the harness makes.
+# ---------------------------------------------------------------------- past 2**31, through the harness
+# A shifted case's rows start at its shift (RefRow.origin): a shift past 2**31 costs what one by 1,000 does.
 
 
-def _run_shifted(llama, delta, key_form, rotation=None):
-    cfg = llama.config
-    tokens = token_stream(cfg.vocab_size, 22)
-    engine = NativeAdapter(llama, key_form=key_form, rotation=rotation).make_engine(Case(length=20, block_size=7))
-    engine.prefill("s", tokens[:20])
-    engine.shift("s", delta)
-    outs = [engine.decode("s", tokens[20 + s], probe=True) for s in range(2)]
-    ref = ReferenceDecoder(llama).forward(tokens[:22], probe_rows=[20, 21], positions=torch.arange(22) + delta)
-    errors = [float((o.logits[0].double() - ref.logits[20 + s]).abs().max()) for s, o in enumerate(outs)]
-    return outs, ref, errors
+def _shifted(delta: int) -> Case:
+    return Case(length=20, block_size=7, decode_steps=2, op=CacheOp("shift", delta))
 
 
 @pytest.mark.parametrize("key_form", ["rotated", "raw"])
-@pytest.mark.parametrize("delta", [2**31 - 10, 2**31 + 5, 2**32 + 7])
-def test_correct_float32_engine_is_exact_past_2_31(llama, key_form, delta):
+@pytest.mark.parametrize("delta", [2**31 - 10, 2**31 + 5, 2**32 + 7, 2**33])
+def test_correct_float32_engine_passes_past_2_31(llama, key_form, delta):
     # Angles from int64 positions in float64 (p w to 2**-52 relative, 5e-7 rad at 2**31), cos/sin cast
-    # to float32: measured 1e-6 on the logits, as at position 20.
-    _, _, errors = _run_shifted(llama, delta, key_form)
-    assert max(errors) < 1e-5, errors
+    # to float32: the check holds with the margin it has at position 20.
+    report = check(NativeAdapter(llama, key_form=key_form), cases=[_shifted(delta)])
+    assert report.passed, report.table()
+    tol = report.tolerances["reference"]["attn_logits"]
+    assert report.cases[0].max_attn_error < tol / 5, report.table()
+    assert report.cases[0].first_divergence is None
+
+
+@pytest.mark.parametrize("key_form", ["rotated", "raw"])
+def test_correct_float64_engine_passes_at_2_33(llama, key_form):
+    # The shift's bound: a float64 engine against the float64 reference, tolerance 1e-6, measured 1.7e-7.
+    report = check(NativeAdapter(llama, key_form=key_form, dtype="float64"), cases=[_shifted(2**33)])
+    assert report.passed, report.table()
+
+
+def test_a_row_from_its_origin_reads_keys_by_position():
+    # Columns 0..2 are positions 2**31 .. 2**31 + 2 (the middle one hidden); anything outside is -inf.
+    o = 2**31
+    attn = torch.tensor([[1.0, float("-inf"), 3.0], [4.0, float("-inf"), 6.0]], dtype=torch.float64)
+    row = RefRow(hidden_in=(None,), attn_logits=(attn,), logits=NextToken(torch.zeros(1)), origin=o)
+    got = row.at(0, torch.tensor([o + 2, o, o - 1, o + 3]))
+    inf = float("-inf")
+    assert got.tolist() == [[3.0, 1.0, inf, inf], [6.0, 4.0, inf, inf]]
+    assert row.visible(0).tolist() == [o, o + 2]
 
 
 @pytest.mark.parametrize("key_form", ["rotated", "raw"])
 def test_int32_positions_wrap_past_2_31_and_are_named(llama, key_form):
-    delta = 2**31 - 10  # the prompt sits at 2**31 - 10 .. 2**31 + 9, the first decode at 2**31 + 10
-    outs, ref, errors = _run_shifted(llama, delta, key_form, PositionsInt32())
-    assert min(errors) > 0.1, errors  # caught on the logits
+    # The prompt sits at 2**31 - 10 .. 2**31 + 9, the first decode at t = 2**31 + 10, which an int32
+    # holds as t - 2**32; raw keys turn on read, so 2**31 .. 2**31 + 10 wrap with it.
+    report = check(FAULTS["positions-int32"].adapter(llama, key_form=key_form), cases=[_shifted(2**31 - 10)])
+    assert not report.passed, report.table()
+    d = report.diagnosis
+    assert d is not None and d.kind == "position_wrapped", report.table()
     t = 2**31 + 10
-    view, rp = outs[0].layers[0], ref.layers[0]
-    d = diagnose_row(
-        llama.config.layer_rope(0),
-        q_raw=rp.q_raw[0],
-        q_eff=view.q[0],
-        k_raw=rp.k_raw[view.key_positions - delta],
-        k_eff=view.k,
-        query_position=int(outs[0].positions[0]),
-        key_positions=view.key_positions,
-        key_slots=view.key_slots,
-        key_form=key_form,
-    )
-    assert d.kind == "position_wrapped", d.evidence
     assert f"query logical {t}, effective {t - 2**32} = {t} - 2**32" in d.evidence
-    wrapped_keys = 1 if key_form == "rotated" else 11  # raw: 2**31 .. 2**31 + 10 wrap on read
+    wrapped_keys = 1 if key_form == "rotated" else 11
     assert d.details["index_bits"] == 32 and d.details["wrapped_keys"] == wrapped_keys, d.evidence
+    assert forensic_rows.query_position(d) == t - 2**32
+
+
+def test_int32_positions_pass_below_2_31(llama):
+    # Control: the same fault with every position below 2**31 - 1 changes nothing.
+    report = check(FAULTS["positions-int32"].adapter(llama), cases=[_shifted(2**31 - 100)])
+    assert report.passed, report.table()
 
 
 def test_engine_bounds_a_shifted_sequence(llama):

@@ -34,12 +34,11 @@ def explain(ev: CaseEvidence) -> Match | None:
         return None
     fd = f.divergence
     hidden = False
-    if (
-        ev.reference_attention is not None
-        and fd.key_position is not None
-        and fd.key_position < ev.reference_attention.shape[1]
-    ):
-        hidden = not bool(torch.isfinite(ev.reference_attention[0, fd.key_position]))
+    if ev.reference_attention is not None and fd.key_position is not None:
+        col = fd.key_position - ev.reference_origin
+        hidden = not 0 <= col < ev.reference_attention.shape[1] or not bool(
+            torch.isfinite(ev.reference_attention[0, col])
+        )
     key = f"key recorded at position {fd.key_position}" + (
         ", which the reference's mask hides" if hidden else f" (reference {fd.reference_logit:.4g})"
     )
@@ -84,7 +83,7 @@ def _matching_positions(ev: CaseEvidence) -> torch.Tensor | None:
     best, idx = d.min(dim=1)
     if not bool((best <= 10 * tol).all()):
         return None
-    return idx
+    return idx + ev.reference_origin
 
 
 EXPLANATION = Explanation(KIND, explain)

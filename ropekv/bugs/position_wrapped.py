@@ -123,6 +123,11 @@ INT16_CASES = (
 )
 
 
+# A 20-token prompt shifted to 2**31 - 10: the newest keys and the first decode's query cross 2**31 - 1
+# (in a raw cache the keys past it wrap on read; in a rotated one the decode's own key and query).
+INT32_CASES = (Case(length=20, block_size=7, decode_steps=2, op=CacheOp(OpKind.SHIFT, 2**31 - 10)),)
+
+
 FAULTS = (
     NativeFault(
         name="positions-int16",
@@ -132,5 +137,14 @@ FAULTS = (
         shows_when="positions past 32,767 (a shift past 2**15)",
         rotation=PositionsInt16,
         exposing=INT16_CASES,
+    ),
+    NativeFault(
+        name="positions-int32",
+        kind=KIND,
+        description="the cached path casts the positions it rotates by to int32",
+        key_form="rotated",
+        shows_when="positions past 2**31 - 1 (a shift past 2**31)",
+        rotation=PositionsInt32,
+        exposing=INT32_CASES,
     ),
 )

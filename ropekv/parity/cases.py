@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 import torch
 
-from ..argtypes import MAX_TOKENS, strict_int
+from ..argtypes import MAX_SHIFT, MAX_TOKENS, strict_int
 from ..attention_kind import LayerAttention
 from ..errors import ConfigError, UsageError
 from ..rope import PositionStreams, image_streams
@@ -90,13 +90,20 @@ class CacheOp:
                 f"spec needs a draft of {low}..{MAX_SPEC_DRAFT} tokens, got {self.amount} (a longer draft is "
                 "no longer one speculative step)"
             )
-        # Bounded as on the command line (parse_ops): a case's attention rows are held by position
-        # (``[heads, highest position + 1]``), so a shift by 2**31 would allocate gigabytes per row.
-        if self.amount > MAX_TOKENS:
-            raise UsageError(f"{self.kind}: the amount must be at most {MAX_TOKENS}, got {self.amount}")
+        # Bounded as on the command line (parse_ops): a count of tokens for every kind but a shift, whose
+        # amount is a position (its rows start at the shift: RefRow.origin) up to MAX_SHIFT.
+        limit = max_amount(self.kind)
+        if self.amount > limit:
+            raise UsageError(f"{self.kind}: the amount must be at most {limit}, got {self.amount}")
 
     def label(self) -> str:
         return self.kind.value if self.kind == OpKind.RESTORE else f"{self.kind.value}:{self.amount}"
+
+
+def max_amount(kind: OpKind) -> int:
+    """The largest amount of an operation: :data:`MAX_SHIFT` positions for a shift, else
+    :data:`~ropekv.argtypes.MAX_TOKENS` tokens."""
+    return MAX_SHIFT if kind == OpKind.SHIFT else MAX_TOKENS
 
 
 def parse_ops(text: str) -> list[CacheOp]:
@@ -112,8 +119,8 @@ def parse_ops(text: str) -> list[CacheOp]:
         if kind not in OP_KINDS:
             raise UsageError(f"--ops: unknown operation {kind!r}; choose from {', '.join(OP_KINDS)}")
         value = strict_int(amount) if sep else 0
-        if value is None or abs(value) > MAX_TOKENS:
-            raise UsageError(f"--ops: {item!r}: the amount must be an integer of at most {MAX_TOKENS}")
+        if value is None or abs(value) > max_amount(OpKind(kind)):
+            raise UsageError(f"--ops: {item!r}: the amount must be an integer of at most {max_amount(OpKind(kind))}")
         if kind != OpKind.RESTORE and not sep:
             raise UsageError(f"--ops: {kind} needs an amount, e.g. {kind}:3")
         ops.append(CacheOp(OpKind(kind), value))

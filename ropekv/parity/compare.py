@@ -129,8 +129,20 @@ class RefRow:
     attention logits over every key (empty at the logits tier), and the next-token scores."""
 
     hidden_in: tuple[torch.Tensor | None, ...]  # per layer [hidden]
-    attn_logits: tuple[torch.Tensor, ...]  # per layer [H, T]
+    attn_logits: tuple[torch.Tensor, ...]  # per layer [H, T]: column c is the key at position origin + c
     logits: NextToken
+    # The position of column 0: a shifted case's keys all sit at or past its shift, so its rows start
+    # there (a shift by 2**31 would otherwise be 2**31 columns of -inf per head); 0 for every other case.
+    origin: int = 0
+
+    def at(self, layer: int, positions: torch.Tensor) -> torch.Tensor:
+        """``[H, N]`` the reference's logits of ``layer`` at key ``positions [N]``; ``-inf`` where the row
+        holds no key (a position before its origin or past its last column)."""
+        return columns(self.attn_logits[layer], self.origin, positions)
+
+    def visible(self, layer: int) -> torch.Tensor:
+        """``[K]`` the positions of the keys the reference's query sees at ``layer``, ascending."""
+        return torch.isfinite(self.attn_logits[layer][0]).nonzero().flatten() + self.origin
 
 
 @dataclass(frozen=True)
@@ -178,16 +190,25 @@ class LogitsOf:
         )
 
 
+def columns(attn: torch.Tensor, origin: int, positions: torch.Tensor) -> torch.Tensor:
+    """``[H, N]`` of a row by position ``attn [H, T]`` (column c: position ``origin + c``) at key
+    ``positions [N]``; ``-inf`` at a position the row does not cover."""
+    cols = positions.long() - origin
+    inside = (cols >= 0) & (cols < attn.shape[1])
+    out = torch.full((attn.shape[0], cols.numel()), -math.inf, dtype=attn.dtype)
+    out[:, inside] = attn[:, cols[inside]]
+    return out
+
+
 def compare_step(
     step_layers: tuple[LayerProbe, ...], step_logits: NextToken, position: int, ref: RefRow, logits_of: LogitsOf
 ) -> StepErrors:
     attn, hidden = [], []
     for layer, probe in enumerate(step_layers):
         cached = logits_of.step(layer, probe, position)  # [H, N]
-        ref_row = ref.attn_logits[layer]  # [H, T]
-        ref_attn = ref_row[:, probe.key_positions]  # [H, N]
+        ref_attn = ref.at(layer, probe.key_positions)  # [H, N]
         err = scaled_error(cached, ref_attn)
-        if _mask_misses_keys(ref_row, probe.key_positions):
+        if _mask_misses_keys(ref.visible(layer), probe.key_positions):
             err = math.inf
         attn.append(err)
         mine, theirs = probe.hidden_in, ref.hidden_in[layer]
@@ -196,10 +217,9 @@ def compare_step(
     return StepErrors(position, tuple(attn), tuple(hidden), logits_err, abs_diff)
 
 
-def _mask_misses_keys(ref_row: torch.Tensor, key_positions: torch.Tensor) -> bool:
-    """True if the reference sees a key the engine did not read at all."""
-    visible = torch.isfinite(ref_row[0]).nonzero().flatten()
-    return not bool(torch.isin(visible, key_positions).all())
+def _mask_misses_keys(visible: torch.Tensor, key_positions: torch.Tensor) -> bool:
+    """True if the reference sees a key (``visible [K]`` positions) the engine did not read at all."""
+    return not bool(torch.isin(visible, key_positions.long()).all())
 
 
 def first_failure(errors: list[StepErrors], tol: Tolerance) -> tuple[int, int | None] | None:

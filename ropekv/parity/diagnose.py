@@ -107,11 +107,12 @@ def layer_keymap(
     visible: torch.Tensor,
     t: int,
     noise: float,
+    origin: int = 0,
 ) -> KeyMap | None:
     """The key map of ``layer`` at the decode row ``t`` of ``case``: ``view`` the engine's probe
     (``q [1, H, D]``, the keys it read), ``reference`` the float64 forward's (raw rows by token index,
-    the row's query at ``row``), ``visible [T]`` the reference's mask by position. None where the
-    reference records no raw query and keys."""
+    the row's query at ``row``), ``visible [T]`` the reference's mask by position from ``origin``
+    (:attr:`RefRow.origin`). None where the reference records no raw query and keys."""
     if reference.q_raw is None or reference.k_raw is None:
         return None
     window, _ = _layer_window(case, cfg, layer)
@@ -132,6 +133,7 @@ def layer_keymap(
             visible=visible,
             noise=noise,
             shift=case.shift,
+            origin=origin,
             ref_values=reference.v,
             v_eff=view.v,
             streams=case.position_streams(),
@@ -159,7 +161,7 @@ def case_evidence(
     ref_row: RefRow | None,
 ) -> CaseEvidence:
     """One failing case's evidence (``reference``: the float64 forward its divergence row is row
-    ``reference_row`` of; ``ref_row``: that row's attention by position)."""
+    ``reference_row`` of; ``ref_row``: that row's attention by position from its origin)."""
     fd = result.first_divergence
     case = result.case
     mf = model_facts(cfg)
@@ -199,7 +201,16 @@ def case_evidence(
         noise = noise_for(engine, tol)
         t = fd.query_position
         km = layer_keymap(
-            cfg, case, layer, view, reference.layers[layer], reference_row, torch.isfinite(ref_attn[0]), t, noise
+            cfg,
+            case,
+            layer,
+            view,
+            reference.layers[layer],
+            reference_row,
+            torch.isfinite(ref_attn[0]),
+            t,
+            noise,
+            ref_row.origin,
         )
         if fd.input_matched is False and layer > 0:
             below = layer_keymap(
@@ -212,6 +223,7 @@ def case_evidence(
                 torch.isfinite(ref_row.attn_logits[layer - 1][0]),
                 t,
                 noise,
+                ref_row.origin,
             )
     return CaseEvidence(
         facts,
@@ -219,6 +231,7 @@ def case_evidence(
         below=below,
         cached_attention=cached_attn,
         reference_attention=ref_attn,
+        reference_origin=ref_row.origin,
         recorded_positions=view.key_positions.long(),
         keys_seen=view.k.detach().cpu(),
     )

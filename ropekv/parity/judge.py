@@ -166,19 +166,17 @@ def _divergence(
         )
     probe = step.layers[layer]
     cached_attn = of.step(layer, probe, step.position)  # [H, N]
-    ref_row = rows[s].attn_logits[layer]  # [H, T] by position
+    ref = rows[s]
     input_err = errors[s].hidden[layer]
     reason = None
-    visible = torch.isfinite(ref_row[0])
-    pos = probe.key_positions
-    inside = pos < visible.numel()
-    hidden_read = torch.nonzero(~inside | ~visible[pos.clamp(max=visible.numel() - 1)]).flatten()
-    read = torch.zeros_like(visible)
-    read[pos[inside]] = True
-    missed = torch.nonzero(visible & ~read).flatten()
+    pos = probe.key_positions.long()
+    ref_attn = ref.at(layer, pos)  # [H, N], -inf at a key the reference's query does not see
+    hidden_read = torch.nonzero(~torch.isfinite(ref_attn[0])).flatten()
+    visible = ref.visible(layer)  # [K] positions
+    missed = visible[~torch.isin(visible, pos)]
     if missed.numel():  # a key the query should see that the kernel never read: name it, not a read key
         key = int(missed[0])
-        head = int(ref_row[:, key].abs().argmax())
+        head = int(ref.at(layer, missed[:1])[:, 0].abs().argmax())
         reason = f"key {key} is visible to the query but the kernel did not read it ({missed.numel()} such key(s))"
         return Divergence(
             against=against,
@@ -188,7 +186,7 @@ def _divergence(
             head=head,
             key_position=key,
             key_slot=-1,
-            reference_logit=float(ref_row[head, key]),
+            reference_logit=float(ref.at(layer, missed[:1])[head, 0]),
             cached_logit=-math.inf,
             attn_error=errors[s].attn[layer],
             input_error=input_err,
@@ -196,9 +194,7 @@ def _divergence(
             logits_error=errors[s].logits,
             reason=reason,
         )
-    ref_attn = torch.full_like(cached_attn, -math.inf)
-    ref_attn[:, inside] = ref_row[:, pos[inside]]
-    head, k, cached, refv = worst_entry(cached_attn, ref_attn)
+    head, k, cached, refv = worst_entry(cached_attn, ref_attn.to(cached_attn.dtype))
     if hidden_read.numel() and k in hidden_read.tolist():
         reason = f"key {int(pos[k])} was read by the kernel but the reference's mask hides it"
     slot = -1 if probe.key_slots is None else int(probe.key_slots[k])

@@ -71,11 +71,11 @@ def hide_evicted(case: Case, row: RefRow) -> RefRow:
     hid them (``key_mask``), and the comparison must not expect the engine to read them."""
     if case.op is None or case.op.kind != OpKind.EVICT:
         return row
-    gone = torch.tensor(case.evicted_positions)
+    gone = torch.tensor(case.evicted_positions) - row.origin
     attn = []
-    for logits in row.attn_logits:  # [H, T] by position
+    for logits in row.attn_logits:  # [H, T] by position from row.origin
         logits = logits.clone()
-        logits[:, gone[gone < logits.shape[1]]] = float("-inf")
+        logits[:, gone[(gone >= 0) & (gone < logits.shape[1])]] = float("-inf")
         attn.append(logits)
     return dataclasses.replace(row, attn_logits=tuple(attn))
 

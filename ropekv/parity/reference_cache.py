@@ -178,10 +178,11 @@ class RowsShape:
     hidden: int
     vocab: int
     dtype: torch.dtype
+    origin: int = 0  # the position of the rows' column 0 (a shifted case's shift: RefRow.origin)
 
     @property
     def max_width(self) -> int:
-        return max(self.positions) + 1  # keys are at positions up to the query's (a shift included)
+        return max(self.positions) + 1 - self.origin  # keys are at positions from the origin up to the query's
 
     def max_bytes(self) -> int:
         size = torch.empty((), dtype=self.dtype).element_size()
@@ -303,7 +304,8 @@ def _usable_folder(folder: str | os.PathLike[str], what: str) -> Path:
 
 
 def _tensors_of(rows: dict[int, RefRow], widths: dict[int, int]) -> dict[str, torch.Tensor]:
-    """``positions [R]``, ``widths [R]``, ``logits [R, V]``, ``hidden.{r} [L, hidden]``, ``attn.{r}.{l} [H, w]``."""
+    """``positions [R]``, ``widths [R]``, ``logits [R, V]``, ``hidden.{r} [L, hidden]``, ``attn.{r}.{l} [H, w]``
+    (columns from the row's origin, which the case gives back on read: :class:`RowsShape`)."""
     order = sorted(rows)
     out = {
         "positions": torch.tensor(order, dtype=torch.int64),
@@ -364,7 +366,9 @@ def _rows_of(tensors: dict[str, torch.Tensor], meta: dict[str, str], shape: Rows
                 raise EntryProblem(f"attn.{r}.{layer} has shape {tuple(a.shape)}")
             _expect(a, tuple(a.shape), torch.float64, f"attn.{r}.{layer}", masked=True)  # always float64
             attn.append(a)
-        rows[t] = RefRow(hidden_in=tuple(hidden.unbind(0)), attn_logits=tuple(attn), logits=NextToken(logits[r]))
+        rows[t] = RefRow(
+            hidden_in=tuple(hidden.unbind(0)), attn_logits=tuple(attn), logits=NextToken(logits[r]), origin=shape.origin
+        )
     try:
         seconds = float(meta.get("seconds", "0"))
     except ValueError:
@@ -455,6 +459,8 @@ def sample_mismatch(stored: RefRow, fresh: RefRow, dtype: torch.dtype) -> str | 
     if h_old is None or h_new is None or not torch.equal(h_old, h_new):
         return "layer 0's input differs from the reference's (another model's rows, or edited)"
     a_old, a_new = stored.attn_logits[0], _trim(fresh.attn_logits[0])
+    if stored.origin != fresh.origin:
+        return f"its rows start at position {stored.origin}, the reference's at {fresh.origin}"
     if a_old.shape != a_new.shape or not torch.equal(a_old == float("-inf"), a_new == float("-inf")):
         return "layer 0's attention logits cover other keys than the reference's"
     seen = a_new != float("-inf")

@@ -119,7 +119,13 @@ class References:
         cfg = self.cfg
         positions = tuple(sorted(set(case.decode_positions)))
         shape = RowsShape(
-            positions, cfg.num_layers, cfg.num_heads, cfg.hidden_size, cfg.vocab_size, DTYPES[self.reference]
+            positions,
+            cfg.num_layers,
+            cfg.num_heads,
+            cfg.hidden_size,
+            cfg.vocab_size,
+            DTYPES[self.reference],
+            origin=case.shift,
         )
         problem = None
         try:
@@ -365,12 +371,14 @@ def _index(rows: torch.Tensor | None, t: int) -> int:
 def _row(
     layers: tuple[LayerProbe, ...], rows: torch.Tensor, i: int, logits: NextToken, case: Case, cfg: ModelConfig
 ) -> RefRow:
-    """Row ``i`` of probed layers: per layer its input and attention logits ``[H, T]``."""
+    """Row ``i`` of probed layers: per layer its input and attention logits ``[H, T]`` by position from
+    the case's first position (``case.shift``: :attr:`RefRow.origin`)."""
     of = LogitsOf(cfg, case.window, case.sink_tokens)
     r = rows[i : i + 1]
     hidden = tuple(None if p.hidden_in is None else p.hidden_in[i] for p in layers)
-    attn = tuple(_dense(of.rows(layer, _at(p, i), r)[:, 0], p.key_positions) for layer, p in enumerate(layers))
-    return RefRow(hidden_in=hidden, attn_logits=attn, logits=logits)
+    origin = case.shift
+    attn = tuple(_dense(of.rows(layer, _at(p, i), r)[:, 0], p.key_positions, origin) for layer, p in enumerate(layers))
+    return RefRow(hidden_in=hidden, attn_logits=attn, logits=logits, origin=origin)
 
 
 def _at(p: LayerProbe, i: int) -> LayerProbe:
@@ -383,9 +391,13 @@ def _at(p: LayerProbe, i: int) -> LayerProbe:
     )
 
 
-def _dense(scores: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor:
-    """``[H, N]`` scores at ``key_positions`` as ``[H, T]`` indexed by position (-inf where no key)."""
-    T = int(key_positions.max()) + 1
+def _dense(scores: torch.Tensor, key_positions: torch.Tensor, origin: int) -> torch.Tensor:
+    """``[H, N]`` scores at ``key_positions`` as ``[H, T]`` indexed by ``position - origin`` (-inf where no
+    key). A key before ``origin`` is an error of the caller: every key of the case sits at or past it."""
+    cols = key_positions.long() - origin
+    if cols.numel() and int(cols.min()) < 0:
+        raise UsageError(f"a reference key at position {int(key_positions.min())} is before the row's origin {origin}")
+    T = int(cols.max()) + 1
     out = torch.full((scores.shape[0], T), float("-inf"), dtype=scores.dtype)
-    out[:, key_positions] = scores
+    out[:, cols] = scores
     return out

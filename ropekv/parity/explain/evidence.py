@@ -31,13 +31,15 @@ Scope = Literal["all", "subset"]
 class CaseEvidence:
     """One failing case: its facts, the key map of its first divergent layer, and the layer below's
     where that layer's input already differed. ``attention``: the kernel's attention logits of the
-    diverging row over the keys it read ``[H, N]`` and the reference's by position ``[H, T]``."""
+    diverging row over the keys it read ``[H, N]`` and the reference's by position ``[H, T]`` (from
+    ``reference_origin``)."""
 
     facts: CaseFacts
     keymap: KeyMap | None = None
     below: KeyMap | None = None
     cached_attention: torch.Tensor | None = None  # [H, N]
-    reference_attention: torch.Tensor | None = None  # [H, T]
+    reference_attention: torch.Tensor | None = None  # [H, T] by position from reference_origin
+    reference_origin: int = 0  # the position of reference_attention's column 0 (RefRow.origin)
     recorded_positions: torch.Tensor | None = None  # [N] the positions the adapter labelled its keys with
     keys_seen: torch.Tensor | None = None  # [N, KVH, D] the keys the kernel used at the divergent layer
 

@@ -72,9 +72,10 @@ class FitInput:
     k_eff: torch.Tensor  # [N, KVH, D]
     key_positions: torch.Tensor  # [N] int64
     key_slots: torch.Tensor  # [N] int64, -1 where unknown
-    visible: torch.Tensor  # [T'] bool by position: the reference's mask for this query ([0]: none given)
+    visible: torch.Tensor  # [T'] bool by position from origin: the reference's mask for this query ([0]: none given)
     noise: float
     shift: int = 0
+    origin: int = 0  # the position of visible[0] (RefRow.origin: a shifted case's rows start at its shift)
     ref_values: torch.Tensor | None = None  # [T, KVH, D]
     v_eff: torch.Tensor | None = None  # [N, KVH, D]
     streams: PositionStreams | None = None
@@ -498,12 +499,13 @@ def fit_keymap(inp: FitInput) -> KeyMap:
     if vis.numel() == 0:  # no mask given: every key read is one the query sees, none is missed
         visible, missed = torch.ones_like(pos, dtype=torch.bool), torch.zeros(0, dtype=torch.int64)
     else:
-        in_range = (pos >= 0) & (pos < vis.numel())
+        col = pos - inp.origin
+        in_range = (col >= 0) & (col < vis.numel())
         visible = torch.zeros_like(pos, dtype=torch.bool)
-        visible[in_range] = vis[pos[in_range]]
+        visible[in_range] = vis[col[in_range]]
         read = torch.zeros(vis.numel(), dtype=torch.bool)
-        read[pos[in_range]] = True
-        missed = torch.nonzero(vis & ~read).flatten()
+        read[col[in_range]] = True
+        missed = torch.nonzero(vis & ~read).flatten() + inp.origin
     return KeyMap(
         layer=inp.layer,
         rope=rope,
@@ -544,8 +546,9 @@ def fit_row(
     keys ``[T, KVH, D]`` by token index (``position - shift``), ``k_eff [N, KVH, D]`` at
     ``key_positions [N]`` (every key visible)."""
     n = key_positions.numel()
-    visible = torch.zeros(int(key_positions.max()) + 1, dtype=torch.bool)
-    visible[key_positions.long()] = True
+    origin = int(key_positions.min())  # every key given is visible: the mask spans them alone
+    visible = torch.zeros(int(key_positions.max()) + 1 - origin, dtype=torch.bool)
+    visible[key_positions.long() - origin] = True
     return fit_keymap(
         FitInput(
             layer=0,
@@ -562,6 +565,7 @@ def fit_row(
             visible=visible,
             noise=noise,
             shift=shift,
+            origin=origin,
             geometry=Geometry(offsets=(shift, -shift) if shift else ()),
         )
     )
