@@ -11,7 +11,10 @@ down. One line per input (its outcome and the last line the command printed), th
 Outcomes: ``ok``; ``TRACEBACK``; ``HANG``; ``SILENT`` (accepted what must be refused, a wrong exit code
 such as 130 for an adapter's own KeyboardInterrupt, or an adapter's print inside the report on stdout);
 ``EXIT0-NO-VERDICT`` (exit 0 without "parity holds"); ``REFUSED`` (refused what must be judged);
-``SKIP`` (an input this script does not build: its reason is printed).
+``SKIP`` (llama.cpp's inputs where the checkout has no ``.venv-llamacpp``: they run in that venv).
+A forged file (a reference-cache entry, a vLLM store entry, a llama.cpp state file, a saved 8-bit
+cache) is built the way anyone who can write the folder could, its checksum recomputed; the input
+prints ``ACCEPTED`` (counted SILENT) where ropekv took it for sound.
 
 Another user's file (mode 0600) cannot be made while running as root, who reads every file, and the
 venv's interpreter may sit in a folder another user cannot enter: those inputs deny the open in-process
@@ -188,6 +191,139 @@ def convert(gguf, out, model=None):
 default._convert = convert
 """
 
+VLLM_SIDECAR = f"""
+import dataclasses, hashlib
+from pathlib import Path
+from ropekv.adapters.vllm import sidecar as sc
+from ropekv.contract import CacheContract
+from ropekv.rope import RopeSpec
+NAMES = tuple(f"model.layers.{{i}}.self_attn.attn" for i in range(3))
+folder = Path({str(work)!r}) / "store-big" / "abc123"
+folder.mkdir(parents=True)
+files = []
+for i, name in enumerate(NAMES):
+    data = bytes([i]) * (1000 + i)
+    (folder / f"{{name}}.safetensors").write_bytes(data)
+    files.append(sc.LayerFile(f"{{name}}.safetensors", len(data), hashlib.sha256(data).hexdigest()))
+rope = RopeSpec(head_dim=64, rotary_dim=64, theta=1e5, max_position_embeddings=8192)
+contract = CacheContract(key_form="rotated", rope=rope, num_layers=3, num_kv_heads=3, head_dim=64, block_size=32)
+eng = sc.EngineContract(contract=contract, kv_cache_dtype="auto", kernel_isa="vec",
+                        attention_backend="CPUAttentionBackendImpl", kv_row_shape=(3, 128), layer_names=NAMES)
+side = sc.Sidecar(engine=eng, key=folder.name, num_tokens=64, position_start=0,
+                  tokens_sha256=sc.tokens_digest(list(range(64))), layers=tuple(files))
+"""
+# A producer's hooked keys and values of one prompt and the store entry a consumer injects (as
+# tests/test_vllm_store_entries.py builds them, without vLLM).
+VLLM_STORE = f"""
+import torch
+from pathlib import Path
+from safetensors.torch import save_file
+from ropekv.adapters.vllm.store import consumer_tokens, write_entry
+from ropekv.handoff.vllm_entries import entry_findings
+B, LAYERS, KVH, D, LENGTH = 16, 2, 2, 8, 35
+tmp = Path({str(work)!r}) / f"vllm-{{__import__('os').getpid()}}"
+tmp.mkdir()
+g = torch.Generator().manual_seed(0)
+ids = torch.randint(0, 1000, (LENGTH,), generator=g).tolist()
+keys = [torch.randn(LENGTH, KVH, D, generator=g) for _ in range(LAYERS)]
+keys[0][5, 0, 2] = 3e-9
+values = [torch.randn(LENGTH, KVH, D, generator=g) for _ in range(LAYERS)]
+hooked = {{}}
+for i in range(LAYERS):
+    hooked[f"p0.l{{i}}"], hooked[f"p0.v{{i}}"] = keys[i], values[i]
+save_file(hooked, str(tmp / "keys.safetensors"))
+producer = {{"side": {{"contract": {{"kernel_isa": "vec"}}, "cache_contract": {{"num_kv_heads": KVH, "head_dim": D}},
+             "block_size": B}}, "prompts": [{{"length": LENGTH, "seed": 0, "token_ids": ids, "entries": []}}],
+             "keys": str(tmp / "keys.safetensors")}}
+store = tmp / "store"
+store.mkdir()
+def write(keys, values):
+    n = consumer_tokens(LENGTH, B)
+    write_entry(store, ids[:n], [k[:n] for k in keys], [v[:n] for v in values], isa="vec", block_size=B, overwrite=True)
+"""
+# A tiny llama's reference cache entry, written by a check (CASE) and rewritten by `rewrite(change)`
+# with its checksum recomputed: what anyone who can write the folder can do.
+REF_ENTRY = f"""
+import json, struct
+from pathlib import Path
+from safetensors.torch import load_file, save_file
+from ropekv import check
+from ropekv.models import load_checkpoint
+from ropekv.parity import reference_cache as rc
+from ropekv.parity.cases import Case
+ck = load_checkpoint({L!r})
+CASE = [Case(length=240, block_size=16, decode_steps=2)]
+refs = Path({str(work)!r}) / f"refs-{{__import__('os').getpid()}}"
+def entry():
+    (e,) = refs.glob("*.safetensors")
+    return e
+def rewrite(change):
+    path = entry()
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    meta = json.loads(raw[8 : 8 + n])["__metadata__"]
+    tensors = load_file(path)
+    change(tensors, meta)
+    meta["checksum"] = rc._checksum(tensors)
+    save_file(tensors, path, metadata=meta)
+"""
+# A tiny llama's 8-bit cache saved by ropekv's engine, then its layer-0 key scales rewritten with
+# `forge(edit)` (checksum recomputed), and the load into a fresh engine.
+FP8_SAVED = f"""
+import json, struct, torch
+from pathlib import Path
+from safetensors.torch import load, save
+from ropekv.adapters.native import NativeAdapter
+from ropekv.models import load_checkpoint
+from ropekv.parity.cases import Case, token_stream
+from ropekv.transfer import payload
+from ropekv.transfer.saved import load_sequence, save_sequence
+ck = load_checkpoint({L!r})
+CASE = Case(length=16, block_size=4)
+adapter = NativeAdapter(ck, kv_dtype="fp8", kv_scale="per_head")
+engine = adapter.make_engine(CASE)
+tokens = token_stream(ck.config.vocab_size, CASE.length, 0)
+engine.prefill("s", tokens)
+path = Path({str(work)!r}) / f"fp8-{{__import__('os').getpid()}}.safetensors"
+save_sequence(engine, "s", path, tokens)
+def forge(edit):
+    data = path.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    meta = json.loads(data[8 : 8 + n])["__metadata__"]
+    tensors = load(data)
+    edit(tensors)
+    entries = [(k, payload._st_dtype(t), list(t.shape), t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+               for k, t in sorted(tensors.items())]
+    meta["checksum"] = payload._checksum(meta, entries)
+    path.write_bytes(save(tensors, metadata=meta))
+"""
+
+# llama.cpp's own state moved from a writer context to a fresh reader through ropekv's checked state file
+# (run from .venv-llamacpp), the file rewritten on the way by `tamper(path)` with a valid sha256.
+LLAMACPP_STATE = f"""
+from pathlib import Path
+from ropekv.adapters.llamacpp import LlamaCppEngine, state_check
+from ropekv.adapters.llamacpp.state_file import read_state_file, write_state_file
+from ropekv.parity.cases import token_stream
+engine = LlamaCppEngine(None)
+tokens = token_stream(engine.config.vocab_size, 24, seed=0).tolist()
+path = Path({str(work)!r}) / f"state-{{__import__('os').getpid()}}"
+real_save = state_check.save_state
+def save(sc, where, toks):
+    n = real_save(sc, where, toks)
+    tamper(Path(where))
+    return n
+state_check.save_state = save
+def rewrite(path, tokens=None, edit=None):
+    header, data = read_state_file(path)
+    data = bytearray(data)
+    if edit:
+        edit(data)
+    write_state_file(path, header.contract, list(tokens or header.tokens), header.first_position, bytes(data), header.writer)
+def run():
+    return state_check.check_transfer(engine, None, tokens, 20, 3, state_path=path)
+"""
+
 
 def api(body: str) -> str:
     """Code that prints RETURNED, or TYPED for a ropekv error (anything else is a traceback)."""
@@ -198,7 +334,6 @@ def api(body: str) -> str:
     )
 
 
-OTHER = "another helper's item"
 # name -> (kind, payload, expect): kind "cli" (ropekv argv), "api" (code), "script" (argv of a script),
 # "skip" (reason). expect: "refuse" (a typed one-line error), "verdict" (exit 0 or 1 with a verdict),
 # "typed" (api: a ropekv error), "returns" (api: no error), "help" (exit 0 with a usage text).
@@ -226,12 +361,12 @@ cases: dict[str, tuple[str, object, str]] = {
     ),
     "refusal log a FIFO": (
         "api",
-        f"from ropekv.handoff.refusals import read_refusals\nread_refusals({str(refusal_fifo)!r})",
+        f"from ropekv.handoff.refusals import read_refusals\nread_refusals({str(refusal_fifo)!r}, None)",
         "typed",
     ),
     "refusal log nested 100,000 deep": (
         "api",
-        f"from ropekv.handoff.refusals import read_refusals\nread_refusals({str(refusal_deep)!r})",
+        f"from ropekv.handoff.refusals import read_refusals\nread_refusals({str(refusal_deep)!r}, None)",
         "typed",
     ),
     "tokenizer_config.json nested 100,000": (
@@ -261,14 +396,103 @@ cases: dict[str, tuple[str, object, str]] = {
         "typed",
     ),
     "scripts/bad_inputs.py --help": ("script", [str(root / "scripts" / "bad_inputs.py"), "--help"], "help"),
-    "vLLM sidecar declaring a 20 GiB layer": ("skip", f"{OTHER}: needs a vLLM store entry", ""),
-    "vLLM entry, exponent bit flipped in layer 0": ("skip", f"{OTHER}: needs a vLLM store entry", ""),
-    "vLLM stale refusal of an earlier run": ("skip", f"{OTHER}: needs a vLLM handoff", ""),
-    "vLLM entry folder symlinked outside": ("skip", f"{OTHER}: needs a vLLM handoff", ""),
-    "reference-cache entry of another user": ("skip", f"{OTHER}: needs a forged reference-cache entry", ""),
-    "reference-cache entry saved 1e300 s": ("skip", f"{OTHER}: needs a forged reference-cache entry", ""),
-    "saved fp8 per-head scales wrong length": ("skip", f"{OTHER}: needs a saved fp8 file", ""),
-    "saved fp8 scalar scale for a vector": ("skip", f"{OTHER}: needs a saved fp8 file", ""),
+    "vLLM sidecar declaring a 20 GiB layer": (
+        "api",
+        VLLM_SIDECAR + "big = 20 << 30\nname = f'{NAMES[1]}.safetensors'\n"
+        "with open(folder / name, 'wb') as f:\n    f.truncate(big)\n"
+        "layers = list(side.layers)\nlayers[1] = sc.LayerFile(name, big, '0' * 64)\n"
+        "sc.write_sidecar(folder, dataclasses.replace(side, layers=tuple(layers)))\n"
+        "diffs, data = sc.verify_files(folder, sc.read_sidecar(folder))\n"
+        "if not any(d.field == 'checksum.layers.1' for d in diffs):\n    print('ACCEPTED')",
+        "returns",
+    ),
+    "vLLM entry, exponent bit flipped in layer 0": (
+        "api",
+        VLLM_STORE + "k0 = keys[0].clone()\ni = int(k0.abs().argmin())\nk0.view(-1).view(torch.int32)[i] ^= 1 << 23\n"
+        "write([k0, *keys[1:]], values)\n(f,) = entry_findings(store, producer, 1)\n"
+        "if f['holds'] is not None:\n    print('ACCEPTED')",
+        "returns",
+    ),
+    "vLLM values forged alone": (
+        "api",
+        VLLM_STORE + "v = [x.clone() for x in values]\nv[1][0, 1, 3] *= 1.5\nwrite(keys, v)\n"
+        "(f,) = entry_findings(store, producer, 1)\n"
+        "if f['holds'] is not None or f['value_mismatch'] is None:\n    print('ACCEPTED')",
+        "returns",
+    ),
+    "vLLM stale refusal of an earlier run": (
+        "api",
+        "import json\nfrom pathlib import Path\nfrom ropekv.handoff.refusals import REFUSALS_FILE, read_refusals\n"
+        f"store = Path({str(work)!r}) / 'store-stale'\nstore.mkdir()\n"
+        "old = {'request_id': 'r0', 'key': 'k', 'fields': ['rope.theta'], 'message': 'm', 'policy': 'fail', "
+        "'run': 'earlier'}\n(store / REFUSALS_FILE).write_text(json.dumps(old) + '\\n')\n"
+        "if read_refusals(store, 'this-run'):\n    print('ACCEPTED')",
+        "returns",
+    ),
+    "vLLM entry folder symlinked outside": (
+        "api",
+        VLLM_STORE + "write(keys, values)\n(e,) = [p for p in store.iterdir() if p.is_dir()]\n"
+        "e.rename(tmp / 'copy')\ne.symlink_to(tmp / 'copy')\n(f,) = entry_findings(store, producer, 1)\n"
+        "if f['holds'] is not None or 'symbolic link' not in (f.get('error') or ''):\n    print('ACCEPTED')",
+        "returns",
+    ),
+    "reference-cache entry of another user": (
+        "api",
+        REF_ENTRY + "check(ck, cases=CASE, reference_cache=refs)\n"
+        f"DENIED = [str(entry())]\n{DENY}\n"
+        "r = check(ck, cases=CASE, reference_cache=refs)\n"
+        "if not r.passed or r.cases[0].reference_source != 'recomputed (corrupt entry)':\n    print('ACCEPTED')",
+        "returns",
+    ),
+    "reference-cache entry saved 1e300 s": (
+        "api",
+        REF_ENTRY + "check(ck, cases=CASE, reference_cache=refs)\n"
+        "rewrite(lambda t, m: m.__setitem__('seconds', '1e300'))\n"
+        "r = check(ck, cases=CASE, reference_cache=refs)\n"
+        "import re\nif r.reference_cache['seconds_saved'] != 0 or re.search('[0-9]{30}', r.table()):\n"
+        "    print('ACCEPTED')",
+        "returns",
+    ),
+    "reference-cache rows planted with bfloat16 angles": (
+        "api",
+        REF_ENTRY + "import torch\nfrom ropekv.rope import RopeSpec\nfrom ropekv.bugs.registry import FAULTS\n"
+        "real = RopeSpec.angles\n"
+        "def bf16(self, positions, seq_len=None):\n"
+        "    inv = self.inv_freq(seq_len).to(torch.bfloat16)\n"
+        "    return (positions.to(torch.bfloat16)[:, None] * inv[None, :]).to(torch.float64)\n"
+        "RopeSpec.angles = bf16\ncheck(ck, cases=CASE, reference_cache=refs)\nRopeSpec.angles = real\n"
+        "if check(FAULTS['low-precision-angles'].adapter(ck), cases=CASE, reference_cache=refs).passed:\n"
+        "    print('ACCEPTED')",
+        "returns",
+    ),
+    "llama.cpp state, 32 bytes flipped, sha256 recomputed": (
+        "llamacpp",
+        # One bit in each of 32 cache values a third of the way in (llama-cpp-python 0.3.36's layout puts
+        # the bit in a float32's mantissa): the reader's decode moves 0.02 from the writer's logits, while
+        # against its own forward it stays within float32's tolerance (8e-4 against 5e-3).
+        LLAMACPP_STATE + "def flip(data):\n    at = len(data) // 3 + 2\n    for k in range(32):\n"
+        "        data[at + 4 * k] ^= 1\n"
+        "tamper = lambda p: rewrite(p, edit=flip)\nif run().passed:\n    print('ACCEPTED')",
+        "returns",
+    ),
+    "llama.cpp state listing other tokens": (
+        "llamacpp",
+        LLAMACPP_STATE + "tamper = lambda p: rewrite(p, tokens=[t + 1 for t in tokens[:20]])\nrun()",
+        "typed",
+    ),
+    "saved fp8 per-head scales wrong length": (
+        "api",
+        FP8_SAVED + "def edit(t):\n    s = t['layers.0.k_scale']\n"
+        "    t['layers.0.k_scale'] = s[:1].clone() if s.numel() > 1 else torch.cat([s, s])\n"
+        "forge(edit)\nload_sequence(adapter.make_engine(CASE), path)",
+        "typed",
+    ),
+    "saved fp8 scalar scale for a vector": (
+        "api",
+        FP8_SAVED + "def edit(t):\n    t['layers.0.k_scale'] = t['layers.0.k_scale'][0].clone().reshape(())\n"
+        "forge(edit)\nload_sequence(adapter.make_engine(CASE), path)",
+        "typed",
+    ),
     # --- earlier runs' inputs
     "ops rollback:--3": ("cli", ["check", L, "--ops", "rollback:--3"], "refuse"),
     "block-sizes 1e18": ("cli", ["check", L, "--block-sizes", str(10**18), "--lengths", "17"], "refuse"),
@@ -293,7 +517,9 @@ def judge(kind: str, expect: str, p, hung: bool) -> str:
     out, err = p.stdout, p.stderr
     if "Traceback" in out + err or "MemoryError" in err:
         return "TRACEBACK"
-    if kind == "api":
+    if kind in ("api", "llamacpp"):
+        if "ACCEPTED" in out:  # a forgery or a bad file taken for sound
+            return "SILENT"
         got = "typed" if "TYPED " in out else ("returns" if "RETURNED" in out else "?")
         return "ok" if got == expect else ("SILENT" if got == "returns" else f"WRONG ({got}, rc={p.returncode})")
     if expect == "help":
@@ -309,11 +535,17 @@ def judge(kind: str, expect: str, p, hung: bool) -> str:
     return "ok" if p.returncode in (2, 3) else f"WRONG rc={p.returncode}"
 
 
+LLAMACPP_PY = root / ".venv-llamacpp" / "bin" / "python"  # llama.cpp's inputs run in its own venv
+
+
 def run(kind: str, payload) -> tuple[subprocess.CompletedProcess | None, bool]:
     argv = (
-        ["-c", api(payload)] if kind == "api" else (["-m", "ropekv.cli.main", *payload] if kind == "cli" else payload)
+        ["-c", api(payload)]
+        if kind in ("api", "llamacpp")
+        else (["-m", "ropekv.cli.main", *payload] if kind == "cli" else payload)
     )
-    cmd = ["bash", "-c", 'ulimit -v 6000000; exec "$@"', "x", py, *argv]
+    python = str(LLAMACPP_PY) if kind == "llamacpp" else py
+    cmd = ["bash", "-c", 'ulimit -v 6000000; exec "$@"', "x", python, *argv]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=cli.timeout, env=env, cwd=work)
         return p, False
@@ -325,6 +557,8 @@ counts: Counter[str] = Counter()
 for name, (kind, payload, expect) in cases.items():
     if cli.only and cli.only not in name:
         continue
+    if kind == "llamacpp" and not LLAMACPP_PY.is_file():
+        kind, payload = "skip", f"no {LLAMACPP_PY} (make setup-llamacpp)"
     if kind == "skip":
         counts["SKIP"] += 1
         print(f"{name:42} {'SKIP':18} {payload}", flush=True)
