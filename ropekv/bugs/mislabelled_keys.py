@@ -17,6 +17,7 @@ import torch
 
 from ..faults.native import NativeFault
 from ..parity.bug_class import BugClass
+from ..parity.compare import columns
 from ..parity.explain.cells import span_text
 from ..parity.explain.evidence import CaseEvidence, Explanation, Match
 
@@ -35,10 +36,8 @@ def explain(ev: CaseEvidence) -> Match | None:
     fd = f.divergence
     hidden = False
     if ev.reference_attention is not None and fd.key_position is not None:
-        col = fd.key_position - ev.reference_origin
-        hidden = not 0 <= col < ev.reference_attention.shape[1] or not bool(
-            torch.isfinite(ev.reference_attention[0, col])
-        )
+        at = columns(ev.reference_attention, ev.reference_origin, torch.tensor([fd.key_position]))  # [H, 1]
+        hidden = not bool(torch.isfinite(at[0, 0]))
     key = f"key recorded at position {fd.key_position}" + (
         ", which the reference's mask hides" if hidden else f" (reference {fd.reference_logit:.4g})"
     )

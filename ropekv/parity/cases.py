@@ -119,8 +119,9 @@ def parse_ops(text: str) -> list[CacheOp]:
         if kind not in OP_KINDS:
             raise UsageError(f"--ops: unknown operation {kind!r}; choose from {', '.join(OP_KINDS)}")
         value = strict_int(amount) if sep else 0
-        if value is None or abs(value) > max_amount(OpKind(kind)):
-            raise UsageError(f"--ops: {item!r}: the amount must be an integer of at most {max_amount(OpKind(kind))}")
+        limit = max_amount(OpKind(kind))
+        if value is None or abs(value) > limit:
+            raise UsageError(f"--ops: {item!r}: the amount must be an integer of at most {limit}")
         if kind != OpKind.RESTORE and not sep:
             raise UsageError(f"--ops: {kind} needs an amount, e.g. {kind}:3")
         ops.append(CacheOp(OpKind(kind), value))

@@ -176,7 +176,8 @@ def _divergence(
     missed = visible[~torch.isin(visible, pos)]
     if missed.numel():  # a key the query should see that the kernel never read: name it, not a read key
         key = int(missed[0])
-        head = int(ref.at(layer, missed[:1])[:, 0].abs().argmax())
+        ref_key = ref.at(layer, missed[:1])[:, 0]  # [H]
+        head = int(ref_key.abs().argmax())
         reason = f"key {key} is visible to the query but the kernel did not read it ({missed.numel()} such key(s))"
         return Divergence(
             against=against,
@@ -186,7 +187,7 @@ def _divergence(
             head=head,
             key_position=key,
             key_slot=-1,
-            reference_logit=float(ref.at(layer, missed[:1])[head, 0]),
+            reference_logit=float(ref_key[head]),
             cached_logit=-math.inf,
             attn_error=errors[s].attn[layer],
             input_error=input_err,
